@@ -1,0 +1,178 @@
+"""The one internal model description every reader produces.
+
+A Llama-family decoder (llama, mistral-style, qwen2) is fully described by a
+``ModelConfig`` plus float weights under canonical Hugging Face names, in the
+Hugging Face layout (``[out_features, in_features]``; Q/K rows in rotate-half
+order, i.e. llama.cpp's interleave permutation already undone).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from perfx_compiler.errors import UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Hugging Face style rope_scaling dict ({"rope_type": "linear"|"llama3", "factor": ...}) or None.
+    rope_scaling: dict[str, Any] | None = None
+    max_context: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # qwen2: Q/K/V projections carry biases
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    add_bos_token: bool = False
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"architecture '{self.architecture}' is not supported; "
+                f"PerfX handles: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def layer_weight_names(i: int, config: ModelConfig) -> list[str]:
+    """Canonical names of layer ``i``'s weights."""
+    p = f"model.layers.{i}."
+    names = [
+        p + "input_layernorm.weight",
+        p + "self_attn.q_proj.weight",
+        p + "self_attn.k_proj.weight",
+        p + "self_attn.v_proj.weight",
+        p + "self_attn.o_proj.weight",
+        p + "post_attention_layernorm.weight",
+        p + "mlp.gate_proj.weight",
+        p + "mlp.up_proj.weight",
+        p + "mlp.down_proj.weight",
+    ]
+    if config.attention_bias:
+        names += [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"]
+    return names
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical weight name with its shape (HF layout)."""
+    c = config
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "self_attn.q_proj.weight"] = (c.q_size, c.hidden_size)
+        shapes[p + "self_attn.k_proj.weight"] = (c.kv_size, c.hidden_size)
+        shapes[p + "self_attn.v_proj.weight"] = (c.kv_size, c.hidden_size)
+        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, c.q_size)
+        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, c.hidden_size)
+        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
+        if c.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (c.q_size,)
+            shapes[p + "self_attn.k_proj.bias"] = (c.kv_size,)
+            shapes[p + "self_attn.v_proj.bias"] = (c.kv_size,)
+    shapes["model.norm.weight"] = (c.hidden_size,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    return shapes
+
+
+@dataclass
+class ModelDescription:
+    """Architecture + float32 weights + tokenizer: what the compiler consumes."""
+
+    config: ModelConfig
+    weights: dict[str, np.ndarray]
+    tokenizer_json: str | None = None  # serialized `tokenizers` JSON
+    chat_template: str | None = None  # Jinja template from the model, if any
+    source: str = ""
+    # Quantized source tensors kept as they are (GGUF passthrough); name -> (ggml type name, raw bytes array)
+    quantized: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Check every expected weight is present with the right shape."""
+        missing, wrong = [], []
+        for name, shape in expected_weight_shapes(self.config).items():
+            if name not in self.weights:
+                missing.append(name)
+            elif tuple(self.weights[name].shape) != shape:
+                wrong.append(f"{name} {tuple(self.weights[name].shape)} != {shape}")
+        if missing or wrong:
+            from perfx_compiler.errors import ModelFormatError
+
+            detail = "; ".join((["missing " + ", ".join(missing[:5])] if missing else []) + wrong[:5])
+            raise ModelFormatError(f"model weights do not match its config ({self.source}): {detail}")
+
+    def lm_head(self) -> np.ndarray:
+        if self.config.tie_word_embeddings:
+            return self.weights["model.embed_tokens.weight"]
+        return self.weights["lm_head.weight"]
+
+    def parameter_count(self) -> int:
+        return int(sum(w.size for w in self.weights.values()))
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies (float64), with HF's linear/llama3 scaling applied."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    sc = config.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "linear":
+        inv = inv / float(sc["factor"])
+    elif kind == "llama3":
+        factor = float(sc["factor"])
+        low = float(sc.get("low_freq_factor", 1.0))
+        high = float(sc.get("high_freq_factor", 4.0))
+        old_ctx = float(sc.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * np.pi / inv
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > low_wl, inv / factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif kind not in (None, "default"):
+        raise UnsupportedModelError(f"rope scaling '{kind}' is not supported (linear, llama3 are)")
+    return inv
+
+
+def rope_tables(config: ModelConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables [length, head_dim/2] in float64 for rotate-half RoPE."""
+    pos = np.arange(length, dtype=np.float64)[:, None]
+    ang = pos * rope_inv_freq(config)[None, :]
+    return np.cos(ang), np.sin(ang)
