@@ -1,0 +1,102 @@
+"""Target descriptions: one JSON file per target in ``targets/``.
+
+Adding a target means adding a file; nothing here lists targets by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from perfx_compiler.errors import PerfXError, UnknownTargetError
+
+TARGETS_DIR = Path(__file__).resolve().parent.parent / "targets"
+
+
+def targets_dir() -> Path:
+    """Where target files live: $PERFX_TARGETS_DIR, the repo's targets/, or the installed copy."""
+    env = os.environ.get("PERFX_TARGETS_DIR")
+    if env:
+        return Path(env)
+    if TARGETS_DIR.is_dir():
+        return TARGETS_DIR
+    return Path(__file__).resolve().parent / "data" / "targets"
+
+
+@dataclass
+class TargetDescription:
+    name: str
+    description: str
+    tvm_target: dict[str, Any]
+    family: str  # "cpu" | "gpu"
+    host: dict[str, Any] | None = None  # TVM target dict of the host (cross targets)
+    host_triple: str = "x86_64-linux-gnu"
+    cross_compiler: str | None = None  # e.g. "aarch64-linux-gnu-g++"
+    vector_bits: int = 0
+    cores: int = 0
+    warp_size: int = 0
+    max_threads_per_block: int = 0
+    max_shared_memory_bytes: int = 0
+    memory_bandwidth_gbs: float = 0.0
+    peak_gflops_fp32: float = 0.0
+    templates: dict[str, dict[str, Any]] = field(default_factory=dict)  # template name -> defaults
+    runnable_here: bool = False
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    def tvm(self):  # -> tvm.target.Target
+        import tvm
+
+        if self.host is not None:
+            return tvm.target.Target(self.tvm_target, host=self.host)
+        return tvm.target.Target(self.tvm_target)
+
+
+def list_targets() -> list[str]:
+    return sorted(p.stem for p in targets_dir().glob("*.json"))
+
+
+def _detect_host() -> str:
+    """Pick the x86 target file matching this CPU's vector extensions."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    if " avx512f" in flags and " avx512bw" in flags:
+        return "x86-avx512"
+    if " avx2" in flags:
+        return "x86-avx2"
+    import platform
+
+    if platform.machine() in ("aarch64", "arm64"):
+        return "arm64-neon"
+    return "x86-generic" if (targets_dir() / "x86-generic.json").exists() else "x86-avx2"
+
+
+def load_target(name: str) -> TargetDescription:
+    """Load ``targets/<name>.json``; ``host`` resolves to the file matching this machine."""
+    resolved = _detect_host() if name == "host" else name
+    path = targets_dir() / f"{resolved}.json"
+    if not path.exists():
+        known = ", ".join(["host", *list_targets()])
+        raise UnknownTargetError(f"unknown target '{name}'; known targets: {known}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise PerfXError(f"target file {path} is not valid JSON ({err}); fix or remove it") from None
+    if resolved != name:
+        data = {**data, "detected_as": resolved}
+        cores = os.cpu_count() or 1
+        data.setdefault("tvm_target", {})["num-cores"] = cores
+        data["cores"] = cores
+    known_fields = TargetDescription.__dataclass_fields__
+    kwargs = {k: v for k, v in data.items() if k in known_fields and k != "raw"}
+    kwargs.setdefault("name", resolved)
+    return TargetDescription(**kwargs, raw=data)
