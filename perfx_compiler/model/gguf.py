@@ -1,0 +1,309 @@
+"""Read a llama.cpp GGUF file into a ``ModelDescription``.
+
+Weights are dequantized with the ``gguf`` package to float32 in the Hugging Face
+layout; llama.cpp's Q/K row interleave (done by its converter for the llama
+architecture, whose RoPE is GPT-J style) is undone so Q/K are in rotate-half
+order. Q4_0/Q4_1/Q8_0 tensors are also kept raw (memory-mapped) in
+``ModelDescription.quantized`` for a passthrough pass; their Q/K rows are
+un-permuted the same way (a row permutation moves whole quantized rows).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from perfx_compiler.errors import (
+    ContextLengthError,
+    ModelFormatError,
+    UnsupportedModelError,
+)
+from perfx_compiler.model.description import (
+    ModelConfig,
+    ModelDescription,
+    rope_inv_freq,
+)
+
+# Architectures read from GGUF; value: whether llama.cpp's converter permuted Q/K rows.
+_ARCHS = {"llama": True, "mistral": True, "qwen2": False}
+
+# Types we dequantize (each checked against an independent reference in tests).
+SUPPORTED_GGML_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+)
+# Types kept raw for a later quantized-passthrough pass.
+PASSTHROUGH_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+DEFAULT_MAX_CONTEXT = 2048
+
+# What numpy/the gguf reader raise on corrupt or truncated bytes (never shown to users as is).
+READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, OSError, MemoryError, EOFError)
+
+_LAYER_MAP = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_MAP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """Canonical HF name of a llama.cpp tensor name (None when unknown)."""
+    if gguf_name in _GLOBAL_MAP:
+        return _GLOBAL_MAP[gguf_name]
+    m = _BLK.match(gguf_name)
+    if m and m.group(2) in _LAYER_MAP:
+        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    return None
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp converter's permutation: HF rotate-half rows -> interleaved rows."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of ``permute_qk``: interleaved rows -> HF rotate-half rows."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def field_value(field: Any) -> Any:
+    """Python value of a GGUF metadata field (ReaderField or an already plain value)."""
+    if hasattr(field, "contents") and hasattr(field, "parts"):
+        return field.contents()
+    return field
+
+
+class _Meta:
+    """Typed access to GGUF metadata with one-line errors."""
+
+    def __init__(self, fields: Mapping[str, Any], source: str) -> None:
+        self.fields = fields
+        self.source = source
+
+    def get(self, key: str, default: Any = None) -> Any:
+        f = self.fields.get(key)
+        if f is None:
+            return default
+        try:
+            return field_value(f)
+        except READ_ERRORS as e:  # a malformed field must not leak a numpy traceback
+            raise ModelFormatError(f"{self.source}: metadata '{key}' is unreadable ({e}); the file is corrupt") from None
+
+    def require(self, key: str) -> Any:
+        v = self.get(key)
+        if v is None:
+            raise ModelFormatError(f"{self.source}: metadata '{key}' is missing; re-convert the model with llama.cpp")
+        return v
+
+
+def open_gguf(path: str | os.PathLike[str]) -> Any:
+    """``gguf.GGUFReader`` with every reader failure turned into a one-line ModelFormatError."""
+    import gguf
+
+    p = Path(path)
+    if not p.is_file():
+        raise ModelFormatError(f"{p}: no such GGUF file; check the path")
+    size = p.stat().st_size
+    if size == 0:
+        raise ModelFormatError(f"{p}: file is empty; re-download or re-convert the model")
+    with open(p, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ModelFormatError(f"{p}: not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf model file")
+    try:
+        reader = gguf.GGUFReader(p, "r")
+    except READ_ERRORS as e:  # truncated/corrupt headers: ValueError, IndexError, KeyError...
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelFormatError(f"{p}: corrupt or truncated GGUF file ({msg}); re-download the model") from None
+    for t in reader.tensors:
+        if int(t.data_offset) + int(t.n_bytes) > size or t.data.nbytes != int(t.n_bytes):
+            raise ModelFormatError(f"{p}: tensor '{t.name}' runs past the end of the file (truncated); re-download the model")
+    return reader
+
+
+def dequantize_tensor(t: Any, source: str = "") -> np.ndarray:
+    """Float32 array in numpy (HF) shape of a ``ReaderTensor``."""
+    from gguf.quants import dequantize
+
+    tname = t.tensor_type.name
+    if tname not in SUPPORTED_GGML_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: tensor '{t.name}' has ggml type {tname}, which PerfX cannot read; "
+            f"use a model quantized as one of {', '.join(SUPPORTED_GGML_TYPES)}"
+        )
+    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    try:
+        out = dequantize(np.asarray(t.data), t.tensor_type)
+        return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
+    except READ_ERRORS as e:
+        raise ModelFormatError(f"{source}: tensor '{t.name}' cannot be decoded ({e}); the file is corrupt") from None
+
+
+def _llama3_scaling(rope_freqs: np.ndarray, base: ModelConfig, source: str) -> dict[str, Any]:
+    """Recover HF llama3 rope_scaling parameters from llama.cpp's ``rope_freqs`` factors.
+
+    llama.cpp stores the per-frequency divisors instead of the parameters; we try the
+    usual parameter grid and keep the one that reproduces the stored factors.
+    """
+    factors = np.asarray(rope_freqs, dtype=np.float64).reshape(-1)
+    if factors.shape[0] != base.head_dim // 2:
+        raise ModelFormatError(f"{source}: rope_freqs has {factors.shape[0]} entries, expected {base.head_dim // 2}")
+    if np.allclose(factors, 1.0):
+        return {}
+    plain = rope_inv_freq(base)
+    factor = float(factors.max())
+    for orig in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
+        for low in (1.0, 2.0, 0.5):
+            for high in (4.0, 2.0, 8.0, 1.0):
+                if high <= low:
+                    continue
+                sc = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                      "high_freq_factor": high, "original_max_position_embeddings": orig}
+                cfg = ModelConfig(**{**base.to_dict(), "rope_scaling": sc})
+                if np.allclose(plain / rope_inv_freq(cfg), factors, rtol=1e-4, atol=1e-5):
+                    return sc
+    raise UnsupportedModelError(f"{source}: rope_freqs factors do not match llama3 RoPE scaling; this RoPE variant is unsupported")
+
+
+def _special_ids(meta: _Meta, tokens: list[str]) -> tuple[int | None, list[int]]:
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = meta.get(key)
+        if v is not None and int(v) not in eos and 0 <= int(v) < max(len(tokens), 1):
+            eos.append(int(v))
+    index = {t: i for i, t in enumerate(tokens)} if tokens else {}
+    for t in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        if t in index and index[t] not in eos:
+            eos.append(index[t])
+    return (int(bos) if bos is not None else None), eos
+
+
+def config_from_metadata(
+    fields: Mapping[str, Any], tensors: Mapping[str, Any], source: str, max_context: int | None = None
+) -> ModelConfig:
+    """Build the ModelConfig from GGUF metadata (``tensors``: name -> ReaderTensor, for shapes)."""
+    meta = _Meta(fields, source)
+    arch = str(meta.require("general.architecture"))
+    if arch not in _ARCHS:
+        raise UnsupportedModelError(
+            f"{source}: GGUF architecture '{arch}' is not supported; PerfX reads {', '.join(_ARCHS)} GGUF models"
+        )
+    hidden = int(meta.require(f"{arch}.embedding_length"))
+    heads = int(meta.require(f"{arch}.attention.head_count"))
+    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or meta.get(f"{arch}.rope.dimension_count", 0)
+                   or hidden // heads)
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise UnsupportedModelError(f"{source}: partial rotary embedding ({rope_dims} of {head_dim} dims) is not supported")
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    emb = tensors.get("token_embd.weight")
+    if emb is None:
+        raise ModelFormatError(f"{source}: tensor 'token_embd.weight' is missing; the file is incomplete")
+    vocab = int(meta.get(f"{arch}.vocab_size", 0) or int(emb.shape[1]))
+    ctx = int(meta.get(f"{arch}.context_length", DEFAULT_MAX_CONTEXT))
+    if max_context is None:
+        max_ctx = min(ctx, DEFAULT_MAX_CONTEXT)
+    elif max_context < 1 or max_context > ctx:
+        raise ContextLengthError(f"max_context={max_context} is outside the model's trained context 1..{ctx}; pick a value in that range")
+    else:
+        max_ctx = int(max_context)
+    bos, eos = _special_ids(meta, tokens)
+    tok_model = meta.get("tokenizer.ggml.model")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    if add_bos is None:  # llama.cpp's defaults: SentencePiece and llama3-style BPE add BOS
+        add_bos = tok_model == "llama" or meta.get("tokenizer.ggml.pre") in ("llama3", "llama-bpe", "llama-v3")
+    name = meta.get("general.name") or meta.get("general.basename") or Path(source).stem
+    cfg = ModelConfig(
+        architecture="qwen2" if arch == "qwen2" else "llama",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
+        num_layers=int(meta.require(f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_context=max_ctx,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        add_bos_token=bool(add_bos),
+        name=str(name),
+    )
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind == "linear":
+        cfg.rope_scaling = {"rope_type": "linear", "factor": float(meta.require(f"{arch}.rope.scaling.factor"))}
+    elif kind not in (None, "none"):
+        raise UnsupportedModelError(f"{source}: rope scaling '{kind}' is not supported (linear, llama3 are)")
+    if "rope_freqs.weight" in tensors:
+        sc = _llama3_scaling(dequantize_tensor(tensors["rope_freqs.weight"], source), cfg, source)
+        cfg.rope_scaling = sc or cfg.rope_scaling
+    return cfg
+
+
+def load_gguf(path: str | os.PathLike[str], max_context: int | None = None) -> ModelDescription:
+    """Load a llama/qwen2 GGUF file: config, float32 HF-layout weights, tokenizer, chat template."""
+    from perfx_compiler.model.tokenizer import tokenizer_json_from_gguf
+
+    source = str(path)
+    reader = open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = config_from_metadata(reader.fields, tensors, source, max_context)
+    permuted = _ARCHS[str(field_value(reader.fields["general.architecture"]))]
+
+    weights: dict[str, np.ndarray] = {}
+    quantized: dict[str, Any] = {}
+    for gname, t in tensors.items():
+        if gname == "rope_freqs.weight":
+            continue  # folded into cfg.rope_scaling
+        name = hf_name(gname)
+        if name is None:
+            raise UnsupportedModelError(f"{source}: tensor '{gname}' is not part of a {cfg.architecture} model PerfX understands")
+        w = dequantize_tensor(t, source)
+        raw = np.asarray(t.data) if t.tensor_type.name in PASSTHROUGH_TYPES else None
+        if permuted and (".q_proj." in name or ".k_proj." in name):
+            n = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+            if w.shape[0] % (2 * n):
+                raise ModelFormatError(f"{source}: tensor '{gname}' has {w.shape[0]} rows, not a multiple of 2*{n} heads")
+            w = unpermute_qk(w, n)
+            raw = unpermute_qk(raw, n) if raw is not None else None
+        weights[name] = w
+        if raw is not None:
+            quantized[name] = (t.tensor_type.name, raw, tuple(w.shape))
+
+    tok_json = None
+    if "tokenizer.ggml.tokens" in reader.fields:
+        tok_json = tokenizer_json_from_gguf(reader.fields)
+    template = _Meta(reader.fields, source).get("tokenizer.chat_template")
+    desc = ModelDescription(
+        config=cfg, weights=weights, tokenizer_json=tok_json,
+        chat_template=str(template) if template else None, source=source, quantized=quantized,
+    )
+    desc.validate()
+    return desc

@@ -1,0 +1,211 @@
+"""Tokenizers built from GGUF metadata, and chat-template rendering.
+
+Contract for every ``tokenizer_json`` PerfX produces: encoding adds no special
+tokens by itself (no post-processor); the runtime prepends
+``config.bos_token_id`` when ``config.add_bos_token`` is set. Special tokens
+written in the text (``<|im_start|>``) are recognised as single ids.
+
+GGUF vocabularies:
+* ``tokenizer.ggml.model == 'gpt2'``: byte-level BPE; the pre-tokenizer regexes
+  follow llama.cpp's ``tokenizer.ggml.pre`` table (llama-vocab.cpp), applied in
+  sequence as llama.cpp does.
+* ``tokenizer.ggml.model == 'llama'``: SentencePiece vocab with scores, rebuilt as
+  a BPE with byte fallback whose merges are ranked by the merged piece's score
+  (what llama.cpp's SPM tokenizer does).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from perfx_compiler.errors import ModelFormatError, PerfXError, UnsupportedModelError
+
+# llama.cpp token types (gguf.TokenType)
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+# tokenizer.ggml.pre -> (regexes applied in sequence, BPE ignore_merges) as in llama.cpp's llama-vocab.cpp
+_PRE: dict[str, tuple[list[str], bool]] = {}
+for _names, _regexes, _ignore in (
+    (("llama3", "llama-v3", "llama-bpe", "falcon3", "lfm2"), [_LLAMA3], True),
+    (("dbrx", "smaug-bpe"), [_LLAMA3], False),
+    (("qwen2", "deepseek-r1-qwen", "stablelm2"), [_QWEN2], False),
+    (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"), [r"\p{N}", _GPT2], False),
+    (("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), [_GPT2], False),
+    (("falcon",), [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"], False),
+    (("deepseek-coder",), ["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"], False),
+    (("default",), [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"], False),
+):
+    for _n in _names:
+        _PRE[_n] = (_regexes, _ignore)
+
+SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_PRE))
+
+
+def _val(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    from perfx_compiler.model.gguf import READ_ERRORS, field_value
+
+    f = fields.get(key)
+    if f is None:
+        return default
+    try:
+        return field_value(f)
+    except READ_ERRORS as e:
+        raise ModelFormatError(f"tokenizer metadata '{key}' is unreadable ({e}); the GGUF file is corrupt") from None
+
+
+def _added_tokens(tokens: Sequence[str], types: Sequence[int], skip: set[int]) -> list[Any]:
+    from tokenizers import AddedToken
+
+    out = []
+    for i, (tok, ty) in enumerate(zip(tokens, types)):
+        if i in skip or ty not in (_CONTROL, _USER_DEFINED) or not tok:
+            continue
+        out.append(AddedToken(tok, special=ty == _CONTROL, normalized=False, single_word=False, lstrip=False, rstrip=False))
+    return out
+
+
+def _bpe_tokenizer(tokens: Sequence[str], types: Sequence[int], merges: Sequence[str], pre: str) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if pre not in _PRE:
+        raise UnsupportedModelError(
+            f"GGUF pre-tokenizer '{pre}' is not supported; PerfX handles: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
+        )
+    regexes, ignore_merges = _PRE[pre]
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # first id wins on duplicates, like llama.cpp's token_to_id
+    pairs = []
+    for m in merges:
+        cut = m.find(" ", 1)  # like llama.cpp: the first piece may itself be a space
+        if cut < 0:
+            continue
+        left, right = m[:cut], m[cut + 1:]
+        if left in vocab and right in vocab and left + right in vocab:
+            pairs.append((left, right))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=ignore_merges, fuse_unk=False, byte_fallback=False))
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in regexes]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(_added_tokens(tokens, types, set()))
+    return tok
+
+
+def _spm_tokenizer(tokens: Sequence[str], types: Sequence[int], scores: Sequence[float], add_space_prefix: bool,
+                   unk_id: int | None) -> Any:
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    # Merges ranked by the merged piece's score: SPM merges the best-scoring bigram first.
+    mergeable = {t: i for t, i in vocab.items() if types[i] in (_NORMAL, _USER_DEFINED)}
+    ranked = []
+    for piece, pid in mergeable.items():
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            if left in vocab and right in vocab:
+                ranked.append((-float(scores[pid]), pid, vocab[left], vocab[right], left, right))
+    ranked.sort()
+    merges = [(r[4], r[5]) for r in ranked]
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    norm = [normalizers.Replace(" ", "▁")]
+    if add_space_prefix:
+        norm.insert(0, normalizers.Prepend("▁"))
+    tok.normalizer = normalizers.Sequence(norm)
+    dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        dec.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(dec)
+    skip = {unk_id} if unk_id is not None else set()
+    tok.add_special_tokens(_added_tokens(tokens, types, skip))
+    return tok
+
+
+def tokenizer_json_from_gguf(reader_fields: Mapping[str, Any]) -> str:
+    """Serialized ``tokenizers`` JSON for the vocabulary in GGUF metadata.
+
+    ``reader_fields``: ``GGUFReader.fields`` (or a dict of plain values under the same keys).
+    """
+    model = _val(reader_fields, "tokenizer.ggml.model", "gpt2")
+    tokens = _val(reader_fields, "tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelFormatError("GGUF file has no tokenizer.ggml.tokens; use a model file that includes its vocabulary")
+    types = _val(reader_fields, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if len(types) != len(tokens):
+        raise ModelFormatError("GGUF tokenizer.ggml.token_type length differs from the token list; the file is corrupt")
+    if model == "gpt2":
+        merges = _val(reader_fields, "tokenizer.ggml.merges") or []
+        pre = _val(reader_fields, "tokenizer.ggml.pre") or "default"
+        tok = _bpe_tokenizer(tokens, types, merges, str(pre))
+    elif model == "llama":
+        scores = _val(reader_fields, "tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ModelFormatError("GGUF SentencePiece vocabulary lacks tokenizer.ggml.scores; the file is corrupt")
+        unk = _val(reader_fields, "tokenizer.ggml.unknown_token_id")
+        prefix = bool(_val(reader_fields, "tokenizer.ggml.add_space_prefix", True))
+        tok = _spm_tokenizer(tokens, types, scores, prefix, int(unk) if unk is not None else None)
+    else:
+        raise UnsupportedModelError(f"GGUF tokenizer model '{model}' is not supported; PerfX handles 'gpt2' (BPE) and 'llama' (SentencePiece)")
+    return tok.to_str()
+
+
+def load_tokenizer(json_str: str) -> Any:
+    """A ``tokenizers.Tokenizer`` from its JSON (as stored in ``ModelDescription.tokenizer_json``)."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_str(json_str)
+    except Exception as e:  # tokenizers raises plain Exception for malformed JSON
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelFormatError(f"tokenizer JSON cannot be loaded ({first}); re-export the model") from e
+
+
+class ChatTemplateError(PerfXError):
+    """A chat template failed to render (bad template or messages it rejects)."""
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    bos_token: str = "",
+    eos_token: str = "",
+    **extra: Any,
+) -> str:
+    """Render a Hugging Face style Jinja chat template the way ``transformers`` does."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ChatTemplateError(f"chat template rejected the messages: {message}")
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template).render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+            bos_token=bos_token, eos_token=eos_token, **extra,
+        )
+    except ChatTemplateError:
+        raise
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"the model's chat template failed: {e}; pass a raw prompt instead") from None
