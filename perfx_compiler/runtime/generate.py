@@ -223,7 +223,8 @@ def generate_sequence(
 
     engine.reset()
     t0 = time.perf_counter()
-    logits = np.asarray(engine.prefill(ids))[-1]
+    out = np.asarray(engine.prefill(ids))
+    logits = out.reshape(-1, out.shape[-1])[-1]  # engines may return [len, vocab] or just [1, vocab]
     prefill_time = time.perf_counter() - t0
 
     while True:

@@ -69,6 +69,7 @@ class FakeEngine:
         chat_template: str | None = None,
         script: Sequence[int] | None = None,
         seed: int = 0,
+        last_only: bool = False,
     ) -> None:
         self.manifest: dict[str, Any] = {
             "model": {
@@ -92,6 +93,7 @@ class FakeEngine:
         rng = np.random.default_rng(seed)
         self.table = rng.normal(0.0, 2.0, size=(vocab_size, vocab_size)).astype(np.float32)
         self.table[:, [bos_token_id, eos_token_id]] = -10.0  # unscripted runs don't stop by chance
+        self.last_only = last_only  # like the real engine: prefill -> [1, vocab], prefill_all -> [len, vocab]
         self.prefill_calls: list[list[int]] = []
         self.decode_calls: list[int] = []
 
@@ -101,8 +103,8 @@ class FakeEngine:
 
     def _next_logits(self, i: int) -> np.ndarray:
         row = self.table[self.tokens[i]].copy()
-        if self.script is not None:
-            k = i + 1 - self.prompt_len  # index of the token being predicted in the script
+        k = i + 1 - self.prompt_len  # index of the token being predicted in the script
+        if self.script is not None and k >= 0:
             row[self.script[k] if k < len(self.script) else self.eos] += 30.0
         return row
 
@@ -118,6 +120,12 @@ class FakeEngine:
         if self.position == 0:
             self.prompt_len = len(token_ids)
         self.prefill_calls.append(list(token_ids))
+        out = self._append(token_ids)
+        return out[-1:] if self.last_only else out
+
+    def prefill_all(self, token_ids: Sequence[int]) -> np.ndarray:
+        if self.position == 0:
+            self.prompt_len = len(token_ids)
         return self._append(token_ids)
 
     def decode(self, token_id: int) -> np.ndarray:

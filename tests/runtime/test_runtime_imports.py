@@ -1,0 +1,83 @@
+"""The thin runtime must import without the compiler, ONNX or TVM's frontends.
+
+Each check runs in a fresh interpreter whose meta-path refuses the blocked
+packages, so an accidental top-level ``import onnx`` (or of the compiler) fails loudly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+BLOCKED = [
+    "onnx",
+    "onnxruntime",
+    "perfx_compiler.pipeline",
+    "perfx_compiler.model",
+    "perfx_compiler.frontend",
+    "perfx_compiler.passes",
+    "perfx_compiler.tune",
+    "tvm.relax.frontend",
+]
+
+LIGHT_MODULES = [
+    "perfx_compiler",
+    "perfx_compiler.runtime.api",
+    "perfx_compiler.runtime.generate",
+    "perfx_compiler.runtime.sampling",
+    "perfx_compiler.runtime.chat",
+    "perfx_compiler.cli.run",
+]
+
+PROBE = textwrap.dedent(
+    """
+    import importlib, importlib.abc, json, sys
+
+    BLOCKED = {blocked!r}
+
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if any(name == b or name.startswith(b + ".") for b in BLOCKED):
+                raise ImportError(f"blocked import of {{name}} (the thin runtime must not need it)")
+            return None
+
+    sys.meta_path.insert(0, Block())
+    for m in {modules!r}:
+        importlib.import_module(m)
+    print(json.dumps(sorted(sys.modules)))
+    """
+)
+
+
+def probe(modules: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = PROBE.format(blocked=BLOCKED, modules=modules)
+    return subprocess.run(
+        [sys.executable, "-c", code], check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_runtime_modules_import_without_compiler() -> None:
+    r = probe(LIGHT_MODULES)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded = set(__import__("json").loads(r.stdout))
+    # Importing the API is cheap: TVM loads with the engine, jinja2 with the first chat prompt.
+    assert "tvm" not in loaded
+    assert "jinja2" not in loaded
+
+
+def test_engine_imports_without_compiler() -> None:
+    if not (REPO / "perfx_compiler" / "runtime" / "engine.py").exists():
+        pytest.skip("perfx_compiler/runtime/engine.py is not written yet")
+    r = probe(["perfx_compiler.runtime.engine", *LIGHT_MODULES])
+    assert r.returncode == 0, (
+        "engine must import with the compiler blocked; note that a plain `import tvm` pulls in "
+        "tvm.relax.frontend unless TVM_USE_RUNTIME_LIB=1 is set first\n" + r.stderr[-3000:]
+    )
