@@ -22,9 +22,6 @@ from perfx_compiler.errors import PerfXError
 
 # Temperatures below this are treated as greedy (dividing by ~0 overflows).
 _GREEDY_EPS = 1e-5
-# First guess of how many candidates a top-p-only row needs; grown x4 until the
-# nucleus fits, so the common case sorts a few hundred entries, not the vocab.
-_TOP_P_FIRST_GUESS = 256
 
 
 class InvalidRequestError(PerfXError, ValueError):
@@ -110,21 +107,40 @@ class SamplingParams:
 
 
 class TokenHistory:
-    """What the penalties look at: which tokens the prompt used and how often each was generated."""
+    """What the penalties look at: tokens the prompt used, and how often each was generated.
+
+    Penalties touch only these ids (fancy indexing), never the whole vocabulary, so
+    their cost grows with the sequence, not with a 150k-entry vocab.
+    """
 
     def __init__(self, vocab_size: int, prompt_ids: Sequence[int] = ()) -> None:
         self.vocab_size = vocab_size
-        self.prompt_mask = np.zeros(vocab_size, dtype=bool)
         ids = np.asarray(list(prompt_ids), dtype=np.int64)
-        ids = ids[(ids >= 0) & (ids < vocab_size)]
-        self.prompt_mask[ids] = True
+        ids = np.unique(ids[(ids >= 0) & (ids < vocab_size)])
         self.output_counts = np.zeros(vocab_size, dtype=np.int32)
+        self._output_ids: list[int] = []  # distinct generated ids
+        self._seen: set[int] = set(ids.tolist())
+        self._seen_ids: list[int] = ids.tolist()  # distinct prompt + generated ids
         self.num_generated = 0
 
     def append(self, token_id: int) -> None:
-        if 0 <= token_id < self.vocab_size:
-            self.output_counts[token_id] += 1
+        t = int(token_id)
+        if 0 <= t < self.vocab_size:
+            if self.output_counts[t] == 0:
+                self._output_ids.append(t)
+                if t not in self._seen:
+                    self._seen.add(t)
+                    self._seen_ids.append(t)
+            self.output_counts[t] += 1
         self.num_generated += 1
+
+    @property
+    def output_ids(self) -> np.ndarray:
+        return np.asarray(self._output_ids, dtype=np.int64)
+
+    @property
+    def seen_ids(self) -> np.ndarray:
+        return np.asarray(self._seen_ids, dtype=np.int64)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -143,60 +159,106 @@ def apply_penalties(
     frequency: np.ndarray,
     repetition: np.ndarray,
 ) -> np.ndarray:
-    """Return penalized copies of ``logits`` [batch, vocab] (vLLM semantics).
+    """Return penalized copies of ``logits`` [batch, vocab] (vLLM semantics and order).
 
-    Presence/frequency apply to generated tokens only (OpenAI style); repetition
-    divides positive / multiplies negative logits of any token seen in the prompt
-    or the output (CTRL / HF style).
+    Repetition divides positive / multiplies negative logits of any token seen in the
+    prompt or the output (CTRL / HF style); then frequency (x count) and presence
+    (once) are subtracted for generated tokens only (OpenAI style).
     """
-    out = np.array(logits, dtype=np.float32, copy=True)
-    counts = np.stack([h.output_counts for h in histories])
-    if np.any(frequency) or np.any(presence):
-        out -= frequency[:, None].astype(np.float32) * counts
-        out -= presence[:, None].astype(np.float32) * (counts > 0)
-    if np.any(repetition != 1.0):
-        seen = np.stack([h.prompt_mask for h in histories]) | (counts > 0)
-        rp = repetition[:, None].astype(np.float32)
-        penalized = np.where(out > 0, out / rp, out * rp)
-        out = np.where(seen, penalized, out)
+    out = np.array(logits, dtype=np.float32, copy=True).reshape(len(histories), -1)
+    for r, h in enumerate(histories):
+        rp = float(repetition[r])
+        if rp != 1.0:
+            ids = h.seen_ids
+            if ids.size:
+                v = out[r, ids]
+                out[r, ids] = np.where(v > 0, v / rp, v * rp)
+        if frequency[r] or presence[r]:
+            ids = h.output_ids
+            if ids.size:
+                out[r, ids] -= float(frequency[r]) * h.output_counts[ids] + float(presence[r])
     return out
 
 
-def _truncate_sorted(
-    probs: np.ndarray, top_k: np.ndarray, top_p: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k / top-p candidates of ``probs`` [batch, vocab], sorted by descending probability.
+# Draws locate the sampled index through per-block sums first, so a full-vocabulary
+# draw costs one summing pass plus a cumsum over one block, not a 150k-entry cumsum.
+_DRAW_BLOCK = 1024
+# Candidate thresholds (relative to the best token's weight) tried before sorting:
+# sorting only tokens above a threshold is exact once they cover the top-k / the nucleus.
+_CANDIDATE_TAUS = (1e-4, 1e-10, 0.0)
 
-    Returns ``(indices, weights)``, both [batch, c]: candidate token ids and their
-    probabilities with excluded entries zeroed. Only the ``c`` largest entries are
-    sorted (argpartition first), and ``c`` grows until every top-p row's nucleus fits.
+
+def _draw(weights: np.ndarray, u: float) -> int:
+    """Index drawn with probability proportional to ``weights`` (1-D, >= 0, not all 0); ``u`` in [0, 1)."""
+    n = weights.shape[0]
+    full = n // _DRAW_BLOCK * _DRAW_BLOCK
+    if full:
+        sums = weights[:full].reshape(-1, _DRAW_BLOCK).sum(axis=1, dtype=np.float64)
+        sums = np.append(sums, weights[full:].sum(dtype=np.float64))
+    else:
+        sums = np.array([weights.sum(dtype=np.float64)])
+    cum = np.cumsum(sums)
+    target = u * cum[-1]
+    b = min(int(np.searchsorted(cum, target, side="right")), cum.shape[0] - 1)
+    lo = b * _DRAW_BLOCK
+    seg = weights[lo : min(n, lo + _DRAW_BLOCK)]
+    cdf = np.cumsum(seg, dtype=np.float64) + (cum[b - 1] if b else 0.0)
+    j = lo + min(int(np.searchsorted(cdf, target, side="right")), seg.shape[0] - 1)
+    if weights[j] <= 0:  # rounding pushed us onto an excluded entry: take the nearest allowed one
+        nz = np.flatnonzero(weights[: j + 1])
+        j = int(nz[-1]) if nz.size else int(np.flatnonzero(weights)[0])
+    return j
+
+
+def _truncate(e: np.ndarray, k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k then top-p (over the top-k distribution, as vLLM) of unnormalized probabilities ``e``.
+
+    Returns the kept token ids sorted by descending weight, and their weights. Only
+    tokens above a threshold are sorted; the threshold is lowered until they provably
+    contain the top-k set (or, without top-k, the whole nucleus), so the result is exact.
     """
-    vocab = probs.shape[1]
-    k_eff = np.where(top_k > 0, np.minimum(top_k, vocab), vocab)
-    needs_p = top_p < 1.0
-    # Rows limited only by top-p start from a guess; rows with top-k need exactly k.
-    guess = np.where(needs_p & (k_eff == vocab), _TOP_P_FIRST_GUESS, k_eff)
-    c = int(min(vocab, max(1, int(guess.max()))))
-    while True:
-        if c < vocab:
-            idx = np.argpartition(-probs, c - 1, axis=1)[:, :c]
-        else:
-            idx = np.broadcast_to(np.arange(vocab), probs.shape)
-        part = np.take_along_axis(probs, idx, axis=1)
-        order = np.argsort(-part, axis=1, kind="stable")
-        idx = np.take_along_axis(idx, order, axis=1)
-        sorted_p = np.take_along_axis(part, order, axis=1)
-        cum = np.cumsum(sorted_p, axis=1, dtype=np.float64)
-        # A top-p row whose top-c mass is still below p (and whose top-k allows more) needs more candidates.
-        short = needs_p & (cum[:, -1] < top_p) & (k_eff > c)
-        if c >= vocab or not np.any(short):
+    vocab = e.shape[0]
+    total = float(e.sum(dtype=np.float64))
+    for tau in _CANDIDATE_TAUS:
+        cand = np.flatnonzero(e > tau)
+        if tau == 0.0:
             break
-        c = min(vocab, c * 4)
-    rank = np.arange(c)[None, :]
-    keep = rank < k_eff[:, None]
-    # Nucleus: keep a token while the mass strictly before it is below p (so the first always stays).
-    keep &= (cum - sorted_p) < top_p[:, None]
-    return idx, np.where(keep, sorted_p, 0.0)
+        if k < vocab:
+            if cand.size >= k:  # every top-k token is above tau
+                break
+        elif e[cand].sum(dtype=np.float64) >= top_p * total:  # the nucleus is above tau
+            break
+    w = e[cand]
+    order = np.argsort(-w, kind="stable")[:k]
+    idx, w = cand[order], w[order]
+    if top_p < 1.0:
+        # Keep a token while the mass strictly before it is below p (so the best one always stays).
+        denom = total if k >= vocab else float(w.sum(dtype=np.float64))
+        before = np.cumsum(w, dtype=np.float64) - w
+        n = max(1, int(np.count_nonzero(before < top_p * denom)))
+        idx, w = idx[:n], w[:n]
+    return idx, w
+
+
+def _sample_row(z: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
+    """Temperature / top-k / top-p / min-p draw from one row of (penalized) logits."""
+    vocab = z.shape[0]
+    m = np.max(z)
+    if not np.isfinite(m):
+        return int(np.argmax(z))
+    e = z - m  # unnormalized probabilities, best token = 1 (float32 keeps this cheap)
+    e *= np.float32(1.0 / p.temperature)
+    np.exp(e, out=e)
+    k = p.top_k if 0 < p.top_k < vocab else vocab
+    idx: np.ndarray | None = None
+    w = e
+    if k < vocab or p.top_p < 1.0:
+        idx, w = _truncate(e, k, p.top_p)
+    if p.min_p > 0:
+        # min-p: drop tokens below min_p x the most likely one (the ratio survives renormalization).
+        w = np.where(w >= p.min_p * w.max(), w, 0.0)
+    j = _draw(w, float(rng.random()))
+    return int(idx[j]) if idx is not None else j
 
 
 def sample(
@@ -211,7 +273,8 @@ def sample(
 
     ``histories`` feed the penalties (needed only when some row has penalties);
     ``banned`` lists token ids a row may not produce this step (e.g. EOS before
-    ``min_tokens``).
+    ``min_tokens``). Greedy rows are one vectorized argmax; sampled rows each draw
+    one uniform from their own generator, so rows never perturb each other.
     """
     x = np.asarray(logits, dtype=np.float32)
     if x.ndim == 1:
@@ -238,36 +301,9 @@ def sample(
                 x[row, ids] = -np.inf
 
     tokens = np.argmax(x, axis=1).astype(np.int64)  # greedy rows are done here
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return tokens
-
-    sub = x[rows]
-    temp = np.array([params[i].temperature for i in rows], dtype=np.float64)
-    top_k = np.array([params[i].top_k for i in rows], dtype=np.int64)
-    top_p = np.array([params[i].top_p for i in rows], dtype=np.float64)
-    min_p = np.array([params[i].min_p for i in rows], dtype=np.float64)
-
-    scaled = sub.astype(np.float64) / temp[:, None]
-    scaled -= np.max(scaled, axis=1, keepdims=True)
-    probs = np.exp(scaled)
-    probs /= probs.sum(axis=1, keepdims=True)
-
-    if np.any(top_k > 0) or np.any(top_p < 1.0):
-        idx, weights = _truncate_sorted(probs, top_k, top_p)
-    else:
-        idx, weights = None, probs
-    if np.any(min_p > 0):
-        # min-p: drop tokens below min_p x (the most likely token's probability).
-        pmax = weights.max(axis=1, keepdims=True)
-        weights = np.where(weights >= min_p[:, None] * pmax, weights, 0.0)
-
-    # Inverse-CDF draw: one uniform per row from that row's own generator.
-    cdf = np.cumsum(weights, axis=1)
-    u = np.array([rngs[i].random() for i in rows]) * cdf[:, -1]
-    pick = np.minimum(np.sum(cdf <= u[:, None], axis=1), cdf.shape[1] - 1)
-    chosen = pick if idx is None else np.take_along_axis(idx, pick[:, None], axis=1)[:, 0]
-    tokens[rows] = chosen
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = _sample_row(x[i], p, rngs[i])
     return tokens
 
 
@@ -285,16 +321,18 @@ def token_logprobs(logits: np.ndarray, token_id: int, top_n: int = 0) -> tuple[f
 
     The returned dict always contains the chosen token (with its 1-based rank).
     """
-    lp = log_softmax(np.asarray(logits).reshape(-1))
-    chosen = float(lp[token_id])
-    rank = int(np.sum(lp > lp[token_id])) + 1
+    z = np.asarray(logits, dtype=np.float32).reshape(-1)
+    m = float(np.max(z))
+    lse = m + float(np.log(np.exp(z - m).sum(dtype=np.float64)))
+    chosen = float(z[token_id]) - lse
+    rank = int(np.count_nonzero(z > z[token_id])) + 1
     out: dict[int, Logprob] = {}
     if top_n > 0:
-        n = min(top_n, lp.shape[0])
-        top = np.argpartition(-lp, n - 1)[:n]
-        top = top[np.argsort(-lp[top], kind="stable")]
+        n = min(top_n, z.shape[0])
+        top = np.argpartition(-z, n - 1)[:n]
+        top = top[np.argsort(-z[top], kind="stable")]
         for r, t in enumerate(top, start=1):
-            out[int(t)] = Logprob(float(lp[t]), r)
+            out[int(t)] = Logprob(float(z[t]) - lse, r)
     out.setdefault(int(token_id), Logprob(chosen, rank))
     return chosen, out
 

@@ -10,6 +10,7 @@ from perfx_compiler.runtime.sampling import (
     InvalidRequestError,
     SamplingParams,
     TokenHistory,
+    _truncate,
     apply_penalties,
     log_softmax,
     make_generator,
@@ -176,3 +177,31 @@ def test_params_normalize_stop_and_topk_off_values() -> None:
     logits = np.random.default_rng(6).normal(size=(10,)).astype(np.float32)
     for k in (0, -1):  # both mean "off"
         assert len(set(draw(logits, SamplingParams(top_k=k, temperature=3.0), 400).tolist())) > 5
+
+
+def test_full_vocab_draw_matches_softmax_across_blocks() -> None:
+    # 5000 tokens span several draw blocks; compare frequencies of 10 coarse bins with the softmax.
+    logits = np.random.default_rng(8).normal(scale=0.5, size=5000).astype(np.float32)
+    probs = np.exp(log_softmax(logits))
+    got = draw(logits, SamplingParams(temperature=1.0), 6000)
+    bins = np.arange(0, 5001, 500)
+    freq = np.histogram(got, bins)[0] / got.size
+    expected = np.add.reduceat(probs, bins[:-1])
+    assert np.max(np.abs(freq - expected)) < 0.02
+
+
+def test_top_k_larger_than_likely_set_is_exact() -> None:
+    # Only 3 tokens clear the first candidate threshold; top_k=5 must still keep tokens 3 and 4.
+    e = np.exp(np.array([20.0, 19.0, 18.0, 8.0, 7.9] + [-50.0] * 95) - 20.0).astype(np.float32)
+    idx, w = _truncate(e, 5, 1.0)
+    assert idx.tolist() == [0, 1, 2, 3, 4] and np.all(w > 0)
+    idx, _ = _truncate(e, 100, 1.0 - 1e-7)  # top-p only: the nucleus reaches past the first threshold
+    assert idx.tolist()[:5] == [0, 1, 2, 3, 4]
+
+
+def test_top_p_applies_to_the_top_k_distribution() -> None:
+    # vLLM order: top-k=2 renormalizes [.5, .3] to [.625, .375]; a 0.6 nucleus then keeps only token 0.
+    logits = probs_logits([0.5, 0.3, 0.2])
+    assert set(draw(logits, SamplingParams(temperature=1.0, top_k=2, top_p=0.6), 300).tolist()) == {0}
+    # Without top-k the nucleus is measured against the whole vocabulary: 0.5 < 0.6 keeps token 1 too.
+    assert set(draw(logits, SamplingParams(temperature=1.0, top_p=0.6), 300).tolist()) == {0, 1}
