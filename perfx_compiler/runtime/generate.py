@@ -195,6 +195,8 @@ def generate_sequence(
     stopping token stays in ``token_ids`` but its text is left out unless
     ``include_stop_str_in_output``; stop strings are trimmed the same way.
     ``prepared=True`` means ``prompt_ids`` already went through ``prepare_prompt``.
+    A character still incomplete when generation ends (e.g. max_tokens cut an emoji
+    after 2 of its 4 bytes) is left out of ``text`` rather than shown as U+FFFD.
     """
     t_start = time.perf_counter()
     ids = list(prompt_ids) if prepared else prepare_prompt(engine, prompt_ids)

@@ -210,3 +210,10 @@ def test_penalties_in_the_loop(make_engine, tokenizer) -> None:
     assert len(set(pen.token_ids)) > 2
     freq = run(cyclic(), tokenizer, "h", temperature=0.0, max_tokens=12, frequency_penalty=2.0)
     assert len(set(freq.token_ids)) > 2
+
+
+def test_max_tokens_cutting_an_emoji_leaves_no_replacement_char(make_engine, tokenizer) -> None:
+    g = run(make_engine("a😀b"), tokenizer, temperature=0.0, max_tokens=3)  # "a" + 2 of the emoji's 4 bytes
+    assert g.text == "a" and len(g.token_ids) == 3
+    g = run(make_engine("a😀b"), tokenizer, temperature=0.0, max_tokens=5)
+    assert g.text == "a😀"
