@@ -29,8 +29,12 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# deepseek-llm's explicit Latin/Greek/Cyrillic... letter class, verbatim from llama.cpp.
+_DEEPSEEK_LLM = ["[\r\n]", '\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+', '\\s?[!-/:-~！-／：-～‘-‟\u3000-。]+', r"\s+$", '[一-龥ࠀ-一가-\ud7ff]+', r"\p{N}+"]
 _QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN35 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # tokenizer.ggml.pre -> (regexes applied in sequence, BPE ignore_merges) as in llama.cpp's llama-vocab.cpp
 _PRE: dict[str, tuple[list[str], bool]] = {}
@@ -41,6 +45,8 @@ for _names, _regexes, _ignore in (
     (("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"), [r"\p{N}", _GPT2], False),
     (("gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4"), [_GPT2], False),
     (("falcon",), [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"], False),
+    (("deepseek-llm",), _DEEPSEEK_LLM, False),
+    (("qwen35",), [_QWEN35], False),
     (("deepseek-coder",), ["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"], False),
     (("default",), [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"], False),
 ):
@@ -62,15 +68,21 @@ def _val(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
         raise ModelFormatError(f"tokenizer metadata '{key}' is unreadable ({e}); the GGUF file is corrupt") from None
 
 
-def _added_tokens(tokens: Sequence[str], types: Sequence[int], skip: set[int]) -> list[Any]:
+def _add_added_tokens(tok: Any, tokens: Sequence[str], types: Sequence[int], skip: set[int]) -> None:
+    """CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens.
+
+    Both are matched verbatim in input text, as llama.cpp does.
+    """
     from tokenizers import AddedToken
 
-    out = []
-    for i, (tok, ty) in enumerate(zip(tokens, types)):
-        if i in skip or ty not in (_CONTROL, _USER_DEFINED) or not tok:
+    special, plain = [], []
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if i in skip or ty not in (_CONTROL, _USER_DEFINED) or not t:
             continue
-        out.append(AddedToken(tok, special=ty == _CONTROL, normalized=False, single_word=False, lstrip=False, rstrip=False))
-    return out
+        added = AddedToken(t, special=ty == _CONTROL, normalized=False, single_word=False, lstrip=False, rstrip=False)
+        (special if ty == _CONTROL else plain).append(added)
+    tok.add_special_tokens(special)
+    tok.add_tokens(plain)
 
 
 def _bpe_tokenizer(tokens: Sequence[str], types: Sequence[int], merges: Sequence[str], pre: str) -> Any:
@@ -98,7 +110,7 @@ def _bpe_tokenizer(tokens: Sequence[str], types: Sequence[int], merges: Sequence
         splits + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(_added_tokens(tokens, types, set()))
+    _add_added_tokens(tok, tokens, types, set())
     return tok
 
 
@@ -130,7 +142,7 @@ def _spm_tokenizer(tokens: Sequence[str], types: Sequence[int], scores: Sequence
         dec.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(dec)
     skip = {unk_id} if unk_id is not None else set()
-    tok.add_special_tokens(_added_tokens(tokens, types, skip))
+    _add_added_tokens(tok, tokens, types, skip)
     return tok
 
 

@@ -1,0 +1,248 @@
+"""Hugging Face model folders: read (config.json + safetensors) and write.
+
+The tokenizer contract is the same as for GGUF (see ``tokenizer.py``): the
+stored tokenizer JSON adds no special tokens; a BOS-adding post-processor in a
+Hugging Face ``tokenizer.json`` is removed and recorded as ``add_bos_token``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from perfx_compiler.errors import (
+    ContextLengthError,
+    ModelFormatError,
+    UnsupportedModelError,
+)
+from perfx_compiler.model.description import (
+    ModelConfig,
+    ModelDescription,
+    expected_weight_shapes,
+)
+from perfx_compiler.model.gguf import DEFAULT_MAX_CONTEXT
+
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_HF_CLASS = {v: k for k, v in HF_ARCHITECTURES.items()}
+# Buffers some exporters save that are recomputed from the config.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: not valid JSON ({e}); fix or re-download the file") from None
+
+
+def _config_from_hf(hf: dict[str, Any], source: str, max_context: int | None) -> ModelConfig:
+    archs = hf.get("architectures") or []
+    arch_cls = archs[0] if archs else None
+    if arch_cls not in HF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{source}: architecture '{arch_cls or hf.get('model_type')}' is not supported; "
+            f"PerfX reads {', '.join(HF_ARCHITECTURES)}"
+        )
+    arch = HF_ARCHITECTURES[arch_cls]
+    try:
+        hidden = int(hf["hidden_size"])
+        heads = int(hf["num_attention_heads"])
+        ctx = int(hf.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT)
+        if max_context is None:
+            max_ctx = min(ctx, DEFAULT_MAX_CONTEXT)
+        elif 1 <= max_context <= ctx:
+            max_ctx = int(max_context)
+        else:
+            raise ContextLengthError(
+                f"max_context={max_context} is outside the model's trained context 1..{ctx}; pick a value in that range"
+            )
+        scaling = hf.get("rope_scaling")
+        if scaling:
+            scaling = dict(scaling)
+            scaling.setdefault("rope_type", scaling.get("type"))
+            scaling.pop("type", None)
+        eos = hf.get("eos_token_id")
+        eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_scaling=scaling or None,
+            max_context=max_ctx,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=True if arch == "qwen2" else bool(hf.get("attention_bias", False)),
+            bos_token_id=int(hf["bos_token_id"]) if hf.get("bos_token_id") is not None else None,
+            eos_token_ids=eos_ids,
+            name=str(hf.get("_name_or_path") or Path(source).name),
+        )
+    except KeyError as e:
+        raise ModelFormatError(f"{source}/config.json lacks {e}; use the model's original config.json") from None
+    except (TypeError, ValueError) as e:
+        raise ModelFormatError(f"{source}/config.json has a malformed value ({e}); use the model's original config.json") from None
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelFormatError(f"{index}: no weight_map; re-download the model")
+        files = [folder / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelFormatError(f"{folder}: shard {missing[0]} listed in the index is missing; download every shard")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{folder}: no *.safetensors weights; PerfX reads safetensors (convert .bin files first)")
+    return files
+
+
+def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    try:
+        import ml_dtypes  # noqa: F401  # registers numpy's bfloat16 so bf16 checkpoints load
+    except ImportError:
+        pass
+    try:
+        return load_file(str(path))
+    except TypeError as e:
+        raise UnsupportedModelError(f"{path}: tensor dtype not readable ({e}); pip install ml_dtypes for bfloat16") from None
+    except Exception as e:  # safetensors raises SafetensorError (not exported) for corrupt headers
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelFormatError(f"{path}: corrupt safetensors file ({first}); re-download it") from e
+
+
+def _post_processor_adds_bos(data: dict[str, Any], bos_id: int | None) -> bool:
+    """Whether tokenizer.json's post-processor prepends the BOS token (TemplateProcessing)."""
+    if bos_id is None:
+        return False
+    bos = next((t.get("content") for t in data.get("added_tokens", []) if t.get("id") == bos_id), None)
+    pp = data.get("post_processor") or {}
+    procs = pp.get("processors", [pp]) if pp.get("type") == "Sequence" else [pp]
+    for proc in procs:
+        single = proc.get("single") if proc.get("type") == "TemplateProcessing" else None
+        if single and "SpecialToken" in single[0] and single[0]["SpecialToken"].get("id") == bos:
+            return True
+    return False
+
+
+def _tokenizer_files(folder: Path, cfg: ModelConfig) -> tuple[str | None, str | None]:
+    tok_json = None
+    tok_path = folder / "tokenizer.json"
+    tok_cfg: dict[str, Any] = {}
+    if (folder / "tokenizer_config.json").is_file():
+        tok_cfg = _read_json(folder / "tokenizer_config.json")
+    adds_bos = False
+    if tok_path.is_file():
+        data = _read_json(tok_path)
+        adds_bos = _post_processor_adds_bos(data, cfg.bos_token_id)
+        data["post_processor"] = None  # our contract: BOS is the runtime's job (config.add_bos_token)
+        tok_json = json.dumps(data, ensure_ascii=False)
+    cfg.add_bos_token = bool(tok_cfg.get("add_bos_token", adds_bos))
+    template = tok_cfg.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    return tok_json, template
+
+
+def load_hf_folder(path: str | os.PathLike[str], max_context: int | None = None) -> ModelDescription:
+    """Load a Hugging Face Llama/Mistral/Qwen2 folder (config.json + safetensors) as float32."""
+    folder = Path(path)
+    source = str(folder)
+    if not (folder / "config.json").is_file():
+        raise ModelFormatError(f"{folder}: no config.json; pass a Hugging Face model folder")
+    cfg = _config_from_hf(_read_json(folder / "config.json"), source, max_context)
+    expected = expected_weight_shapes(cfg)
+    weights: dict[str, np.ndarray] = {}
+    for f in _safetensors_files(folder):
+        for name, arr in _load_safetensors(f).items():
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue
+            if name not in expected:
+                raise UnsupportedModelError(f"{source}: weight '{name}' is not part of a {cfg.architecture} model PerfX understands")
+            weights[name] = np.ascontiguousarray(arr.astype(np.float32, copy=False))
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
+        cfg.tie_word_embeddings = True  # some exports drop lm_head but forget the flag
+    tok_json, template = _tokenizer_files(folder, cfg)
+    if tok_json is not None:
+        _add_stop_tokens(cfg, tok_json)
+    desc = ModelDescription(config=cfg, weights=weights, tokenizer_json=tok_json, chat_template=template, source=source)
+    desc.validate()
+    return desc
+
+
+def _add_stop_tokens(cfg: ModelConfig, tok_json: str) -> None:
+    """Chat end markers also stop generation (same rule as for GGUF)."""
+    added = {t["content"]: t["id"] for t in json.loads(tok_json).get("added_tokens", []) if "content" in t}
+    for t in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        if t in added and added[t] not in cfg.eos_token_ids:
+            cfg.eos_token_ids.append(int(added[t]))
+
+
+def write_hf_folder(desc: ModelDescription, path: str | os.PathLike[str]) -> Path:
+    """Write ``desc`` as a Hugging Face folder (fp32 safetensors); ``load_hf_folder`` reads it back."""
+    from safetensors.numpy import save_file
+
+    c = desc.config
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf = {
+        "architectures": [_HF_CLASS[c.architecture]],
+        "model_type": c.architecture,
+        "_name_or_path": c.name,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_scaling": c.rope_scaling,
+        "max_position_embeddings": c.max_context,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": c.attention_bias,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": list(c.eos_token_ids),
+        "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(hf, indent=2), encoding="utf-8")
+    tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in desc.weights.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tok_cfg: dict[str, Any] = {"add_bos_token": c.add_bos_token, "tokenizer_class": "PreTrainedTokenizerFast",
+                               "clean_up_tokenization_spaces": False}
+    if desc.tokenizer_json is not None:
+        (folder / "tokenizer.json").write_text(desc.tokenizer_json, encoding="utf-8")
+        from perfx_compiler.model.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(desc.tokenizer_json)
+        if c.bos_token_id is not None:
+            tok_cfg["bos_token"] = tok.id_to_token(c.bos_token_id)
+        if c.eos_token_ids:
+            tok_cfg["eos_token"] = tok.id_to_token(c.eos_token_ids[0])
+    if desc.chat_template is not None:
+        tok_cfg["chat_template"] = desc.chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, ensure_ascii=False), encoding="utf-8")
+    return folder

