@@ -1,0 +1,69 @@
+"""Converters from PerfX's own ONNX operators (domain ``perfx``) to Relax.
+
+``perfx.CachedAttention`` becomes one call of the fused attention kernel that
+updates the KV cache in place (``call_tir_inplace``: outputs 1 and 2 alias the
+cache inputs, so the runtime's cache tensors are written, never copied).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
+
+from perfx_compiler.kernels.attention import cached_attention_kernel
+
+# Kernels are shared by every function imported in one compilation (prefill, decode, ...):
+# one GlobalVar object per kernel configuration, added to the merged module afterwards.
+_KERNELS: dict[tuple, tuple[relax.GlobalVar, tirx.PrimFunc]] = {}
+
+
+def kernel_global_var(name: str, builder, *args) -> relax.GlobalVar:
+    key = (name, *args)
+    if key not in _KERNELS:
+        suffix = "_".join(str(a) for a in args)
+        func = builder(*args)
+        # A throwaway BlockBuilder gives the GlobalVar its function type.
+        gv = relax.BlockBuilder().add_func(func, f"{name}_{suffix}")
+        _KERNELS[key] = (gv, func)
+    return _KERNELS[key][0]
+
+
+def add_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """Add every kernel referenced by an imported function to ``mod``."""
+    used = _used_global_vars(mod)
+    for gv, func in _KERNELS.values():
+        if gv in used:
+            mod[gv] = func
+    return mod
+
+
+def _used_global_vars(mod: tvm.IRModule) -> set:
+    used: set = set()
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(
+                func.body, lambda e: used.add(e) if isinstance(e, relax.GlobalVar) else None
+            )
+    return used
+
+
+def _static(dim) -> int:
+    return int(dim)
+
+
+class CachedAttention(OnnxOpConverter):
+    """q, k, v, cache_k, cache_v, past_len, rope_cos, rope_sin -> out, cache_k, cache_v."""
+
+    @classmethod
+    def _impl_v1(cls, bb: relax.BlockBuilder, inputs, attr, params):
+        q, k, v, kc, vc, past, cos, sin = inputs
+        _, kvh, maxc, d = (_static(x) for x in kc.ty.shape)
+        heads = _static(q.ty.shape[2]) // d
+        gv = kernel_global_var("cached_attention", cached_attention_kernel, heads, kvh, d, maxc, q.ty.dtype)
+        out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kc.ty, vc.ty]
+        call = relax.call_tir_inplace(gv, [q, k, v, kc, vc, past, cos, sin], [-1, 3, 4], out_ty)
+        return bb.emit(call)
+
+
+PERFX_CONVERTERS: dict[str, type] = {"CachedAttention": CachedAttention}

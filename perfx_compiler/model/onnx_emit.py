@@ -1,0 +1,225 @@
+"""Emit a ModelDescription as an ONNX graph that onnxruntime can run.
+
+The graph is the model's one portable form. Attention is a node of PerfX's own
+``perfx.CachedAttention`` operator whose body is an ONNX *function* made of
+standard operators, so:
+
+* onnxruntime inlines the function body and runs the graph as it is;
+* PerfX's importer sees one node and maps it onto the fused attention kernel
+  that updates the KV cache in place.
+
+Graph I/O (batch 1, ``seq`` symbolic):
+    input_ids  int64  [1, seq]
+    past_len   int64  [1]                       tokens already in the cache
+    cache_k.{i}, cache_v.{i}  float [1, kv_heads, max_context, head_dim]
+    -> logits  float  [1, seq, vocab]  (or [1, 1, vocab] with ``logits="last"``)
+    -> cache_k_out.{i}, cache_v_out.{i}          the caches with this step written
+Weights are initializers, or graph inputs of the same names with ``weights="inputs"``
+(what the compiler imports: no weight bytes go through protobuf).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from perfx_compiler.model.description import ModelConfig, ModelDescription, rope_tables
+
+OPSET = 18
+PERFX_DOMAIN = "perfx"
+ROPE_COS = "rope.cos"
+ROPE_SIN = "rope.sin"
+
+
+def cache_names(num_layers: int) -> list[str]:
+    """Cache input names in graph order."""
+    return [n for i in range(num_layers) for n in (f"cache_k.{i}", f"cache_v.{i}")]
+
+
+def cache_shape(config: ModelConfig) -> list[int]:
+    return [1, config.num_kv_heads, config.max_context, config.head_dim]
+
+
+class _Graph:
+    """Tiny helper that names intermediate values and collects nodes."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._n = 0
+
+    def op(self, op_type: str, *inputs: str, n_out: int = 1, domain: str = "", **attrs) -> str | list[str]:
+        self._n += 1
+        outs = [f"{op_type.lower()}_{self._n}" + (f"_{j}" if n_out > 1 else "") for j in range(n_out)]
+        self.nodes.append(
+            helper.make_node(op_type, list(inputs), outs, name=f"{op_type}_{self._n}", domain=domain, **attrs)
+        )
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value: np.ndarray | list | float, dtype=np.int64) -> str:
+        self._n += 1
+        name = f"const_{self._n}"
+        self.nodes.append(
+            helper.make_node(
+                "Constant", [], [name], name=name, value=numpy_helper.from_array(np.asarray(value, dtype=dtype), name)
+            )
+        )
+        return name
+
+
+def _attention_function(config: ModelConfig) -> onnx.FunctionProto:
+    """``perfx.CachedAttention`` as standard ONNX ops (what onnxruntime runs).
+
+    inputs: q [1,seq,H*D], k/v [1,seq,KVH*D], cache_k/cache_v [1,KVH,MAXC,D], past_len [1],
+            rope_cos/rope_sin [MAXC, D/2]
+    outputs: out [1,seq,H*D], cache_k_out, cache_v_out
+    RoPE (rotate-half) is applied to q and k inside; k/v are written at positions
+    past_len .. past_len+seq-1; query i sees cache positions <= past_len + i.
+    """
+    c = config
+    h, kvh, d, maxc = c.num_heads, c.num_kv_heads, c.head_dim, c.max_context
+    g = _Graph()
+    seq_shape = g.op("Shape", "q")
+    seq = g.op("Gather", seq_shape, g.const(1), axis=0)  # scalar
+    past = g.op("Squeeze", "past_len", g.const([0]))
+    pos = g.op("Range", past, g.op("Add", past, seq), g.const(1))  # [seq]
+    cos = g.op("Gather", "rope_cos", pos, axis=0)  # [seq, D/2]
+    sin = g.op("Gather", "rope_sin", pos, axis=0)
+
+    def heads(x: str, n: int) -> str:  # [1,seq,n*D] -> [1,n,seq,D]
+        return g.op("Transpose", g.op("Reshape", x, g.const([1, -1, n, d])), perm=[0, 2, 1, 3])
+
+    def rope(x: str) -> str:
+        x1, x2 = g.op("Split", x, g.const([d // 2, d // 2]), axis=-1, n_out=2)
+        r1 = g.op("Sub", g.op("Mul", x1, cos), g.op("Mul", x2, sin))
+        r2 = g.op("Add", g.op("Mul", x2, cos), g.op("Mul", x1, sin))
+        return g.op("Concat", r1, r2, axis=-1)
+
+    q = rope(heads("q", h))
+    k = rope(heads("k", kvh))
+    v = heads("v", kvh)
+    # Scatter k/v rows into the caches along the position axis.
+    idx = g.op("Expand", g.op("Reshape", pos, g.const([1, 1, -1, 1])), g.op("Shape", k))
+    g.nodes.append(helper.make_node("ScatterElements", ["cache_k", idx, k], ["cache_k_out"], axis=2))
+    g.nodes.append(helper.make_node("ScatterElements", ["cache_v", idx, v], ["cache_v_out"], axis=2))
+    # GQA: query head j uses kv head j // (H/KVH): group queries as [1,KVH,G,seq,D].
+    q5 = g.op("Reshape", q, g.const([1, kvh, h // kvh, -1, d]))
+    k5 = g.op("Unsqueeze", g.op("Transpose", "cache_k_out", perm=[0, 1, 3, 2]), g.const([2]))
+    v5 = g.op("Unsqueeze", "cache_v_out", g.const([2]))
+    scores = g.op("Mul", g.op("MatMul", q5, k5), g.const(1.0 / math.sqrt(d), np.float32))
+    key_pos = g.op("Reshape", g.const(np.arange(maxc)), g.const([1, maxc]))
+    masked = g.op("Greater", key_pos, g.op("Reshape", pos, g.const([-1, 1])))  # [seq, MAXC]
+    scores = g.op("Where", masked, g.const(-np.inf, np.float32), scores)
+    probs = g.op("Softmax", scores, axis=-1)
+    o = g.op("MatMul", probs, v5)  # [1,KVH,G,seq,D]
+    o = g.op("Reshape", o, g.const([1, h, -1, d]))
+    o = g.op("Transpose", o, perm=[0, 2, 1, 3])
+    g.nodes.append(helper.make_node("Reshape", [o, g.const([1, -1, h * d])], ["out"]))
+    return helper.make_function(
+        PERFX_DOMAIN,
+        "CachedAttention",
+        ["q", "k", "v", "cache_k", "cache_v", "past_len", "rope_cos", "rope_sin"],
+        ["out", "cache_k_out", "cache_v_out"],
+        g.nodes,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+    )
+
+
+def emit_onnx(
+    desc: ModelDescription,
+    *,
+    weights: Literal["initializers", "inputs"] = "initializers",
+    logits: Literal["all", "last"] = "all",
+    seq_len: int | str = "seq",
+) -> onnx.ModelProto:
+    """Build the decoder graph for ``desc`` (see module docstring for its I/O)."""
+    c = desc.config
+    g = _Graph()
+    weight_arrays: dict[str, np.ndarray] = {n: w for n, w in desc.weights.items()}
+    cos, sin = rope_tables(c, c.max_context)
+    weight_arrays[ROPE_COS] = cos.astype(np.float32)
+    weight_arrays[ROPE_SIN] = sin.astype(np.float32)
+
+    def linear(x: str, name: str) -> str:
+        y = g.op("MatMul", x, g.op("Transpose", name + ".weight", perm=[1, 0]))
+        if name + ".bias" in weight_arrays:
+            y = g.op("Add", y, name + ".bias")
+        return y
+
+    eps = g.const(np.float32(c.rms_norm_eps), np.float32)
+    two = g.const(np.float32(2.0), np.float32)
+
+    def rms_norm(x: str, weight: str) -> str:
+        var = g.op("ReduceMean", g.op("Pow", x, two), g.const([-1]), keepdims=1)
+        return g.op("Mul", g.op("Div", x, g.op("Sqrt", g.op("Add", var, eps))), weight)
+
+    x = g.op("Gather", "model.embed_tokens.weight", "input_ids", axis=0)  # [1, seq, hidden]
+    outputs_cache: list[str] = []
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        hn = rms_norm(x, p + "input_layernorm.weight")
+        q = linear(hn, p + "self_attn.q_proj")
+        k = linear(hn, p + "self_attn.k_proj")
+        v = linear(hn, p + "self_attn.v_proj")
+        attn, ck, cv = g.op(
+            "CachedAttention", q, k, v, f"cache_k.{i}", f"cache_v.{i}", "past_len", ROPE_COS, ROPE_SIN,
+            n_out=3, domain=PERFX_DOMAIN,
+        )
+        g.nodes.append(helper.make_node("Identity", [ck], [f"cache_k_out.{i}"]))
+        g.nodes.append(helper.make_node("Identity", [cv], [f"cache_v_out.{i}"]))
+        outputs_cache += [f"cache_k_out.{i}", f"cache_v_out.{i}"]
+        x = g.op("Add", x, linear(attn, p + "self_attn.o_proj"))
+        hn = rms_norm(x, p + "post_attention_layernorm.weight")
+        gate = linear(hn, p + "mlp.gate_proj")
+        up = linear(hn, p + "mlp.up_proj")
+        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
+        x = g.op("Add", x, linear(act, p + "mlp.down_proj"))
+    if logits == "last":
+        x = g.op("Slice", x, g.const([-1]), g.const([np.iinfo(np.int64).max]), g.const([1]))
+    x = rms_norm(x, "model.norm.weight")
+    head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+    g.nodes.append(helper.make_node("MatMul", [x, g.op("Transpose", head, perm=[1, 0])], ["logits"]))
+
+    f32 = TensorProto.FLOAT
+    cshape = cache_shape(c)
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, seq_len]),
+        helper.make_tensor_value_info("past_len", TensorProto.INT64, [1]),
+    ] + [helper.make_tensor_value_info(n, f32, cshape) for n in cache_names(c.num_layers)]
+    out_seq = 1 if logits == "last" else seq_len
+    outputs = [helper.make_tensor_value_info("logits", f32, [1, out_seq, c.vocab_size])] + [
+        helper.make_tensor_value_info(n, f32, cshape) for n in outputs_cache
+    ]
+    initializers = []
+    for name, arr in weight_arrays.items():
+        if weights == "initializers":
+            initializers.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=np.float32), name))
+        else:
+            inputs.append(helper.make_tensor_value_info(name, f32, list(arr.shape)))
+    graph = helper.make_graph(g.nodes, f"perfx_{c.architecture}", inputs, outputs, initializers)
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PERFX_DOMAIN, 1)],
+        functions=[_attention_function(c)],
+        producer_name="perfx",
+    )
+    model.ir_version = 9
+    return model
+
+
+def weight_input_names(desc: ModelDescription) -> list[str]:
+    """Names of the weight inputs of ``emit_onnx(..., weights="inputs")``, in graph order."""
+    return [*desc.weights.keys(), ROPE_COS, ROPE_SIN]
+
+
+def weight_arrays(desc: ModelDescription) -> dict[str, np.ndarray]:
+    """The float32 arrays fed to the weight inputs (weights + RoPE tables)."""
+    cos, sin = rope_tables(desc.config, desc.config.max_context)
+    out = {n: np.ascontiguousarray(w, dtype=np.float32) for n, w in desc.weights.items()}
+    out[ROPE_COS] = cos.astype(np.float32)
+    out[ROPE_SIN] = sin.astype(np.float32)
+    return out

@@ -1,0 +1,101 @@
+"""Phase 5: write the artifact directory.
+
+    model.so            compiled Relax VM executable + kernels (host library)
+    weights.bin         every weight, packed in the layout the kernels read, 64-byte aligned
+    tokenizer.json      `tokenizers` JSON
+    perfx-config.json   manifest: model, target, functions, weight index, sha256 of every file
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tvm
+
+from perfx_compiler.model.onnx_emit import cache_shape
+
+FORMAT_VERSION = 1
+MANIFEST = "perfx-config.json"
+ALIGN = 64
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> list[dict[str, Any]]:
+    index, offset = [], 0
+    with open(path, "wb") as f:
+        for name, arr in weights.items():
+            arr = np.ascontiguousarray(arr)
+            pad = (-offset) % ALIGN
+            f.write(b"\0" * pad)
+            offset += pad
+            f.write(arr.tobytes())
+            index.append(
+                {"name": name, "shape": list(arr.shape), "dtype": str(arr.dtype), "offset": offset, "nbytes": arr.nbytes}
+            )
+            offset += arr.nbytes
+    return index
+
+
+def write_artifact(state: Any) -> Path:
+    """Write ``state`` (a pipeline CompileState after build) to ``state.options.output_dir``."""
+    from perfx_compiler import __version__
+
+    out = Path(state.options.output_dir)
+    tmp = out.with_name(out.name + ".partial")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    desc, target = state.desc, state.target
+    state.executable.export_library(str(tmp / "model.so"), **_export_kwargs(target))
+    weight_index = _write_weights(tmp / "weights.bin", state.weights)
+    if desc.tokenizer_json:
+        (tmp / "tokenizer.json").write_text(desc.tokenizer_json)
+    cfg = desc.config
+    manifest = {
+        "format": FORMAT_VERSION,
+        "perfx_version": __version__,
+        "tvm_version": tvm.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": state.notes.get("model_spec", desc.source),
+        "model": cfg.to_dict(),
+        "chat_template": desc.chat_template,
+        "target": {"name": target.name, "tvm_target": target.tvm_target, "family": target.family,
+                   "host_triple": target.host_triple},
+        "quantization": state.options.quantization,
+        "functions": {"prefill": "prefill", "decode": "decode", "prefill_all": "prefill_all"},
+        "num_inputs": state.notes["num_inputs"],
+        "kv_cache": {"shape": cache_shape(cfg), "dtype": "float32", "count": 2 * cfg.num_layers},
+        "weights": weight_index,
+        "weight_bytes": int(sum(w["nbytes"] for w in weight_index)),
+        "parameters": desc.parameter_count(),
+        "compile_seconds": {k: round(v, 2) for k, v in state.timings.items()},
+        "files": {},
+    }
+    for f in sorted(tmp.iterdir()):
+        manifest["files"][f.name] = sha256_file(f)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)  # the artifact appears whole or not at all
+    return out
+
+
+def _export_kwargs(target: Any) -> dict[str, Any]:
+    if target.cross_compiler:
+        from tvm.support import cc
+
+        return {"fcompile": cc.cross_compiler(target.cross_compiler)}
+    return {}

@@ -1,0 +1,233 @@
+"""The compile pipeline: numbered phases with a dump hook after each.
+
+    0 import    ModelDescription -> ONNX (PerfX form) -> Relax: prefill / decode / prefill_all
+    1 passes    graph passes (fusions, quantization, precision) from perfx_compiler.passes
+    2 lower     legalize to TIR, fuse into PrimFuncs
+    3 schedule  PerfX templates (schedules/) with tuning records, or TVM dlight defaults
+    4 build     tvm.compile for the target
+    5 package   artifact directory (module, packed weights, manifest, tokenizer)
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tvm
+from tvm import relax
+
+from perfx_compiler.errors import PerfXError
+from perfx_compiler.model.description import ModelDescription
+from perfx_compiler.targets import TargetDescription, load_target
+
+# Relax functions every artifact exports; the runtime calls them by these names.
+FUNCTIONS = {
+    "prefill": {"logits": "last", "seq": "seq"},
+    "decode": {"logits": "last", "seq": 1},
+    "prefill_all": {"logits": "all", "seq": "seq"},
+}
+
+
+@dataclass
+class CompileOptions:
+    target: str = "host"
+    output_dir: Path | None = None
+    dump_ir: Path | None = None
+    tuning_log: Path | None = None
+    quantization: str = "f32"
+    max_context: int | None = None
+    progress: bool = True
+    passes: list[str] | None = None  # None: the default pass list of perfx_compiler.passes
+
+
+@dataclass
+class CompileState:
+    """What flows between phases."""
+
+    desc: ModelDescription
+    target: TargetDescription
+    options: CompileOptions
+    mod: tvm.IRModule | None = None
+    executable: Any = None
+    weights: dict[str, Any] = field(default_factory=dict)  # name -> numpy array, in parameter order
+    timings: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def phase_import(state: CompileState) -> None:
+    from perfx_compiler.frontend.onnx_import import import_onnx
+    from perfx_compiler.frontend.perfx_ops import PERFX_CONVERTERS, add_kernels
+    from perfx_compiler.model.onnx_emit import (
+        emit_onnx,
+        weight_arrays,
+        weight_input_names,
+    )
+
+    num_inputs = 2 + 2 * state.desc.config.num_layers  # input_ids, past_len, caches
+    merged = tvm.IRModule()
+    for name, spec in FUNCTIONS.items():
+        graph = emit_onnx(state.desc, weights="inputs", logits=spec["logits"], seq_len=spec["seq"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the importer warns about every sanitized name
+            mod = import_onnx(graph, keep_params_in_input=True, extra_converters=PERFX_CONVERTERS)
+        main = mod["main"].with_attrs({"global_symbol": name, "num_input": num_inputs})
+        merged[name] = main
+    state.mod = add_kernels(merged)
+    # Weights are the parameters after the inputs, in emission order; key them by Relax name.
+    arrays = weight_arrays(state.desc)
+    params = state.mod["decode"].params[num_inputs:]
+    names = weight_input_names(state.desc)
+    assert len(params) == len(names), (len(params), len(names))
+    state.weights = {p.name: arrays[n] for p, n in zip(params, names)}
+    state.notes["num_inputs"] = num_inputs
+
+
+def phase_passes(state: CompileState) -> None:
+    from perfx_compiler.passes import run_passes
+
+    state.mod, state.weights = run_passes(state.mod, state.weights, state.target, state.options)
+
+
+def phase_lower(state: CompileState) -> None:
+    seq = tvm.transform.Sequential(
+        [
+            relax.transform.LegalizeOps(),
+            relax.transform.AnnotateTIROpPattern(),
+            relax.transform.FoldConstant(),
+            relax.transform.FuseOps(),
+            relax.transform.FuseTIR(),
+            relax.transform.DeadCodeElimination(list(FUNCTIONS)),
+        ]
+    )
+    with state.target.tvm():
+        state.mod = seq(state.mod)
+
+
+def phase_schedule(state: CompileState) -> None:
+    try:
+        from perfx_compiler.schedule import apply_schedules
+    except ImportError:  # templates not available: TVM's own defaults
+        apply_schedules = None
+    if apply_schedules is not None:
+        records = None
+        if state.options.tuning_log is not None:
+            from perfx_compiler.tune.records import TuningDatabase
+
+            records = TuningDatabase(state.options.tuning_log)
+        state.mod = apply_schedules(state.mod, state.target, records)
+        return
+    from tvm.s_tir import dlight as dl
+
+    tgt = state.target.tvm()
+    rules = (
+        [dl.cpu.GEMV(), dl.cpu.Reduction()]
+        if state.target.family == "cpu"
+        else [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+    )
+    with tgt:
+        state.mod = dl.ApplyDefaultSchedule(*rules)(state.mod)
+
+
+def phase_build(state: CompileState) -> None:
+    tgt = state.target.tvm()
+    # Phases 1-3 did legalization, fusion and scheduling; only VM lowering remains.
+    finish = tvm.transform.Sequential(
+        [
+            relax.transform.RewriteDataflowReshape(),
+            relax.transform.ToNonDataflow(),
+            relax.transform.RemovePurityChecking(),
+            relax.transform.CallTIRRewrite(),
+            relax.transform.StaticPlanBlockMemory(),
+            relax.transform.LowerAllocTensor(),
+            relax.transform.KillAfterLastUse(),
+            relax.transform.LowerRuntimeBuiltin(),
+            relax.transform.ComputePrimValue(),
+            relax.transform.VMShapeLower(),
+            relax.transform.AttachGlobalSymbol(),
+        ]
+    )
+    state.executable = tvm.compile(state.mod, target=tgt, relax_pipeline=finish)
+
+
+def phase_package(state: CompileState) -> None:
+    from perfx_compiler.package import write_artifact
+
+    write_artifact(state)
+
+
+PHASES: list[tuple[str, Callable[[CompileState], None]]] = [
+    ("import", phase_import),
+    ("passes", phase_passes),
+    ("lower", phase_lower),
+    ("schedule", phase_schedule),
+    ("build", phase_build),
+    ("package", phase_package),
+]
+
+
+def _dump(state: CompileState, index: int, name: str) -> None:
+    if state.options.dump_ir is None or state.mod is None:
+        return
+    out = Path(state.options.dump_ir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{index:02d}_{name}.py").write_text(state.mod.script(show_meta=False))
+
+
+def default_output_dir(model: str, target: str) -> Path:
+    stem = Path(model).stem if model.endswith((".gguf", ".onnx")) else Path(model).name
+    return Path(f"{stem}-{target}")
+
+
+def compile_model(
+    model: str | ModelDescription,
+    target: str = "host",
+    output_dir: str | Path | None = None,
+    **options: Any,
+) -> Path:
+    """Compile ``model`` (name, GGUF, HF folder, or a ModelDescription) for ``target``; return the artifact dir."""
+    opts = CompileOptions(target=target, **options)
+    tdesc = load_target(target)
+    if isinstance(model, ModelDescription):
+        desc = model
+        spec = desc.source or desc.config.name or "model"
+    else:
+        from perfx_compiler.model.loader import load_model
+
+        spec = model
+        desc = load_model(model, max_context=opts.max_context)
+    desc.validate()
+    opts.output_dir = Path(output_dir) if output_dir is not None else default_output_dir(str(spec), target)
+    state = CompileState(desc=desc, target=tdesc, options=opts)
+    state.notes["model_spec"] = str(spec)
+    bar = None
+    if opts.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(PHASES), desc="compile", unit="phase", leave=True)
+    try:
+        for i, (name, fn) in enumerate(PHASES):
+            if bar is not None:
+                bar.set_description(f"compile [{i}] {name}")
+            start = time.perf_counter()
+            try:
+                fn(state)
+            except PerfXError:
+                raise
+            except Exception as err:  # a TVM failure is our bug, but say where it happened
+                raise PerfXError(
+                    f"compile phase {i} ({name}) failed for target {tdesc.name}: "
+                    f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''} "
+                    "(rerun with --debug for the traceback)"
+                ) from err
+            state.timings[name] = time.perf_counter() - start
+            _dump(state, i, name)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return opts.output_dir

@@ -1,0 +1,129 @@
+"""Load an artifact and run prefill/decode on a KV cache allocated once.
+
+Imports only the TVM runtime, numpy and ``perfx_compiler.errors``. The caches
+are tensors created at load time; the compiled attention kernel writes new
+keys/values into them in place, so a step allocates nothing but its logits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tvm.runtime
+from tvm.runtime.vm import VirtualMachine
+
+from perfx_compiler.errors import ArtifactError, ContextLengthError
+
+MANIFEST = "perfx-config.json"
+SUPPORTED_FORMAT = 1
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_manifest(artifact_dir: str | Path, *, verify: bool = True) -> dict[str, Any]:
+    """Parse and check the manifest; with ``verify``, check every file's sha256."""
+    root = Path(artifact_dir)
+    path = root / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{root} is not a PerfX artifact ({MANIFEST} missing); compile one with perfx-compile")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ArtifactError(f"{path} is not valid JSON ({err.msg}); recompile the artifact") from None
+    if manifest.get("format") != SUPPORTED_FORMAT:
+        raise ArtifactError(
+            f"artifact format {manifest.get('format')} is not supported by this runtime "
+            f"(expects {SUPPORTED_FORMAT}); recompile with this PerfX version"
+        )
+    for name, digest in manifest.get("files", {}).items():
+        f = root / name
+        if not f.is_file():
+            raise ArtifactError(f"artifact file {name} is missing from {root}; recompile or copy the whole directory")
+        if verify and _sha256(f) != digest:
+            raise ArtifactError(f"artifact file {name} does not match its sha256 in {MANIFEST}; it was modified or corrupted")
+    return manifest
+
+
+class Engine:
+    """One sequence's prefill/decode over a preallocated KV cache."""
+
+    def __init__(self, artifact_dir: str | Path, *, verify: bool = True, device: str = "cpu"):
+        self.root = Path(artifact_dir)
+        self.manifest = read_manifest(self.root, verify=verify)
+        self.tokenizer_path = self.root / "tokenizer.json"
+        model = self.manifest["model"]
+        self.max_context = int(model["max_context"])
+        self.vocab_size = int(model["vocab_size"])
+        self.device = tvm.runtime.device(device)
+        lib = tvm.runtime.load_module(str(self.root / "model.so"))
+        self.vm = VirtualMachine(lib, self.device)
+        self._weights = self._load_weights()
+        kv = self.manifest["kv_cache"]
+        zeros = np.zeros(kv["shape"], dtype=kv["dtype"])
+        self._caches = [tvm.runtime.tensor(zeros, self.device) for _ in range(kv["count"])]
+        # Look the functions up once; per-step Python work stays minimal.
+        fns = self.manifest["functions"]
+        self._prefill = self.vm[fns["prefill"]]
+        self._decode = self.vm[fns["decode"]]
+        self._prefill_all = self.vm[fns["prefill_all"]]
+        self._tail = [*self._caches, *self._weights]
+        self._one_token = np.zeros((1, 1), dtype=np.int64)
+        self._pos = np.zeros((1,), dtype=np.int64)
+        self.position = 0
+
+    def _load_weights(self) -> list[Any]:
+        blob = np.memmap(self.root / "weights.bin", dtype=np.uint8, mode="r")
+        out = []
+        for w in self.manifest["weights"]:
+            raw = blob[w["offset"] : w["offset"] + w["nbytes"]]
+            arr = np.frombuffer(raw, dtype=w["dtype"]).reshape(w["shape"])
+            out.append(tvm.runtime.tensor(arr, self.device))
+        return out
+
+    def reset(self) -> None:
+        """Forget the sequence; the cache memory is reused (stale rows are never read)."""
+        self.position = 0
+
+    def _check_room(self, n: int) -> None:
+        if self.position + n > self.max_context:
+            raise ContextLengthError(
+                f"{self.position + n} tokens do not fit the context of {self.max_context}; "
+                "shorten the prompt or compile with a larger --max-context"
+            )
+
+    def _run(self, fn: Any, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+        n = ids.shape[1]
+        if n == 0:
+            raise ValueError("no tokens to run")
+        self._check_room(n)
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        self._pos[0] = self.position
+        out = fn(tvm.runtime.tensor(ids, self.device), tvm.runtime.tensor(self._pos, self.device), *self._tail)
+        self.position += n
+        return out[0].numpy()[0]
+
+    def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Run a chunk of tokens; return the last position's logits as [1, vocab]."""
+        return self._run(self._prefill, token_ids)
+
+    def prefill_all(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Run a chunk of tokens; return logits of every position [len, vocab]."""
+        return self._run(self._prefill_all, token_ids)
+
+    def decode(self, token_id: int) -> np.ndarray:
+        """Run one token; return its logits [vocab]."""
+        self._one_token[0, 0] = token_id
+        return self._run(self._decode, self._one_token)[0]
