@@ -1,0 +1,265 @@
+"""Build and time schedule candidates on the local CPU.
+
+Builds run in a process pool (each candidate: apply template -> tvm.compile -> export .so) with a
+timeout, so a pathological configuration cannot hang or crash the tuner. Timing runs in this
+process, one candidate at a time, with ``time_evaluator``. Every candidate is checked against the
+unscheduled function (TVM's default lowering is the reference semantics) on random inputs at a
+small M, including an M tail, before it is timed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from perfx_compiler.targets import TargetDescription
+
+VERIFY_M = 7  # odd on purpose: exercises the M tail of every tiled schedule
+
+
+@dataclass
+class MeasureResult:
+    config: dict[str, Any]
+    mean_s: float = float("inf")
+    std_s: float = 0.0
+    error: str | None = None  # build / verify / run failure; such candidates are recorded too
+    build_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+# ----------------------------------------------------------------------------- concrete inputs
+
+
+def _shape(ty: Any, m_value: int) -> tuple[int, ...]:
+    dims = []
+    for dim in ty.shape:
+        value = getattr(dim, "value", None)
+        dims.append(int(value) if isinstance(value, int) else int(m_value))
+    return tuple(dims)
+
+
+def param_specs(func: Any, m_value: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, concrete shape, dtype) of every buffer parameter, symbolic dims set to m_value."""
+    return [(str(p.name), _shape(p.ty, m_value), str(p.ty.dtype)) for p in func.params]
+
+
+def output_names(func: Any) -> set[str]:
+    """Parameters some block writes: the function's outputs."""
+    from tvm import s_tir
+
+    params = {str(p.name) for p in func.params}
+    sch = s_tir.Schedule(func)
+    written: set[str] = set()
+
+    def visit(block: Any) -> None:
+        for child in sch.get_child_blocks(block):
+            for region in sch.get(child).writes:
+                src = getattr(region, "source", None)
+                if src is None:
+                    src = getattr(region, "buffer", None)
+                written.add(str(getattr(src, "name", src)))
+            visit(child)
+
+    visit(sch.get_sblock("root"))
+    outs = written & params
+    return outs or {str(func.params[-1].name)}
+
+
+def random_inputs(func: Any, m_value: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    outs = output_names(func)
+    arrays = []
+    for name, shape, dtype in param_specs(func, m_value):
+        if name in outs:
+            arrays.append(np.zeros(shape, dtype=dtype))
+        elif dtype.startswith(("int", "uint")):
+            arrays.append(rng.integers(0, 16, size=shape).astype(dtype))  # valid gather indices
+        else:
+            arrays.append(rng.standard_normal(shape).astype(dtype))
+    return arrays
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def _with_symbol(func: Any) -> Any:
+    return func.with_attr("global_symbol", "main")
+
+
+def build_func(func: Any, target: TargetDescription) -> Any:
+    """Compile one PrimFunc to a runnable module (``main``)."""
+    import tvm
+
+    return tvm.compile(tvm.IRModule({"main": _with_symbol(func)}), target.tvm()).jit()
+
+
+def run_func(rt: Any, func: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    import tvm
+
+    dev = tvm.cpu()
+    tensors = [tvm.runtime.tensor(a, dev) for a in arrays]
+    rt["main"](*tensors)
+    outs = output_names(func)
+    return [t.numpy() for p, t in zip(func.params, tensors) if str(p.name) in outs]
+
+
+def reference_outputs(func: Any, target: TargetDescription, m_value: int, seed: int = 0) -> list[np.ndarray]:
+    """Outputs of the unscheduled function (TVM default lowering) on random inputs."""
+    arrays = random_inputs(func, m_value, seed)
+    return run_func(build_func(func, target), func, arrays)
+
+
+def max_rel_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
+    err = 0.0
+    for g, w in zip(got, want):
+        scale = max(1.0, float(np.abs(w).max()) if w.size else 1.0)
+        err = max(err, float(np.abs(g.astype(np.float64) - w).max()) / scale if w.size else 0.0)
+    return err
+
+
+def time_module(rt: Any, func: Any, m_value: int, number: int = 0, repeat: int = 5, min_ms: int = 20) -> tuple[float, float]:
+    """Mean and std (seconds) of one call at M = m_value."""
+    import tvm
+
+    dev = tvm.cpu()
+    tensors = [tvm.runtime.tensor(a, dev) for a in random_inputs(func, m_value, seed=1)]
+    evaluator = rt.time_evaluator("main", dev, number=max(1, number), repeat=repeat, min_repeat_ms=min_ms)
+    res = evaluator(*tensors)
+    samples = np.asarray(res.results, dtype=np.float64)
+    # min over repeats is robust to the other tenants of a shared machine; std shows the noise.
+    return float(samples.min()), float(samples.std())
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _worker_build(payload: dict[str, Any]) -> dict[str, Any]:
+    """Runs in a pool process: schedule with the template, compile, export to a .so file."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])  # the repo root holds the schedules package
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import tvm
+
+    from perfx_compiler.schedule_template import template_by_name
+    from perfx_compiler.targets import TargetDescription as TD
+
+    start = time.perf_counter()
+    func = tvm.ir.load_json(payload["func"])
+    target = TD(**payload["target"])
+    template = template_by_name(payload["template"])
+    workload = template.match(func, target)
+    if workload is None:
+        return {"error": "template no longer matches"}
+    try:
+        scheduled = template.apply(func, workload, payload["config"], target)
+        ex = tvm.compile(tvm.IRModule({"main": _with_symbol(scheduled)}), target.tvm())
+        ex.export_library(payload["path"])
+    except Exception as err:  # noqa: BLE001 - any failure makes the candidate invalid, not the tuner
+        return {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"}
+    return {"error": None, "build_s": time.perf_counter() - start, "script": None}
+
+
+def _target_payload(target: TargetDescription) -> dict[str, Any]:
+    fields = TargetDescription.__dataclass_fields__
+    return {k: getattr(target, k) for k in fields if k != "raw"}
+
+
+class LocalMeasurer:
+    """Build candidates in a process pool, then verify and time them here, one at a time."""
+
+    def __init__(
+        self,
+        target: TargetDescription,
+        workers: int | None = None,
+        build_timeout_s: float = 120.0,
+        repeat: int = 5,
+        min_repeat_ms: int = 20,
+        tolerance: float = 1e-4,
+    ) -> None:
+        self.target = target
+        self.workers = workers or max(1, min(2, os.cpu_count() or 1))
+        self.build_timeout_s = build_timeout_s
+        self.repeat = repeat
+        self.min_repeat_ms = min_repeat_ms
+        self.tolerance = tolerance
+        self._refs: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self._tmp = tempfile.TemporaryDirectory(prefix="perfx-measure-")
+
+    def _reference(self, key: str, func: Any, m_verify: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if key not in self._refs:
+            inputs = random_inputs(func, m_verify, seed=0)
+            want = run_func(build_func(func, self.target), func, [a.copy() for a in inputs])
+            self._refs[key] = (inputs, want)
+        return self._refs[key]
+
+    def measure(
+        self,
+        func: Any,
+        template_name: str,
+        workload_key: str,
+        configs: list[dict[str, Any]],
+        m_value: int,
+        m_verify: int | None = None,
+    ) -> list[MeasureResult]:
+        import tvm
+
+        m_verify = m_verify if m_verify is not None else min(m_value, VERIFY_M) if m_value else VERIFY_M
+        payload_base = {
+            "func": tvm.ir.save_json(func),
+            "target": _target_payload(self.target),
+            "template": template_name,
+        }
+        results = [MeasureResult(config=c) for c in configs]
+        paths = [os.path.join(self._tmp.name, f"c{time.time_ns()}_{i}.so") for i in range(len(configs))]
+        ctx = multiprocessing.get_context("spawn")  # TVM state must not be forked
+        with cf.ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx) as pool:
+            futures = [
+                pool.submit(_worker_build, {**payload_base, "config": c, "path": p})
+                for c, p in zip(configs, paths)
+            ]
+            for res, fut in zip(results, futures):
+                try:
+                    out = fut.result(timeout=self.build_timeout_s)
+                except cf.TimeoutError:
+                    res.error = f"build timed out after {self.build_timeout_s:.0f} s"
+                    continue
+                except Exception as err:  # noqa: BLE001 - a crashed worker fails only its candidate
+                    res.error = f"build crashed: {type(err).__name__}"
+                    continue
+                res.error = out.get("error")
+                res.build_s = float(out.get("build_s", 0.0))
+        inputs, want = self._reference(workload_key, func, m_verify)
+        for res, path in zip(results, paths):
+            if not res.ok:
+                continue
+            try:
+                rt = tvm.runtime.load_module(path)
+                got = run_func(rt, func, [a.copy() for a in inputs])
+                err = max_rel_error(got, want)
+                res.extra["max_rel_error"] = err
+                if not err <= self.tolerance:
+                    res.error = f"wrong result: max relative error {err:.2e}"
+                    continue
+                res.mean_s, res.std_s = time_module(rt, func, m_value, repeat=self.repeat, min_ms=self.min_repeat_ms)
+            except Exception as err:  # noqa: BLE001
+                res.error = f"run failed: {type(err).__name__}: {str(err)[:200]}"
+            finally:
+                try:
+                    os.remove(path)
+                except OSError:
+                    pass
+        return results

@@ -1,0 +1,187 @@
+"""Tuning records: append-only JSON lines under ``tuning_logs/<target>/<name>.jsonl``.
+
+One line per measured candidate: workload key, target key, template, config, M bucket,
+mean/std seconds (or the error that disqualified it), versions and a timestamp. Every record is
+flushed and fsync'ed so a crash loses at most the line being written; a torn last line is
+skipped with a warning. Records whose target key or workload key differs from what is asked
+for are never returned: a changed function structure or another target simply has no records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from perfx_compiler.errors import TuningLogError
+
+log = logging.getLogger(__name__)
+RECORD_VERSION = 1
+DEFAULT_LOG_ROOT = Path(__file__).resolve().parents[2] / "tuning_logs"
+
+
+def _versions() -> dict[str, str]:
+    out = {"record": str(RECORD_VERSION)}
+    try:
+        import tvm
+
+        out["tvm"] = str(tvm.__version__)
+    except Exception:  # noqa: BLE001 - records stay writable without TVM (tests, tools)
+        log.debug("tvm not importable; record carries no tvm version")
+    return out
+
+
+def config_key(config: dict[str, Any]) -> str:
+    """Canonical text of a configuration (dedup / resume key)."""
+    return json.dumps(config, sort_keys=True, separators=(",", ":"))
+
+
+@dataclass
+class TuningRecord:
+    workload_key: str
+    target_key: str
+    template: str
+    config: dict[str, Any]
+    mean_s: float
+    std_s: float = 0.0
+    bucket: int | None = None  # M the candidate was timed at (symbolic-M workloads)
+    error: str | None = None
+    dims: dict[str, int] | None = None  # workload dims, so the cost model can learn from any record
+    versions: dict[str, str] = field(default_factory=_versions)
+    timestamp: float = field(default_factory=time.time)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and math.isfinite(self.mean_s)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        if not math.isfinite(self.mean_s):
+            data["mean_s"] = None
+        return json.dumps(data, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, line: str) -> TuningRecord:
+        data = json.loads(line)
+        if not isinstance(data, dict) or "workload_key" not in data or "config" not in data:
+            raise ValueError("not a tuning record")
+        mean = data.get("mean_s")
+        return cls(
+            workload_key=str(data["workload_key"]),
+            target_key=str(data["target_key"]),
+            template=str(data["template"]),
+            config=dict(data["config"]),
+            mean_s=float("inf") if mean is None else float(mean),
+            std_s=float(data.get("std_s") or 0.0),
+            bucket=data.get("bucket"),
+            error=data.get("error"),
+            dims=data.get("dims"),
+            versions=dict(data.get("versions") or {}),
+            timestamp=float(data.get("timestamp") or 0.0),
+        )
+
+
+def read_records(path: Path) -> Iterator[TuningRecord]:
+    """Records of one file; a torn (unterminated, unparsable) last line is skipped with a warning."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise TuningLogError(f"cannot read tuning log {path}: {err}") from None
+    lines = text.split("\n")
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield TuningRecord.from_json(line)
+        except (ValueError, TypeError, KeyError) as err:
+            last = number == len(lines) or all(not rest.strip() for rest in lines[number:])
+            if last:
+                log.warning("%s: skipping torn last line %d (%s)", path, number, err)
+            else:
+                log.warning("%s: skipping unreadable line %d (%s)", path, number, err)
+
+
+class TuningDatabase:
+    """Records of one target directory, loaded into memory; new records are appended to ``path``."""
+
+    def __init__(self, path: str | os.PathLike[str], load_dir: bool = True) -> None:
+        self.path = Path(path)
+        self._records: list[TuningRecord] = []
+        files = sorted(self.path.parent.glob("*.jsonl")) if load_dir else [self.path]
+        if self.path not in files and self.path.exists():
+            files.append(self.path)
+        for file in files:
+            self._records.extend(read_records(file))
+
+    @classmethod
+    def for_target(
+        cls, target_name: str, root: str | os.PathLike[str] | None = None, name: str = "records"
+    ) -> TuningDatabase:
+        base = Path(root) if root is not None else DEFAULT_LOG_ROOT
+        return cls(base / target_name / f"{name}.jsonl")
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def records(self) -> list[TuningRecord]:
+        return list(self._records)
+
+    def add(self, record: TuningRecord) -> None:
+        """Append one record durably (flush + fsync) and index it."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = record.to_json() + "\n"
+        # If a previous writer died mid-line, start on a fresh line so this record stays readable.
+        needs_newline = False
+        if self.path.exists() and self.path.stat().st_size > 0:
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                needs_newline = f.read(1) != b"\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            if needs_newline:
+                f.write("\n")
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        self._records.append(record)
+
+    def add_many(self, records: Iterable[TuningRecord]) -> None:
+        for record in records:
+            self.add(record)
+
+    def for_workload(
+        self, workload_key: str, target_key: str, bucket: int | None = None
+    ) -> list[TuningRecord]:
+        return [
+            r
+            for r in self._records
+            if r.workload_key == workload_key
+            and r.target_key == target_key
+            and (bucket is None or r.bucket == bucket)
+        ]
+
+    def measured_configs(self, workload_key: str, target_key: str, bucket: int | None = None) -> set[str]:
+        """Configs already measured (successfully or not): a resumed search skips them."""
+        return {config_key(r.config) for r in self.for_workload(workload_key, target_key, bucket)}
+
+    def best(
+        self, workload_key: str, target_key: str, bucket: int | None = None
+    ) -> TuningRecord | None:
+        """Fastest valid record for (workload, target). For symbolic-M workloads without a bucket,
+        the largest measured bucket decides (prefill shapes dominate the time)."""
+        rows = [r for r in self.for_workload(workload_key, target_key, bucket) if r.ok]
+        if not rows:
+            return None
+        if bucket is None:
+            buckets = [r.bucket for r in rows if r.bucket is not None]
+            if buckets:
+                top = max(buckets)
+                rows = [r for r in rows if r.bucket == top]
+        return min(rows, key=lambda r: r.mean_s)

@@ -1,0 +1,319 @@
+"""Shared analysis and loop-nest builders for the CPU matmul templates (GEMM and GEMV).
+
+The functions we schedule come from Relax ``matmul(x, permute_dims(w))`` after LegalizeOps /
+FuseTransposeMatmul / FuseOps / FuseTIR: one reduction block ``C[b, m, n] += A[b, m, k] * B[..]``
+with B either ``[K, N]`` ("NN", when LegalizeOps ran first and the transpose is a separate
+function) or ``[N, K]`` ("NT", from FuseTransposeMatmul), followed by injective epilogue blocks
+(bias add, SiLU * mul, residual add).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from perfx_compiler.schedule_template import ScheduleConfigError
+
+
+def _name(node: Any) -> str:
+    src = getattr(node, "source", None)
+    if src is None:
+        src = getattr(node, "buffer", None)
+    return str(getattr(src, "name", src))
+
+
+def _var_positions(indices: Any, iter_vars: list) -> list[int] | None:
+    """Map each index to the position of the block iter var it is; None if any index is not plain."""
+    out = []
+    for index in indices:
+        pos = next((i for i, iv in enumerate(iter_vars) if index.same_as(iv.var)), None)
+        if pos is None:
+            return None
+        out.append(pos)
+    return out
+
+
+def _as_int(expr: Any) -> int | None:
+    value = getattr(expr, "value", None)
+    return int(value) if isinstance(value, int) else None
+
+
+@dataclass
+class MatmulFacts:
+    block: str
+    roles: list[str]  # role of each block iter / loop: "u" (unit), "m", "n", "k"
+    M: int | None  # None when symbolic
+    m_var: str | None
+    N: int
+    K: int
+    layout: str  # "NN": B[K, N]; "NT": B[N, K]
+    b_read_index: int  # which read of the block is B (for cache_read)
+    epilogue: list[str]
+    dtype: str
+
+    def info(self) -> dict[str, Any]:
+        return {"layout": self.layout, "block": self.block, "epilogue": list(self.epilogue)}
+
+
+def _is_spatial_block(blk: Any) -> bool:
+    return all(int(iv.iter_type) == 0 for iv in blk.iter_vars)
+
+
+def analyze_matmul(func: Any) -> MatmulFacts | None:
+    """Recognise a (batch-1) fp32 matmul with an optional injective epilogue; None otherwise."""
+    from tvm import s_tir
+
+    try:
+        sch = s_tir.Schedule(func)
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    except Exception:  # noqa: BLE001 - functions without a root block are simply not matmuls
+        return None
+    if not blocks:
+        return None
+    first = sch.get(blocks[0])
+    store = first.body
+    value = getattr(store, "value", None)
+    if first.init is None or value is None or type(value).__name__ != "Add":
+        return None
+    acc, prod = value.a, value.b
+    if type(prod).__name__ != "Mul" or _name(acc) != _name(store):
+        return None
+    lhs, rhs = prod.a, prod.b
+    if type(lhs).__name__ not in ("TensorLoad", "BufferLoad") or type(rhs).__name__ not in (
+        "TensorLoad",
+        "BufferLoad",
+    ):
+        return None
+    ivs = list(first.iter_vars)
+    c_pos = _var_positions(store.indices, ivs)
+    a_pos = _var_positions(lhs.indices, ivs)
+    b_pos = _var_positions(rhs.indices, ivs)
+    if c_pos is None or a_pos is None or b_pos is None or len(b_pos) != 2:
+        return None
+    loops = sch.get_loops(blocks[0])
+    if len(loops) != len(ivs):
+        return None
+    roles: list[str] = []
+    m_extent: Any = None
+    n_extent = k_extent = None
+    for i, iv in enumerate(ivs):
+        reduce = int(iv.iter_type) == 2
+        in_a, in_b, in_c = i in a_pos, i in b_pos, i in c_pos
+        ext = iv.dom.extent
+        if not ext.same_as(sch.get(loops[i]).extent) and _as_int(ext) != _as_int(sch.get(loops[i]).extent):
+            return None  # loops were already transformed
+        if reduce and in_a and in_b and not in_c:
+            if k_extent is not None:
+                return None
+            roles.append("k")
+            k_extent = ext
+        elif not reduce and _as_int(ext) == 1:
+            roles.append("u")
+        elif not reduce and in_b and in_c and not in_a:
+            if n_extent is not None:
+                return None
+            roles.append("n")
+            n_extent = ext
+        elif not reduce and in_a and in_c and not in_b:
+            if m_extent is not None:
+                return None
+            roles.append("m")
+            m_extent = ext
+        else:
+            return None
+    N, K = _as_int(n_extent), _as_int(k_extent)
+    if N is None or K is None or "k" not in roles or "n" not in roles:
+        return None
+    if m_extent is None:  # M = 1: the last unit axis indexing A and C (not B) plays M
+        cands = [i for i, r in enumerate(roles) if r == "u" and i in a_pos and i in c_pos and i not in b_pos]
+        if not cands:
+            return None
+        roles[cands[-1]] = "m"
+        m_extent = ivs[cands[-1]].dom.extent
+    M = _as_int(m_extent)
+    m_var = None if M is not None else str(getattr(m_extent, "name", m_extent))
+    if M is None and type(m_extent).__name__ != "Var":
+        return None
+    dtype = str(store.value.dtype if hasattr(store.value, "dtype") else "float32")
+    if "float32" not in dtype:
+        return None
+    layout = "NN" if b_pos.index(roles.index("k")) == 0 else "NT"
+    b_name = _name(rhs)
+    reads = [_name(r) for r in first.reads]
+    if b_name not in reads:
+        return None
+    epilogue = []
+    for blk_rv in blocks[1:]:
+        blk = sch.get(blk_rv)
+        if not _is_spatial_block(blk) or blk.init is not None:
+            return None
+        epilogue.append(blk.name_hint)
+    return MatmulFacts(
+        block=first.name_hint,
+        roles=roles,
+        M=M,
+        m_var=m_var,
+        N=N,
+        K=K,
+        layout=layout,
+        b_read_index=reads.index(b_name),
+        epilogue=epilogue,
+        dtype="float32",
+    )
+
+
+def _loops_by_role(sch: Any, block: Any, roles: list[str]) -> dict[str, Any]:
+    loops = sch.get_loops(block)
+    out: dict[str, Any] = {}
+    for role, loop in zip(roles, loops):
+        if role != "u":
+            out[role] = loop
+    return out
+
+
+def schedule_register_tiled(
+    func: Any,
+    facts: MatmulFacts,
+    *,
+    mr: int,
+    nr: int,
+    nc: int,
+    lanes: int,
+    parallel: str,
+    pack_x: bool,
+    pack_b: bool,
+    k_outer: bool = False,
+) -> Any:
+    """Register-tiled outer-product kernel: an mr x nr accumulator tile lives in registers while k
+    runs over the whole reduction; an nc-wide panel of B stays in L2 across the M tiles.
+
+    Symbolic or ragged M is padded to a multiple of mr (pad_einsum) so the hot loop has no
+    predicate; only the write-back tile is predicated. NT weights are packed per panel into
+    [K, nr] slabs so that the vectorized axis is contiguous.
+    """
+    from tvm import s_tir
+
+    N = facts.N
+    if mr < 1 or nr % lanes or nc % nr or N % nc:
+        raise ScheduleConfigError(f"bad tiles mr={mr} nr={nr} nc={nc} for N={N}, lanes={lanes}")
+    if parallel not in ("n", "nm"):
+        raise ScheduleConfigError(f"parallel must be 'n' or 'nm', not {parallel!r}")
+    sch = s_tir.Schedule(func)
+    mm = sch.get_sblock(facts.block)
+    epis = [sch.get_sblock(name) for name in facts.epilogue]
+    for blk in epis[:-1]:  # e.g. sigmoid feeding the SiLU multiply: fold into the last block
+        sch.compute_inline(blk)
+    last_epi = epis[-1] if epis else None
+
+    pad = facts.M is None or facts.M % mr != 0
+    if pad:
+        sch.pad_einsum(mm, [mr if r == "m" else 1 for r in facts.roles])
+        producers = sch.get_producers(mm)
+        xpad = next(b for b in producers if sch.get(b).name_hint.endswith("_pad"))
+        copy_out = sch.get_consumers(mm)[0]
+    else:
+        xpad = None
+        copy_out = sch.cache_write(mm, 0, "global")  # accumulator tile, promoted to registers
+    if last_epi is not None:
+        sch.compute_inline(copy_out)
+        last = last_epi
+    else:
+        last = copy_out
+
+    bpack = None
+    if facts.layout == "NT" or pack_b:
+        bpack = sch.cache_read(mm, facts.b_read_index, "global")
+        if facts.layout == "NT":
+            sch.transform_layout(bpack, ("write", 0), lambda n, k: (n // nr, k, n % nr))
+        else:
+            sch.transform_layout(bpack, ("write", 0), lambda k, n: (n // nr, k, n % nr))
+
+    loops = _loops_by_role(sch, mm, facts.roles)
+    m, n, k = loops["m"], loops["n"], loops["k"]
+    mo, mi = sch.split(m, [None, mr])
+    no, nj, nv, nl = sch.split(n, [None, nc // nr, nr // lanes, lanes])
+    if k_outer:
+        sch.reorder(no, mo, k, nj, mi, nv, nl)
+        sch.reverse_compute_at(last, mo)
+    else:
+        sch.reorder(no, mo, nj, k, mi, nv, nl)
+        sch.reverse_compute_at(last, nj)
+    if xpad is not None:
+        if pack_x:
+            sch.compute_at(xpad, mo)  # copy the mr x K strip of x next to its use
+        else:
+            sch.compute_inline(xpad)
+    if bpack is not None:
+        if parallel == "n":
+            sch.compute_at(bpack, no)  # pack this panel of B once, reuse across all M tiles
+            sch.vectorize(sch.get_loops(bpack)[-1]) if facts.layout == "NT" else None
+        else:
+            ploops = sch.get_loops(bpack)
+            sch.parallel(ploops[0])
+    if parallel == "n":
+        sch.parallel(no)
+    else:
+        sch.parallel(sch.fuse(no, mo))
+    sch.unroll(mi)
+    sch.unroll(nv)
+    sch.vectorize(nl)
+    init = sch.decompose_reduction(mm, k)
+    iloops = sch.get_loops(init)[-3:]
+    if not k_outer:
+        sch.unroll(iloops[0])
+        sch.unroll(iloops[1])
+    sch.vectorize(iloops[2])
+    wloops = sch.get_loops(last)
+    _, wl = sch.split(wloops[-1], [None, lanes])
+    sch.vectorize(wl)
+    return sch.mod["main"]
+
+
+def schedule_dot_rows(
+    func: Any,
+    facts: MatmulFacts,
+    *,
+    rows: int,
+    accum: int,
+    lanes: int,
+    tasks: int,
+) -> Any:
+    """GEMV with weights [N, K]: each output is a dot product along contiguous K. ``rows`` outputs
+    share each x load; the K loop keeps ``accum`` vector partial sums per row (rfactor) so the FMA
+    latency chain is hidden; a short horizontal sum finishes each row."""
+    from tvm import s_tir
+
+    N, K = facts.N, facts.K
+    kr = accum * lanes
+    if facts.layout != "NT":
+        raise ScheduleConfigError("dot-row GEMV needs weights laid out [N, K]")
+    if rows < 1 or N % rows or K % kr or tasks < 1 or (N // rows) % tasks:
+        raise ScheduleConfigError(f"bad GEMV tiles rows={rows} accum={accum} tasks={tasks} for N={N}, K={K}")
+    sch = s_tir.Schedule(func)
+    mm = sch.get_sblock(facts.block)
+    epis = [sch.get_sblock(name) for name in facts.epilogue]
+    for blk in epis[:-1]:
+        sch.compute_inline(blk)
+    loops = _loops_by_role(sch, mm, facts.roles)
+    m, n, k = loops["m"], loops["n"], loops["k"]
+    no, nt, ni = sch.split(n, [tasks, None, rows])
+    ko, kf = sch.split(k, [None, kr])
+    sch.reorder(no, nt, ko, m, ni, kf)
+    rf = sch.rfactor(kf, factor_axis=0)
+    # rf block: partial sums over ko for each of the kr lanes; final block reduces the lanes.
+    rloops = sch.get_loops(rf)
+    rf_kf = rloops[-1]
+    rku, rkl = sch.split(rf_kf, [accum, lanes])
+    sch.unroll(rku)
+    sch.vectorize(rkl)
+    sch.unroll(rloops[-2])  # ni
+    sch.unroll(rloops[-3])  # m
+    rf_nt = sch.get_loops(rf)[-6]  # loops: ..., no, nt, ko, m, ni, k_acc, k_lane
+    sch.reverse_compute_at(mm, rf_nt)
+    if epis:
+        sch.reverse_compute_at(epis[-1], rf_nt)
+    sch.parallel(sch.get_loops(rf)[-7])
+    init = sch.decompose_reduction(rf, sch.get_loops(rf)[len(rloops) - 4])
+    iloops = sch.get_loops(init)
+    sch.vectorize(iloops[-1])
+    return sch.mod["main"]

@@ -1,0 +1,134 @@
+"""CPU GEMV template: decode-time linear layers, M = 1 and small static M (<= 8).
+
+Memory bound: the weights are read once, so the schedule must stream them at full bandwidth on
+all cores. Two kernels, chosen by the weight layout:
+
+* weights [N, K] (NT_matmul): ``rows`` output rows share each x load, the contiguous K axis is
+  vectorized with ``accum`` independent vector accumulators per row (rfactor) and reduced
+  horizontally at the end; parallel over ``tasks`` chunks of N.
+* weights [K, N] (matmul after a separate transpose): the outer-product kernel with all M rows in
+  registers, vectorized along N, panels of ``nc`` columns in parallel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from perfx_compiler.schedule_template import (
+    ScheduleConfigError,
+    ScheduleTemplate,
+    Workload,
+    is_cpu_target,
+    make_workload,
+    vector_lanes,
+)
+from perfx_compiler.targets import TargetDescription
+from schedules._matmul import analyze_matmul, schedule_dot_rows, schedule_register_tiled
+
+PRIORITY = 10
+MAX_M = 8
+
+
+def _divisors(n: int, candidates: tuple[int, ...]) -> list[int]:
+    return [c for c in candidates if n % c == 0]
+
+
+class GemvCPU(ScheduleTemplate):
+    name = "gemv_cpu"
+
+    def match(self, func: Any, target: TargetDescription) -> Workload | None:
+        if not is_cpu_target(target):
+            return None
+        facts = analyze_matmul(func)
+        if facts is None or facts.M is None or facts.M > MAX_M:
+            return None
+        lanes = vector_lanes(target)
+        if facts.layout == "NT" and facts.K % lanes:
+            return None
+        if facts.layout == "NN" and facts.N % lanes:
+            return None
+        return make_workload(
+            self.name, func, target, {"M": facts.M, "N": facts.N, "K": facts.K}, info=facts.info()
+        )
+
+    def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
+        lanes = vector_lanes(target)
+        N, K = workload.dims["N"], workload.dims["K"]
+        cores = max(1, target.cores or 1)
+        if workload.info.get("layout") == "NT":
+            rows = _divisors(N, (1, 2, 3, 4, 6, 8))
+            accum = [a for a in (1, 2, 4) if K % (a * lanes) == 0]
+            tasks = sorted({t * cores for t in (1, 2, 4, 8, 16, 32)} | {1})
+            return {"rows": rows, "accum": accum, "tasks": tasks}
+        nrs = [v * lanes for v in (1, 2, 3, 4) if N % (v * lanes) == 0]
+        ncs = sorted({nr * f for nr in nrs for f in (1, 2, 3, 4, 6, 8, 16) if N % (nr * f) == 0})
+        return {"nr": nrs, "nc": ncs, "k_outer": [False, True]}
+
+    def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
+        lanes = vector_lanes(target)
+        N, K, M = workload.dims["N"], workload.dims["K"], workload.dims["M"]
+        regs = 32 if lanes >= 16 else 16
+        if workload.info.get("layout") == "NT":
+            rows, accum, tasks = config.get("rows", 0), config.get("accum", 0), config.get("tasks", 0)
+            if rows < 1 or accum < 1 or tasks < 1 or N % rows or K % (accum * lanes):
+                return False
+            return (N // rows) % tasks == 0 and M * rows * accum + M + rows <= regs * 2
+        nr, nc = config.get("nr", 0), config.get("nc", 0)
+        if nr < lanes or nr % lanes or nc % nr or N % nc:
+            return False
+        return M * (nr // lanes) + nr // lanes + 1 <= regs
+
+    def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
+        lanes = vector_lanes(target)
+        N, K, M = workload.dims["N"], workload.dims["K"], workload.dims["M"]
+        cores = max(1, target.cores or 1)
+        if workload.info.get("layout") == "NT":
+            rows = next((r for r in (4, 2, 1) if N % r == 0 and M * r <= 16), 1)
+            accum = next((a for a in (2, 1) if K % (a * lanes) == 0 and M * rows * a <= 16), 1)
+            groups = N // rows
+            tasks = next((t for t in (8 * cores, 4 * cores, 2 * cores, cores, 1) if groups % t == 0), 1)
+            return {"rows": rows, "accum": accum, "tasks": tasks}
+        nv = next((v for v in (4, 3, 2, 1) if N % (v * lanes) == 0 and M * v + v + 1 <= 32), 1)
+        nr = nv * lanes
+        # Enough panels to spread the weight stream over every core a few times over.
+        # k outside the panel: each weight row is read as one nc-long contiguous run (prefetch
+        # friendly) and the M x nc accumulators stay in L1; widest panel that still gives every
+        # core work.
+        ncs = [c for c in range(nr, N + 1, nr) if N % c == 0 and c <= 512 and M * c * 4 <= 16384]
+        balanced = [c for c in ncs if N // c >= cores]
+        nc = max(balanced) if balanced else min(ncs)
+        return {"nr": nr, "nc": nc, "k_outer": True}
+
+    def apply(
+        self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription
+    ) -> Any:
+        facts = analyze_matmul(func)
+        if facts is None:
+            raise ScheduleConfigError("function is no longer a matmul this template understands")
+        if not self.is_valid(workload, config, target):
+            raise ScheduleConfigError(f"invalid gemv_cpu config {config} for {workload.dims}")
+        lanes = vector_lanes(target)
+        if facts.layout == "NT":
+            return schedule_dot_rows(
+                func,
+                facts,
+                rows=int(config["rows"]),
+                accum=int(config["accum"]),
+                lanes=lanes,
+                tasks=int(config["tasks"]),
+            )
+        return schedule_register_tiled(
+            func,
+            facts,
+            mr=int(facts.M),
+            nr=int(config["nr"]),
+            nc=int(config["nc"]),
+            lanes=lanes,
+            parallel="n",
+            pack_x=False,
+            pack_b=False,
+            k_outer=bool(config.get("k_outer", False)),
+        )
+
+
+TEMPLATE = GemvCPU()
