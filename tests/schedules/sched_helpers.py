@@ -1,0 +1,75 @@
+"""Numerical checks shared by the schedule tests: numpy references for the model's functions."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+import numpy as np
+
+from perfx_compiler.tune.measure import build_func, random_inputs, run_func
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def linear_reference(func: Any, arrays: list[np.ndarray], epilogue: str | None) -> np.ndarray:
+    """numpy result of a linear_module function: x [1, M, K], weights [N, K] (NT) or [K, N] (NN)."""
+    x, w = arrays[0].astype(np.float64), arrays[1].astype(np.float64)
+    K = x.shape[-1]
+    nt = "NT_matmul" in func.script()
+    y = x @ (w.T if nt else w)
+    assert y.shape[-1] == (w.shape[0] if nt else w.shape[1]) and w.shape[1 if nt else 0] == K
+    if epilogue in ("add", "bias"):
+        y = y + arrays[2]
+    elif epilogue == "silu_mul":
+        y = _silu(y) * arrays[2]
+    elif epilogue == "silu":
+        y = _silu(y)
+    return y
+
+
+def rmsnorm_reference(arrays: list[np.ndarray], eps: float = 1e-5) -> np.ndarray:
+    x, g = arrays[0].astype(np.float64), arrays[1].astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
+
+
+def elementwise_reference(op: str, arrays: list[np.ndarray]) -> np.ndarray:
+    if op == "take":
+        return arrays[0][arrays[1].astype(np.int64)]
+    if op == "add":
+        return arrays[0] + arrays[1]
+    return _silu(arrays[0].astype(np.float64)) * arrays[1]
+
+
+def check_func(
+    scheduled: Any,
+    func: Any,
+    target: Any,
+    ms: list[int],
+    reference: Any,
+    seed: int = 0,
+    rtol: float = 2e-5,
+) -> None:
+    """Run ``scheduled`` on fresh random inputs for each M and compare with ``reference(arrays)``."""
+    rt = build_func(scheduled, target)
+    for i, m in enumerate(ms):
+        arrays = random_inputs(func, m, seed=seed + 101 * i)
+        got = run_func(rt, func, [a.copy() for a in arrays])[0]
+        want = reference(arrays)
+        assert got.shape == want.shape, (m, got.shape, want.shape)
+        scale = max(1.0, float(np.abs(want).max()))
+        err = float(np.abs(got - want).max()) / scale
+        assert err <= rtol, f"M={m}: max relative error {err:.2e} > {rtol:.0e}"
+
+
+def sample_configs(template: Any, workload: Any, target: Any, n: int, seed: int = 0) -> list[dict]:
+    """The default plus ``n`` distinct valid configurations drawn from the template's space."""
+    space = template.space(workload, target)
+    default = template.default_config(workload, target)
+    combos = [dict(zip(space, vals)) for vals in itertools.product(*space.values())]
+    valid = [c for c in combos if c != default and template.is_valid(workload, c, target)]
+    rng = random.Random(seed)
+    return [default, *rng.sample(valid, min(n, len(valid)))]

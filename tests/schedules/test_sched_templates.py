@@ -1,0 +1,162 @@
+"""Every CPU template vs numpy on fresh random inputs, over shapes and configurations of its space.
+
+Symbolic-M functions run at M = 1, 7, 33, 130 (tails of every tile size); configurations are
+the default plus a seeded sample of the space, so a template that breaks for some knob fails here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import tvm
+from sched_helpers import (
+    check_func,
+    elementwise_reference,
+    linear_reference,
+    rmsnorm_reference,
+    sample_configs,
+)
+
+from perfx_compiler.schedule_template import (
+    ScheduleConfigError,
+    find_template,
+    registered_templates,
+)
+from perfx_compiler.tune.workloads import (
+    elementwise_module,
+    linear_module,
+    matmul_func,
+    rmsnorm_module,
+    single_func,
+)
+
+SYMBOLIC_MS = [1, 7, 33, 130]
+
+
+def test_registry_order_and_names():
+    names = [t.name for t in registered_templates()]
+    assert names[0] == "gemv_cpu" and names[-1] == "fallback_cpu"
+    assert {"gemm_cpu", "reduction_cpu", "elementwise_cpu"} <= set(names)
+
+
+@pytest.mark.parametrize(
+    ("M", "K", "N", "epilogue", "nt"),
+    [
+        (None, 64, 192, "silu_mul", False),  # pipeline order: weights transposed [K, N]
+        (None, 96, 128, "add", True),  # FuseTransposeMatmul first: NT_matmul, weights [N, K]
+        (None, 48, 96, None, True),
+        (24, 64, 64, "bias", False),  # static M not a multiple of most mr: pad path
+        (32, 32, 64, None, False),  # static M divisible: register accumulator path
+    ],
+)
+def test_gemm_cpu(cpu_target, M, K, N, epilogue, nt):
+    func = matmul_func(linear_module(M, K, N, epilogue, nt))
+    template, workload = find_template(func, cpu_target)
+    assert template.name == "gemm_cpu"
+    assert workload.symbolic == ("M" if M is None else None)
+    ms = SYMBOLIC_MS if M is None else [M]
+    for i, config in enumerate(sample_configs(template, workload, cpu_target, 3, seed=K + N)):
+        scheduled = template.apply(func, workload, config, cpu_target)
+        ref = functools.partial(linear_reference, func, epilogue=epilogue)
+        check_func(scheduled, func, cpu_target, ms, lambda a, ref=ref: ref(a), seed=i)
+
+
+@pytest.mark.parametrize(
+    ("M", "K", "N", "epilogue", "nt"),
+    [
+        (1, 128, 96, None, True),
+        (1, 64, 192, "silu_mul", True),
+        (4, 64, 48, "bias", True),
+        (1, 96, 128, None, False),
+        (3, 64, 192, "add", False),
+    ],
+)
+def test_gemv_cpu(cpu_target, M, K, N, epilogue, nt):
+    func = matmul_func(linear_module(M, K, N, epilogue, nt))
+    template, workload = find_template(func, cpu_target)
+    assert template.name == "gemv_cpu"
+    for i, config in enumerate(sample_configs(template, workload, cpu_target, 3, seed=K * N)):
+        scheduled = template.apply(func, workload, config, cpu_target)
+        ref = functools.partial(linear_reference, func, epilogue=epilogue)
+        check_func(scheduled, func, cpu_target, [M], lambda a, ref=ref: ref(a), seed=i)
+
+
+@pytest.mark.parametrize("M", [None, 1, 5])
+def test_reduction_cpu_rmsnorm(cpu_target, M):
+    func = single_func(rmsnorm_module(M, hidden=96))
+    template, workload = find_template(func, cpu_target)
+    assert template.name == "reduction_cpu"
+    for i, config in enumerate(sample_configs(template, workload, cpu_target, 3, seed=3)):
+        scheduled = template.apply(func, workload, config, cpu_target)
+        check_func(scheduled, func, cpu_target, SYMBOLIC_MS if M is None else [M], rmsnorm_reference, seed=i)
+
+
+@pytest.mark.parametrize(("op", "width"), [("silu_mul", 96), ("add", 64), ("take", 48)])
+def test_elementwise_cpu(cpu_target, op, width):
+    func = single_func(elementwise_module(None, width, op))
+    template, workload = find_template(func, cpu_target)
+    assert template.name == "elementwise_cpu"
+    for i, config in enumerate(sample_configs(template, workload, cpu_target, 2, seed=5)):
+        scheduled = template.apply(func, workload, config, cpu_target)
+        check_func(
+            scheduled, func, cpu_target, SYMBOLIC_MS, functools.partial(elementwise_reference, op), seed=i
+        )
+
+
+def test_fallback_keeps_transpose_correct(cpu_target):
+    mod = linear_module(None, 32, 48, None, False)
+    gv = next(g for g in mod.functions if g.name_hint == "transpose")
+    func = mod[gv]
+    template, _ = find_template(func, cpu_target)
+    # The transpose is injective: the elementwise template takes it before the fallback.
+    assert template.name in ("elementwise_cpu", "fallback_cpu")
+    fallback = next(t for t in registered_templates() if t.name == "fallback_cpu")
+    for tmpl in {template, fallback}:
+        wl = tmpl.match(func, cpu_target)
+        scheduled = tmpl.apply(func, wl, tmpl.default_config(wl, cpu_target), cpu_target)
+        check_func(scheduled, func, cpu_target, [1], lambda a: a[0].T.copy())
+
+
+def test_invalid_config_raises(cpu_target):
+    func = matmul_func(linear_module(None, 64, 96, None, False))
+    template, workload = find_template(func, cpu_target)
+    with pytest.raises(ScheduleConfigError):
+        template.apply(func, workload, {"mr": 4, "nr": 24, "nc": 48, "parallel": "n"}, cpu_target)
+    with pytest.raises(ScheduleConfigError):
+        template.apply(func, workload, {"mr": 4, "nr": 32, "nc": 64, "parallel": "sideways"}, cpu_target)
+
+
+def test_broken_schedule_is_detected(cpu_target):
+    """The checker must catch a wrong kernel: accumulator initialised to 0.5 instead of 0."""
+    func = matmul_func(linear_module(None, 64, 96, None, False))
+    template, workload = find_template(func, cpu_target)
+    good = template.apply(func, workload, template.default_config(workload, cpu_target), cpu_target)
+    text = good.script()
+    assert "T.float32(0.0)" in text
+    broken = tvm.script.from_source(text.replace("T.float32(0.0)", "T.float32(0.5)"))
+    ref = functools.partial(linear_reference, func, epilogue=None)
+    check_func(good, func, cpu_target, [7], ref)
+    with pytest.raises(AssertionError, match="relative error"):
+        check_func(broken, func, cpu_target, [7], ref)
+
+
+def test_declines_foreign_targets(cpu_target):
+    from dataclasses import replace
+
+    gpu = replace(cpu_target, family="gpu", tvm_target={"kind": "cuda", "arch": "sm_80"})
+    func = matmul_func(linear_module(None, 64, 96, None, False))
+    assert find_template(func, gpu) is None
+
+
+def test_workload_key_tracks_structure_and_target(cpu_target):
+    from dataclasses import replace
+
+    f1 = matmul_func(linear_module(None, 64, 96, None, False))
+    f2 = matmul_func(linear_module(None, 64, 96, None, False))
+    f3 = matmul_func(linear_module(None, 64, 128, None, False))
+    key = lambda f, t: find_template(f, t)[1].key
+    assert key(f1, cpu_target) == key(f2, cpu_target)
+    assert key(f1, cpu_target) != key(f3, cpu_target)
+    other = replace(cpu_target, name="x86-other", tvm_target={**cpu_target.tvm_target, "mcpu": "haswell"})
+    assert key(f1, cpu_target) != key(f1, other)
