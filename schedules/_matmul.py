@@ -205,7 +205,7 @@ def schedule_register_tiled(
         sch.compute_inline(blk)
     last_epi = epis[-1] if epis else None
 
-    pad = facts.M is None or facts.M % mr != 0
+    pad = mr > 1 and (facts.M is None or facts.M % mr != 0)
     if pad:
         sch.pad_einsum(mm, [mr if r == "m" else 1 for r in facts.roles])
         producers = sch.get_producers(mm)
