@@ -155,8 +155,10 @@ def dequantize_tensor(t: Any, source: str = "") -> np.ndarray:
         )
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     try:
-        out = dequantize(np.asarray(t.data), t.tensor_type)
-        return np.ascontiguousarray(out, dtype=np.float32).reshape(shape)
+        out = np.ascontiguousarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+        if not out.flags.writeable:  # F32 tensors come back as read-only views of the mapped file
+            out = out.copy()
+        return out.reshape(shape)
     except READ_ERRORS as e:
         raise ModelFormatError(f"{source}: tensor '{t.name}' cannot be decoded ({e}); the file is corrupt") from None
 
@@ -192,7 +194,7 @@ def _special_ids(meta: _Meta, tokens: list[str]) -> tuple[int | None, list[int]]
     eos: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         v = meta.get(key)
-        if v is not None and int(v) not in eos and 0 <= int(v) < max(len(tokens), 1):
+        if v is not None and int(v) not in eos and (not tokens or 0 <= int(v) < len(tokens)):
             eos.append(int(v))
     index = {t: i for i, t in enumerate(tokens)} if tokens else {}
     for t in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
@@ -238,7 +240,7 @@ def config_from_metadata(
         add_bos = tok_model == "llama" or meta.get("tokenizer.ggml.pre") in ("llama3", "llama-bpe", "llama-v3")
     name = meta.get("general.name") or meta.get("general.basename") or Path(source).stem
     cfg = ModelConfig(
-        architecture="qwen2" if arch == "qwen2" else "llama",
+        architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
@@ -274,7 +276,10 @@ def load_gguf(path: str | os.PathLike[str], max_context: int | None = None) -> M
     source = str(path)
     reader = open_gguf(path)
     tensors = {t.name: t for t in reader.tensors}
-    cfg = config_from_metadata(reader.fields, tensors, source, max_context)
+    try:
+        cfg = config_from_metadata(reader.fields, tensors, source, max_context)
+    except (ValueError, TypeError) as e:  # e.g. a string where a count belongs
+        raise ModelFormatError(f"{source}: malformed model metadata ({e}); re-convert the model") from None
     permuted = _ARCHS[str(field_value(reader.fields["general.architecture"]))]
 
     weights: dict[str, np.ndarray] = {}

@@ -19,13 +19,19 @@ from perfx_compiler.model.description import (
     expected_weight_shapes,
     rope_inv_freq,
 )
-from perfx_compiler.model.gguf import _GLOBAL_MAP, _LAYER_MAP, permute_qk, unpermute_qk
+from perfx_compiler.model.gguf import (
+    _ARCHS,
+    _GLOBAL_MAP,
+    _LAYER_MAP,
+    permute_qk,
+    unpermute_qk,
+)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # A few English merges (byte-level spelling: 'Ġ' is a space) so BPE does real work.
 MERGES = (
-    "Ġ t", "h e", "Ġt he", "i n", "Ġ a", "o n", "e r", "Ġ w", "a s", "Ġw as", "Ġ o", "r e", "a n", "Ġ i",
-    "Ġ s", "i s", "Ġi s", "Ġ h", "e l", "el l", "h ell", "hell o", "Ġ hello", "O n", "On c", "Onc e",
+    "Ġ t", "e l", "el l", "ell o", "Ġ h", "Ġh ello", "h e", "Ġt he", "i n", "Ġ a", "o n", "e r", "Ġ w", "a s",
+    "Ġw as", "Ġ o", "r e", "a n", "Ġ i", "Ġ s", "i s", "Ġi s", "O n", "On c", "Onc e",
 )
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
@@ -185,7 +191,7 @@ def write_tiny_gguf(
             f = (0.05 * rng.standard_normal(shape)).astype(np.float32)
             q = embed_qtype if (embed_qtype and name == "model.embed_tokens.weight") else qtype
         n_perm = None
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+        if _ARCHS[arch] and (".q_proj." in name or ".k_proj." in name):
             n_perm = heads if ".q_proj." in name else kv_heads
             f = permute_qk(f, n_perm)  # llama.cpp's converter layout
         arr, raw_type = _encode(f, q, rng)

@@ -158,6 +158,17 @@ def tokenizer_json_from_gguf(reader_fields: Mapping[str, Any]) -> str:
     types = _val(reader_fields, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise ModelFormatError("GGUF tokenizer.ggml.token_type length differs from the token list; the file is corrupt")
+    try:
+        tok = _build(reader_fields, str(model), tokens, types)
+    except PerfXError:
+        raise
+    except Exception as e:  # tokenizers raises plain Exception on inconsistent vocabularies
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelFormatError(f"GGUF vocabulary cannot form a tokenizer ({first}); the file is corrupt") from e
+    return tok.to_str()
+
+
+def _build(reader_fields: Mapping[str, Any], model: str, tokens: Sequence[str], types: Sequence[int]) -> Any:
     if model == "gpt2":
         merges = _val(reader_fields, "tokenizer.ggml.merges") or []
         pre = _val(reader_fields, "tokenizer.ggml.pre") or "default"
@@ -171,7 +182,7 @@ def tokenizer_json_from_gguf(reader_fields: Mapping[str, Any]) -> str:
         tok = _spm_tokenizer(tokens, types, scores, prefix, int(unk) if unk is not None else None)
     else:
         raise UnsupportedModelError(f"GGUF tokenizer model '{model}' is not supported; PerfX handles 'gpt2' (BPE) and 'llama' (SentencePiece)")
-    return tok.to_str()
+    return tok
 
 
 def load_tokenizer(json_str: str) -> Any:

@@ -330,3 +330,12 @@ def test_smollm2_greedy_continuation(smollm) -> None:
     ids = tok.encode("Once upon a time, there was a little girl named").ids
     out = greedy(ReferenceModel(smollm, np.float32), ids, 6)
     assert tok.decode(out) == " Emma who loved to play in"
+
+
+def test_mistral_arch_and_writable_weights(tmp_path: Path) -> None:
+    path, expected = write_tiny_gguf(tmp_path / "m.gguf", arch="mistral")
+    desc = load_gguf(path)
+    assert desc.config.architecture == "mistral"
+    for name, w in expected.items():
+        np.testing.assert_array_equal(desc.weights[name], w, err_msg=name)
+    assert all(w.flags.writeable for w in desc.weights.values())  # not views of the read-only mapping

@@ -7,6 +7,7 @@ the directory is $PERFX_LLAMACPP_VOCAB_DIR or ~/.cache/perfx/llamacpp-vocab.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -34,16 +35,34 @@ def _cases(name: str) -> list[tuple[str, list[int]]]:
     return [(s, [int(t) for t in o.split()]) for s, o in zip(inputs, outputs)]
 
 
+def _tokenizer_json(gguf_path: Path, cache_dir: Path) -> str:
+    """Tokenizer JSON for a vocab GGUF, cached: gguf.GGUFReader takes seconds on 150k+ token vocabs.
+
+    The key covers the GGUF file and our tokenizer builder's source, so a code change rebuilds it.
+    """
+    import gguf
+
+    import perfx_compiler.model.tokenizer as builder
+
+    st = gguf_path.stat()
+    key = hashlib.sha256(Path(builder.__file__).read_bytes() + f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_dir / f"{gguf_path.stem}-{key}.json"
+    if cached.is_file():
+        return cached.read_text(encoding="utf-8")
+    text = tokenizer_json_from_gguf(gguf.GGUFReader(gguf_path).fields)
+    cached.write_text(text, encoding="utf-8")
+    return text
+
+
 @pytest.mark.parametrize("name", VOCABS)
-def test_matches_llamacpp(name: str) -> None:
+def test_matches_llamacpp(name: str, request: pytest.FixtureRequest) -> None:
     gguf_path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
     if not Path(f"{gguf_path}.out").is_file():
         reason = f"llama.cpp vocab files absent in {VOCAB_DIR}; run tests/fetch_llamacpp_vocab.sh"
         print(reason)
         pytest.skip(reason)
-    import gguf
-
-    tok = load_tokenizer(tokenizer_json_from_gguf(gguf.GGUFReader(gguf_path).fields))
+    cache_dir = Path(request.config.cache.mkdir("perfx-llamacpp-vocab"))
+    tok = load_tokenizer(_tokenizer_json(gguf_path, cache_dir))
     tok.encode_special_tokens = True  # llama.cpp's test tokenizes with parse_special=false
     bad = []
     for text, expected in _cases(name):
