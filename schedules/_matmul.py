@@ -171,6 +171,22 @@ def _loops_by_role(sch: Any, block: Any, roles: list[str]) -> dict[str, Any]:
     return out
 
 
+def _pack_loops(sch: Any, bpack: Any, layout: str, nr: int, lanes: int) -> None:
+    """Order the B-packing copy so its stores are contiguous vectors (the [.., k, nr] slab)."""
+    loops = sch.get_loops(bpack)
+    if layout == "NT":  # loops (n, k): make n's lane part innermost -> contiguous stores
+        n, k = loops[-2], loops[-1]
+        n_o, n_i = sch.split(n, [None, nr])
+        ko, ki = sch.split(k, [None, 4])
+        sch.reorder(n_o, ko, ki, n_i)
+        sch.unroll(ki)
+        _, lane = sch.split(n_i, [None, lanes])
+        sch.vectorize(lane)
+    else:  # loops (k, n): n is already contiguous on both sides
+        _, lane = sch.split(loops[-1], [None, lanes])
+        sch.vectorize(lane)
+
+
 def schedule_register_tiled(
     func: Any,
     facts: MatmulFacts,
@@ -246,10 +262,10 @@ def schedule_register_tiled(
     if bpack is not None:
         if parallel == "n":
             sch.compute_at(bpack, no)  # pack this panel of B once, reuse across all M tiles
-            sch.vectorize(sch.get_loops(bpack)[-1]) if facts.layout == "NT" else None
+            _pack_loops(sch, bpack, facts.layout, nr, lanes)
         else:
-            ploops = sch.get_loops(bpack)
-            sch.parallel(ploops[0])
+            _pack_loops(sch, bpack, facts.layout, nr, lanes)
+            sch.parallel(sch.get_loops(bpack)[0])
     if parallel == "n":
         sch.parallel(no)
     else:

@@ -19,6 +19,7 @@ from perfx_compiler.schedule_template import (
     vector_lanes,
 )
 from perfx_compiler.targets import TargetDescription
+from schedules._fastmath import fast_sigmoid
 
 PRIORITY = 40
 
@@ -110,6 +111,8 @@ class ElementwiseCPU(ScheduleTemplate):
 
         if not self.is_valid(workload, config, target):
             raise ScheduleConfigError(f"invalid elementwise_cpu config {config} for {workload.dims}")
+        if config.get("fast_sigmoid", True):
+            func = fast_sigmoid(func)  # vector polynomial instead of per-lane libm exp
         sch = s_tir.Schedule(func)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
         for blk in blocks[:-1]:

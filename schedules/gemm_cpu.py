@@ -20,6 +20,7 @@ from perfx_compiler.schedule_template import (
     vector_lanes,
 )
 from perfx_compiler.targets import TargetDescription
+from schedules._fastmath import fast_sigmoid
 from schedules._matmul import analyze_matmul, schedule_register_tiled
 
 PRIORITY = 20
@@ -100,6 +101,8 @@ class GemmCPU(ScheduleTemplate):
             raise ScheduleConfigError("function is no longer a matmul this template understands")
         if not self.is_valid(workload, config, target):
             raise ScheduleConfigError(f"invalid gemm_cpu config {config} for {workload.dims}")
+        if config.get("fast_sigmoid", True):
+            func = fast_sigmoid(func)  # vector polynomial instead of per-lane libm exp
         return schedule_register_tiled(
             func,
             facts,

@@ -23,6 +23,7 @@ from perfx_compiler.schedule_template import (
     vector_lanes,
 )
 from perfx_compiler.targets import TargetDescription
+from schedules._fastmath import fast_sigmoid
 from schedules._matmul import analyze_matmul, schedule_dot_rows, schedule_register_tiled
 
 PRIORITY = 10
@@ -61,7 +62,7 @@ class GemvCPU(ScheduleTemplate):
             tasks = sorted({t * cores for t in (1, 2, 4, 8, 16, 32)} | {1})
             return {"rows": rows, "accum": accum, "tasks": tasks}
         nrs = [v * lanes for v in (1, 2, 3, 4) if N % (v * lanes) == 0]
-        ncs = sorted({nr * f for nr in nrs for f in (1, 2, 3, 4, 6, 8, 16) if N % (nr * f) == 0})
+        ncs = sorted({nr * f for nr in nrs for f in range(1, N // nr + 1) if N % (nr * f) == 0})
         return {"nr": nrs, "nc": ncs, "k_outer": [False, True]}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
@@ -86,17 +87,20 @@ class GemvCPU(ScheduleTemplate):
             rows = next((r for r in (4, 2, 1) if N % r == 0 and M * r <= 16), 1)
             accum = next((a for a in (2, 1) if K % (a * lanes) == 0 and M * rows * a <= 16), 1)
             groups = N // rows
-            tasks = next((t for t in (8 * cores, 4 * cores, 2 * cores, cores, 1) if groups % t == 0), 1)
+            small = K * N * 4 < (2 << 20)  # L2-resident weights: one core, no wake-up cost
+            tasks = 1 if small else next((t for t in (8 * cores, 4 * cores, 2 * cores, cores, 1) if groups % t == 0), 1)
             return {"rows": rows, "accum": accum, "tasks": tasks}
         nv = next((v for v in (4, 3, 2, 1) if N % (v * lanes) == 0 and M * v + v + 1 <= 32), 1)
         nr = nv * lanes
-        # Enough panels to spread the weight stream over every core a few times over.
         # k outside the panel: each weight row is read as one nc-long contiguous run (prefetch
-        # friendly) and the M x nc accumulators stay in L1; widest panel that still gives every
-        # core work.
-        ncs = [c for c in range(nr, N + 1, nr) if N % c == 0 and c <= 512 and M * c * 4 <= 16384]
-        balanced = [c for c in ncs if N // c >= cores]
-        nc = max(balanced) if balanced else min(ncs)
+        # friendly) and the M x nc accumulators stay in L1. Small weights (< 2 MiB, L2-resident)
+        # run on one core: waking a second costs more than it saves.
+        ncs = [c for c in range(nr, N + 1, nr) if N % c == 0 and M * c * 4 <= 32768]
+        if K * N * 4 < (2 << 20):
+            nc = max(ncs)
+        else:
+            balanced = [c for c in ncs if N // c >= cores and c <= 1024]
+            nc = max(balanced) if balanced else min(ncs)
         return {"nr": nr, "nc": nc, "k_outer": True}
 
     def apply(
@@ -108,6 +112,8 @@ class GemvCPU(ScheduleTemplate):
         if not self.is_valid(workload, config, target):
             raise ScheduleConfigError(f"invalid gemv_cpu config {config} for {workload.dims}")
         lanes = vector_lanes(target)
+        if config.get("fast_sigmoid", True):
+            func = fast_sigmoid(func)  # vector polynomial instead of per-lane libm exp
         if facts.layout == "NT":
             return schedule_dot_rows(
                 func,

@@ -160,3 +160,23 @@ def test_workload_key_tracks_structure_and_target(cpu_target):
     assert key(f1, cpu_target) != key(f3, cpu_target)
     other = replace(cpu_target, name="x86-other", tvm_target={**cpu_target.tvm_target, "mcpu": "haswell"})
     assert key(f1, cpu_target) != key(f1, other)
+
+
+def test_fast_sigmoid_accuracy_over_range(cpu_target):
+    import numpy as np
+
+    from schedules._fastmath import fast_sigmoid
+
+    func = single_func(elementwise_module(None, 64, "silu_mul"))
+    fast = fast_sigmoid(func)
+    assert "sigmoid" not in fast.script()
+
+    from perfx_compiler.tune.measure import build_func, random_inputs, run_func
+
+    rt = build_func(fast, cpu_target)
+    arrays = random_inputs(func, 33, seed=9)
+    arrays[0] *= 40.0  # spans the clamp at +-88 and both exp tails
+    got = run_func(rt, func, [a.copy() for a in arrays])[0]
+    x = arrays[0].astype(np.float64)
+    want = x / (1 + np.exp(-x)) * arrays[1]
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-6

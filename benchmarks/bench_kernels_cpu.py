@@ -1,0 +1,228 @@
+"""Kernel benchmark on SmolLM2-135M shapes (CPU): our templates vs TVM dlight vs numpy/OpenBLAS.
+
+For each linear layer (M = 1 decode, static; M = 128 / 512 prefill, symbolic ``seq``) and for
+RMSNorm / SiLU*mul, time:
+  ours_default  the template's default configuration
+  ours_tuned    best of a small search (records in tuning_logs/<target>/kernels_cpu.jsonl)
+  dlight        dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction()); unscheduled where
+                neither rule applies (marked "unscheduled")
+  numpy         x @ w.T (OpenBLAS) / the numpy expression
+Writes benchmarks/results/kernels_cpu.csv and kernels_cpu.png.
+
+    python benchmarks/bench_kernels_cpu.py [--trials 16] [--layout nn|nt] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from perfx_compiler.schedule_template import find_template
+from perfx_compiler.targets import load_target
+from perfx_compiler.tune.measure import build_func, time_module
+from perfx_compiler.tune.workloads import (
+    SMOLLM2_LINEARS,
+    TuningTask,
+    elementwise_module,
+    linear_module,
+    matmul_func,
+    rmsnorm_module,
+    single_func,
+)
+
+RESULTS = REPO / "benchmarks" / "results"
+SLOW_FLOP_LIMIT = 4e9  # unscheduled kernels above this many flops are timed once
+
+
+def dlight_schedule(func: Any, target: Any) -> tuple[Any, str]:
+    import tvm
+    from tvm.s_tir import dlight as dl
+
+    mod = tvm.IRModule({"main": func})
+    with target.tvm():
+        out = dl.ApplyDefaultSchedule(dl.cpu.GEMV(), dl.cpu.Reduction())(mod)
+    new = out["main"]
+    scheduled = new.attrs is not None and "tirx.is_scheduled" in new.attrs
+    return new, "dlight" if scheduled else "unscheduled"
+
+
+def time_numpy(fn: Any, min_s: float = 0.2) -> float:
+    fn()
+    best = math.inf
+    deadline = time.perf_counter() + min_s
+    runs = 0
+    while runs < 5 or (time.perf_counter() < deadline and runs < 200):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        runs += 1
+    return best
+
+
+def time_tvm(func: Any, target: Any, m: int, flops: float) -> float:
+    rt = build_func(func, target)
+    if flops > SLOW_FLOP_LIMIT:
+        return time_module(rt, func, m, repeat=1, min_ms=0)[0]
+    return time_module(rt, func, m, repeat=5, min_ms=50)[0]
+
+
+def tuned_time(func: Any, target: Any, m: int, trials: int, db: Any, measurer: Any) -> tuple[float, dict]:
+    from perfx_compiler.tune.cost_model import CostModel
+    from perfx_compiler.tune.search import tune_task
+
+    template, wl = find_template(func, target)
+    task = TuningTask("bench", func, template, wl, m)
+    model = CostModel()
+    model.add_records(db.records(), {wl.key: wl})
+    model.fit()
+    tune_task(task, target, db, measurer, model, trials=trials, batch=8)
+    best = db.best(wl.key, wl.target_key, bucket=task.bucket)
+    if best is None:
+        return math.nan, {}
+    # Re-time the winner like every other column (the search timed it with fewer repeats).
+    scheduled = template.apply(func, wl, best.config, target)
+    return time_tvm(scheduled, target, m, 0), best.config
+
+
+def cases(layout: str, quick: bool) -> list[dict[str, Any]]:
+    out = []
+    ms = [1, 128] if quick else [1, 128, 512]
+    names = ["q_proj", "gate_up", "down_proj"] if quick else list(SMOLLM2_LINEARS)
+    for name in names:
+        if name == "o_proj":
+            continue  # same shape as q_proj
+        K, N = SMOLLM2_LINEARS[name]
+        for m in ms:
+            out.append({"kernel": name, "K": K, "N": N, "M": m, "kind": "linear", "layout": layout})
+    for m in ms:
+        out.append({"kernel": "rmsnorm", "K": 576, "N": 576, "M": m, "kind": "rmsnorm", "layout": "-"})
+        out.append({"kernel": "silu_mul", "K": 0, "N": 1536, "M": m, "kind": "silu_mul", "layout": "-"})
+    return out
+
+
+def make_case(case: dict[str, Any]) -> tuple[Any, Any, float]:
+    """(PrimFunc, numpy callable, flops) for one case; M = 1 is static, prefill symbolic."""
+    m, K, N = case["M"], case["K"], case["N"]
+    sym = None if m > 1 else 1
+    rng = np.random.default_rng(0)
+    if case["kind"] == "linear":
+        func = matmul_func(linear_module(sym, K, N, None, case["layout"] == "nt"))
+        x = rng.standard_normal((m, K)).astype("float32")
+        w = rng.standard_normal((N, K)).astype("float32")
+        return func, (lambda: x @ w.T), 2.0 * m * N * K
+    if case["kind"] == "rmsnorm":
+        func = single_func(rmsnorm_module(sym, K))
+        x = rng.standard_normal((m, K)).astype("float32")
+        g = rng.standard_normal(K).astype("float32")
+
+        def norm() -> np.ndarray:
+            return x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-5) * g
+
+        return func, norm, 4.0 * m * K
+    func = single_func(elementwise_module(sym, N, "silu_mul"))
+    a = rng.standard_normal((m, N)).astype("float32")
+    b = rng.standard_normal((m, N)).astype("float32")
+    return func, (lambda: a / (1 + np.exp(-a)) * b), 5.0 * m * N
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="host")
+    parser.add_argument("--trials", type=int, default=16, help="search trials per kernel (0: no tuning)")
+    parser.add_argument("--layout", choices=["nn", "nt"], default="nn", help="nn: pipeline order (w^T [K,N])")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--out", default=str(RESULTS / "kernels_cpu.csv"))
+    args = parser.parse_args()
+
+    from perfx_compiler.tune.measure import LocalMeasurer
+    from perfx_compiler.tune.records import TuningDatabase
+
+    target = load_target(args.target)
+    db = TuningDatabase.for_target(target.name, name="kernels_cpu")
+    measurer = LocalMeasurer(target, repeat=3, min_repeat_ms=10) if args.trials else None
+    rows = []
+    for case in cases(args.layout, args.quick):
+        func, np_fn, flops = make_case(case)
+        m = case["M"]
+        template, wl = find_template(func, target)
+        ours = template.apply(func, wl, template.default_config(wl, target), target)
+        t_default = time_tvm(ours, target, m, 0)
+        t_tuned, cfg = (math.nan, {})
+        if args.trials and template.space(wl, target):
+            t_tuned, cfg = tuned_time(func, target, m, args.trials, db, measurer)
+        dl_func, dl_kind = dlight_schedule(func, target)
+        t_dl = time_tvm(dl_func, target, m, flops if dl_kind == "unscheduled" else 0)
+        t_np = time_numpy(np_fn)
+        best = min(t for t in (t_default, t_tuned) if not math.isnan(t))
+        row = {
+            **case,
+            "template": template.name,
+            "ours_default_us": t_default * 1e6,
+            "ours_tuned_us": t_tuned * 1e6,
+            "dlight_us": t_dl * 1e6,
+            "dlight_kind": dl_kind,
+            "numpy_us": t_np * 1e6,
+            "ours_gflops": flops / best / 1e9,
+            "vs_numpy": t_np / best,
+            "vs_dlight": t_dl / best,
+            "tuned_config": cfg,
+        }
+        rows.append(row)
+        print(
+            f"{case['kernel']:>9} M={m:<4} {template.name:<16} default {t_default * 1e6:9.1f} us"
+            f"  tuned {t_tuned * 1e6:9.1f} us  {dl_kind} {t_dl * 1e6:11.1f} us  numpy {t_np * 1e6:9.1f} us"
+            f"  -> {row['vs_numpy']:.2f}x numpy, {row['vs_dlight']:.1f}x dlight",
+            flush=True,
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in row.items()})
+    plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    labels = [f"{r['kernel']}\nM={r['M']}" for r in rows]
+    series = [("ours_default_us", "ours (default)"), ("ours_tuned_us", "ours (tuned)"),
+              ("dlight_us", "TVM dlight / unscheduled"), ("numpy_us", "numpy (OpenBLAS)")]
+    x = np.arange(len(rows))
+    width = 0.2
+    fig, ax = plt.subplots(figsize=(max(10, len(rows) * 0.9), 5))
+    for i, (key, name) in enumerate(series):
+        vals = [r[key] if not math.isnan(r[key]) else 0 for r in rows]
+        ax.bar(x + (i - 1.5) * width, vals, width, label=name)
+    ax.set_yscale("log")
+    ax.set_ylabel("time per call (us, log)")
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_title("SmolLM2-135M kernels on CPU (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
