@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -198,6 +198,78 @@ class LocalMeasurer:
         self.tolerance = tolerance
         self._refs: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="perfx-measure-")
+        self._executor: cf.ProcessPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ build pool
+
+    def _pool(self) -> cf.ProcessPoolExecutor:
+        if self._executor is None:
+            ctx = multiprocessing.get_context("spawn")  # TVM state must not be forked
+            self._executor = cf.ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+        return self._executor
+
+    def close(self) -> None:
+        """Stop the build workers (they are ours: terminate them if a build hangs)."""
+        pool, self._executor = self._executor, None
+        if pool is None:
+            return
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs:
+            proc.join(timeout=5)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _build_all(
+        self, base: dict[str, Any], configs: list[dict[str, Any]], paths: list[str], results: list[MeasureResult]
+    ) -> None:
+        """Build every candidate; a build that exceeds its time kills the pool (not the tuner),
+        and candidates that had not started yet are resubmitted to a fresh pool."""
+        pending = list(range(len(configs)))
+        while pending:
+            pool = self._pool()
+            futures = {pool.submit(_worker_build, {**base, "config": configs[i], "path": paths[i]}): i for i in pending}
+            rounds = -(-len(pending) // self.workers)
+            pending = []
+            try:
+                for fut in cf.as_completed(futures, timeout=self.build_timeout_s * rounds):
+                    self._collect(fut, results[futures[fut]])
+            except cf.TimeoutError:
+                stalled = []
+                for fut, i in futures.items():
+                    if fut.done():
+                        self._collect(fut, results[i])
+                    elif fut.running():
+                        results[i].error = f"build timed out after {self.build_timeout_s:g} s"
+                    else:
+                        stalled.append(i)
+                progressed = len(stalled) < len(futures)
+                for i in stalled:
+                    if progressed:
+                        pending.append(i)  # never started: retry on a fresh pool
+                    else:
+                        results[i].error = f"build did not start within {self.build_timeout_s:g} s"
+                self.close()
+
+    @staticmethod
+    def _collect(fut: cf.Future, res: MeasureResult) -> None:
+        if res.extra.get("collected"):
+            return
+        res.extra["collected"] = True
+        try:
+            out = fut.result(timeout=0)
+        except Exception as err:  # noqa: BLE001 - a crashed worker fails only its candidate
+            res.error = f"build crashed: {type(err).__name__}"
+            return
+        res.error = out.get("error")
+        res.build_s = float(out.get("build_s", 0.0))
 
     def _reference(self, key: str, func: Any, m_verify: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         if key not in self._refs:
@@ -225,23 +297,7 @@ class LocalMeasurer:
         }
         results = [MeasureResult(config=c) for c in configs]
         paths = [os.path.join(self._tmp.name, f"c{time.time_ns()}_{i}.so") for i in range(len(configs))]
-        ctx = multiprocessing.get_context("spawn")  # TVM state must not be forked
-        with cf.ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx) as pool:
-            futures = [
-                pool.submit(_worker_build, {**payload_base, "config": c, "path": p})
-                for c, p in zip(configs, paths)
-            ]
-            for res, fut in zip(results, futures):
-                try:
-                    out = fut.result(timeout=self.build_timeout_s)
-                except cf.TimeoutError:
-                    res.error = f"build timed out after {self.build_timeout_s:.0f} s"
-                    continue
-                except Exception as err:  # noqa: BLE001 - a crashed worker fails only its candidate
-                    res.error = f"build crashed: {type(err).__name__}"
-                    continue
-                res.error = out.get("error")
-                res.build_s = float(out.get("build_s", 0.0))
+        self._build_all(payload_base, configs, paths, results)
         inputs, want = self._reference(workload_key, func, m_verify)
         for res, path in zip(results, paths):
             if not res.ok:

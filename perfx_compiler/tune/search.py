@@ -174,6 +174,7 @@ def tune_module(
     from perfx_compiler.tune.measure import LocalMeasurer
 
     tasks = extract_tasks(mod, target, buckets) if buckets else extract_tasks(mod, target)
+    own = measurer is None
     measurer = measurer or LocalMeasurer(target)
     model = CostModel(seed)
     model.add_records(db.records(), {t.workload.key: t.workload for t in tasks})
@@ -186,4 +187,6 @@ def tune_module(
                 task, target, db, measurer, model, trials_per_task, batch, per_task_budget, seed=seed + i, progress=bar
             )
             results.append(res)
+    if own:
+        measurer.close()
     return results

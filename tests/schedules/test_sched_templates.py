@@ -180,3 +180,15 @@ def test_fast_sigmoid_accuracy_over_range(cpu_target):
     x = arrays[0].astype(np.float64)
     want = x / (1 + np.exp(-x)) * arrays[1]
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-6
+
+
+def test_target_file_defaults_override_builtin(cpu_target):
+    from dataclasses import replace
+
+    func = matmul_func(linear_module(None, 64, 192, None, False))
+    template, wl = find_template(func, cpu_target)
+    tuned = replace(cpu_target, templates={"gemm_cpu": {"mr": 6, "nr": 32, "nc": 96}})
+    config = template.default_config(wl, tuned)
+    assert (config["mr"], config["nr"], config["nc"]) == (6, 32, 96)
+    bad = replace(cpu_target, templates={"gemm_cpu": {"nr": 24}})  # not in this workload's space
+    assert template.default_config(wl, bad) == template.default_config(wl, cpu_target)

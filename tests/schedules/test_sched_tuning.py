@@ -187,3 +187,18 @@ def test_local_measurer_builds_verifies_and_times(cpu_target):
     ok, rejected = measurer.measure(func, template.name, wl.key, [good, bad], m_value=16)
     assert ok.ok and 0 < ok.mean_s < 1e-2 and ok.extra["max_rel_error"] < 1e-5
     assert not rejected.ok and "ScheduleConfigError" in rejected.error
+
+
+def test_local_measurer_build_timeout_kills_workers(cpu_target):
+    import time
+
+    from perfx_compiler.tune.measure import LocalMeasurer
+
+    func = matmul_func(linear_module(None, 32, 64, None, False))
+    template, wl = find_template(func, cpu_target)
+    configs = [template.default_config(wl, cpu_target), {**template.default_config(wl, cpu_target), "mr": 2}]
+    start = time.perf_counter()
+    with LocalMeasurer(cpu_target, workers=1, build_timeout_s=0.3) as measurer:
+        results = measurer.measure(func, template.name, wl.key, configs, m_value=16)
+    assert time.perf_counter() - start < 60
+    assert all(not r.ok and ("timed out" in r.error or "did not start" in r.error) for r in results)
