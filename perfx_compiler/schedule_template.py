@@ -75,9 +75,12 @@ def make_workload(
     dims: dict[str, int],
     symbolic: str | None = None,
     info: dict[str, Any] | None = None,
+    version: int = 1,
 ) -> Workload:
+    """The key joins template (and its version: bump it when a knob changes meaning, so old
+    records stop applying), function structure and target."""
     tkey = target_key(target)
-    key = f"{template}:{func_hash(func)}:{tkey}"
+    key = f"{template}.v{version}:{func_hash(func)}:{tkey}"
     return Workload(template, key, tkey, dict(dims), symbolic, dict(info or {}))
 
 
@@ -85,6 +88,7 @@ class ScheduleTemplate:
     """Base class of schedule templates; subclasses set ``name`` and override the four methods."""
 
     name: str = "base"
+    version: int = 1  # part of the workload key: bump to retire records of an older schedule
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         """Return the workload if this template handles ``func`` on ``target``, else None."""

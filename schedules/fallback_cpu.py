@@ -25,7 +25,7 @@ class FallbackCPU(ScheduleTemplate):
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         if not is_cpu_target(target):
             return None
-        return make_workload(self.name, func, target, {})
+        return make_workload(self.name, func, target, {}, version=self.version)
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
         return {}  # nothing to tune

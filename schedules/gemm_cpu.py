@@ -45,6 +45,7 @@ class GemmCPU(ScheduleTemplate):
             {"M": facts.M or 0, "N": facts.N, "K": facts.K},
             symbolic="M" if facts.M is None else None,
             info=facts.info(),
+            version=self.version,
         )
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:

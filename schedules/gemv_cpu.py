@@ -49,7 +49,8 @@ class GemvCPU(ScheduleTemplate):
         if facts.layout == "NN" and facts.N % lanes:
             return None
         return make_workload(
-            self.name, func, target, {"M": facts.M, "N": facts.N, "K": facts.K}, info=facts.info()
+            self.name, func, target, {"M": facts.M, "N": facts.N, "K": facts.K}, info=facts.info(),
+            version=self.version,
         )
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:

@@ -92,6 +92,7 @@ def analyze_row_reduction(func: Any) -> dict[str, Any] | None:
 
 class ReductionCPU(ScheduleTemplate):
     name = "reduction_cpu"
+    version = 2  # v1 vectorized the row loop when chunk == SIMD width
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         if not is_cpu_target(target):
@@ -100,7 +101,9 @@ class ReductionCPU(ScheduleTemplate):
         if facts is None:
             return None
         dims = {"rows": facts["rows"], "inner": facts["inner"], "reduce": facts["reduce"]}
-        return make_workload(self.name, func, target, dims, symbolic="M" if facts["symbolic"] else None)
+        return make_workload(
+            self.name, func, target, dims, symbolic="M" if facts["symbolic"] else None, version=self.version
+        )
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
         lanes = vector_lanes(target)
@@ -118,12 +121,9 @@ class ReductionCPU(ScheduleTemplate):
         lanes = vector_lanes(target)
         inner = workload.dims["inner"]
         vec = lanes if inner % lanes == 0 else 1
-        serial = workload.symbolic is None and workload.dims["rows"] <= 4
-        return {
-            "rfactor": workload.dims["reduce"] % lanes == 0,
-            "vec": vec,
-            "chunk": 0 if serial else 4,
-        }
+        # A row of the model is 576-1536 floats: even 512 rows take ~35 us on one core, which
+        # measured faster than waking the thread pool on this 2-core class (tuning may differ).
+        return {"rfactor": workload.dims["reduce"] % lanes == 0, "vec": vec, "chunk": 0}
 
     def apply(
         self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription
@@ -164,6 +164,7 @@ class ReductionCPU(ScheduleTemplate):
         _, vl = sch.split(sch.get_loops(last)[-1], [None, int(config["vec"])])
         sch.vectorize(vl)
         names = [sch.get(b).name_hint for b in blocks[:-1]]
+        depth = len(sch.get_loops(last)) - 2  # loops above and including the row loop
         for b in reversed(blocks[:-1]):
             sch.compute_at(b, row, preserve_unit_loops=False)
         for name in names:
@@ -172,14 +173,15 @@ class ReductionCPU(ScheduleTemplate):
             kinds = [int(iv.iter_type) for iv in sch.get(blk).iter_vars]
             if name.endswith("_rf"):
                 # rf block: iters (lane, rows..., r_outer); loops under the row: r_outer, lane
-                lane_loop = next(lp for lp in bl if _as_int(sch.get(lp).extent) == lanes)
-                idx = list(bl).index(lane_loop)
-                r_outer = bl[idx - 1] if idx > 0 else None
-                if r_outer is not None and idx == len(bl) - 1:
+                own = list(bl[depth:])
+                lane_loop = next((lp for lp in own if _as_int(sch.get(lp).extent) == lanes), None)
+                r_outer = next((lp for lp in own if not lp.same_as(lane_loop)), None) if lane_loop else None
+                if lane_loop is not None and r_outer is not None and len(own) == 2:
+                    sch.reorder(r_outer, lane_loop)  # lanes innermost: one vector accumulator
+                    sch.vectorize(lane_loop)  # before decompose: the update alone is not "complete"
                     init = sch.decompose_reduction(blk, r_outer)
-                    sch.vectorize(sch.get_loops(blk)[-1])
                     sch.vectorize(sch.get_loops(init)[-1])
-            elif 2 not in kinds and bl:
+            elif 2 not in kinds and len(bl) > depth:  # own loops only, never the row loop
                 inner_loop = bl[-1]
                 ext = _as_int(sch.get(inner_loop).extent)
                 if ext is not None and ext % lanes == 0 and ext > 1:

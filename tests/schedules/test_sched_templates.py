@@ -7,6 +7,7 @@ the default plus a seeded sample of the space, so a template that breaks for som
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import tvm
@@ -90,6 +91,17 @@ def test_reduction_cpu_rmsnorm(cpu_target, M):
     for i, config in enumerate(sample_configs(template, workload, cpu_target, 3, seed=3)):
         scheduled = template.apply(func, workload, config, cpu_target)
         check_func(scheduled, func, cpu_target, SYMBOLIC_MS if M is None else [M], rmsnorm_reference, seed=i)
+
+
+def test_reduction_cpu_every_config(cpu_target):
+    """The whole (small) space: chunk == lanes once vectorized the row loop by mistake."""
+    func = single_func(rmsnorm_module(None, hidden=64))
+    template, workload = find_template(func, cpu_target)
+    space = template.space(workload, cpu_target)
+    configs = [dict(zip(space, v)) for v in itertools.product(*space.values())]
+    for i, config in enumerate(c for c in configs if template.is_valid(workload, c, cpu_target)):
+        scheduled = template.apply(func, workload, config, cpu_target)
+        check_func(scheduled, func, cpu_target, [1, 17, 33], rmsnorm_reference, seed=i)
 
 
 @pytest.mark.parametrize(("op", "width"), [("silu_mul", 96), ("add", 64), ("take", 48)])
