@@ -41,6 +41,7 @@ class CompileOptions:
     quantization: str = "f32"
     max_context: int | None = None
     progress: bool = True
+    schedule: str = "perfx"  # "perfx": templates from schedules/; "dlight": TVM's default rules
     passes: list[str] | None = None  # None: the default pass list of perfx_compiler.passes
 
 
@@ -108,11 +109,9 @@ def phase_lower(state: CompileState) -> None:
 
 
 def phase_schedule(state: CompileState) -> None:
-    try:
+    if state.options.schedule == "perfx":
         from perfx_compiler.schedule import apply_schedules
-    except ImportError:  # templates not available: TVM's own defaults
-        apply_schedules = None
-    if apply_schedules is not None:
+
         records = None
         if state.options.tuning_log is not None:
             from perfx_compiler.tune.records import TuningDatabase

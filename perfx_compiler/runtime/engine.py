@@ -9,15 +9,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tvm.runtime
-from tvm.runtime.vm import VirtualMachine
 
-from perfx_compiler.errors import ArtifactError, ContextLengthError
+if "tvm" not in sys.modules:
+    # Load only TVM's runtime library: a deployed runtime needs no compiler (and skips its import cost).
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+import tvm.runtime  # noqa: E402
+from tvm.runtime.vm import VirtualMachine  # noqa: E402
+
+from perfx_compiler.errors import ArtifactError, ContextLengthError  # noqa: E402
 
 MANIFEST = "perfx-config.json"
 SUPPORTED_FORMAT = 1

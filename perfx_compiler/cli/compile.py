@@ -1,0 +1,85 @@
+"""``perfx-compile``: MODEL -> artifact directory for a target.
+
+    perfx-compile smollm2-135m --target host -o out
+    perfx-compile model.gguf --target x86-avx512 -o out --dump-ir ir/
+    perfx-compile --list-targets
+
+User errors print one line ``perfx-compile: error: ...`` and exit 2; ``--debug``
+shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+
+from perfx_compiler.errors import PerfXError
+
+PROG = "perfx-compile"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Compile an LLM for a target with PerfX.")
+    p.add_argument("model", nargs="?", help="smollm2-135m, a .gguf file, a Hugging Face folder or an .onnx file")
+    p.add_argument("--target", default="host", help="a target from targets/ (see --list-targets); default host")
+    p.add_argument("-o", "--output", default=None, help="artifact directory (default MODEL-TARGET)")
+    p.add_argument("--dump-ir", default=None, metavar="DIR", help="write the module after each phase to DIR")
+    p.add_argument("--tuning-log", default=None, metavar="DIR", help="tuning records to build from (no new trials)")
+    p.add_argument("--max-context", type=int, default=None, help="KV cache length (default: min(model's, 2048))")
+    p.add_argument("--schedule", choices=["perfx", "dlight"], default="perfx", help="schedule templates to use")
+    p.add_argument("--quantization", default="f32", help="weight format (f32)")
+    p.add_argument("--list-targets", action="store_true", help="list the known targets and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    return p
+
+
+def _list_targets() -> int:
+    from perfx_compiler.targets import list_targets, load_target
+
+    print(f"{'target':<14} {'family':<6} description")
+    for name in ["host", *list_targets()]:
+        t = load_target(name)
+        label = f"{t.description} (detected: {t.name})" if name == "host" else t.description
+        print(f"{name:<14} {t.family:<6} {label}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.list_targets:
+            return _list_targets()
+        if not args.model:
+            raise PerfXError("no MODEL given; pass smollm2-135m, a .gguf file, a Hugging Face folder or an .onnx file")
+        from perfx_compiler.pipeline import compile_model
+
+        start = time.perf_counter()
+        out = compile_model(
+            args.model,
+            args.target,
+            args.output,
+            dump_ir=args.dump_ir,
+            tuning_log=args.tuning_log,
+            max_context=args.max_context,
+            schedule=args.schedule,
+            quantization=args.quantization,
+            progress=not args.quiet,
+        )
+        print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
+        return 0
+    except PerfXError as err:
+        if args.debug:
+            traceback.print_exc()
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
