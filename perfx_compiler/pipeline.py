@@ -91,6 +91,7 @@ def phase_passes(state: CompileState) -> None:
     from perfx_compiler.passes import run_passes
 
     state.mod, state.weights = run_passes(state.mod, state.weights, state.target, state.options)
+    check_signatures(state)
 
 
 def phase_lower(state: CompileState) -> None:
@@ -150,6 +151,15 @@ def phase_build(state: CompileState) -> None:
         ]
     )
     state.executable = tvm.compile(state.mod, target=tgt, relax_pipeline=finish)
+
+
+def check_signatures(state: CompileState) -> None:
+    """Every exported function takes (inputs..., weights in ``state.weights`` order): the runtime relies on it."""
+    n, names = state.notes["num_inputs"], list(state.weights)
+    for fn in FUNCTIONS:
+        got = [p.name for p in state.mod[fn].params[n:]]
+        if got != names:
+            raise PerfXError(f"internal: function {fn} takes weights {got[:3]}... but the weight table has {names[:3]}...")
 
 
 def phase_package(state: CompileState) -> None:
