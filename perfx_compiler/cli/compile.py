@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None, help="KV cache length (default: min(model's, 2048))")
     p.add_argument("--schedule", choices=["perfx", "dlight"], default="perfx", help="schedule templates to use")
     p.add_argument("--quantization", default="f32", help="weight format (f32)")
+    p.add_argument("--emit-onnx", default=None, metavar="FILE", help="also write the model as a runnable ONNX graph")
     p.add_argument("--list-targets", action="store_true", help="list the known targets and exit")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -57,6 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise PerfXError("no MODEL given; pass smollm2-135m, a .gguf file, a Hugging Face folder or an .onnx file")
         from perfx_compiler.pipeline import compile_model
 
+        if args.emit_onnx:
+            from perfx_compiler.model.loader import load_model
+            from perfx_compiler.model.onnx_emit import save_onnx
+
+            print(f"wrote {save_onnx(load_model(args.model, args.max_context), args.emit_onnx)}")
         start = time.perf_counter()
         out = compile_model(
             args.model,

@@ -40,8 +40,13 @@ def load_model(spec: str | os.PathLike[str], max_context: int | None = None) -> 
         path = known_model_path(text)
     else:
         path = Path(text).expanduser()
-    if path.suffix.lower() == ".onnx":
-        raise NotImplementedError("ONNX models are loaded by the ONNX frontend, not load_model")
+    if path.suffix.lower() == ".onnx" and path.is_file():
+        from perfx_compiler.model.onnx_read import load_onnx
+
+        desc = load_onnx(path)
+        if max_context is not None:
+            desc.config.max_context = max_context
+        return desc
     if path.is_dir():
         if (path / "config.json").is_file():
             from perfx_compiler.model.hf import load_hf_folder

@@ -20,7 +20,9 @@ Weights are initializers, or graph inputs of the same names with ``weights="inpu
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -208,7 +210,23 @@ def emit_onnx(
         producer_name="perfx",
     )
     model.ir_version = 9
+    # The graph carries everything needed to rebuild the description (see onnx_read.py).
+    meta = {"perfx.config": json.dumps(c.to_dict())}
+    if desc.tokenizer_json:
+        meta["perfx.tokenizer"] = desc.tokenizer_json
+    if desc.chat_template:
+        meta["perfx.chat_template"] = desc.chat_template
+    helper.set_model_props(model, meta)
     return model
+
+
+def save_onnx(desc: ModelDescription, path: str | Path) -> Path:
+    """Write the runnable graph (weights as initializers; external data past protobuf's 2 GB)."""
+    path = Path(path)
+    model = emit_onnx(desc, weights="initializers", logits="all")
+    big = sum(w.nbytes for w in desc.weights.values()) > 1_800_000_000
+    onnx.save_model(model, str(path), save_as_external_data=big, location=path.name + ".data" if big else None)
+    return path
 
 
 def weight_input_names(desc: ModelDescription) -> list[str]:

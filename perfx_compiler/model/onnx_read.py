@@ -1,0 +1,56 @@
+"""Read an ONNX file back into a ModelDescription.
+
+A graph PerfX emitted carries its config, tokenizer and chat template in
+``metadata_props`` and its weights as initializers; it compiles exactly like
+the model it came from. Other ONNX files are checked for operators PerfX cannot
+import (one error naming all of them) and otherwise refused with what to do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+from onnx import numpy_helper
+
+from perfx_compiler.errors import ModelFormatError, UnsupportedModelError
+from perfx_compiler.model.description import ModelConfig, ModelDescription
+from perfx_compiler.model.onnx_emit import ROPE_COS, ROPE_SIN
+
+
+def load_onnx(path: str | Path) -> ModelDescription:
+    path = Path(path)
+    try:
+        model = onnx.load(str(path), load_external_data=True)
+    except Exception as err:  # protobuf/decode errors: say what the file is not
+        raise ModelFormatError(f"{path} is not a readable ONNX file ({type(err).__name__}); re-export it") from None
+    meta = {p.key: p.value for p in model.metadata_props}
+    if "perfx.config" not in meta:
+        from perfx_compiler.frontend.onnx_import import unsupported_ops
+
+        found = unsupported_ops(model)
+        if found:
+            from perfx_compiler.frontend.onnx_import import import_onnx
+
+            import_onnx(model)  # raises the one-line error naming every unsupported op and node
+        raise UnsupportedModelError(
+            f"{path} is not a PerfX decoder graph (no perfx.config metadata); third-party decoder "
+            "graphs import into Relax (perfx_compiler.frontend.onnx_import.import_onnx) but cannot be "
+            "compiled into a generating artifact yet; compile the GGUF or Hugging Face folder instead"
+        )
+    config = ModelConfig.from_dict(json.loads(meta["perfx.config"]))
+    weights = {
+        t.name: numpy_helper.to_array(t)
+        for t in model.graph.initializer
+        if t.name not in (ROPE_COS, ROPE_SIN)
+    }
+    desc = ModelDescription(
+        config=config,
+        weights=weights,
+        tokenizer_json=meta.get("perfx.tokenizer"),
+        chat_template=meta.get("perfx.chat_template"),
+        source=str(path),
+    )
+    desc.validate()
+    return desc
