@@ -61,7 +61,7 @@ class CompileState:
 
 def phase_import(state: CompileState) -> None:
     from perfx_compiler.frontend.onnx_import import import_onnx
-    from perfx_compiler.frontend.perfx_ops import PERFX_CONVERTERS, add_kernels
+    from perfx_compiler.frontend.perfx_ops import PERFX_CONVERTERS, add_kernels, set_target_family
     from perfx_compiler.model.onnx_emit import (
         emit_onnx,
         weight_arrays,
@@ -69,6 +69,7 @@ def phase_import(state: CompileState) -> None:
     )
 
     num_inputs = 2 + 2 * state.desc.config.num_layers  # input_ids, past_len, caches
+    set_target_family(state.target.family)  # kernels with a GPU variant (attention) pick it from this
     merged = tvm.IRModule()
     for name, spec in FUNCTIONS.items():
         graph = emit_onnx(state.desc, weights="inputs", logits=spec["logits"], seq_len=spec["seq"])
@@ -83,7 +84,7 @@ def phase_import(state: CompileState) -> None:
     params = state.mod["decode"].params[num_inputs:]
     names = weight_input_names(state.desc)
     assert len(params) == len(names), (len(params), len(names))
-    state.weights = {p.name: arrays[n] for p, n in zip(params, names)}
+    state.weights = {p.name: arrays[n] for p, n in zip(params, names, strict=True)}
     state.notes["num_inputs"] = num_inputs
 
 

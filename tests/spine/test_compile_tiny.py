@@ -69,7 +69,7 @@ def test_emitted_onnx_runs_in_onnxruntime(tiny):
     out = sess.run(None, {"input_ids": ids[None, :6], "past_len": np.array([0]), **caches})
     logits = [out[0][0]]
     for t in range(6, 9):
-        caches = dict(zip(cache_names(c.num_layers), out[1:]))
+        caches = dict(zip(cache_names(c.num_layers), out[1:], strict=True))
         out = sess.run(None, {"input_ids": ids[None, t : t + 1], "past_len": np.array([t]), **caches})
         logits.append(out[0][0])
     assert rel_err(np.concatenate(logits), ReferenceModel(desc).forward(ids.tolist())) < 1e-4
