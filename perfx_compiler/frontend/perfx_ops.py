@@ -12,6 +12,16 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
 from perfx_compiler.kernels.attention import cached_attention_kernel
+from perfx_compiler.kernels.attention_gpu import cached_attention_kernel_gpu
+
+# Target family of the compilation being imported ("cpu" | "gpu"); the pipeline's import phase
+# sets it, converters pick the kernel variant from it.
+TARGET_FAMILY = "cpu"
+
+
+def set_target_family(family: str) -> None:
+    global TARGET_FAMILY
+    TARGET_FAMILY = family
 
 # Kernels are shared by every function imported in one compilation (prefill, decode, ...):
 # one GlobalVar object per kernel configuration, added to the merged module afterwards.
@@ -60,7 +70,10 @@ class CachedAttention(OnnxOpConverter):
         q, k, v, kc, vc, past, cos, sin = inputs
         _, kvh, maxc, d = (_static(x) for x in kc.ty.shape)
         heads = _static(q.ty.shape[2]) // d
-        gv = kernel_global_var("cached_attention", cached_attention_kernel, heads, kvh, d, maxc, q.ty.dtype)
+        if TARGET_FAMILY == "gpu":
+            gv = kernel_global_var("cached_attention_gpu", cached_attention_kernel_gpu, heads, kvh, d, maxc, q.ty.dtype)
+        else:
+            gv = kernel_global_var("cached_attention", cached_attention_kernel, heads, kvh, d, maxc, q.ty.dtype)
         out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kc.ty, vc.ty]
         call = relax.call_tir_inplace(gv, [q, k, v, kc, vc, past, cos, sin], [-1, 3, 4], out_ty)
         return bb.emit(call)
