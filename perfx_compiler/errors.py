@@ -33,3 +33,7 @@ class ContextLengthError(PerfXError):
 
 class TuningLogError(PerfXError):
     """A tuning record file cannot be used."""
+
+
+class KVCacheFullError(PerfXError):
+    """The paged KV pool has no free pages for a request right now."""

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import tvm
 
-from perfx_compiler.model.onnx_emit import cache_shape
+from perfx_compiler.model.onnx_emit import PAGE_SIZE, cache_shape, pages_per_sequence, pool_shape
+from perfx_compiler.pipeline import exported_functions
 
 FORMAT_VERSION = 1
 MANIFEST = "perfx-config.json"
@@ -75,9 +76,15 @@ def write_artifact(state: Any) -> Path:
         "target": {"name": target.name, "tvm_target": target.tvm_target, "family": target.family,
                    "host_triple": target.host_triple},
         "quantization": state.options.quantization,
-        "functions": {"prefill": "prefill", "decode": "decode", "prefill_all": "prefill_all"},
-        "num_inputs": state.notes["num_inputs"],
+        "functions": {name: name for name in exported_functions(state.options)},
         "kv_cache": {"shape": cache_shape(cfg), "dtype": "float32", "count": 2 * cfg.num_layers},
+        "paged_kv": {
+            "page_size": PAGE_SIZE,
+            "pages_per_sequence": pages_per_sequence(cfg),
+            "page_shape": pool_shape(cfg, 1)[1:],
+            "dtype": "float32",
+            "count": 2 * cfg.num_layers,
+        },
         "weights": weight_index,
         "weight_bytes": int(sum(w["nbytes"] for w in weight_index)),
         "parameters": desc.parameter_count(),

@@ -26,10 +26,21 @@ from perfx_compiler.targets import TargetDescription, load_target
 
 # Relax functions every artifact exports; the runtime calls them by these names.
 FUNCTIONS = {
-    "prefill": {"logits": "last", "seq": "seq"},
-    "decode": {"logits": "last", "seq": 1},
-    "prefill_all": {"logits": "all", "seq": "seq"},
+    "prefill": {"logits": "last", "seq_len": "seq"},
+    "decode": {"logits": "last", "seq_len": 1},
+    "prefill_all": {"logits": "all", "seq_len": "seq"},
+    # batched serving over a paged KV pool (runtime/batch_engine.py)
+    "paged_prefill": {"logits": "last", "seq_len": "seq", "kv": "paged", "batch": 1},
+    "paged_decode": {"logits": "last", "seq_len": 1, "kv": "paged", "batch": "batch"},
 }
+
+
+def exported_functions(options: CompileOptions) -> list[str]:
+    return [f for f in FUNCTIONS if options.batching or not f.startswith("paged_")]
+
+
+def num_inputs(func: relax.Function) -> int:
+    return int(func.attrs["num_input"])
 
 
 @dataclass
@@ -43,6 +54,7 @@ class CompileOptions:
     progress: bool = True
     schedule: str = "perfx"  # "perfx": templates from schedules/; "dlight": TVM's default rules
     passes: list[str] | None = None  # None: the default pass list of perfx_compiler.passes
+    batching: bool = False  # also export the paged, batched functions used for serving
 
 
 @dataclass
@@ -68,24 +80,25 @@ def phase_import(state: CompileState) -> None:
         weight_input_names,
     )
 
-    num_inputs = 2 + 2 * state.desc.config.num_layers  # input_ids, past_len, caches
     set_target_family(state.target.family)  # kernels with a GPU variant (attention) pick it from this
+    layers = state.desc.config.num_layers
     merged = tvm.IRModule()
-    for name, spec in FUNCTIONS.items():
-        graph = emit_onnx(state.desc, weights="inputs", logits=spec["logits"], seq_len=spec["seq"])
+    for name in exported_functions(state.options):
+        spec = FUNCTIONS[name]
+        # inputs before the weights: ids, past_len | (positions, page_table), then the KV tensors
+        n_in = (3 if spec.get("kv") == "paged" else 2) + 2 * layers
+        graph = emit_onnx(state.desc, weights="inputs", **spec)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the importer warns about every sanitized name
             mod = import_onnx(graph, keep_params_in_input=True, extra_converters=PERFX_CONVERTERS)
-        main = mod["main"].with_attrs({"global_symbol": name, "num_input": num_inputs})
-        merged[name] = main
+        merged[name] = mod["main"].with_attrs({"global_symbol": name, "num_input": n_in})
     state.mod = add_kernels(merged)
     # Weights are the parameters after the inputs, in emission order; key them by Relax name.
     arrays = weight_arrays(state.desc)
-    params = state.mod["decode"].params[num_inputs:]
+    params = state.mod["decode"].params[num_inputs(state.mod["decode"]) :]
     names = weight_input_names(state.desc)
     assert len(params) == len(names), (len(params), len(names))
     state.weights = {p.name: arrays[n] for p, n in zip(params, names, strict=True)}
-    state.notes["num_inputs"] = num_inputs
 
 
 def phase_passes(state: CompileState) -> None:
@@ -103,7 +116,7 @@ def phase_lower(state: CompileState) -> None:
             relax.transform.FoldConstant(),
             relax.transform.FuseOps(),
             relax.transform.FuseTIR(),
-            relax.transform.DeadCodeElimination(list(FUNCTIONS)),
+            relax.transform.DeadCodeElimination(exported_functions(state.options)),
         ]
     )
     with state.target.tvm():
@@ -156,9 +169,9 @@ def phase_build(state: CompileState) -> None:
 
 def check_signatures(state: CompileState) -> None:
     """Every exported function takes (inputs..., weights in ``state.weights`` order): the runtime relies on it."""
-    n, names = state.notes["num_inputs"], list(state.weights)
-    for fn in FUNCTIONS:
-        got = [p.name for p in state.mod[fn].params[n:]]
+    names = list(state.weights)
+    for fn in exported_functions(state.options):
+        got = [p.name for p in state.mod[fn].params[num_inputs(state.mod[fn]) :]]
         if got != names:
             raise PerfXError(f"internal: function {fn} takes weights {got[:3]}... but the weight table has {names[:3]}...")
 

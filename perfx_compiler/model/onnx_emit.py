@@ -131,14 +131,104 @@ def _attention_function(config: ModelConfig) -> onnx.FunctionProto:
     )
 
 
+PAGE_SIZE = 16
+
+
+def pages_per_sequence(config: ModelConfig, page_size: int = PAGE_SIZE) -> int:
+    return -(-config.max_context // page_size)
+
+
+def pool_names(num_layers: int) -> list[str]:
+    """Paged KV pool input names in graph order."""
+    return [n for i in range(num_layers) for n in (f"pool_k.{i}", f"pool_v.{i}")]
+
+
+def pool_shape(config: ModelConfig, num_pages: int | str, page_size: int = PAGE_SIZE) -> list:
+    """[pages, page_size, kv_heads, head_dim]: one token's heads are contiguous (scatter-friendly)."""
+    return [num_pages, page_size, config.num_kv_heads, config.head_dim]
+
+
+def _paged_attention_function(config: ModelConfig, page_size: int) -> onnx.FunctionProto:
+    """``perfx.PagedAttention``: CachedAttention for a batch of sequences over a paged KV pool.
+
+    inputs: q [B,seq,H*D], k/v [B,seq,KVH*D], pool_k/pool_v [pages,PS,KVH,D], positions [B] (tokens
+            already cached per sequence), page_table [B,P] (page ids; unused entries any valid id),
+            rope_cos/rope_sin [MAXC, D/2]
+    outputs: out [B,seq,H*D], pool_k_out, pool_v_out
+    """
+    c = config
+    h, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
+    npp = pages_per_sequence(c, page_size)
+    g = _Graph()
+    seq = g.op("Gather", g.op("Shape", "q"), g.const(1), axis=0)
+    steps = g.op("Unsqueeze", g.op("Range", g.const(0), seq, g.const(1)), g.const([0]))  # [1, seq]
+    pos = g.op("Add", g.op("Unsqueeze", "positions", g.const([1])), steps)  # [B, seq]
+    cos = g.op("Unsqueeze", g.op("Gather", "rope_cos", pos, axis=0), g.const([1]))  # [B,1,seq,D/2]
+    sin = g.op("Unsqueeze", g.op("Gather", "rope_sin", pos, axis=0), g.const([1]))
+
+    def heads(x: str, n: int) -> str:  # [B,seq,n*D] -> [B,n,seq,D]
+        return g.op("Transpose", g.op("Reshape", x, g.const([0, 0, n, d])), perm=[0, 2, 1, 3])
+
+    def rope(x: str) -> str:
+        x1, x2 = g.op("Split", x, g.const([d // 2, d // 2]), axis=-1, n_out=2)
+        r1 = g.op("Sub", g.op("Mul", x1, cos), g.op("Mul", x2, sin))
+        r2 = g.op("Add", g.op("Mul", x2, cos), g.op("Mul", x1, sin))
+        return g.op("Concat", r1, r2, axis=-1)
+
+    q = rope(heads("q", h))
+    k = g.op("Transpose", rope(heads("k", kvh)), perm=[0, 2, 1, 3])  # [B,seq,KVH,D]
+    v = g.op("Reshape", "v", g.const([0, 0, kvh, d]))
+    page = g.op("GatherElements", "page_table", g.op("Div", pos, g.const(page_size)), axis=1)
+    slot = g.op("Mod", pos, g.const(page_size))
+    idx = g.op("Concat", g.op("Unsqueeze", page, g.const([2])), g.op("Unsqueeze", slot, g.const([2])), axis=2)
+    g.nodes.append(helper.make_node("ScatterND", ["pool_k", idx, k], ["pool_k_out"]))
+    g.nodes.append(helper.make_node("ScatterND", ["pool_v", idx, v], ["pool_v_out"]))
+
+    def gather_seq(pool: str) -> str:  # -> [B, KVH, P*PS, D]
+        x = g.op("Gather", pool, "page_table", axis=0)  # [B,P,PS,KVH,D]
+        x = g.op("Reshape", x, g.const([0, npp * page_size, kvh, d]))
+        return g.op("Transpose", x, perm=[0, 2, 1, 3])
+
+    keys, vals = gather_seq("pool_k_out"), gather_seq("pool_v_out")
+    q5 = g.op("Reshape", q, g.const([0, kvh, h // kvh, -1, d]))
+    k5 = g.op("Unsqueeze", g.op("Transpose", keys, perm=[0, 1, 3, 2]), g.const([2]))
+    v5 = g.op("Unsqueeze", vals, g.const([2]))
+    scores = g.op("Mul", g.op("MatMul", q5, k5), g.const(1.0 / math.sqrt(d), np.float32))
+    key_pos = g.op("Reshape", g.const(np.arange(npp * page_size)), g.const([1, 1, -1]))
+    masked = g.op("Greater", key_pos, g.op("Unsqueeze", pos, g.const([2])))  # [B, seq, L]
+    masked = g.op("Unsqueeze", masked, g.const([1, 2]))
+    scores = g.op("Where", masked, g.const(-np.inf, np.float32), scores)
+    o = g.op("MatMul", g.op("Softmax", scores, axis=-1), v5)  # [B,KVH,G,seq,D]
+    o = g.op("Transpose", g.op("Reshape", o, g.const([0, h, -1, d])), perm=[0, 2, 1, 3])
+    g.nodes.append(helper.make_node("Reshape", [o, g.const([0, 0, h * d])], ["out"]))
+    return helper.make_function(
+        PERFX_DOMAIN,
+        "PagedAttention",
+        ["q", "k", "v", "pool_k", "pool_v", "positions", "page_table", "rope_cos", "rope_sin"],
+        ["out", "pool_k_out", "pool_v_out"],
+        g.nodes,
+        opset_imports=[helper.make_opsetid("", OPSET)],
+    )
+
+
 def emit_onnx(
     desc: ModelDescription,
     *,
     weights: Literal["initializers", "inputs"] = "initializers",
     logits: Literal["all", "last"] = "all",
     seq_len: int | str = "seq",
+    kv: Literal["contiguous", "paged"] = "contiguous",
+    batch: int | str = 1,
+    num_pages: int | str = "pages",
+    page_size: int = PAGE_SIZE,
 ) -> onnx.ModelProto:
-    """Build the decoder graph for ``desc`` (see module docstring for its I/O)."""
+    """Build the decoder graph for ``desc`` (see module docstring for its I/O).
+
+    ``kv="paged"`` builds the batched variant: input_ids [batch, seq], positions [batch],
+    page_table [batch, pages_per_sequence] and one paged pool per layer for K and V.
+    """
+    if kv == "contiguous" and batch != 1:
+        raise ValueError("the contiguous KV cache holds one sequence; use kv='paged' for batches")
     c = desc.config
     g = _Graph()
     weight_arrays: dict[str, np.ndarray] = {n: w for n, w in desc.weights.items()}
@@ -159,7 +249,7 @@ def emit_onnx(
         var = g.op("ReduceMean", g.op("Pow", x, two), g.const([-1]), keepdims=1)
         return g.op("Mul", g.op("Div", x, g.op("Sqrt", g.op("Add", var, eps))), weight)
 
-    x = g.op("Gather", "model.embed_tokens.weight", "input_ids", axis=0)  # [1, seq, hidden]
+    x = g.op("Gather", "model.embed_tokens.weight", "input_ids", axis=0)  # [batch, seq, hidden]
     outputs_cache: list[str] = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
@@ -167,13 +257,21 @@ def emit_onnx(
         q = linear(hn, p + "self_attn.q_proj")
         k = linear(hn, p + "self_attn.k_proj")
         v = linear(hn, p + "self_attn.v_proj")
-        attn, ck, cv = g.op(
-            "CachedAttention", q, k, v, f"cache_k.{i}", f"cache_v.{i}", "past_len", ROPE_COS, ROPE_SIN,
-            n_out=3, domain=PERFX_DOMAIN,
-        )
-        g.nodes.append(helper.make_node("Identity", [ck], [f"cache_k_out.{i}"]))
-        g.nodes.append(helper.make_node("Identity", [cv], [f"cache_v_out.{i}"]))
-        outputs_cache += [f"cache_k_out.{i}", f"cache_v_out.{i}"]
+        if kv == "paged":
+            attn, ck, cv = g.op(
+                "PagedAttention", q, k, v, f"pool_k.{i}", f"pool_v.{i}", "positions", "page_table",
+                ROPE_COS, ROPE_SIN, n_out=3, domain=PERFX_DOMAIN,
+            )
+            outs = [f"pool_k_out.{i}", f"pool_v_out.{i}"]
+        else:
+            attn, ck, cv = g.op(
+                "CachedAttention", q, k, v, f"cache_k.{i}", f"cache_v.{i}", "past_len", ROPE_COS, ROPE_SIN,
+                n_out=3, domain=PERFX_DOMAIN,
+            )
+            outs = [f"cache_k_out.{i}", f"cache_v_out.{i}"]
+        g.nodes.append(helper.make_node("Identity", [ck], [outs[0]]))
+        g.nodes.append(helper.make_node("Identity", [cv], [outs[1]]))
+        outputs_cache += outs
         x = g.op("Add", x, linear(attn, p + "self_attn.o_proj"))
         hn = rms_norm(x, p + "post_attention_layernorm.weight")
         gate = linear(hn, p + "mlp.gate_proj")
@@ -186,14 +284,24 @@ def emit_onnx(
     head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     g.nodes.append(helper.make_node("MatMul", [x, g.op("Transpose", head, perm=[1, 0])], ["logits"]))
 
-    f32 = TensorProto.FLOAT
-    cshape = cache_shape(c)
-    inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, seq_len]),
-        helper.make_tensor_value_info("past_len", TensorProto.INT64, [1]),
-    ] + [helper.make_tensor_value_info(n, f32, cshape) for n in cache_names(c.num_layers)]
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    if kv == "paged":
+        cshape = pool_shape(c, num_pages, page_size)
+        inputs = [
+            helper.make_tensor_value_info("input_ids", i64, [batch, seq_len]),
+            helper.make_tensor_value_info("positions", i64, [batch]),
+            helper.make_tensor_value_info("page_table", i64, [batch, pages_per_sequence(c, page_size)]),
+        ] + [helper.make_tensor_value_info(n, f32, cshape) for n in pool_names(c.num_layers)]
+        function = _paged_attention_function(c, page_size)
+    else:
+        cshape = cache_shape(c)
+        inputs = [
+            helper.make_tensor_value_info("input_ids", i64, [1, seq_len]),
+            helper.make_tensor_value_info("past_len", i64, [1]),
+        ] + [helper.make_tensor_value_info(n, f32, cshape) for n in cache_names(c.num_layers)]
+        function = _attention_function(c)
     out_seq = 1 if logits == "last" else seq_len
-    outputs = [helper.make_tensor_value_info("logits", f32, [1, out_seq, c.vocab_size])] + [
+    outputs = [helper.make_tensor_value_info("logits", f32, [batch, out_seq, c.vocab_size])] + [
         helper.make_tensor_value_info(n, f32, cshape) for n in outputs_cache
     ]
     initializers = []
@@ -206,7 +314,7 @@ def emit_onnx(
     model = helper.make_model(
         graph,
         opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PERFX_DOMAIN, 1)],
-        functions=[_attention_function(c)],
+        functions=[function],
         producer_name="perfx",
     )
     model.ir_version = 9

@@ -64,7 +64,7 @@ def read_manifest(artifact_dir: str | Path, *, verify: bool = True) -> dict[str,
 class Engine:
     """One sequence's prefill/decode over a preallocated KV cache."""
 
-    def __init__(self, artifact_dir: str | Path, *, verify: bool = True, device: str = "cpu"):
+    def __init__(self, artifact_dir: str | Path, *, verify: bool = True, device: str = "cpu", kv_cache: bool = True):
         self.root = Path(artifact_dir)
         self.manifest = read_manifest(self.root, verify=verify)
         self.tokenizer_path = self.root / "tokenizer.json"
@@ -76,8 +76,9 @@ class Engine:
         self.vm = VirtualMachine(lib, self.device)
         self._weights = self._load_weights()
         kv = self.manifest["kv_cache"]
-        zeros = np.zeros(kv["shape"], dtype=kv["dtype"])
-        self._caches = [tvm.runtime.tensor(zeros, self.device) for _ in range(kv["count"])]
+        zeros = np.zeros(kv["shape"] if kv_cache else [0], dtype=kv["dtype"])
+        # kv_cache=False: a BatchEngine brings its own paged pool and uses only the weights.
+        self._caches = [tvm.runtime.tensor(zeros, self.device) for _ in range(kv["count"] if kv_cache else 0)]
         # Look the functions up once; per-step Python work stays minimal.
         fns = self.manifest["functions"]
         self._prefill = self.vm[fns["prefill"]]
