@@ -12,6 +12,7 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
 from perfx_compiler.kernels.attention import cached_attention_kernel
+from perfx_compiler.kernels.paged_attention import paged_attention_kernel
 from perfx_compiler.kernels.attention_gpu import cached_attention_kernel_gpu
 
 # Target family of the compilation being imported ("cpu" | "gpu"); the pipeline's import phase
@@ -79,4 +80,22 @@ class CachedAttention(OnnxOpConverter):
         return bb.emit(call)
 
 
-PERFX_CONVERTERS: dict[str, type] = {"CachedAttention": CachedAttention}
+class PagedAttention(OnnxOpConverter):
+    """q, k, v, pool_k, pool_v, positions, page_table, rope_cos, rope_sin -> out, pool_k, pool_v."""
+
+    @classmethod
+    def _impl_v1(cls, bb: relax.BlockBuilder, inputs, attr, params):
+        q, k, v, kp, vp, pos, table, cos, sin = inputs
+        _, page_size, kvh, d = kp.ty.shape
+        page_size, kvh, d = _static(page_size), _static(kvh), _static(d)
+        heads = _static(q.ty.shape[2]) // d
+        maxc = _static(cos.ty.shape[0])
+        gv = kernel_global_var(
+            "paged_attention", paged_attention_kernel, heads, kvh, d, maxc, page_size, q.ty.dtype
+        )
+        out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kp.ty, vp.ty]
+        call = relax.call_tir_inplace(gv, [q, k, v, kp, vp, pos, table, cos, sin], [-1, 3, 4], out_ty)
+        return bb.emit(call)
+
+
+PERFX_CONVERTERS: dict[str, type] = {"CachedAttention": CachedAttention, "PagedAttention": PagedAttention}
