@@ -10,8 +10,17 @@ from typing import Any
 import tvm
 from tvm import relax
 
-# Relax functions the runtime calls; every pass rewrites all of them the same way.
+# Relax functions the runtime calls at least; every pass rewrites all exported ones alike.
 EXPORTED = ("prefill", "decode", "prefill_all")
+
+
+def exported(mod: tvm.IRModule) -> list[str]:
+    """Names of the module's exported Relax functions (those with inputs before the weights)."""
+    out = []
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function) and func.attrs is not None and "num_input" in func.attrs:
+            out.append(gv.name_hint)
+    return sorted(out, key=lambda n: (n not in EXPORTED, EXPORTED.index(n) if n in EXPORTED else 0, n))
 OPAQUE = 8  # relay/relax OpPatternKind.kOpaque: FuseOps leaves such a call_tir alone
 SKIP = "skip"
 
@@ -179,9 +188,8 @@ def rewrite_functions(
     rewriter = BindingRewriter(mod, {})
     for name, pf in (prim_funcs or {}).items():
         gvars[name] = rewriter.builder_.add_func(pf.with_attr("op_pattern", OPAQUE), name)
-    for name in EXPORTED:
-        if name not in [g.name_hint for g in mod.get_global_vars()]:
-            continue
+    names = exported(mod)
+    for name in names:
         func = mod[name]
         plan = plan_for(name, func, FuncInfo.of(func), gvars)
         if not plan:
@@ -190,7 +198,7 @@ def rewrite_functions(
         new_func = rewriter.visit_expr(func)
         rewriter.builder_.update_func(rewriter.builder_.get().get_global_var(name), new_func)
     out = rewriter.builder_.get()
-    return relax.transform.DeadCodeElimination(list(EXPORTED))(out), gvars
+    return relax.transform.DeadCodeElimination(names)(out), gvars
 
 
 def replace_weight_params(
@@ -205,7 +213,7 @@ def replace_weight_params(
     new weight table."""
     mod = mod.clone()
     params_by_fn: dict[str, dict[str, relax.Var]] = {}
-    for fn in EXPORTED:
+    for fn in exported(mod):
         func = mod[fn]
         n = num_inputs if num_inputs is not None else int(func.attrs["num_input"])
         old = {p.name: p for p in func.params[n:]}

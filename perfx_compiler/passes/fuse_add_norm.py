@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 
 from perfx_compiler.passes._kernels import rms_norm_kernel
-from perfx_compiler.passes._relax_util import SKIP, FuncInfo, match_rms_norm, rewrite_functions, weight_name
+from perfx_compiler.passes._relax_util import SKIP, FuncInfo, exported, match_rms_norm, rewrite_functions, weight_name
 
 NAME = "fuse_add_norm"
 ORDER = 10
@@ -38,9 +38,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     plans: dict[str, list[tuple[str, Any, Any]]] = {}
 
     # First pass: find every match, so the kernels exist before the rewrite references them.
-    from perfx_compiler.passes._relax_util import EXPORTED
-
-    for fn in EXPORTED:
+    for fn in exported(mod):
         func = mod[fn]
         info = FuncInfo.of(func)
         found = []

@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 
 from perfx_compiler.passes._kernels import swiglu_kernel
-from perfx_compiler.passes._relax_util import EXPORTED, SKIP, FuncInfo, rewrite_functions
+from perfx_compiler.passes._relax_util import SKIP, FuncInfo, exported, rewrite_functions
 
 NAME = "fuse_swiglu"
 ORDER = 30
@@ -70,7 +70,7 @@ def _match(info: FuncInfo, var: Any) -> dict[str, Any] | None:
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
     matches: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
     kernels: dict[str, Any] = {}
-    for fn in EXPORTED:
+    for fn in exported(mod):
         info = FuncInfo.of(mod[fn])
         found = []
         for var in list(info.values):

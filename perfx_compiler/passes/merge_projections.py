@@ -10,7 +10,7 @@ merged linear reads its input once and launches once. The split costs nothing:
   ``silu(gate) * up`` over them into one kernel that reads the merged tensor directly.
 
 The weight parameters change: ``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj`` (at q's position)
-and ``gate_proj``/``up_proj`` -> ``gate_up_proj``, in all three exported functions alike.
+and ``gate_proj``/``up_proj`` -> ``gate_up_proj``, in every exported function alike.
 """
 
 from __future__ import annotations

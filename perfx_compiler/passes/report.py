@@ -13,7 +13,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from perfx_compiler.passes._relax_util import EXPORTED
+from perfx_compiler.passes._relax_util import exported
 
 # Operators that never launch a kernel (shape/tuple plumbing, in-place views).
 _FREE_OPS = {"relax.shape_of", "relax.shape_to_tensor", "relax.reshape", "relax.null_value"}
@@ -39,8 +39,7 @@ def _calls(func: relax.Function) -> list[str]:
 
 def kernel_counts(mod: tvm.IRModule) -> dict[str, int]:
     """Kernel launches per call of each exported function (``decode``: per generated token)."""
-    names = {g.name_hint for g in mod.get_global_vars()}
-    return {fn: len(_calls(mod[fn])) for fn in EXPORTED if fn in names}
+    return {fn: len(_calls(mod[fn])) for fn in exported(mod)}
 
 
 def kernel_breakdown(mod: tvm.IRModule, fn: str = "decode") -> dict[str, int]:
