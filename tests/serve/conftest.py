@@ -223,3 +223,19 @@ def serve(make_engine: Callable[..., FakeBatchEngine]) -> Iterator[Callable[...,
     for srv in servers:
         with contextlib.suppress(Exception):
             srv.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="module")
+def serve_shared(tokenizer: Any, tokenizer_file: Path) -> Iterator[LiveServer]:
+    """One server (default FakeBatchEngine) shared by a module's read-only tests."""
+    from perfx_compiler.serve.app import create_app
+
+    engine = FakeBatchEngine(
+        tokenizer_file,
+        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+        bos_token_id=tokenizer.token_to_id(BOS),
+        eos_token_id=tokenizer.token_to_id(EOS),
+    )
+    with LiveServer(create_app(engine)) as srv:
+        srv.engine = engine  # type: ignore[attr-defined]
+        yield srv
