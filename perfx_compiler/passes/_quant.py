@@ -1,0 +1,141 @@
+"""Weight-only int4 group quantization: numpy packing and the reference (compute-form) PrimFuncs.
+
+Packed layout (what ``schedules/gemv_int4_cpu.py`` reads), for W [N, K]:
+
+* ``q``: uint32 [N, K/8]. K is cut into blocks of ``B = 8 * L`` (L = 16, 8 or 4 lanes: the widest
+  with K % B == 0). Word ``kb * L + l`` of a row holds, in nibble ``j`` (bits 4j..4j+3), the code of
+  column ``k = kb * B + j * L + l``. So one vector load of L words + a constant shift + mask gives
+  L *consecutive* columns: unpacking is three vector ops and x is read contiguously.
+* ``scale``: float16 [N, ceil(K/G)], ``zero``: uint8 [N, ceil(K/G)]; w = (code - zero) * scale.
+  Symmetric quantization stores zero = 8 (codes -8..7 shifted). A group size that does not divide
+  K leaves a shorter last group (K = 576 with g128: 4 groups of 128 + one of 64).
+
+Bytes per parameter at g128: 0.5 + 3/128 = 0.523.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from perfx_compiler.errors import PerfXError
+
+QUANT_ATTR = "perfx.quant"
+
+
+@dataclass(frozen=True)
+class Int4Format:
+    group: int
+    symmetric: bool
+
+    def lanes(self, k: int) -> int:
+        """Interleave width L (block B = 8L) for a row of ``k`` columns."""
+        for lanes in (16, 8, 4):
+            if k % (8 * lanes) == 0 and self.group % lanes == 0:
+                return lanes
+        raise PerfXError(
+            f"int4 packing needs the input size to be a multiple of 32; a weight has K={k} "
+            f"(use quantization f32 or q8 for this model)"
+        )
+
+
+def quantize_int4(w: np.ndarray, fmt: Int4Format) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes uint8 [N, K] in 0..15, scale float16 [N, ng], zero uint8 [N, ng])."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    g = fmt.group
+    ng = -(-k // g)
+    pad = ng * g - k
+    # Pad the ragged last group with its own first value so it does not widen the range.
+    wp = np.concatenate([w, np.repeat(w[:, -1:] if pad else w[:, :0], pad, axis=1)], axis=1) if pad else w
+    grp = wp.reshape(n, ng, g).astype(np.float64)
+    if fmt.symmetric:
+        amax = np.abs(grp).max(axis=2)
+        scale = (amax / 7.0).astype(np.float16)
+        s = scale.astype(np.float64)
+        s[s == 0] = 1.0
+        zero = np.full((n, ng), 8, dtype=np.uint8)
+        codes = np.clip(np.rint(grp / s[:, :, None]) + 8, 0, 15)
+    else:
+        lo, hi = np.minimum(grp.min(axis=2), 0.0), np.maximum(grp.max(axis=2), 0.0)
+        scale = ((hi - lo) / 15.0).astype(np.float16)
+        s = scale.astype(np.float64)
+        s[s == 0] = 1.0
+        zero = np.clip(np.rint(-lo / s), 0, 15).astype(np.uint8)
+        codes = np.clip(np.rint(grp / s[:, :, None]) + zero[:, :, None], 0, 15)
+    codes = codes.reshape(n, ng * g)[:, :k].astype(np.uint8)
+    return codes, scale, zero
+
+
+def dequantize_int4(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, group: int) -> np.ndarray:
+    """Float32 weights the kernels compute with (the reference for tests)."""
+    k = codes.shape[1]
+    idx = np.arange(k) // group
+    s = scale.astype(np.float32)[:, idx]
+    z = zero.astype(np.float32)[:, idx]
+    return ((codes.astype(np.float32) - z) * s).astype(np.float32)
+
+
+def pack_int4(codes: np.ndarray, lanes: int) -> np.ndarray:
+    """codes [N, K] -> uint32 [N, K/8] in the interleaved layout of the module docstring."""
+    n, k = codes.shape
+    blocks = k // (8 * lanes)
+    c = codes.reshape(n, blocks, 8, lanes).astype(np.uint32)  # [n, kb, nibble j, lane l]
+    words = np.zeros((n, blocks, lanes), dtype=np.uint32)
+    for j in range(8):
+        words |= c[:, :, j, :] << np.uint32(4 * j)
+    return words.reshape(n, blocks * lanes)
+
+
+def unpack_int4(words: np.ndarray, k: int, lanes: int) -> np.ndarray:
+    n = words.shape[0]
+    w = words.reshape(n, k // (8 * lanes), lanes)
+    out = np.stack([(w >> np.uint32(4 * j)) & np.uint32(15) for j in range(8)], axis=2)
+    return out.reshape(n, k).astype(np.uint8)
+
+
+def quant_info(n: int, k: int, group: int, lanes: int, symmetric: bool) -> str:
+    """The JSON the schedule template reads from a quantized matmul PrimFunc."""
+    return json.dumps({"bits": 4, "N": n, "K": k, "group": group, "lanes": lanes, "sym": symmetric}, sort_keys=True)
+
+
+def int4_matmul_compute(
+    n: int, k: int, group: int, lanes: int, symmetric: bool, kind: str = "matmul",
+    rows: tuple[int | None, int | None] = (1, None),
+) -> Any:
+    """Reference PrimFunc ``y[0, m, n] = sum_k x[0, m, k] * dequant(W)[n, k]`` (M symbolic), tagged
+    with ``perfx.quant`` so the int4 template can replace it with its scheduled kernel. Correct
+    (slow) as it is on any target. ``kind="take"``: the embedding gather out[0, s, :] = W[ids[0, s]].
+    ``rows``: the two leading dims of x (ids), each static or None for symbolic."""
+    from tvm import te, tirx
+
+    ng = -(-k // group)
+    block = 8 * lanes
+    words = k // 8
+    q = te.placeholder((n, words), "uint32", name="q")
+    s = te.placeholder((n, ng), "float16", name="scale")
+    z = te.placeholder((n, ng), "uint8", name="zero")
+
+    def w(row: Any, col: Any) -> Any:
+        word = q[row, (col // block) * lanes + col % lanes]
+        code = (word >> ((col % block) // lanes * 4).astype("uint32")) & tirx.const(15, "uint32")
+        g = col // group
+        return (code.astype("float32") - z[row, g].astype("float32")) * s[row, g].astype("float32")
+
+    b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
+    m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
+    if kind == "take":
+        ids = te.placeholder((b, m), "int64", name="ids")
+        out = te.compute((b, m, k), lambda bi, i, c: w(ids[bi, i], c), name="take_q4")
+        func = te.create_prim_func([q, s, z, ids, out])
+    else:
+        x = te.placeholder((b, m, k), "float32", name="x")
+        r = te.reduce_axis((0, k), name="k")
+        out = te.compute((b, m, n), lambda bi, i, j: te.sum(x[bi, i, r] * w(j, r), axis=r), name="matmul_q4")
+        func = te.create_prim_func([x, q, s, z, out])
+    info = json.loads(quant_info(n, k, group, lanes, symmetric))
+    info["kind"] = kind
+    return func.with_attr(QUANT_ATTR, json.dumps(info, sort_keys=True))

@@ -1,0 +1,268 @@
+"""CPU kernels for int4 group-quantized linears (functions tagged ``perfx.quant`` by the
+quantize_int4 pass) and the quantized embedding gather.
+
+The tagged function is a plain dequantize+matmul reduction; this template replaces it with a
+hand-written kernel of the same signature, reading the interleaved packing of
+``perfx_compiler/passes/_quant.py`` (one vector load of L uint32 words + constant shift + mask =
+L consecutive codes):
+
+* GEMV (static rows <= 8, decode): parallel over output rows N. Per group the codes are
+  multiplied into a vector accumulator with x (unpack + convert + FMA: 4 vector ops per L MACs);
+  the group's scale and zero are applied once per group through per-lane sums of x precomputed
+  for the call: ``y += s * (sum(q x) - z * sum(x))``.
+* Tile GEMM (symbolic or larger M, prefill): per task, a tile of ``rows`` weight rows is
+  dequantized once into fp32 scratch and reused for every input row.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from perfx_compiler.schedule_template import (
+    ScheduleConfigError,
+    ScheduleTemplate,
+    Workload,
+    is_cpu_target,
+    make_workload,
+)
+from perfx_compiler.targets import TargetDescription
+
+PRIORITY = 5  # before the float templates: they do not understand these functions anyway
+QUANT_ATTR = "perfx.quant"
+GEMV_MAX_ROWS = 8
+
+
+def _info(func: Any) -> dict[str, Any] | None:
+    attrs = func.attrs
+    if attrs is None or QUANT_ATTR not in attrs:
+        return None
+    try:
+        info = json.loads(str(attrs[QUANT_ATTR]))
+    except ValueError:
+        return None
+    return info if info.get("bits") == 4 else None
+
+
+def _static_rows(func: Any, kind: str) -> int | None:
+    """Product of the two leading dims of x (matmul) / ids (take) when static."""
+    buf = func.params[0] if kind == "matmul" else func.params[3]
+    rows = 1
+    for d in list(buf.shape)[:2]:
+        v = getattr(d, "value", None)
+        if not isinstance(v, int):
+            return None
+        rows *= v
+    return rows
+
+
+def _gemv(N: int, K: int, G: int, L: int) -> Any:
+    from tvm.script import tirx as T
+
+    NG = -(-K // G)
+    VPG = G // L  # vectors per full group
+    FULL = K // G
+    TAILV = (K % G) // L
+    NV = K // L
+
+    @T.prim_func(private=True)
+    def q4_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        b = T.int64()
+        m = T.int64()
+        X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), "uint8")
+        Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
+        xs = T.decl_buffer((NG * L,), "float32")
+        for bm in T.serial(b * m):
+            bi = bm // m
+            mi = bm % m
+            for g in T.serial(NG):
+                for lane in T.vectorized(L):
+                    xs[g * L + lane] = T.float32(0)
+            for v in T.serial(NV):
+                for lane in T.vectorized(L):
+                    xs[(v * L // G) * L + lane] = xs[(v * L // G) * L + lane] + X[bi, mi, v * L + lane]
+            for n in T.parallel(N):
+                acc = T.decl_buffer((L,), "float32", scope="local")
+                accg = T.decl_buffer((L,), "float32", scope="local")
+                for lane in T.vectorized(L):
+                    acc[lane] = T.float32(0)
+                for g in T.serial(NG):
+                    for lane in T.vectorized(L):
+                        accg[lane] = T.float32(0)
+                    for u in T.serial(T.if_then_else(g < FULL, VPG, TAILV)):
+                        for lane in T.vectorized(L):
+                            accg[lane] = accg[lane] + T.Cast(
+                                "float32",
+                                T.bitwise_and(
+                                    T.shift_right(
+                                        Q[n, ((g * VPG + u) // 8) * L + lane],
+                                        T.Cast("uint32", ((g * VPG + u) % 8) * 4),
+                                    ),
+                                    T.uint32(15),
+                                ),
+                            ) * X[bi, mi, (g * VPG + u) * L + lane]
+                    for lane in T.vectorized(L):
+                        acc[lane] = acc[lane] + T.Cast("float32", S[n, g]) * (
+                            accg[lane] - T.Cast("float32", Z[n, g]) * xs[g * L + lane]
+                        )
+                for lane in T.serial(L - 1):
+                    acc[0] = acc[0] + acc[lane + 1]
+                Y[bi, mi, n] = acc[0]
+
+    return q4_gemv
+
+
+def _tile_gemm(N: int, K: int, G: int, L: int, R: int) -> Any:
+    from tvm.script import tirx as T
+
+    NG = -(-K // G)
+    NV = K // L
+
+    @T.prim_func(private=True)
+    def q4_gemm(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        b = T.int64()
+        m = T.int64()
+        X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), "uint8")
+        Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
+        for nt in T.parallel(N // R):
+            tile = T.decl_buffer((R * K,), "float32")
+            acc = T.decl_buffer((L,), "float32", scope="local")
+            for j in T.serial(R):
+                for v in T.serial(NV):
+                    for lane in T.vectorized(L):
+                        tile[j * K + v * L + lane] = (
+                            T.Cast(
+                                "float32",
+                                T.bitwise_and(
+                                    T.shift_right(Q[nt * R + j, (v // 8) * L + lane], T.Cast("uint32", (v % 8) * 4)),
+                                    T.uint32(15),
+                                ),
+                            )
+                            - T.Cast("float32", Z[nt * R + j, v * L // G])
+                        ) * T.Cast("float32", S[nt * R + j, v * L // G])
+            for bm in T.serial(b * m):
+                for j in T.serial(R):
+                    for lane in T.vectorized(L):
+                        acc[lane] = T.float32(0)
+                    for v in T.serial(NV):
+                        for lane in T.vectorized(L):
+                            acc[lane] = acc[lane] + tile[j * K + v * L + lane] * X[bm // m, bm % m, v * L + lane]
+                    for lane in T.serial(L - 1):
+                        acc[0] = acc[0] + acc[lane + 1]
+                    Y[bm // m, bm % m, nt * R + j] = acc[0]
+
+    return q4_gemm
+
+
+def _take(N: int, K: int, G: int, L: int) -> Any:
+    from tvm.script import tirx as T
+
+    NG = -(-K // G)
+    NV = K // L
+
+    @T.prim_func(private=True)
+    def q4_take(q_h: T.handle, s_h: T.handle, z_h: T.handle, i_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        b = T.int64()
+        m = T.int64()
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), "uint8")
+        ID = T.match_buffer(i_h, (b, m), "int64")
+        Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
+        for bm in T.serial(b * m):
+            for v in T.serial(NV):
+                for lane in T.vectorized(L):
+                    Out[bm // m, bm % m, v * L + lane] = (
+                        T.Cast(
+                            "float32",
+                            T.bitwise_and(
+                                T.shift_right(Q[ID[bm // m, bm % m], (v // 8) * L + lane], T.Cast("uint32", (v % 8) * 4)),
+                                T.uint32(15),
+                            ),
+                        )
+                        - T.Cast("float32", Z[ID[bm // m, bm % m], v * L // G])
+                    ) * T.Cast("float32", S[ID[bm // m, bm % m], v * L // G])
+
+    return q4_take
+
+
+def _rows_divisor(n: int, want: int) -> int:
+    for r in (want, 16, 8, 4, 2, 1):
+        if r <= want and n % r == 0:
+            return r
+    return 1
+
+
+class GemvInt4CPU(ScheduleTemplate):
+    name = "gemv_int4_cpu"
+
+    def match(self, func: Any, target: TargetDescription) -> Workload | None:
+        if not is_cpu_target(target):
+            return None
+        info = _info(func)
+        if info is None:
+            return None
+        kind = info.get("kind", "matmul")
+        rows = _static_rows(func, kind)
+        dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "L": int(info["lanes"]),
+                "M": rows or 0}
+        return make_workload(
+            self.name, func, target, dims, symbolic="M" if rows is None else None,
+            info={"kind": kind, "sym": bool(info.get("sym"))}, version=self.version,
+        )
+
+    def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
+        N = workload.dims["N"]
+        return {"rows": [r for r in (4, 8, 16, 32) if N % r == 0]}
+
+    def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
+        # 16 dequantized rows of K <= 1536 floats (<= 96 KiB) stay in L2 while every input row
+        # streams past them.
+        return {"rows": _rows_divisor(workload.dims["N"], 16)}
+
+    def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
+        d = workload.dims
+        N, K, G, L = d["N"], d["K"], d["G"], d["L"]
+        rows = int(config.get("rows", 16))
+        if N % rows or K % (8 * L) or G % L:
+            raise ScheduleConfigError(f"invalid int4 config {config} for {d}")
+        kind = workload.info.get("kind", "matmul")
+        if kind == "take":
+            kernel = _take(N, K, G, L)
+        elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
+            kernel = _gemv(N, K, G, L)
+        else:
+            kernel = _tile_gemm(N, K, G, L, rows)
+        return _like(kernel, func)
+
+
+def _like(kernel: Any, func: Any) -> Any:
+    """``kernel`` with the static leading dims of ``func`` (decode: rows known at compile time)."""
+    from tvm import tirx
+
+    binds = {}
+    for kp, fp in zip(kernel.params, func.params, strict=True):
+        shape, changed = [], False
+        for kd, fd in zip(kp.shape, fp.shape, strict=True):
+            if type(kd).__name__ == "Var" and isinstance(getattr(fd, "value", None), int):
+                shape.append(tirx.IntImm("int64", fd.value))  # the kernels index in int64
+                changed = True
+            else:
+                shape.append(kd)
+        if changed:
+            binds[kp] = tirx.decl_buffer(shape, kp.dtype, name=kp.name, elem_offset=kp.elem_offset)
+    out = kernel.specialize(binds) if binds else kernel
+    attrs = {k: v for k, v in func.attrs.items() if k != QUANT_ATTR} if func.attrs is not None else {}
+    return out.with_attrs({**attrs, "tirx.is_scheduled": True})
+
+
+TEMPLATE = GemvInt4CPU()
