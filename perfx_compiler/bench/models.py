@@ -1,0 +1,235 @@
+"""Model files for the benchmark: one GGUF in, every engine's form out (cached in a work folder).
+
+GGUF (as shipped, or requantized with llama.cpp's own quantizer)
+  -> llama.cpp : the file itself
+  -> PerfX     : perfx compile with the best quantization PerfX has for the file's type
+  -> ort-genai : HF folder (config + tokenizer) + F16 GGUF -> onnxruntime-genai builder, int4
+  -> ort       : PerfX's emitted fp32 ONNX graph
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from perfx_compiler.errors import PerfXError
+
+# Random-weight TinyLlama-1.1B dimensions (untied output, as in the real model).
+TINYLLAMA_DIMS = dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, tied=False)
+
+
+def resolve_model(spec: str) -> Path:
+    """A GGUF path from a file path or a known model name (smollm2-135m)."""
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return p.resolve()
+    from perfx_compiler.model.loader import KNOWN_MODELS, known_model_path
+
+    if spec.lower() in KNOWN_MODELS:
+        return known_model_path(spec)
+    raise PerfXError(f"{spec}: no such GGUF file or known model")
+
+
+def model_key(path: Path) -> str:
+    """Short name for files and folders: the file stem, lowercased."""
+    return path.stem.lower().replace(" ", "_")
+
+
+def _stamp(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
+
+
+def _fresh(marker: Path, stamp: str) -> bool:
+    return marker.is_file() and marker.read_text() == stamp
+
+
+# ----------------------------------------------------------------------------------------- llama.cpp quantizer
+def llama_quantize(src: str | Path, dst: str | Path, qtype: str, threads: int = 2) -> Path:
+    """Requantize ``src`` to ``qtype`` (Q4_0, Q4_1, Q8_0, F16, ...) with llama.cpp's own quantizer."""
+    import llama_cpp
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype.upper()}", None)
+    if ftype is None and qtype.upper() == "F32":
+        ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+    if ftype is None:
+        raise PerfXError(f"llama.cpp has no quantization type {qtype}")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = threads
+    params.allow_requantize = True
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(".partial")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0 or not tmp.is_file():
+        raise PerfXError(f"llama.cpp quantization of {src} to {qtype} failed (rc={rc})")
+    tmp.rename(dst)
+    return dst
+
+
+def write_random_tinyllama(path: str | Path, qtype: str = "F16", seed: int = 0) -> Path:
+    """A random-weight GGUF with TinyLlama-1.1B dimensions (F32/F16 through GGUFWriter)."""
+    from perfx_compiler.model.testing import write_tiny_gguf
+
+    d = TINYLLAMA_DIMS
+    out, _ = write_tiny_gguf(
+        path,
+        vocab=d["vocab"],
+        hidden=d["hidden"],
+        layers=d["layers"],
+        heads=d["heads"],
+        kv_heads=d["kv_heads"],
+        ffn=d["ffn"],
+        qtype=qtype,
+        tied=d["tied"],
+        seed=seed,
+        context_length=2048,
+    )
+    return Path(out)
+
+
+# ----------------------------------------------------------------------------------------- PerfX
+def _gguf_main_type(path: Path) -> str:
+    from perfx_compiler.bench.engines import gguf_types
+
+    return gguf_types(path).split("+")[0]
+
+
+def quantization_candidates(path: Path) -> list[str]:
+    """PerfX quantization options to try, best first: GGUF passthrough, the closest own format, f32."""
+    main = _gguf_main_type(path).upper()
+    closest = {"Q4_0": "q4_g32", "Q4_1": "q4_g32", "Q8_0": "q8"}.get(main)
+    out = ["gguf"]
+    if main.startswith("Q4"):
+        out += [c for c in (closest, "q4_g128", "q4") if c]
+    elif main.startswith("Q8"):
+        out += ["q8", "q8_g128"]
+    out.append("f32")
+    return list(dict.fromkeys(out))
+
+
+def compile_perfx(
+    gguf_path: Path,
+    work: Path,
+    quantization: str | None = None,
+    max_context: int = 1024,
+    rebuild: bool = False,
+    log: Any = print,
+) -> tuple[Path, dict[str, Any]]:
+    """Compile (or reuse) a PerfX artifact; return (dir, notes) with the requested/effective quantization."""
+    from perfx_compiler.bench.engines import weight_format
+    from perfx_compiler.pipeline import compile_model
+
+    cands = [quantization] if quantization else quantization_candidates(gguf_path)
+    tried: list[str] = []
+    for q in cands:
+        out = work / f"perfx-{model_key(gguf_path)}-{q}-ctx{max_context}"
+        marker = out / ".bench-stamp"
+        stamp = _stamp(gguf_path) + f":{q}:{max_context}"
+        if not rebuild and _fresh(marker, stamp):
+            manifest = json.loads((out / "perfx-config.json").read_text())
+        else:
+            log(f"perfx: compiling {gguf_path.name} with quantization={q} ...")
+            t = time.perf_counter()
+            try:
+                compile_model(str(gguf_path), "host", out, progress=False, quantization=q, max_context=max_context)
+            except PerfXError as err:
+                tried.append(f"{q}: {err}")
+                log(f"perfx: quantization {q} not available ({err})")
+                continue
+            manifest = json.loads((out / "perfx-config.json").read_text())
+            marker.write_text(stamp)
+            log(f"perfx: compiled in {time.perf_counter() - t:.0f} s")
+        fmt = weight_format(manifest)
+        if q != "f32" and fmt == "float32":
+            note = f"requested {q}, but the artifact's weights are float32 (the option is not implemented yet)"
+            log(f"perfx: {note}")
+            return out, {"requested": q, "effective": "f32", "weight_format": fmt, "note": note, "tried": tried}
+        return out, {"requested": q, "effective": q, "weight_format": fmt, "note": "", "tried": tried}
+    raise PerfXError(f"no PerfX quantization worked for {gguf_path}: {'; '.join(tried)}")
+
+
+# ----------------------------------------------------------------------------------------- onnxruntime
+def emit_ort_onnx(
+    gguf_path: Path, work: Path, max_context: int = 1024, rebuild: bool = False, log: Any = print
+) -> Path:
+    """PerfX's emitted fp32 ONNX graph for plain onnxruntime."""
+    from perfx_compiler.model.loader import load_model
+    from perfx_compiler.model.onnx_emit import save_onnx
+
+    folder = work / f"ort-{model_key(gguf_path)}-ctx{max_context}"
+    path = folder / "model.onnx"
+    marker = folder / ".bench-stamp"
+    stamp = _stamp(gguf_path) + f":{max_context}"
+    if rebuild or not _fresh(marker, stamp):
+        log(f"ort: emitting ONNX for {gguf_path.name} ...")
+        folder.mkdir(parents=True, exist_ok=True)
+        save_onnx(load_model(str(gguf_path), max_context=max_context), path)
+        marker.write_text(stamp)
+    return path
+
+
+def build_ort_genai(
+    gguf_path: Path, work: Path, precision: str = "int4", rebuild: bool = False, log: Any = print
+) -> Path:
+    """onnxruntime-genai model folder built offline by its model builder from this GGUF.
+
+    The builder reads config + tokenizer from a Hugging Face folder and, for int4, weights from an
+    F16 GGUF (it reads only F16/F32 GGUFs): both are made from ``gguf_path`` first.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("onnxruntime_genai") is None:
+        raise PerfXError("onnxruntime-genai is not installed (pip install onnxruntime-genai)")
+    key = model_key(gguf_path)
+    out = work / f"ortgenai-{key}-{precision}"
+    marker = out / ".bench-stamp"
+    stamp = _stamp(gguf_path) + f":{precision}"
+    if not rebuild and _fresh(marker, stamp):
+        return out
+    from perfx_compiler.model.hf import write_hf_folder
+    from perfx_compiler.model.loader import load_model
+
+    hf = work / f"hf-{key}"
+    if rebuild or not _fresh(hf / ".bench-stamp", _stamp(gguf_path)):
+        log(f"ort-genai: writing HF folder for {gguf_path.name} ...")
+        write_hf_folder(load_model(str(gguf_path)), hf)
+        (hf / ".bench-stamp").write_text(_stamp(gguf_path))
+    src: Path = hf
+    if precision == "int4":
+        f16 = work / f"{key}.F16.gguf"
+        if rebuild or not _fresh(work / f"{key}.F16.stamp", _stamp(gguf_path)):
+            log(f"ort-genai: requantizing {gguf_path.name} to F16 with llama.cpp ...")
+            llama_quantize(gguf_path, f16, "F16")
+            (work / f"{key}.F16.stamp").write_text(_stamp(gguf_path))
+        src = f16
+    cache = work / "ortgenai-cache"
+    cmd = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-m",
+        str(hf),
+        "-i",
+        str(src),
+        "-o",
+        str(out),
+        "-p",
+        precision,
+        "-e",
+        "cpu",
+        "-c",
+        str(cache),
+    ]
+    log(f"ort-genai: building {precision} model ...")
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 or not (out / "genai_config.json").is_file():
+        raise PerfXError(f"onnxruntime-genai builder failed: {(res.stderr or res.stdout).strip()[-800:]}")
+    (out / "perfx-bench.json").write_text(json.dumps({"precision": precision, "source": str(gguf_path)}))
+    marker.write_text(stamp)
+    return out

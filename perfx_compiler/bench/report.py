@@ -1,0 +1,179 @@
+"""Summaries, CSV files and plots of a benchmark run."""
+
+from __future__ import annotations
+
+import csv
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROUND_COLUMNS = [
+    "model",
+    "engine",
+    "round",
+    "decode_tok_s",
+    "ttft_ms",
+    "prefill128_tok_s",
+    "prefill512_tok_s",
+    "achieved_gbs",
+    "pingpong_ns",
+    "placement",
+    "round_bw_gbs",
+    "other_cpu",
+    "redone",
+    "disturbed",
+]
+SUMMARY_COLUMNS = [
+    "model",
+    "engine",
+    "quantization",
+    "weight_format",
+    "weight_mb_per_token",
+    "rounds",
+    "decode_tok_s",
+    "prefill128_tok_s",
+    "prefill512_tok_s",
+    "ttft_ms",
+    "peak_rss_mb",
+    "achieved_gbs",
+    "bw_ceiling_gbs",
+    "bw_fraction",
+    "perfx_decode_ratio",
+    "perfx_prefill128_ratio",
+    "perfx_prefill512_ratio",
+    "placements",
+    "pingpong_ns",
+    "disturbed_rounds",
+    "threads",
+    "cpu",
+    "cores",
+    "bw_1thread_gbs",
+    "note",
+]
+METRICS = ("decode_tok_s", "prefill128_tok_s", "prefill512_tok_s")
+
+
+def _median(vals: Sequence[float]) -> float:
+    vals = [v for v in vals if v == v and v is not None]
+    return float(statistics.median(vals)) if vals else float("nan")
+
+
+def summarize(
+    rounds: Sequence[dict[str, Any]],
+    engines: dict[str, dict[str, Any]],
+    machine: dict[str, Any],
+    model: str,
+    threads: int,
+) -> list[dict[str, Any]]:
+    """One row per engine: medians over rounds, and PerfX / engine ratios taken round by round."""
+    by_engine: dict[str, list[dict[str, Any]]] = {}
+    for r in rounds:
+        by_engine.setdefault(r["engine"], []).append(r)
+    perfx = {r["round"]: r for r in by_engine.get("perfx", [])}
+    bw_ceiling = _median([r["round_bw_gbs"] for r in rounds])
+    out = []
+    for name, rows in by_engine.items():
+        meta = engines.get(name, {})
+        wbytes = meta.get("weight_bytes", 0)
+        row: dict[str, Any] = {
+            "model": model,
+            "engine": name,
+            "quantization": meta.get("quantization", ""),
+            "weight_format": meta.get("weight_format", ""),
+            "weight_mb_per_token": round(wbytes / 1e6, 1),
+            "rounds": len(rows),
+            "ttft_ms": round(_median([r["ttft_ms"] for r in rows]), 2),
+            "peak_rss_mb": round(meta.get("peak_rss_mb", float("nan")), 0),
+            "bw_ceiling_gbs": round(bw_ceiling, 2),
+            "threads": threads,
+            "cpu": machine.get("cpu", ""),
+            "cores": machine.get("cores", ""),
+            "bw_1thread_gbs": round(machine.get("bw_1thread_gbs", 0.0), 2),
+            "pingpong_ns": round(_median([r["pingpong_ns"] for r in rows]), 0),
+            "placements": " ".join(f"{k}:{v}" for k, v in sorted(Counter(r["placement"] for r in rows).items())),
+            "disturbed_rounds": sum(1 for r in rows if r["disturbed"]),
+            "note": meta.get("note", ""),
+        }
+        for m in METRICS:
+            row[m] = round(_median([r[m] for r in rows]), 2)
+        row["achieved_gbs"] = round(_median([r["achieved_gbs"] for r in rows]), 2)
+        row["bw_fraction"] = (
+            round(row["achieved_gbs"] / bw_ceiling, 3) if bw_ceiling == bw_ceiling and bw_ceiling else ""
+        )
+        for m, col in zip(
+            METRICS, ("perfx_decode_ratio", "perfx_prefill128_ratio", "perfx_prefill512_ratio"), strict=True
+        ):
+            pairs = [perfx[r["round"]][m] / r[m] for r in rows if r["round"] in perfx and r[m] > 0]
+            row[col] = round(_median(pairs), 3) if pairs else ""
+        out.append(row)
+    order = {"perfx": 0, "llama.cpp": 1, "ort-genai": 2, "ort": 3}
+    return sorted(out, key=lambda r: order.get(r["engine"], 9))
+
+
+def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns), extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    return path
+
+
+def read_csv(path: str | Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def plot_summary(summary: Sequence[dict[str, Any]], path: str | Path, title: str) -> Path:
+    """Three panels: decode tok/s, prefill tok/s (128/512), achieved GB/s with the measured ceiling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [f"{r['engine']}\n{r['quantization']}"[:28] for r in summary]
+    x = np.arange(len(summary))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5))
+    ax = axes[0]
+    ax.bar(x, [float(r["decode_tok_s"]) for r in summary], color="tab:blue")
+    ax.set_title("decode tok/s (128 tokens)")
+    ax = axes[1]
+    ax.bar(x - 0.2, [float(r["prefill128_tok_s"]) for r in summary], 0.4, label="128 tokens")
+    ax.bar(x + 0.2, [float(r["prefill512_tok_s"]) for r in summary], 0.4, label="512 tokens")
+    ax.set_title("prefill tok/s")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    ax.bar(x, [float(r["achieved_gbs"]) for r in summary], color="tab:green")
+    ceiling = float(summary[0]["bw_ceiling_gbs"]) if summary else 0.0
+    if ceiling == ceiling and ceiling > 0:
+        ax.axhline(ceiling, color="k", ls="--", label=f"measured read bandwidth {ceiling:.1f} GB/s")
+        ax.legend(fontsize=8, loc="lower right")
+    ax.set_title("decode: weight bytes read / s (GB/s)")
+    for a in axes:
+        a.set_xticks(x)
+        a.set_xticklabels(names, fontsize=7)
+        a.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def print_summary(summary: Sequence[dict[str, Any]]) -> None:
+    print(
+        f"\n{'engine':<10} {'quant':<22} {'decode':>8} {'pf128':>8} {'pf512':>8} {'ttft ms':>8} {'RSS MB':>7} "
+        f"{'GB/s':>6} {'ceil':>6} {'perfx/x':>8} placements"
+    )
+    for r in summary:
+        print(
+            f"{r['engine']:<10} {str(r['quantization'])[:22]:<22} {r['decode_tok_s']:>8} {r['prefill128_tok_s']:>8} "
+            f"{r['prefill512_tok_s']:>8} {r['ttft_ms']:>8} {r['peak_rss_mb']:>7} {r['achieved_gbs']:>6} "
+            f"{r['bw_ceiling_gbs']:>6} {r['perfx_decode_ratio']!s:>8} {r['placements']}"
+        )

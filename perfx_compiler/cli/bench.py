@@ -1,0 +1,329 @@
+"""``perfx-bench``: PerfX against llama.cpp and onnxruntime on the same model file, alternated.
+
+    perfx-bench smollm2-135m --threads 2 --peers llama.cpp,ort-genai,ort --profile
+    perfx-bench model.Q4_0.gguf --rounds 7 --out benchmarks/results
+
+Each engine runs in its own worker process (``perfx_compiler.bench.worker``). Every round
+measures every engine once (order reversed on odd rounds): decode (``--decode-tokens`` greedy
+tokens after a ``--prompt-tokens`` prompt, EOS ignored), time to first token of that prompt, and
+prefill of 128 and 512 tokens. Before each engine's turn the placement probe (ping-pong) runs;
+each round starts with the read-bandwidth probe. A measurement during which other processes
+used more than ``--busy`` CPUs is redone (``--max-redo`` times, then kept and flagged).
+
+Writes ``bench_<model>.csv`` (medians, PerfX/peer ratios taken round by round), ``_rounds.csv``,
+``_machine.json`` and ``bench_<model>.png``; with ``--profile`` also ``profile_<model>.csv`` and
+``profile_<model>_roofline.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from perfx_compiler.errors import PerfXError
+
+PROG = "perfx-bench"
+DEFAULT_PEERS = "llama.cpp,ort-genai,ort"
+PREFILL_LENS = (128, 512)  # the CSV's prefill128/prefill512 columns
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Benchmark PerfX against llama.cpp and onnxruntime.")
+    p.add_argument("model", help="a .gguf file or a known model name (smollm2-135m)")
+    p.add_argument("--quantization", default=None, help="PerfX quantization (default: best available for the file)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peers", default=DEFAULT_PEERS, help=f"comma list of peers, '' for PerfX only ({DEFAULT_PEERS})")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--profile", action="store_true", help="per-kernel profile of PerfX (decode and prefill)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--name", default=None, help="model label for file names (default: the GGUF stem)")
+    p.add_argument("--work", default=None, help="folder for compiled/converted models (default: $TMPDIR/perfx-bench)")
+    p.add_argument("--rebuild", action="store_true", help="recompile/convert even when cached")
+    p.add_argument("--bw-size-mb", type=int, default=1024, help="array size of the bandwidth probe")
+    p.add_argument("--busy", type=float, default=0.25, help="other processes' CPU use (in CPUs) that voids a run")
+    p.add_argument("--max-redo", type=int, default=2)
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--debug", action="store_true")
+    return p
+
+
+class Worker:
+    """A worker subprocess for one engine."""
+
+    def __init__(self, engine: str, path: Path, threads: int, log: Path, options: dict[str, Any] | None = None):
+        spec = {"engine": engine, "path": str(path), "threads": threads, "options": options or {}}
+        self.engine = engine
+        self.log = log
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parents[2])  # so a checkout without an install works too
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        with open(log, "w") as errf:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "perfx_compiler.bench.worker", json.dumps(spec)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=errf,
+                text=True,
+                bufsize=1,
+                env=env,
+            )
+        ready = self._read()
+        self.load_s = float(ready.get("load_s", 0.0))
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=10)
+            err = self.log.read_text(errors="replace") if self.log.is_file() else ""
+            raise PerfXError(f"{self.engine} worker died (rc={self.proc.returncode}): {err.strip()[-1200:]}")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise PerfXError(f"{self.engine} worker: {msg['error']}\n{msg.get('traceback', '')}")
+        return msg
+
+    def ask(self, op: str, **kw: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self.ask("quit")
+        except Exception:
+            pass
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _prepare(
+    args: argparse.Namespace, gguf: Path, work: Path, peers: list[str]
+) -> tuple[dict[str, Path], dict[str, dict[str, Any]]]:
+    """Model forms for PerfX and each available peer; skipped peers print a reason."""
+    from perfx_compiler.bench import models
+
+    paths: dict[str, Path] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    art, notes = models.compile_perfx(gguf, work, args.quantization, args.max_context, args.rebuild)
+    paths["perfx"] = art
+    meta["perfx"] = {
+        "quantization": f"{notes['requested']}->{notes['effective']}" if notes["note"] else notes["effective"],
+        "note": notes["note"],
+    }
+    for peer in peers:
+        try:
+            if peer == "llama.cpp":
+                import importlib.util
+
+                if importlib.util.find_spec("llama_cpp") is None:
+                    raise PerfXError("llama-cpp-python is not installed (pip install .[bench])")
+                paths[peer] = gguf
+            elif peer == "ort-genai":
+                paths[peer] = models.build_ort_genai(gguf, work, rebuild=args.rebuild)
+            elif peer == "ort":
+                paths[peer] = models.emit_ort_onnx(gguf, work, args.max_context, args.rebuild)
+            else:
+                raise PerfXError(f"unknown peer {peer!r}")
+            meta[peer] = {"note": ""}
+        except Exception as err:  # a missing peer is not fatal
+            print(f"{PROG}: skipping {peer}: {err}")
+    return paths, meta
+
+
+def _measure(
+    w: Worker, prompt: list[int], n_decode: int, prefill_ids: dict[int, list[int]], weight_bytes: int
+) -> dict[str, Any]:
+    d = w.ask("decode", prompt=prompt, n=n_decode)
+    row: dict[str, Any] = {
+        "decode_tok_s": n_decode / d["decode_s"],
+        "ttft_ms": d["ttft_s"] * 1e3,
+        "achieved_gbs": weight_bytes * n_decode / d["decode_s"] / 1e9,
+    }
+    for n, ids in prefill_ids.items():
+        row[f"prefill{n}_tok_s"] = n / w.ask("prefill", ids=ids)["prefill_s"]
+    return row
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import numpy as np
+
+    from perfx_compiler.bench import machine as mach
+    from perfx_compiler.bench import models, report
+
+    gguf = models.resolve_model(args.model)
+    name = args.name or models.model_key(gguf)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / "perfx-bench"
+    work.mkdir(parents=True, exist_ok=True)
+    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
+    prefill_lens = list(PREFILL_LENS)
+    if args.prompt_tokens + args.decode_tokens + 1 > args.max_context or max(prefill_lens) > args.max_context:
+        raise PerfXError(f"prompt + decode tokens and prefill lengths {prefill_lens} must fit --max-context")
+
+    size = args.bw_size_mb << 20
+    print(f"{PROG}: probing the machine ...")
+    m0 = mach.probe_machine(args.threads, size)
+    print(m0.line())
+    paths, meta = _prepare(args, gguf, work, peers)
+
+    workers: dict[str, Worker] = {}
+    try:
+        for eng, path in paths.items():
+            opts: dict[str, Any] = {}
+            if eng == "llama.cpp":
+                opts = {"n_ctx": args.max_context, "n_batch": max(512, *prefill_lens)}
+            elif eng == "ort-genai":
+                opts = {"max_length": args.max_context}
+            try:
+                workers[eng] = Worker(eng, path, args.threads, work / f"worker-{name}-{eng}.log", opts)
+                info = workers[eng].ask("info")
+            except PerfXError as err:
+                if eng == "perfx":
+                    raise
+                print(f"{PROG}: skipping {eng}: {err}")
+                workers.pop(eng, None)
+                continue
+            meta[eng].update(weight_bytes=int(info["weight_bytes"]), **{k: v for k, v in info["info"].items() if v})
+            if eng == "perfx":
+                meta[eng]["quantization"] = meta[eng].get("quantization", "")
+            print(
+                f"{PROG}: {eng} loaded in {workers[eng].load_s:.1f} s, {info['weight_bytes'] / 1e6:.1f} MB weights "
+                f"per token, {info['info']}"
+            )
+        vocab = json.loads((paths["perfx"] / "perfx-config.json").read_text())["model"]["vocab_size"]
+        rng = np.random.default_rng(0)
+        hi = max(101, min(vocab, 20000))
+        prompt = rng.integers(100, hi, size=args.prompt_tokens).tolist()
+        prefill_ids = {n: rng.integers(100, hi, size=n).tolist() for n in prefill_lens}
+        pids = [w.proc.pid for w in workers.values()]
+        # warm-up: one short pass per engine (page-in weights, thread pools, allocator)
+        for w in workers.values():
+            w.ask("decode", prompt=prompt, n=8)
+            w.ask("prefill", ids=prefill_ids[prefill_lens[0]])
+        rounds: list[dict[str, Any]] = []
+        names = list(workers)
+        for r in range(args.rounds):
+            bw = mach.read_bandwidth(args.threads, size, reps=3)
+            order = names if r % 2 == 0 else names[::-1]
+            for eng in order:
+                w = workers[eng]
+                for redone in range(args.max_redo + 1):  # noqa: B007 (kept: how many redos it took)
+                    ns = mach.pingpong_ns(settle_s=0.3)
+                    watch = mach.CpuWatch(pids).start()
+                    row = _measure(w, prompt, args.decode_tokens, prefill_ids, meta[eng]["weight_bytes"])
+                    other = watch.stop()
+                    if other <= args.busy:
+                        break
+                    print(f"  round {r} {eng}: other processes used {other:.2f} CPUs, redoing")
+                row.update(
+                    model=name,
+                    engine=eng,
+                    round=r,
+                    pingpong_ns=round(ns, 1),
+                    placement=mach.placement(ns),
+                    round_bw_gbs=round(bw, 2),
+                    other_cpu=round(other, 3),
+                    redone=redone,
+                    disturbed=other > args.busy,
+                )
+                rounds.append(row)
+                print(
+                    f"  round {r} {eng:<10} decode {row['decode_tok_s']:7.1f} tok/s  prefill "
+                    + " ".join(f"{row.get(f'prefill{n}_tok_s', 0):7.1f}" for n in prefill_lens)
+                    + f"  ttft {row['ttft_ms']:6.1f} ms  {row['achieved_gbs']:5.1f} GB/s  bw {bw:5.1f}  "
+                    f"pp {ns:5.0f} ns ({row['placement']}) other {other:.2f}"
+                )
+        profiles = None
+        if args.profile:
+            print(f"{PROG}: profiling PerfX kernels ...")
+            profiles = workers["perfx"].ask("profile", prompt=prompt, steps=16, lens=prefill_lens)["profiles"]
+        for eng, w in workers.items():
+            meta[eng]["peak_rss_mb"] = w.ask("peak")["peak_rss_mb"]
+    finally:
+        for w in workers.values():
+            w.close()
+
+    m1 = mach.probe_machine(args.threads, size)
+    machine = {
+        "cpu": m0.cpu,
+        "cores": m0.cores,
+        "threads": args.threads,
+        "bw_1thread_gbs": m0.bandwidth_1t_gbs,
+        "bw_start_gbs": m0.bandwidth_gbs,
+        "bw_end_gbs": m1.bandwidth_gbs,
+        "pingpong_start_ns": m0.pingpong_ns,
+        "pingpong_end_ns": m1.pingpong_ns,
+        "bw_rounds_gbs": [r["round_bw_gbs"] for r in rounds],
+        "line": m0.line(),
+        "model_file": str(gguf),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "prompt_tokens": args.prompt_tokens,
+        "decode_tokens": args.decode_tokens,
+        "rounds": args.rounds,
+    }
+    summary = report.summarize(rounds, meta, machine, name, args.threads)
+    report.write_csv(out / f"bench_{name}.csv", summary, report.SUMMARY_COLUMNS)
+    report.write_csv(out / f"bench_{name}_rounds.csv", rounds, report.ROUND_COLUMNS)
+    (out / f"bench_{name}_machine.json").write_text(json.dumps(machine, indent=1))
+    report.print_summary(summary)
+    print(m0.line())
+    if not args.no_plot:
+        report.plot_summary(summary, out / f"bench_{name}.png", f"{name}: {args.threads} threads; {m0.line()}")
+    if profiles is not None:
+        _write_profile(profiles, out, name, summary)
+    print(f"{PROG}: wrote {out / f'bench_{name}.csv'}")
+    return 0
+
+
+def _write_profile(raw: list[dict[str, Any]], out: Path, name: str, summary: list[dict[str, Any]]) -> None:
+    from perfx_compiler.bench import profile as prof
+    from perfx_compiler.bench import report
+    from perfx_compiler.targets import load_target
+
+    profiles = [
+        prof.PhaseProfile(p["phase"], p["steps"], p["plain_step_s"], [prof.KernelStat(**k) for k in p["kernels"]])
+        for p in raw
+    ]
+    t = load_target("host")
+    target = {"memory_bandwidth_gbs": t.memory_bandwidth_gbs, "peak_gflops_fp32": t.peak_gflops_fp32}
+    bw = float(summary[0]["bw_ceiling_gbs"]) if summary else 0.0
+    prof.print_profile(profiles, bw, target)
+    rows = prof.profile_rows(profiles, bw, target)
+    cols = list(rows[0]) if rows else ["phase", "kernel"]
+    report.write_csv(out / f"profile_{name}.csv", rows, cols)
+    prof.plot_roofline(profiles, bw, target, out / f"profile_{name}_roofline.png", f"PerfX kernels, {name} ({t.name})")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except PerfXError as err:
+        if args.debug:
+            traceback.print_exc()
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

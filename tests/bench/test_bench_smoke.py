@@ -1,0 +1,65 @@
+"""Smoke test of perfx-bench: tiny random model, PerfX only, one round (well under a minute)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+from perfx_compiler.bench.machine import pingpong_ns, placement, read_bandwidth
+from perfx_compiler.bench.report import ROUND_COLUMNS, SUMMARY_COLUMNS
+from perfx_compiler.cli.bench import main
+from perfx_compiler.model.testing import write_tiny_gguf
+
+
+def test_bandwidth_probe_is_plausible():
+    bw = read_bandwidth(threads=2, size_bytes=256 << 20, reps=3)
+    assert 1.0 < bw < 2000.0
+    ns = pingpong_ns(rounds=2000, repeats=3)
+    assert math.isnan(ns) or ns > 0
+    assert placement(ns) in ("shared", "split", "n/a")
+
+
+def test_bench_cli_writes_csv(tmp_path):
+    model, _ = write_tiny_gguf(tmp_path / "tiny.gguf", vocab=512, hidden=64, layers=2, heads=4, kv_heads=2, ffn=128)
+    out = tmp_path / "results"
+    argv = [
+        str(model),
+        "--peers",
+        "",
+        "--rounds",
+        "1",
+        "--prompt-tokens",
+        "8",
+        "--decode-tokens",
+        "16",
+        "--bw-size-mb",
+        "128",
+        "--out",
+        str(out),
+        "--work",
+        str(tmp_path / "work"),
+        "--no-plot",
+        "--name",
+        "tiny",
+    ]
+    assert main(argv) == 0
+    rows = list(csv.DictReader(open(out / "bench_tiny.csv")))
+    assert len(rows) == 1 and rows[0]["engine"] == "perfx"
+    assert list(rows[0]) == SUMMARY_COLUMNS
+    for col in (
+        "decode_tok_s",
+        "prefill128_tok_s",
+        "prefill512_tok_s",
+        "ttft_ms",
+        "peak_rss_mb",
+        "achieved_gbs",
+        "bw_ceiling_gbs",
+        "weight_mb_per_token",
+    ):
+        assert float(rows[0][col]) > 0, col
+    assert rows[0]["quantization"]
+    rounds = list(csv.DictReader(open(out / "bench_tiny_rounds.csv")))
+    assert len(rounds) == 1 and list(rounds[0]) == ROUND_COLUMNS
+    machine = json.loads((out / "bench_tiny_machine.json").read_text())
+    assert machine["bw_start_gbs"] > 1.0 and machine["cores"] >= 1
