@@ -30,10 +30,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from perfx_compiler.schedule_template import find_template
-from perfx_compiler.targets import load_target
-from perfx_compiler.tune.measure import build_func, time_module
-from perfx_compiler.tune.workloads import (
+from perfx_compiler.schedule_template import find_template  # noqa: E402
+from perfx_compiler.targets import load_target  # noqa: E402
+from perfx_compiler.tune.measure import build_func, time_module  # noqa: E402
+from perfx_compiler.tune.workloads import (  # noqa: E402
     SMOLLM2_LINEARS,
     TuningTask,
     elementwise_module,
@@ -168,6 +168,10 @@ def main() -> None:
     from perfx_compiler.tune.records import TuningDatabase
 
     target = load_target(args.target)
+    from perfx_compiler.tune.measure import configure_threads
+
+    # Same core count as OpenBLAS gets; TVM's default here would be one thread (see the function).
+    print(f"TVM threads: {configure_threads(target.cores)}")
     db = TuningDatabase.for_target(target.name, name="kernels_cpu")
     measurer = LocalMeasurer(target, repeat=3, min_repeat_ms=10) if args.trials else None
     rows = []

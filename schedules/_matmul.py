@@ -38,6 +38,19 @@ def _as_int(expr: Any) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def _small_constant_extent(expr: Any) -> int | None:
+    """Value of an extent that is constant once every shape var is >= 1 (None otherwise)."""
+    import tvm_ffi
+    from tvm import sym, tirx
+
+    free: list[Any] = []
+    tvm_ffi.structural_walk(expr, (tirx.Var, free.append))
+    analyzer = sym.Analyzer()
+    for var in free:
+        analyzer.update(var, sym.analyzer.ConstIntBound(1, (1 << 62)), override=True)
+    return _as_int(analyzer.simplify(expr))
+
+
 @dataclass
 class MatmulFacts:
     block: str
@@ -131,9 +144,11 @@ def analyze_matmul(func: Any) -> MatmulFacts | None:
         roles[cands[-1]] = "m"
         m_extent = ivs[cands[-1]].dom.extent
     M = _as_int(m_extent)
+    if M is None:
+        M = _small_constant_extent(m_extent)  # e.g. the last-token slice: 1 once seq >= 1
+    # A symbolic M may be any expression of the shape vars (not only `seq` itself): the
+    # padded tiling only needs its value at run time.
     m_var = None if M is not None else str(getattr(m_extent, "name", m_extent))
-    if M is None and type(m_extent).__name__ != "Var":
-        return None
     dtype = str(store.value.dtype if hasattr(store.value, "dtype") else "float32")
     if "float32" not in dtype:
         return None
@@ -165,7 +180,7 @@ def analyze_matmul(func: Any) -> MatmulFacts | None:
 def _loops_by_role(sch: Any, block: Any, roles: list[str]) -> dict[str, Any]:
     loops = sch.get_loops(block)
     out: dict[str, Any] = {}
-    for role, loop in zip(roles, loops):
+    for role, loop in zip(roles, loops[: len(roles)], strict=True):  # extra (split) loops follow
         if role != "u":
             out[role] = loop
     return out
@@ -323,7 +338,8 @@ def schedule_dot_rows(
     sch.unroll(rku)
     sch.vectorize(rkl)
     sch.unroll(rloops[-2])  # ni
-    sch.unroll(rloops[-3])  # m
+    if _as_int(sch.get(rloops[-3]).extent) is not None:  # m; may be an expression equal to 1
+        sch.unroll(rloops[-3])
     rf_nt = sch.get_loops(rf)[-6]  # loops: ..., no, nt, ko, m, ni, k_acc, k_lane
     sch.reverse_compute_at(mm, rf_nt)
     if epis:
@@ -332,4 +348,59 @@ def schedule_dot_rows(
     init = sch.decompose_reduction(rf, sch.get_loops(rf)[len(rloops) - 4])
     iloops = sch.get_loops(init)
     sch.vectorize(iloops[-1])
+    return sch.mod["main"]
+
+
+def schedule_split_k(
+    func: Any,
+    facts: MatmulFacts,
+    *,
+    splits: int,
+    nr: int,
+    k_block: int,
+    lanes: int,
+) -> Any:
+    """GEMV with weights [K, N] streamed in memory order: each of ``splits`` parallel tasks reads
+    a contiguous block of K/splits whole weight rows (one sequential stream, no strided panels)
+    into its own full-width partial sum (rfactor over the K split), ``k_block`` rows per pass so
+    each partial-sum vector is loaded and stored once per k_block FMAs; a short vectorized pass
+    adds the partial sums. This is what DRAM-resident weights (lm_head, every decode layer of a
+    real model) need."""
+    from tvm import s_tir
+
+    N, K = facts.N, facts.K
+    if facts.layout != "NN":
+        raise ScheduleConfigError("split-K GEMV needs weights laid out [K, N]")
+    if splits < 1 or k_block < 1 or K % (splits * k_block) or nr % lanes or N % nr:
+        raise ScheduleConfigError(f"bad split-K tiles splits={splits} k_block={k_block} nr={nr} for K={K}, N={N}")
+    sch = s_tir.Schedule(func)
+    mm = sch.get_sblock(facts.block)
+    epis = [sch.get_sblock(name) for name in facts.epilogue]
+    for blk in epis[:-1]:
+        sch.compute_inline(blk)
+    ks, kr = sch.split(_loops_by_role(sch, mm, facts.roles)["k"], [splits, None])
+    rf = sch.rfactor(ks, factor_axis=0)
+    rl = _loops_by_role(sch, rf, facts.roles)  # the rf block keeps the original loop nest
+    rks = sch.get_loops(rf)[-2]
+    rkr = sch.get_loops(rf)[-1]
+    kro, kri = sch.split(rkr, [None, k_block])
+    nj, nv, nl = sch.split(rl["n"], [None, nr // lanes, lanes])
+    sch.reorder(rks, kro, nj, kri, rl["m"], nv, nl)
+    sch.parallel(rks)
+    sch.unroll(kri)
+    if _as_int(sch.get(rl["m"]).extent) is not None:
+        sch.unroll(rl["m"])
+    sch.unroll(nv)
+    sch.vectorize(nl)
+    init = sch.decompose_reduction(rf, kro)
+    sch.vectorize(sch.get_loops(init)[-1])
+    # Final sum over the splits: lanes of N innermost, splits just above them.
+    wl = sch.get_loops(mm)
+    wn, wks = wl[-2], wl[-1]
+    wno, wnl = sch.split(wn, [None, lanes])
+    sch.reorder(wno, wks, wnl)
+    sch.vectorize(wnl)
+    if epis:
+        sch.reverse_compute_at(epis[-1], wno)
+        sch.vectorize(sch.get_loops(epis[-1])[-1])
     return sch.mod["main"]

@@ -6,8 +6,10 @@ all cores. Two kernels, chosen by the weight layout:
 * weights [N, K] (NT_matmul): ``rows`` output rows share each x load, the contiguous K axis is
   vectorized with ``accum`` independent vector accumulators per row (rfactor) and reduced
   horizontally at the end; parallel over ``tasks`` chunks of N.
-* weights [K, N] (matmul after a separate transpose): the outer-product kernel with all M rows in
-  registers, vectorized along N, panels of ``nc`` columns in parallel.
+* weights [K, N] (matmul after a separate transpose): "panel", the outer-product kernel with all
+  M rows in registers, vectorized along N, panels of ``nc`` columns in parallel; or "splitk",
+  contiguous blocks of K rows streamed per core into private partial sums (for weights that
+  come from DRAM, e.g. lm_head).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from perfx_compiler.schedule_template import (
 )
 from perfx_compiler.targets import TargetDescription
 from schedules._fastmath import fast_sigmoid
-from schedules._matmul import analyze_matmul, schedule_dot_rows, schedule_register_tiled
+from schedules._matmul import analyze_matmul, schedule_dot_rows, schedule_register_tiled, schedule_split_k
 
 PRIORITY = 10
 MAX_M = 8
@@ -36,6 +38,7 @@ def _divisors(n: int, candidates: tuple[int, ...]) -> list[int]:
 
 class GemvCPU(ScheduleTemplate):
     name = "gemv_cpu"
+    version = 2  # v2: split-K kernel for [K, N] weights
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         if not is_cpu_target(target):
@@ -64,7 +67,17 @@ class GemvCPU(ScheduleTemplate):
             return {"rows": rows, "accum": accum, "tasks": tasks}
         nrs = [v * lanes for v in (1, 2, 3, 4) if N % (v * lanes) == 0]
         ncs = sorted({nr * f for nr in nrs for f in range(1, N // nr + 1) if N % (nr * f) == 0})
-        return {"nr": nrs, "nc": ncs, "k_outer": [False, True]}
+        # "panel": nc-wide column panels in parallel; "splitk": contiguous row blocks in parallel.
+        # Knobs of the other kernel must sit at one canonical value (see is_valid) so the search
+        # never measures the same kernel twice.
+        return {
+            "kernel": ["panel", "splitk"],
+            "nr": nrs,
+            "nc": ncs,
+            "k_outer": [False, True],
+            "splits": sorted({1, cores, 2 * cores, 4 * cores}),
+            "k_block": [1, 2, 4, 8],
+        }
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         lanes = vector_lanes(target)
@@ -76,7 +89,15 @@ class GemvCPU(ScheduleTemplate):
                 return False
             return (N // rows) % tasks == 0 and M * rows * accum + M + rows <= regs * 2
         nr, nc = config.get("nr", 0), config.get("nc", 0)
-        if nr < lanes or nr % lanes or nc % nr or N % nc:
+        if nr < lanes or nr % lanes or N % nr:
+            return False
+        if config.get("kernel", "panel") == "splitk":
+            splits, kb = config.get("splits", 0), config.get("k_block", 0)
+            canonical = nc == N and config.get("k_outer", True) is True
+            return canonical and splits >= 1 and kb >= 1 and K % (splits * kb) == 0
+        if config.get("splits", 1) != 1 or config.get("k_block", 1) != 1:
+            return False
+        if nc % nr or N % nc:
             return False
         return M * (nr // lanes) + nr // lanes + 1 <= regs
 
@@ -97,12 +118,16 @@ class GemvCPU(ScheduleTemplate):
         # friendly) and the M x nc accumulators stay in L1. Small weights (< 2 MiB, L2-resident)
         # run on one core: waking a second costs more than it saves.
         ncs = [c for c in range(nr, N + 1, nr) if N % c == 0 and M * c * 4 <= 32768]
+        panel = {"kernel": "panel", "nr": nr, "nc": N, "k_outer": True, "splits": 1, "k_block": 1}
         if K * N * 4 < (2 << 20):
-            nc = max(ncs)
-        else:
-            balanced = [c for c in ncs if N // c >= cores and c <= 1024]
-            nc = max(balanced) if balanced else min(ncs)
-        return {"nr": nr, "nc": nc, "k_outer": True}
+            panel["nc"] = max(ncs)
+            return panel
+        if K * N * 4 >= (8 << 20) and K % (cores * 4) == 0:
+            # DRAM-resident weights (lm_head): one sequential stream per core beats strided panels.
+            return {"kernel": "splitk", "nr": nr, "nc": N, "k_outer": True, "splits": cores, "k_block": 4}
+        balanced = [c for c in ncs if N // c >= cores and c <= 1024]
+        panel["nc"] = max(balanced) if balanced else min(ncs)
+        return panel
 
     def apply(
         self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription
@@ -123,6 +148,15 @@ class GemvCPU(ScheduleTemplate):
                 accum=int(config["accum"]),
                 lanes=lanes,
                 tasks=int(config["tasks"]),
+            )
+        if config.get("kernel", "panel") == "splitk":
+            return schedule_split_k(
+                func,
+                facts,
+                splits=int(config["splits"]),
+                nr=int(config["nr"]),
+                k_block=int(config["k_block"]),
+                lanes=lanes,
             )
         return schedule_register_tiled(
             func,

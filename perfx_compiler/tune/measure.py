@@ -10,17 +10,19 @@ small M, including an M tail, before it is timed.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import multiprocessing
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 
 from perfx_compiler.targets import TargetDescription
 
+log = logging.getLogger(__name__)
 VERIFY_M = 7  # odd on purpose: exercises the M tail of every tiled schedule
 
 
@@ -42,16 +44,37 @@ class MeasureResult:
 
 
 def _shape(ty: Any, m_value: int) -> tuple[int, ...]:
+    """Concrete shape with every shape var set to m_value (dims may be expressions of it)."""
     dims = []
     for dim in ty.shape:
         value = getattr(dim, "value", None)
-        dims.append(int(value) if isinstance(value, int) else int(m_value))
+        dims.append(int(value) if isinstance(value, int) else _eval_dim(dim, m_value))
     return tuple(dims)
 
 
-def param_specs(func: Any, m_value: int) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, concrete shape, dtype) of every buffer parameter, symbolic dims set to m_value."""
-    return [(str(p.name), _shape(p.ty, m_value), str(p.ty.dtype)) for p in func.params]
+def _eval_dim(dim: Any, m_value: int) -> int:
+    import tvm_ffi
+    from tvm import sym, tirx
+
+    free: list[Any] = []
+    tvm_ffi.structural_walk(dim, (tirx.Var, free.append))
+    analyzer = sym.Analyzer()
+    for var in free:
+        analyzer.bind(var, tirx.const(int(m_value), str(var.ty)), allow_override=True)
+    value = getattr(analyzer.simplify(dim), "value", None)
+    if not isinstance(value, int):
+        raise ValueError(f"cannot evaluate shape dim {dim} at {m_value}")
+    return int(value)
+
+
+def param_specs(func: Any, m_value: int) -> list[tuple[str, tuple[int, ...] | None, str]]:
+    """(name, concrete shape, dtype) of every parameter, symbolic dims set to m_value; scalar
+    parameters (a shape var passed explicitly, e.g. ``seq``) have shape None."""
+    specs = []
+    for p in func.params:
+        shape = getattr(p.ty, "shape", None)
+        specs.append((str(p.name), None if shape is None else _shape(p.ty, m_value), str(p.ty.dtype)))
+    return specs
 
 
 def output_names(func: Any) -> set[str]:
@@ -81,13 +104,36 @@ def random_inputs(func: Any, m_value: int, seed: int = 0) -> list[np.ndarray]:
     outs = output_names(func)
     arrays = []
     for name, shape, dtype in param_specs(func, m_value):
-        if name in outs:
+        if shape is None:
+            arrays.append(np.asarray(m_value, dtype=dtype))  # scalar shape var: its value
+        elif name in outs:
             arrays.append(np.zeros(shape, dtype=dtype))
         elif dtype.startswith(("int", "uint")):
             arrays.append(rng.integers(0, 16, size=shape).astype(dtype))  # valid gather indices
         else:
             arrays.append(rng.standard_normal(shape).astype(dtype))
     return arrays
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+def configure_threads(cores: int) -> int:
+    """Size TVM's CPU thread pool to the target's cores; returns the pool size in effect.
+
+    Without TVM_NUM_THREADS the pool takes hardware_concurrency / 2 (it assumes SMT), which is ONE
+    thread on a 2-vCPU machine: every parallel loop then runs serially (prefill GEMM ~2x slower).
+    The pool is created on first use, so this must run before any kernel does.
+    """
+    import tvm  # noqa: F401 - loads the runtime that registers runtime.NumThreads
+    import tvm_ffi
+
+    os.environ.setdefault("TVM_NUM_THREADS", str(max(1, cores)))
+    threads = int(tvm_ffi.get_global_func("runtime.NumThreads")())
+    if threads != cores:
+        log.warning("TVM thread pool has %d threads, target has %d cores (TVM_NUM_THREADS=%s)",
+                    threads, cores, os.environ.get("TVM_NUM_THREADS"))
+    return threads
 
 
 # ----------------------------------------------------------------------------- building
@@ -108,10 +154,16 @@ def run_func(rt: Any, func: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
     import tvm
 
     dev = tvm.cpu()
-    tensors = [tvm.runtime.tensor(a, dev) for a in arrays]
+    tensors = [_to_arg(a, dev) for a in arrays]
     rt["main"](*tensors)
     outs = output_names(func)
-    return [t.numpy() for p, t in zip(func.params, tensors) if str(p.name) in outs]
+    return [t.numpy() for p, t in zip(func.params, tensors, strict=True) if str(p.name) in outs]
+
+
+def _to_arg(array: np.ndarray, dev: Any) -> Any:
+    import tvm
+
+    return array.item() if array.ndim == 0 else tvm.runtime.tensor(array, dev)
 
 
 def reference_outputs(func: Any, target: TargetDescription, m_value: int, seed: int = 0) -> list[np.ndarray]:
@@ -122,7 +174,7 @@ def reference_outputs(func: Any, target: TargetDescription, m_value: int, seed: 
 
 def max_rel_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     err = 0.0
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         scale = max(1.0, float(np.abs(w).max()) if w.size else 1.0)
         err = max(err, float(np.abs(g.astype(np.float64) - w).max()) / scale if w.size else 0.0)
     return err
@@ -133,7 +185,7 @@ def time_module(rt: Any, func: Any, m_value: int, number: int = 0, repeat: int =
     import tvm
 
     dev = tvm.cpu()
-    tensors = [tvm.runtime.tensor(a, dev) for a in random_inputs(func, m_value, seed=1)]
+    tensors = [_to_arg(a, dev) for a in random_inputs(func, m_value, seed=1)]
     evaluator = rt.time_evaluator("main", dev, number=max(1, number), repeat=repeat, min_repeat_ms=min_ms)
     res = evaluator(*tensors)
     samples = np.asarray(res.results, dtype=np.float64)
@@ -199,6 +251,7 @@ class LocalMeasurer:
         self._refs: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="perfx-measure-")
         self._executor: cf.ProcessPoolExecutor | None = None
+        self.threads = configure_threads(target.cores or os.cpu_count() or 1)
 
     # ------------------------------------------------------------------ build pool
 
@@ -221,7 +274,7 @@ class LocalMeasurer:
         for proc in procs:
             proc.join(timeout=5)
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> LocalMeasurer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -299,7 +352,7 @@ class LocalMeasurer:
         paths = [os.path.join(self._tmp.name, f"c{time.time_ns()}_{i}.so") for i in range(len(configs))]
         self._build_all(payload_base, configs, paths, results)
         inputs, want = self._reference(workload_key, func, m_verify)
-        for res, path in zip(results, paths):
+        for res, path in zip(results, paths, strict=True):
             if not res.ok:
                 continue
             try:

@@ -57,7 +57,7 @@ def enumerate_space(task: TuningTask, target: TargetDescription, rng: random.Ran
     for values in space.values():
         total *= max(1, len(values))
     if total <= MAX_ENUMERATE:
-        combos = (dict(zip(knobs, vals)) for vals in itertools.product(*space.values()))
+        combos = (dict(zip(knobs, vals, strict=True)) for vals in itertools.product(*space.values()))
     else:
         combos = ({k: rng.choice(space[k]) for k in knobs} for _ in range(MAX_ENUMERATE))
     out, seen = [], set()

@@ -69,7 +69,7 @@ def sample_configs(template: Any, workload: Any, target: Any, n: int, seed: int 
     """The default plus ``n`` distinct valid configurations drawn from the template's space."""
     space = template.space(workload, target)
     default = template.default_config(workload, target)
-    combos = [dict(zip(space, vals)) for vals in itertools.product(*space.values())]
+    combos = [dict(zip(space, vals, strict=True)) for vals in itertools.product(*space.values())]
     valid = [c for c in combos if c != default and template.is_valid(workload, c, target)]
     rng = random.Random(seed)
     return [default, *rng.sample(valid, min(n, len(valid)))]

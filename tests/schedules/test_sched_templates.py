@@ -37,8 +37,10 @@ SYMBOLIC_MS = [1, 7, 33, 130]
 
 def test_registry_order_and_names():
     names = [t.name for t in registered_templates()]
-    assert names[0] == "gemv_cpu" and names[-1] == "fallback_cpu"
-    assert {"gemm_cpu", "reduction_cpu", "elementwise_cpu"} <= set(names)
+    order = ["gemv_cpu", "gemm_cpu", "reduction_cpu", "elementwise_cpu", "fallback_cpu"]
+    assert set(order) <= set(names)
+    assert [names.index(n) for n in order] == sorted(names.index(n) for n in order)
+    assert all(names.index("fallback_cpu") > names.index(n) for n in names if n.endswith("_cpu") and n != "fallback_cpu")
 
 
 @pytest.mark.parametrize(
@@ -98,7 +100,7 @@ def test_reduction_cpu_every_config(cpu_target):
     func = single_func(rmsnorm_module(None, hidden=64))
     template, workload = find_template(func, cpu_target)
     space = template.space(workload, cpu_target)
-    configs = [dict(zip(space, v)) for v in itertools.product(*space.values())]
+    configs = [dict(zip(space, v, strict=True)) for v in itertools.product(*space.values())]
     for i, config in enumerate(c for c in configs if template.is_valid(workload, c, cpu_target)):
         scheduled = template.apply(func, workload, config, cpu_target)
         check_func(scheduled, func, cpu_target, [1, 17, 33], rmsnorm_reference, seed=i)
@@ -158,7 +160,8 @@ def test_declines_foreign_targets(cpu_target):
 
     gpu = replace(cpu_target, family="gpu", tvm_target={"kind": "cuda", "arch": "sm_80"})
     func = matmul_func(linear_module(None, 64, 96, None, False))
-    assert find_template(func, gpu) is None
+    cpu_templates = [t for t in registered_templates() if t.name.endswith("_cpu")]
+    assert cpu_templates and all(t.match(func, gpu) is None for t in cpu_templates)
 
 
 def test_workload_key_tracks_structure_and_target(cpu_target):
@@ -167,7 +170,10 @@ def test_workload_key_tracks_structure_and_target(cpu_target):
     f1 = matmul_func(linear_module(None, 64, 96, None, False))
     f2 = matmul_func(linear_module(None, 64, 96, None, False))
     f3 = matmul_func(linear_module(None, 64, 128, None, False))
-    key = lambda f, t: find_template(f, t)[1].key
+
+    def key(f, t):
+        return find_template(f, t)[1].key
+
     assert key(f1, cpu_target) == key(f2, cpu_target)
     assert key(f1, cpu_target) != key(f3, cpu_target)
     other = replace(cpu_target, name="x86-other", tvm_target={**cpu_target.tvm_target, "mcpu": "haswell"})
@@ -204,3 +210,41 @@ def test_target_file_defaults_override_builtin(cpu_target):
     assert (config["mr"], config["nr"], config["nc"]) == (6, 32, 96)
     bad = replace(cpu_target, templates={"gemm_cpu": {"nr": 24}})  # not in this workload's space
     assert template.default_config(wl, bad) == template.default_config(wl, cpu_target)
+
+
+@pytest.mark.parametrize(("M", "K", "N", "epilogue"), [(1, 128, 96, None), (3, 64, 192, "silu_mul")])
+def test_gemv_cpu_split_k(cpu_target, M, K, N, epilogue):
+    func = matmul_func(linear_module(M, K, N, epilogue, False))
+    template, workload = find_template(func, cpu_target)
+    lanes = 16 if cpu_target.vector_bits >= 512 else 8
+    for i, (splits, k_block) in enumerate([(1, 1), (2, 4), (4, 2), (8, 8)]):
+        config = {"kernel": "splitk", "nr": 2 * lanes, "nc": N, "k_outer": True, "splits": splits, "k_block": k_block}
+        assert template.is_valid(workload, config, cpu_target)
+        scheduled = template.apply(func, workload, config, cpu_target)
+        ref = functools.partial(linear_reference, func, epilogue=epilogue)
+        check_func(scheduled, func, cpu_target, [M], lambda a, ref=ref: ref(a), seed=i)
+
+
+LAST_TOKEN_LOGITS = '''
+@T.prim_func(private=True, s_tir=True)
+def main(x: T.Buffer((T.int64(1), "T.min(T.int64(9223372036854775807), seq) - T.min(T.max(seq - T.int64(1), T.int64(0)), seq)", T.int64(64)), "float32"), w: T.Buffer((T.int64(96), T.int64(64)), "float32"), seq: T.int64, NT_matmul: T.Buffer((T.int64(1), T.min(T.int64(9223372036854775807), seq) - T.min(T.max(seq - T.int64(1), T.int64(0)), seq), T.int64(96)), "float32")):
+    T.func_attr({"op_pattern": 4, "tirx.noalias": True})
+    for i0, i1, i2, k in T.grid(T.int64(1), T.min(T.int64(9223372036854775807), seq) - T.min(T.max(seq - T.int64(1), T.int64(0)), seq), T.int64(96), T.int64(64)):
+        with T.sblock("NT_matmul"):
+            v_i0, v_i1, v_i2, v_k = T.axis.remap("SSSR", [i0, i1, i2, k])
+            with T.init():
+                NT_matmul[v_i0, v_i1, v_i2] = T.float32(0.0)
+            NT_matmul[v_i0, v_i1, v_i2] = NT_matmul[v_i0, v_i1, v_i2] + x[v_i0, v_i1, v_k] * w[v_i2, v_k]
+'''
+
+
+def test_last_token_logits_expression_extent(cpu_target):
+    """The prefill lm_head of the pipeline: M is an expression of seq that equals 1, and seq is
+    an explicit scalar parameter. It must go to the GEMV template and run for any seq."""
+    func = tvm.script.from_source(LAST_TOKEN_LOGITS)
+    template, workload = find_template(func, cpu_target)
+    assert template.name == "gemv_cpu" and workload.dims["M"] == 1
+    for i, config in enumerate(sample_configs(template, workload, cpu_target, 2, seed=1)):
+        scheduled = template.apply(func, workload, config, cpu_target)
+        # arrays: x [1, 1, 64], w [96, 64], seq (scalar), out
+        check_func(scheduled, func, cpu_target, [1, 9, 40], lambda a: a[0] @ a[1].T, seed=i)

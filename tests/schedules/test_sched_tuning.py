@@ -202,3 +202,60 @@ def test_local_measurer_build_timeout_kills_workers(cpu_target):
         results = measurer.measure(func, template.name, wl.key, configs, m_value=16)
     assert time.perf_counter() - start < 60
     assert all(not r.ok and ("timed out" in r.error or "did not start" in r.error) for r in results)
+
+
+def test_apply_schedules_on_decoder_block_slice(cpu_target):
+    """embedding take -> residual add -> RMSNorm -> gate/up linears -> SiLU*mul, symbolic seq:
+    every PrimFunc gets a template, and the compiled Relax module matches numpy at M = 1 and 7."""
+    import tvm
+    from tvm import relax, tirx
+
+    seq = tirx.Var("seq", "int64")
+    H, F, V = 64, 96, 128
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([1, seq, H], "float32"))
+    g = relax.Var("g", relax.TensorType([H], "float32"))
+    w1 = relax.Var("w1", relax.TensorType([F, H], "float32"))
+    w2 = relax.Var("w2", relax.TensorType([F, H], "float32"))
+    emb = relax.Var("emb", relax.TensorType([V, H], "float32"))
+    ids = relax.Var("ids", relax.TensorType([1, seq], "int32"))
+    with bb.function("main", [x, g, w1, w2, emb, ids]):
+        with bb.dataflow():
+            e = bb.emit(relax.op.take(emb, ids, axis=0))
+            h = bb.emit(relax.op.add(x, e))
+            n = bb.emit(relax.op.nn.rms_norm(h, g, axes=[-1], epsilon=1e-5))
+            a = bb.emit(relax.op.matmul(n, relax.op.permute_dims(w1)))
+            b = bb.emit(relax.op.matmul(n, relax.op.permute_dims(w2)))
+            out = bb.emit_output(relax.op.multiply(relax.op.nn.silu(a), b))
+        bb.emit_func_output(out)
+    passes = [
+        relax.transform.LegalizeOps(),
+        relax.transform.FuseTransposeMatmul(),
+        relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FuseOps(),
+        relax.transform.FuseTIR(),
+    ]
+    mod = tvm.transform.Sequential(passes)(bb.get())
+    used = {}
+    for gv, f in mod.functions.items():
+        if isinstance(f, tirx.PrimFunc):
+            _, name, _ = schedule_func(f, cpu_target)
+            used[gv.name_hint] = name
+    assert "gemm_cpu" in used.values() and "reduction_cpu" in used.values()
+    assert None not in used.values()
+    vm = relax.VirtualMachine(tvm.compile(apply_schedules(mod, cpu_target), cpu_target.tvm()), tvm.cpu())
+    rng = np.random.default_rng(1)
+    for m in (1, 7):
+        arrs = [
+            rng.standard_normal((1, m, H)).astype("float32"),
+            rng.standard_normal(H).astype("float32"),
+            rng.standard_normal((F, H)).astype("float32"),
+            rng.standard_normal((F, H)).astype("float32"),
+            rng.standard_normal((V, H)).astype("float32"),
+            rng.integers(0, V, (1, m)).astype("int32"),
+        ]
+        got = vm["main"](*[tvm.runtime.tensor(a) for a in arrs]).numpy()
+        hx = arrs[0] + arrs[4][arrs[5]]
+        nx = hx / np.sqrt((hx * hx).mean(-1, keepdims=True) + 1e-5) * arrs[1]
+        ya, yb = nx @ arrs[2].T, nx @ arrs[3].T
+        np.testing.assert_allclose(got, ya / (1 + np.exp(-ya)) * yb, rtol=1e-4, atol=1e-4)
