@@ -86,7 +86,9 @@ def test_chat_uses_manifest_template_and_streams(serve: Any) -> None:
     same = c.completions.create(model="fake-model", prompt=prompt, max_tokens=12, temperature=0)
     assert r.choices[0].message.content == same.choices[0].text
     assert r.usage.prompt_tokens == same.usage.prompt_tokens
-    chunks = list(c.chat.completions.create(model="fake-model", messages=msgs, max_tokens=12, temperature=0, stream=True))
+    chunks = list(
+        c.chat.completions.create(model="fake-model", messages=msgs, max_tokens=12, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == "length"

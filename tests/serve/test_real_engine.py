@@ -1,0 +1,97 @@
+"""The scheduler and ``perfx-serve`` on the real BatchEngine, with a tiny compiled model (~20 s compile)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+if importlib.util.find_spec("perfx_compiler.runtime.batch_engine") is None:
+    reason = "perfx_compiler.runtime.batch_engine does not exist yet"
+    print(f"skipping real-engine serving tests: {reason}")
+    pytest.skip(reason, allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from perfx_compiler.model.testing import write_tiny_gguf
+    from perfx_compiler.pipeline import compile_model
+
+    root = tmp_path_factory.mktemp("serve-tiny")
+    path, _ = write_tiny_gguf(root / "m.gguf", context_length=128)
+    # Only weight_layout: as in tests/spine/test_batch_engine.py (the fusion passes are not batched yet).
+    return Path(compile_model(str(path), "host", root / "art", progress=False, batching=True, passes=["weight_layout"]))
+
+
+def test_batched_serving_matches_offline_llm(tiny_artifact: Path) -> None:
+    from perfx_compiler.runtime.api import LLM, SamplingParams
+    from perfx_compiler.runtime.batch_engine import BatchEngine
+    from perfx_compiler.serve.scheduler import Scheduler
+
+    llm = LLM(str(tiny_artifact))
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["hello world", "the cat", "a b c d e f g h i j k l m n o p", "xyz"]
+    ids = [llm.get_tokenizer().encode(p) for p in prompts]
+    offline = [llm.generate([i], params)[0].outputs[0].token_ids for i in ids]
+
+    engine = BatchEngine(tiny_artifact, max_batch=4)
+    sched = Scheduler(engine, llm.get_tokenizer(), prefill_chunk=8)
+    sched.start()
+    try:
+        handles = [sched.submit(i, params) for i in ids]
+        served = [h.result(timeout=60)[0].token_ids for h in handles]
+    finally:
+        sched.shutdown()
+    assert served == offline
+    assert engine.free_pages() == engine.num_pages
+
+
+def test_perfx_serve_cli_end_to_end(tiny_artifact: Path) -> None:
+    openai = pytest.importorskip("openai")
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [sys.executable, "-m", "perfx_compiler.cli.serve", str(tiny_artifact), "--port", str(port)]
+    cmd += ["--api-key", "k1", "--max-batch", "4", "--log-level", "warning", "--no-verify"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(f"{url}/health", headers={"Authorization": "Bearer k1"}, timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "perfx-serve did not come up in 60 s"
+            time.sleep(0.2)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 401
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="k1", max_retries=0, timeout=60)
+        model = c.models.list().data[0].id
+        r = c.completions.create(
+            model=model, prompt="hello", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert r.usage.completion_tokens == 8
+        chunks = c.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True, temperature=0
+        )
+        assert [ch.choices[0].finish_reason for ch in chunks][-1] in ("stop", "length")
+        metrics = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer k1"}, timeout=5).text
+        assert "perfx_kv_pages_total" in metrics
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
