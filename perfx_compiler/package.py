@@ -91,6 +91,9 @@ def write_artifact(state: Any) -> Path:
         "compile_seconds": {k: round(v, 2) for k, v in state.timings.items()},
         "files": {},
     }
+    from perfx_compiler.device_export import export_for_target
+
+    manifest["device_code"] = export_for_target(state, tmp)  # kernels.* files + DEPLOY.md
     for f in sorted(tmp.iterdir()):
         manifest["files"][f.name] = sha256_file(f)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))

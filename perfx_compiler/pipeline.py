@@ -133,6 +133,7 @@ def phase_schedule(state: CompileState) -> None:
 
             records = TuningDatabase(state.options.tuning_log)
         state.mod = apply_schedules(state.mod, state.target, records)
+        _bind_gpu_host_kernels(state)
         return
     from tvm.s_tir import dlight as dl
 
@@ -144,6 +145,16 @@ def phase_schedule(state: CompileState) -> None:
     )
     with tgt:
         state.mod = dl.ApplyDefaultSchedule(*rules)(state.mod)
+    _bind_gpu_host_kernels(state)
+
+
+def _bind_gpu_host_kernels(state: CompileState) -> None:
+    """GPU targets: a PrimFunc without a device launch would run on the host (see gpu_adapt)."""
+    from perfx_compiler.device_export import prepare_build_env
+    from perfx_compiler.gpu_adapt import bind_host_kernels
+
+    state.mod, state.notes["gpu_host_kernels_adapted"] = bind_host_kernels(state.mod, state.target)
+    prepare_build_env(state.target)  # toolchain paths the build phase needs (ROCm)
 
 
 def phase_build(state: CompileState) -> None:

@@ -63,13 +63,13 @@ def cached_attention_kernel_gpu(
         # 1) rotate k, append k and v to the caches
         for bx in T.thread_binding(T.int64(KVH) * seq, thread="blockIdx.x"):
             for tx in T.thread_binding(T.int64(HALF), thread="threadIdx.x"):
-                kh = bx // seq
-                s = bx % seq
-                pos = PAST[0] + s
-                x1 = K[0, s, kh * D + tx]
-                x2 = K[0, s, kh * D + tx + HALF]
-                c = COS[pos, tx]
-                sn = SIN[pos, tx]
+                kh: T.let[T.int64] = bx // seq
+                s: T.let[T.int64] = bx % seq
+                pos: T.let[T.int64] = PAST[0] + s
+                x1: T.let[T.float32] = K[0, s, kh * D + tx]
+                x2: T.let[T.float32] = K[0, s, kh * D + tx + HALF]
+                c: T.let[T.float32] = COS[pos, tx]
+                sn: T.let[T.float32] = SIN[pos, tx]
                 KC[0, kh, pos, tx] = x1 * c - x2 * sn
                 KC[0, kh, pos, tx + HALF] = x2 * c + x1 * sn
                 VC[0, kh, pos, tx] = V[0, s, kh * D + tx]
@@ -80,16 +80,16 @@ def cached_attention_kernel_gpu(
                 qs = T.decl_buffer((D,), dtype, scope="shared")
                 tile = T.decl_buffer((TS,), dtype, scope="shared")
                 st = T.decl_buffer((4,), dtype, scope="local")  # running max, running sum, acc, score
-                h = bx // seq
-                s = bx % seq
-                kh = h // G
-                pos = PAST[0] + s
-                length = pos + T.int64(1)
+                h: T.let[T.int64] = bx // seq
+                s: T.let[T.int64] = bx % seq
+                kh: T.let[T.int64] = h // G
+                pos: T.let[T.int64] = PAST[0] + s
+                length: T.let[T.int64] = pos + T.int64(1)
                 if tx < T.int64(HALF):
-                    x1 = Q[0, s, h * D + tx]
-                    x2 = Q[0, s, h * D + tx + HALF]
-                    c = COS[pos, tx]
-                    sn = SIN[pos, tx]
+                    x1: T.let[T.float32] = Q[0, s, h * D + tx]
+                    x2: T.let[T.float32] = Q[0, s, h * D + tx + HALF]
+                    c: T.let[T.float32] = COS[pos, tx]
+                    sn: T.let[T.float32] = SIN[pos, tx]
                     qs[tx] = (x1 * c - x2 * sn) * T.float32(scale)
                     qs[tx + HALF] = (x2 * c + x1 * sn) * T.float32(scale)
                 T.tvm_storage_sync("shared")
@@ -97,7 +97,7 @@ def cached_attention_kernel_gpu(
                 st[1] = T.float32(0)
                 st[2] = T.float32(0)
                 for kt in T.serial((length + T.int64(TS - 1)) // T.int64(TS)):
-                    j = kt * T.int64(TS) + tx
+                    j: T.let[T.int64] = kt * T.int64(TS) + tx
                     st[3] = T.float32(-3.0e38)
                     if j < length:
                         st[3] = T.float32(0)
@@ -109,7 +109,7 @@ def cached_attention_kernel_gpu(
                     m_tile[0] = st[0]
                     for jj in T.serial(TS):
                         m_tile[0] = T.max(m_tile[0], tile[jj])
-                    alpha = T.exp(st[0] - m_tile[0])
+                    alpha: T.let[T.float32] = T.exp(st[0] - m_tile[0])
                     T.tvm_storage_sync("shared")
                     tile[tx] = T.if_then_else(j < length, T.exp(st[3] - m_tile[0]), T.float32(0))
                     T.tvm_storage_sync("shared")
@@ -117,7 +117,7 @@ def cached_attention_kernel_gpu(
                     st[2] = st[2] * alpha
                     for jj in T.serial(TS):
                         if kt * T.int64(TS) + jj < length:
-                            p = tile[jj]
+                            p: T.let[T.float32] = tile[jj]
                             st[1] = st[1] + p
                             st[2] = st[2] + p * VC[0, kh, kt * T.int64(TS) + jj, tx]
                     st[0] = m_tile[0]

@@ -169,7 +169,7 @@ def evaluate(expr: Any, env: dict[str, Any]) -> Any:
         t.Mul: lambda a, b: a * b,
         t.FloorDiv: lambda a, b: a // b,
         t.FloorMod: lambda a, b: a % b,
-        t.Div: lambda a, b: (math.trunc(a / b) if isinstance(a, int) and isinstance(b, int) else a / b),
+        t.Div: lambda a, b: math.trunc(a / b) if isinstance(a, int) and isinstance(b, int) else a / b,
         t.Mod: lambda a, b: int(math.fmod(a, b)),
         t.Min: min,
         t.Max: max,

@@ -26,7 +26,9 @@ def lowered_module(
         from perfx_compiler.model.loader import load_model
 
         desc = load_model(model, max_context=max_context)
-    state = P.CompileState(desc=desc, target=load_target(target), options=P.CompileOptions(target=target, progress=False, passes=passes))
+    state = P.CompileState(
+        desc=desc, target=load_target(target), options=P.CompileOptions(target=target, progress=False, passes=passes)
+    )
     phases = dict(P.PHASES)
     for name in ("import", "passes", "lower") + (("schedule",) if schedule else ()):
         phases[name](state)
