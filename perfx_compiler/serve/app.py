@@ -113,19 +113,26 @@ class _Run:
         for h in self.handles:
             h.cancel()
 
-    async def events(self, request: Request) -> AsyncIterator[tuple[int, StreamEvent]]:
-        """Events until every request finished; cancels everything if the client goes away."""
+    async def events(self, request: Request | None) -> AsyncIterator[tuple[int, StreamEvent]]:
+        """Events until every request finished. With ``request``, polls for a client disconnect (also while
+        tokens keep coming) and then cancels everything; streaming responses leave that to Starlette."""
+        last_check = self.loop.time()
         while self.finished < len(self.handles):
+            item: tuple[int, StreamEvent] | None = None
             try:
-                k, ev = await asyncio.wait_for(self.queue.get(), timeout=_DISCONNECT_POLL_S)
+                item = await asyncio.wait_for(self.queue.get(), timeout=_DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
+                pass
+            if request is not None and self.loop.time() - last_check >= _DISCONNECT_POLL_S:
+                last_check = self.loop.time()
                 if await request.is_disconnected():
                     self.cancel()
                     return
+            if item is None:
                 continue
-            if ev.request_finished:
+            if item[1].request_finished:
                 self.finished += 1
-            yield k, ev
+            yield item
 
 
 class Server:
@@ -264,7 +271,7 @@ async def _generate(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _stream(srv, kind, rid, run, n, prompts, include_usage, params, request),
+            _stream(srv, kind, rid, run, n, prompts, include_usage, params),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -314,7 +321,6 @@ async def _stream(
     prompts: list[list[int]],
     include_usage: bool,
     params: SamplingParams,
-    request: Request,
 ) -> AsyncIterator[str]:
     created = P.now()
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -333,7 +339,7 @@ async def _stream(
         if kind == "chat":
             for i in range(len(prompts) * n):
                 yield chunk(i, {"delta": {"role": "assistant", "content": ""}})
-        async for k, ev in run.events(request):
+        async for k, ev in run.events(None):  # Starlette cancels this generator on a disconnect
             index = k * n + ev.index
             if ev.error:
                 yield _sse(P.error_body(ev.error, "server_error"))

@@ -175,6 +175,15 @@ def test_disconnect_mid_stream_frees_pages(serve: Any) -> None:
     assert srv.engine.free_pages() == srv.engine.num_pages
 
 
+def test_disconnect_while_waiting_non_streaming_cancels(serve: Any) -> None:
+    srv = serve(engine_kw={"step_delay": 0.005, "max_context": 4096})
+    body = {"prompt": "Hello", "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{srv.url}/v1/completions", json=body, timeout=0.5)  # gives up and closes the connection
+    assert wait_for(lambda: metric(srv, "perfx_kv_pages_used") == 0, 5)
+    assert metric(srv, "perfx_sequences_finished_total", '{reason="abort"}') == 1
+
+
 def test_pool_exhausted_queues_and_queue_full_is_503(serve: Any) -> None:
     # 10 pages of 4 tokens: a request needs 6 to start (BOS + 20 prompt tokens + 1) and 9 at its end,
     # so one runs at a time and the others wait for pages.
