@@ -43,6 +43,9 @@ SUMMARY_COLUMNS = [
     "perfx_decode_ratio",
     "perfx_prefill128_ratio",
     "perfx_prefill512_ratio",
+    "perfx_decode_ratio_same_placement",
+    "decode_tok_s_shared",
+    "decode_tok_s_split",
     "placements",
     "pingpong_ns",
     "disturbed_rounds",
@@ -107,6 +110,15 @@ def summarize(
         ):
             pairs = [perfx[r["round"]][m] / r[m] for r in rows if r["round"] in perfx and r[m] > 0]
             row[col] = round(_median(pairs), 3) if pairs else ""
+        same = [
+            perfx[r["round"]]["decode_tok_s"] / r["decode_tok_s"]
+            for r in rows
+            if r["round"] in perfx and r["decode_tok_s"] > 0 and perfx[r["round"]]["placement"] == r["placement"]
+        ]
+        row["perfx_decode_ratio_same_placement"] = round(_median(same), 3) if same else ""
+        for place in ("shared", "split"):
+            vals = [r["decode_tok_s"] for r in rows if r["placement"] == place]
+            row[f"decode_tok_s_{place}"] = round(_median(vals), 2) if vals else ""
         out.append(row)
     order = {"perfx": 0, "llama.cpp": 1, "ort-genai": 2, "ort": 3}
     return sorted(out, key=lambda r: order.get(r["engine"], 9))

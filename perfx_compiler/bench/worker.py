@@ -34,6 +34,14 @@ def _rss_mb() -> float:
 
 
 def _peak_mb() -> float:
+    """This process's peak RSS. VmHWM, not ru_maxrss: the latter keeps the parent's peak across fork+exec."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 

@@ -200,9 +200,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{PROG}: skipping {eng}: {err}")
                 workers.pop(eng, None)
                 continue
-            meta[eng].update(weight_bytes=int(info["weight_bytes"]), **{k: v for k, v in info["info"].items() if v})
-            if eng == "perfx":
-                meta[eng]["quantization"] = meta[eng].get("quantization", "")
+            extra = {k: v for k, v in info["info"].items() if v}
+            if eng == "perfx":  # keep "requested->effective" from the compile step
+                extra.pop("quantization", None)
+            meta[eng].update(weight_bytes=int(info["weight_bytes"]), **extra)
             print(
                 f"{PROG}: {eng} loaded in {workers[eng].load_s:.1f} s, {info['weight_bytes'] / 1e6:.1f} MB weights "
                 f"per token, {info['info']}"

@@ -1,0 +1,176 @@
+"""Regenerate the tables of benchmarks/README.md from benchmarks/results (numbers only from those files).
+
+    python benchmarks/make_tables.py            # rewrite the generated part of README.md
+    python benchmarks/make_tables.py --print    # print it instead
+
+Reads bench_<model>.csv (+ _machine.json) and profile_<model>.csv written by ``perfx-bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+README = HERE / "README.md"
+BEGIN, END = "<!-- tables:begin (make_tables.py) -->", "<!-- tables:end -->"
+# The issue's decode target against llama.cpp (PerfX tok/s over llama.cpp tok/s, same file, same run).
+DECODE_TARGETS = {"smollm2-q4_1": 1.5}
+MODEL_ORDER = ("smollm2-q4_1", "smollm2-q4_0", "smollm2-q8_0", "tinyllama-q4_0")
+
+
+def _read(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _f(v: str, nd: int = 1) -> str:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return v or ""
+    if x != x:
+        return "n/a"
+    return f"{x:.{nd}f}"
+
+
+def _models(results: Path) -> list[str]:
+    names = [p.stem[len("bench_") :] for p in results.glob("bench_*.csv") if not p.stem.endswith("_rounds")]
+    return sorted(names, key=lambda n: (MODEL_ORDER.index(n) if n in MODEL_ORDER else 99, n))
+
+
+def model_section(name: str, results: Path) -> list[str]:
+    rows = _read(results / f"bench_{name}.csv")
+    out = [f"### {name}", ""]
+    mfile = results / f"bench_{name}_machine.json"
+    if mfile.is_file():
+        m = json.loads(mfile.read_text())
+        bws = m.get("bw_rounds_gbs") or []
+        span = f"{min(bws):.1f}-{max(bws):.1f}" if bws else "n/a"
+        out += [
+            f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads; read bandwidth {m['bw_start_gbs']:.1f} GB/s "
+            f"at start, {span} GB/s in the rounds, {m['bw_1thread_gbs']:.1f} GB/s single-thread; ping-pong "
+            f"{m['pingpong_start_ns']:.0f} ns at start. {m['rounds']} rounds, {m['decode_tokens']} decode tokens after "
+            f"{m['prompt_tokens']}; run {m['date']}; file `{Path(m['model_file']).name}`.",
+            "",
+        ]
+    out += [
+        "| engine | quantization (weights) | MB/token | decode tok/s (shared / split) | prefill 128 tok/s | prefill 512 tok/s | TTFT ms "
+        "| peak RSS MB | decode GB/s | of ceiling | PerfX / engine (decode, pf128, pf512) | placements | disturbed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        q = r["quantization"] + (f" ({r['weight_format']})" if r["weight_format"] else "")
+        frac = f"{float(r['bw_fraction']) * 100:.0f}% of {_f(r['bw_ceiling_gbs'])}" if r["bw_fraction"] else ""
+        ratios = ", ".join(
+            _f(r[c], 2) for c in ("perfx_decode_ratio", "perfx_prefill128_ratio", "perfx_prefill512_ratio")
+        )
+        out.append(
+            f"| {r['engine']} | {q} | {_f(r['weight_mb_per_token'])} | {_f(r['decode_tok_s'])} "
+            f"({_f(r.get('decode_tok_s_shared', '')) or '-'} / {_f(r.get('decode_tok_s_split', '')) or '-'}) | "
+            f"{_f(r['prefill128_tok_s'])} | {_f(r['prefill512_tok_s'])} | {_f(r['ttft_ms'])} | {_f(r['peak_rss_mb'], 0)} | "
+            f"{_f(r['achieved_gbs'])} | {frac} | {ratios if r['engine'] != 'perfx' else ''} | {r['placements']} | "
+            f"{r['disturbed_rounds']}/{r['rounds']} |"
+        )
+    notes = {r["note"] for r in rows if r.get("note")}
+    for n in sorted(notes):
+        out.append(f"\nNote (perfx): {n}.")
+    out.append("")
+    return out
+
+
+def targets_section(names: list[str], results: Path) -> list[str]:
+    out = [
+        "### Against the targets",
+        "",
+        "| model | PerfX / llama.cpp decode (same placement only) | target | met |",
+        "|---|---|---|---|",
+    ]
+    for name in names:
+        rows = {r["engine"]: r for r in _read(results / f"bench_{name}.csv")}
+        peer = rows.get("llama.cpp")
+        if peer is None or not peer["perfx_decode_ratio"]:
+            out.append(f"| {name} | (llama.cpp not measured) | {DECODE_TARGETS.get(name, '')} | |")
+            continue
+        ratio = float(peer["perfx_decode_ratio"])
+        target = DECODE_TARGETS.get(name)
+        met = "" if target is None else ("yes" if ratio >= target else "**no**")
+        same = peer.get("perfx_decode_ratio_same_placement") or ""
+        same_s = f" ({float(same):.2f}x)" if same else ""
+        out.append(f"| {name} | {ratio:.2f}x{same_s} | {f'>= {target}x' if target else '(none set)'} | {met} |")
+    out.append("")
+    return out
+
+
+def profile_section(name: str, results: Path, top: int = 6) -> list[str]:
+    path = results / f"profile_{name}.csv"
+    if not path.is_file():
+        return []
+    rows = _read(path)
+    out = [f"### Where PerfX's time goes: {name}", ""]
+    phases = list(dict.fromkeys(r["phase"] for r in rows))
+    for ph in phases:
+        sel = [r for r in rows if r["phase"] == ph]
+        out += [
+            f"`{ph}`: {_f(sel[0]['plain_step_ms'], 2)} ms per step (kernels under instrumentation "
+            f"{_f(sel[0]['instrumented_kernel_ms'], 2)} ms)",
+            "",
+            "| kernel | share | us/step | GB/s | GFLOP/s | FLOP/byte | of measured bandwidth |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in sel[:top]:
+            bw = f"{float(r['frac_of_measured_bw']) * 100:.0f}%" if r["frac_of_measured_bw"] else ""
+            out.append(
+                f"| {r['kernel']} | {float(r['share']) * 100:.1f}% | {_f(r['us_per_step'])} | {_f(r['gb_s'], 2)} | "
+                f"{_f(r['gflop_s'], 2)} | {_f(r['flop_per_byte'], 2)} | {bw} |"
+            )
+        out.append("")
+    return out
+
+
+def generate(results: Path = RESULTS) -> str:
+    names = _models(results)
+    lines: list[str] = [BEGIN, ""]
+    if not names:
+        lines.append("(no results yet: run benchmarks/run_peers.py)")
+    else:
+        lines += targets_section(names, results)
+        for n in names:
+            lines += model_section(n, results)
+            if (results / f"bench_{n}.png").is_file():
+                lines += [f"![{n}](results/bench_{n}.png)", ""]
+        for n in names:
+            lines += profile_section(n, results)
+            if (results / f"profile_{n}_roofline.png").is_file():
+                lines += [f"![roofline {n}](results/profile_{n}_roofline.png)", ""]
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--print", action="store_true", help="print instead of writing README.md")
+    p.add_argument("--results", default=str(RESULTS))
+    args = p.parse_args(argv)
+    text = generate(Path(args.results))
+    if args.print:
+        print(text)
+        return 0
+    readme = README.read_text() if README.is_file() else "# Benchmarks\n\n"
+    if BEGIN in readme and END in readme:
+        head, rest = readme.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1].lstrip("\n")
+        readme = head + text + ("\n" + tail if tail else "")
+    else:
+        readme = readme.rstrip("\n") + "\n\n" + text
+    README.write_text(readme)
+    print(f"wrote {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

