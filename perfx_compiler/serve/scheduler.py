@@ -253,6 +253,9 @@ class Scheduler:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():  # stuck in an engine call: leave the engine alone
+                log.warning("scheduler worker did not stop within %.0f s", timeout)
+                return
             self._thread = None
         with self._cv:  # the worker is gone (or never ran): abort what is left here
             leftovers = [*self._waiting, *self._running]
