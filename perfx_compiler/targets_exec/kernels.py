@@ -213,7 +213,8 @@ def _collect_host(host_mod: Any) -> tuple[list[tuple[str, Any]], list[LaunchSpec
         lets.append((node.var.name, node.value))
 
     def on_decl(node: Any) -> None:
-        base = _buffer_name(node.buffer.data)
+        data = getattr(node, "data", None)  # TVM 0.27: DeclBuffer(buffer, data=<the buffer it views>)
+        base = _buffer_name(data if data is not None else node.buffer.data)
         if base is not None and base != node.buffer.name:
             aliases[node.buffer.name] = base
 

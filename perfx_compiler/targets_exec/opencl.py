@@ -52,6 +52,7 @@ class OpenCLLauncher:
         self.ctx = cl.Context([self.device])
         self.queue = cl.CommandQueue(self.ctx)
         self._programs: dict[str, Any] = {}
+        self._kernels: dict[int, dict[str, Any]] = {}
         self.fp16 = "cl_khr_fp16" in self.device.extensions
 
     # -- memory ---------------------------------------------------------------------------------
@@ -87,11 +88,18 @@ class OpenCLLauncher:
             self._programs[cf.source] = prog
         return prog
 
+    def _kernel(self, prog: Any, name: str) -> Any:
+        kernels = self._kernels.get(id(prog))
+        if kernels is None:
+            kernels = {k.function_name: k for k in prog.all_kernels()}
+            self._kernels[id(prog)] = kernels
+        return kernels[name]
+
     def run(self, cf: CompiledPrimFunc, values: list[Any]) -> None:
         """Launch ``cf`` on ``values`` (DeviceArray for buffers, ints for scalar parameters)."""
         prog = self.program(cf)
         for launch in cf.plan(values):
-            kernel = getattr(prog, launch.kernel)
+            kernel = self._kernel(prog, launch.kernel)
             args = []
             for a in launch.args:
                 if a[0] == "buffer":
