@@ -118,7 +118,7 @@ def test_load_model_resolution(tmp_path: Path, monkeypatch) -> None:
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ModelFormatError):
         load_model(str(tmp_path / "notes.txt"))
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(ModelFormatError, match="no such model"):
         load_model(str(tmp_path / "m.onnx"))
     import importlib.util
 
