@@ -106,6 +106,59 @@ def targets_section(names: list[str], results: Path) -> list[str]:
     return out
 
 
+def _kind(kernel: str) -> str:
+    k = kernel.lower()
+    if k.startswith("vm.builtin"):
+        return "VM builtins"
+    if "attention" in k:
+        return "attention"
+    if "matmul" in k or k.startswith(("q4", "q8", "gemv", "gemm")):
+        return "matmul/GEMV"
+    return "other"
+
+
+def findings_section(names: list[str], results: Path) -> list[str]:
+    """One line per model and per profiled phase, computed from the CSVs."""
+    out = ["### Findings (computed from the CSVs)", ""]
+    for name in names:
+        rows = {r["engine"]: r for r in _read(results / f"bench_{name}.csv")}
+        px = rows.get("perfx")
+        if px is None:
+            continue
+        peers = [r for e, r in rows.items() if e != "perfx"]
+        best = max(peers, key=lambda r: float(r["decode_tok_s"]), default=None)
+        frac = f"{float(px['bw_fraction']) * 100:.0f}%" if px["bw_fraction"] else "n/a"
+        line = (
+            f"* {name}: PerfX decodes {_f(px['decode_tok_s'])} tok/s from {_f(px['weight_mb_per_token'])} MB of "
+            f"{px['weight_format']} weights per token = {_f(px['achieved_gbs'])} GB/s, {frac} of the measured "
+            f"{_f(px['bw_ceiling_gbs'])} GB/s"
+        )
+        if best is not None:
+            line += (
+                f"; fastest peer {best['engine']} ({best['quantization']}) {_f(best['decode_tok_s'])} tok/s from "
+                f"{_f(best['weight_mb_per_token'])} MB/token, PerfX/it = {_f(best['perfx_decode_ratio'], 2)}"
+            )
+        out.append(line + ".")
+        prof = results / f"profile_{name}.csv"
+        if prof.is_file():
+            prow = _read(prof)
+            for ph in dict.fromkeys(r["phase"] for r in prow):
+                sel = [r for r in prow if r["phase"] == ph]
+                kinds: dict[str, float] = {}
+                for r in sel:
+                    kinds[_kind(r["kernel"])] = kinds.get(_kind(r["kernel"]), 0.0) + float(r["share"])
+                parts = ", ".join(f"{k} {v * 100:.0f}%" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+                mm = [r for r in sel if _kind(r["kernel"]) == "matmul/GEMV" and float(r["gb_s"]) > 0]
+                tot_t = sum(float(r["us_per_step"]) for r in mm)
+                gbs = sum(float(r["gb_s"]) * float(r["us_per_step"]) for r in mm) / tot_t if tot_t else 0.0
+                gfl = sum(float(r["gflop_s"]) * float(r["us_per_step"]) for r in mm) / tot_t if tot_t else 0.0
+                out.append(
+                    f"  * profile `{ph}`: {parts}; matmul/GEMV kernels average {gbs:.1f} GB/s, {gfl:.1f} GFLOP/s."
+                )
+    out.append("")
+    return out
+
+
 def profile_section(name: str, results: Path, top: int = 6) -> list[str]:
     path = results / f"profile_{name}.csv"
     if not path.is_file():
@@ -139,6 +192,7 @@ def generate(results: Path = RESULTS) -> str:
         lines.append("(no results yet: run benchmarks/run_peers.py)")
     else:
         lines += targets_section(names, results)
+        lines += findings_section(names, results)
         for n in names:
             lines += model_section(n, results)
             if (results / f"bench_{n}.png").is_file():
