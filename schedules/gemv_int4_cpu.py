@@ -10,8 +10,10 @@ L consecutive codes):
   multiplied into a vector accumulator with x (unpack + convert + FMA: 4 vector ops per L MACs);
   the group's scale and zero are applied once per group through per-lane sums of x precomputed
   for the call: ``y += s * (sum(q x) - z * sum(x))``.
-* Tile GEMM (symbolic or larger M, prefill): per task, a tile of ``rows`` weight rows is
-  dequantized once into fp32 scratch and reused for every input row.
+* Dequantize (prefill, M symbolic): the pass emits ``dequant -> float matmul`` for many-row
+  linears; this kernel unpacks W [N, K] to fp32 (vectorized, parallel over rows) and the float
+  GEMM template does the matmul at full speed. The scratch is reused across layers.
+* Embedding gather: rows of the packed table dequantized on the fly.
 """
 
 from __future__ import annotations
@@ -56,14 +58,14 @@ def _static_rows(func: Any, kind: str) -> int | None:
     return rows
 
 
-def _gemv(N: int, K: int, G: int, L: int) -> Any:
+def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4) -> Any:
     from tvm.script import tirx as T
 
     NG = -(-K // G)
     VPG = G // L  # vectors per full group
-    FULL = K // G
-    TAILV = (K % G) // L
     NV = K // L
+    NB = K // (8 * L)  # packed blocks per row
+    PER = N // tasks
 
     @T.prim_func(private=True)
     def q4_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
@@ -76,90 +78,97 @@ def _gemv(N: int, K: int, G: int, L: int) -> Any:
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), "uint8")
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
         xs = T.decl_buffer((NG * L,), "float32")
+        # x copied into a buffer zero-padded to whole groups: the ragged last group then runs the
+        # same unrolled loop (its clamped weight reads are multiplied by zeros).
+        xr = T.decl_buffer((NG * G,), "float32")
         for bm in T.serial(b * m):
-            bi = bm // m
-            mi = bm % m
+            for c in T.serial(NG * VPG):
+                for lane in T.vectorized(L):
+                    xr[c * L + lane] = T.if_then_else(c < NV, X[bm // m, bm % m, T.min(c, NV - 1) * L + lane], T.float32(0))
             for g in T.serial(NG):
                 for lane in T.vectorized(L):
                     xs[g * L + lane] = T.float32(0)
-            for v in T.serial(NV):
+            for c in T.serial(NV):
                 for lane in T.vectorized(L):
-                    xs[(v * L // G) * L + lane] = xs[(v * L // G) * L + lane] + X[bi, mi, v * L + lane]
-            for n in T.parallel(N):
-                acc = T.decl_buffer((L,), "float32", scope="local")
-                accg = T.decl_buffer((L,), "float32", scope="local")
-                for lane in T.vectorized(L):
-                    acc[lane] = T.float32(0)
-                for g in T.serial(NG):
-                    for lane in T.vectorized(L):
-                        accg[lane] = T.float32(0)
-                    for u in T.serial(T.if_then_else(g < FULL, VPG, TAILV)):
+                    xs[(c * L // G) * L + lane] = xs[(c * L // G) * L + lane] + xr[c * L + lane]
+            # Accumulators are allocated once per task, not per row: inside a parallel loop each
+            # allocation is a TVMBackendAllocWorkspace call, which cost more than the row itself.
+            # R rows at a time: R independent FMA chains (hides FMA latency) sharing each x load.
+            for t in T.parallel(tasks):
+                acc = T.decl_buffer((R * L,), "float32", scope="local")
+                accg = T.decl_buffer((R * L,), "float32", scope="local")
+                for nj in T.serial(PER // R):
+                    for r in T.unroll(R):
                         for lane in T.vectorized(L):
-                            accg[lane] = accg[lane] + T.Cast(
-                                "float32",
-                                T.bitwise_and(
-                                    T.shift_right(
-                                        Q[n, ((g * VPG + u) // 8) * L + lane],
-                                        T.Cast("uint32", ((g * VPG + u) % 8) * 4),
-                                    ),
-                                    T.uint32(15),
-                                ),
-                            ) * X[bi, mi, (g * VPG + u) * L + lane]
-                    for lane in T.vectorized(L):
-                        acc[lane] = acc[lane] + T.Cast("float32", S[n, g]) * (
-                            accg[lane] - T.Cast("float32", Z[n, g]) * xs[g * L + lane]
-                        )
-                for lane in T.serial(L - 1):
-                    acc[0] = acc[0] + acc[lane + 1]
-                Y[bi, mi, n] = acc[0]
+                            acc[r * L + lane] = T.float32(0)
+                    for g in T.serial(NG):
+                        for r in T.unroll(R):
+                            for lane in T.vectorized(L):
+                                accg[r * L + lane] = T.float32(0)
+                        for u in T.unroll(VPG):
+                            for r in T.unroll(R):
+                                for lane in T.vectorized(L):
+                                    accg[r * L + lane] = accg[r * L + lane] + (
+                                        T.Cast(
+                                            "float32",
+                                            T.Cast(
+                                                "int32",
+                                                T.bitwise_and(
+                                                    T.shift_right(
+                                                        Q[t * PER + nj * R + r, T.min((g * VPG + u) // 8, NB - 1) * L + lane],
+                                                        T.Cast("uint32", ((g * VPG + u) % 8) * 4),
+                                                    ),
+                                                    T.uint32(15),
+                                                ),
+                                            ),
+                                        ) * xr[(g * VPG + u) * L + lane]
+                                    )
+                        for r in T.unroll(R):
+                            for lane in T.vectorized(L):
+                                acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
+                                    accg[r * L + lane] - T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[g * L + lane]
+                                )
+                    for r in T.unroll(R):
+                        for lane in T.serial(L - 1):
+                            acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
+                        Y[bm // m, bm % m, t * PER + nj * R + r] = acc[r * L]
 
     return q4_gemv
 
 
-def _tile_gemm(N: int, K: int, G: int, L: int, R: int) -> Any:
+def _dequant(N: int, K: int, G: int, L: int, tasks: int) -> Any:
     from tvm.script import tirx as T
 
     NG = -(-K // G)
     NV = K // L
+    PER = N // tasks
 
     @T.prim_func(private=True)
-    def q4_gemm(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+    def q4_dequant(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        b = T.int64()
-        m = T.int64()
-        X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
         Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
         S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), "uint8")
-        Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-        for nt in T.parallel(N // R):
-            tile = T.decl_buffer((R * K,), "float32")
-            acc = T.decl_buffer((L,), "float32", scope="local")
-            for j in T.serial(R):
+        Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
+        for t in T.parallel(tasks):
+            for nj in T.serial(PER):
                 for v in T.serial(NV):
                     for lane in T.vectorized(L):
-                        tile[j * K + v * L + lane] = (
+                        Out[t * PER + nj, v * L + lane] = (
                             T.Cast(
                                 "float32",
-                                T.bitwise_and(
-                                    T.shift_right(Q[nt * R + j, (v // 8) * L + lane], T.Cast("uint32", (v % 8) * 4)),
-                                    T.uint32(15),
+                                T.Cast(
+                                    "int32",
+                                    T.bitwise_and(
+                                        T.shift_right(Q[t * PER + nj, (v // 8) * L + lane], T.Cast("uint32", (v % 8) * 4)),
+                                        T.uint32(15),
+                                    ),
                                 ),
                             )
-                            - T.Cast("float32", Z[nt * R + j, v * L // G])
-                        ) * T.Cast("float32", S[nt * R + j, v * L // G])
-            for bm in T.serial(b * m):
-                for j in T.serial(R):
-                    for lane in T.vectorized(L):
-                        acc[lane] = T.float32(0)
-                    for v in T.serial(NV):
-                        for lane in T.vectorized(L):
-                            acc[lane] = acc[lane] + tile[j * K + v * L + lane] * X[bm // m, bm % m, v * L + lane]
-                    for lane in T.serial(L - 1):
-                        acc[0] = acc[0] + acc[lane + 1]
-                    Y[bm // m, bm % m, nt * R + j] = acc[0]
+                            - T.Cast("float32", Z[t * PER + nj, v * L // G])
+                        ) * T.Cast("float32", S[t * PER + nj, v * L // G])
 
-    return q4_gemm
+    return q4_dequant
 
 
 def _take(N: int, K: int, G: int, L: int) -> Any:
@@ -222,26 +231,27 @@ class GemvInt4CPU(ScheduleTemplate):
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
         N = workload.dims["N"]
-        return {"rows": [r for r in (4, 8, 16, 32) if N % r == 0]}
+        return {"tasks": [t for t in (2, 4, 8, 16, 32, 64) if N % t == 0]}
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
-        # 16 dequantized rows of K <= 1536 floats (<= 96 KiB) stay in L2 while every input row
-        # streams past them.
-        return {"rows": _rows_divisor(workload.dims["N"], 16)}
+        # A few tasks per core balance the rows; each task allocates its accumulators once.
+        return {"tasks": _rows_divisor(workload.dims["N"], 16)}
 
     def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
         d = workload.dims
         N, K, G, L = d["N"], d["K"], d["G"], d["L"]
-        rows = int(config.get("rows", 16))
-        if N % rows or K % (8 * L) or G % L:
+        if N % int(config.get("tasks", 1)) or K % (8 * L) or G % L:
             raise ScheduleConfigError(f"invalid int4 config {config} for {d}")
         kind = workload.info.get("kind", "matmul")
+        tasks = int(config.get("tasks", _rows_divisor(N, 16)))
         if kind == "take":
             kernel = _take(N, K, G, L)
+        elif kind == "dequant":
+            kernel = _dequant(N, K, G, L, tasks)
         elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
-            kernel = _gemv(N, K, G, L)
+            kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0))
         else:
-            kernel = _tile_gemm(N, K, G, L, rows)
+            raise ScheduleConfigError("int4 matmul with many rows: the pass emits dequantize + float GEMM")
         return _like(kernel, func)
 
 

@@ -108,7 +108,8 @@ def int4_matmul_compute(
 ) -> Any:
     """Reference PrimFunc ``y[0, m, n] = sum_k x[0, m, k] * dequant(W)[n, k]`` (M symbolic), tagged
     with ``perfx.quant`` so the int4 template can replace it with its scheduled kernel. Correct
-    (slow) as it is on any target. ``kind="take"``: the embedding gather out[0, s, :] = W[ids[0, s]].
+    (slow) as it is on any target. ``kind="take"``: the embedding gather out[0, s, :] = W[ids[0, s]];
+    ``kind="dequant"``: the whole float W [N, K] (prefill then runs the float GEMM template).
     ``rows``: the two leading dims of x (ids), each static or None for symbolic."""
     from tvm import te, tirx
 
@@ -127,7 +128,10 @@ def int4_matmul_compute(
 
     b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
     m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
-    if kind == "take":
+    if kind == "dequant":
+        out = te.compute((n, k), lambda row, col: w(row, col), name="dequant_q4")
+        func = te.create_prim_func([q, s, z, out])
+    elif kind == "take":
         ids = te.placeholder((b, m), "int64", name="ids")
         out = te.compute((b, m, k), lambda bi, i, c: w(ids[bi, i], c), name="take_q4")
         func = te.create_prim_func([q, s, z, ids, out])

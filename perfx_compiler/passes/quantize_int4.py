@@ -5,8 +5,9 @@ columns); ``q4_sym_g128`` (also g64/g32): symmetric. Each weight W [N, K] become
 parameters at its position in the weight table: ``<W>_q4`` (uint32 codes, interleaved layout of
 ``_quant.py``), ``<W>_q4_scale`` (fp16) and ``<W>_q4_zero`` (uint8). Each linear
 ``matmul(x, permute_dims(W)) [+ b]`` becomes one call of a dequantize+matmul PrimFunc (opaque to
-FuseOps) that ``schedules/gemv_int4_cpu.py`` replaces by its GEMV (M = 1) or tile-dequantizing
-GEMM (M symbolic) kernel. A tied embedding is gathered straight from the packed table, so no
+FuseOps) that ``schedules/gemv_int4_cpu.py`` replaces by its GEMV kernel. Many-row linears
+(prefill, M symbolic) become ``dequantize -> float matmul``: the GEMM template then runs at fp32
+speed and the dequantized scratch is reused from layer to layer. A tied embedding is gathered straight from the packed table, so no
 float copy of it remains.
 """
 
@@ -41,6 +42,7 @@ ORDER = 60  # after the merges (quantize the merged weights), before weight_layo
 DEFAULT = True
 
 KNOWN = ("f32", "q8", "gguf", "q4_awq_g128")
+GEMV_MAX_ROWS = 8  # more rows than this (prefill): dequantize once, then the float GEMM
 _Q4 = re.compile(r"^q4_(sym_)?g(32|64|128)$")
 
 
@@ -113,6 +115,10 @@ def quantize_linears(
 
     def kernel(kind: str, name: str, lead: Any) -> str:
         n, k, lanes = shapes[name]
+        if kind == "dequant":
+            key = f"q4_dequant_{n}_{k}_g{fmt.group}{'s' if fmt.symmetric else ''}"
+            kernels.setdefault(key, int4_matmul_compute(n, k, fmt.group, lanes, fmt.symmetric, kind="dequant"))
+            return key
         if len(lead.ty.shape.values) != (3 if kind == "matmul" else 2):
             raise PerfXError(f"internal: int4 {kind} of {name} expects a rank-3 input, got {lead.ty}")
         rows = (relax_static_dim(lead, 0), relax_static_dim(lead, 1))
@@ -128,7 +134,11 @@ def quantize_linears(
         todo: list[tuple[str, Any, Any]] = []
         for lin in find_linears(info):
             if lin.weight.name in quant:
-                todo.append(("linear", lin, kernel("matmul", lin.weight.name, lin.x)))
+                rows = [relax_static_dim(lin.x, 0), relax_static_dim(lin.x, 1)]
+                if None not in rows and rows[0] * rows[1] <= GEMV_MAX_ROWS:
+                    todo.append(("linear", lin, kernel("matmul", lin.weight.name, lin.x)))
+                else:
+                    todo.append(("dequant", lin, kernel("dequant", lin.weight.name, None)))
         for var, value in info.values.items():
             if op_name(value) == "relax.shape_of" and getattr(value.args[0], "name", None) in shapes:
                 if value.args[0] not in info.values:
@@ -167,6 +177,27 @@ def quantize_linears(
                     rw.remap(lin.out, y)
 
                 plan[min(lin.vars[1:], key=lambda v: info.order[v])] = linear
+            elif kind == "dequant":
+                lin = item
+                for v in lin.vars:
+                    plan[v] = SKIP
+                wn = lin.weight.name
+
+                def dequant(rw: Any, binding: Any, lin=lin, wn=wn, key=key) -> None:
+                    n, k, _ = shapes[wn]
+                    w = rw.emit(
+                        relax.call_tir(
+                            gvars[key], [p[f"{wn}_q4"], p[f"{wn}_q4_scale"], p[f"{wn}_q4_zero"]],
+                            relax.TensorType([n, k], "float32"),
+                        )
+                    )
+                    pt = rw.emit(relax.op.permute_dims(w, axes=[1, 0]))
+                    y = rw.emit(relax.op.matmul(rw.arg(lin.x), pt), None if lin.add is not None else lin.matmul)
+                    if lin.add is not None:
+                        y = rw.emit(relax.op.add(y, rw.arg(lin.bias)), lin.add)
+                    rw.remap(lin.out, y)
+
+                plan[lin.matmul] = dequant
             elif kind == "shape":
                 n, k = key
 
