@@ -41,7 +41,8 @@ NAME = "quantize_int4"
 ORDER = 60  # after the merges (quantize the merged weights), before weight_layout
 DEFAULT = True
 
-KNOWN = ("f32", "q8", "gguf", "q4_awq_g128")
+KNOWN = ("f32",)
+NOT_YET = ("q8", "gguf", "q4_awq_g128")  # planned schemes: refuse rather than silently compile f32
 GEMV_MAX_ROWS = 8  # more rows than this (prefill): dequantize once, then the float GEMM
 _Q4 = re.compile(r"^q4_(sym_)?g(32|64|128)$")
 
@@ -51,13 +52,13 @@ def parse(quantization: str) -> Int4Format | None:
     m = _Q4.match(quantization)
     if m:
         return Int4Format(group=int(m.group(2)), symmetric=bool(m.group(1)))
-    if quantization == "q4_awq_g128":
-        return Int4Format(group=128, symmetric=False)
     if quantization in KNOWN:
         return None
+    if quantization in NOT_YET:
+        raise PerfXError(f"quantization '{quantization}' is not implemented yet; use f32 or q4_g128/g64/g32 (or q4_sym_*)")
     raise PerfXError(
         f"unknown quantization '{quantization}'; use one of f32, q4_g128, q4_g64, q4_g32, "
-        "q4_sym_g128, q4_sym_g64, q4_sym_g32, q4_awq_g128, q8, gguf"
+        "q4_sym_g128, q4_sym_g64, q4_sym_g32"
     )
 
 
@@ -233,6 +234,6 @@ def relax_static_dim(expr: Any, axis: int) -> int | None:
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
     quantization = getattr(ctx.options, "quantization", "f32") or "f32"
     fmt = parse(quantization)
-    if fmt is None or quantization == "q4_awq_g128":
-        return mod, weights  # other schemes have their own pass (AWQ calls quantize_linears itself)
+    if fmt is None:
+        return mod, weights
     return quantize_linears(mod, weights, fmt)
