@@ -1,0 +1,54 @@
+"""Target execution checks (``pytest -m targets``): every target compiles; kernels and whole models run
+on this CPU-only machine through qemu-user, PoCL, nvcc and the ROCm code object toolchain.
+
+The session first runs ``setup_targets.sh`` (idempotent; set PERFX_TARGETS_NO_SETUP=1 to skip it);
+a test whose tool is still missing afterwards skips with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from targets_common import MAX_CONTEXT, TOKENS  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _setup_targets() -> None:
+    if os.environ.get("PERFX_TARGETS_NO_SETUP") == "1":
+        return
+    script = Path(__file__).with_name("setup_targets.sh")
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1800)
+    print(proc.stdout[-2000:], proc.stderr[-2000:])
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from perfx_compiler.model.testing import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context_length=128)
+    return path
+
+
+@pytest.fixture(scope="session")
+def host_logits(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory):
+    """Decode logits of TOKENS from the x86 host build: the reference every target must match."""
+    import numpy as np
+
+    from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.runtime.engine import Engine
+
+    out = compile_model(
+        str(tiny_gguf), "host", tmp_path_factory.mktemp("host") / "a", progress=False, max_context=MAX_CONTEXT
+    )
+    engine = Engine(out)
+    return np.stack([engine.decode(t) for t in TOKENS])
