@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from perfx_compiler.errors import ContextLengthError, PerfXError
@@ -274,6 +275,7 @@ async def _generate(
             _stream(srv, kind, rid, run, n, prompts, include_usage, params),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            background=BackgroundTask(run.cancel),  # also when the stream never started
         )
     try:
         async for _ in run.events(request):
