@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -214,13 +215,14 @@ def main() -> None:
             "vs_numpy": t_np / ours,
             "vs_dlight": times["dlight_us"] / ours,
             "tuned_config": cfg or {},
+            "load_avg_1m": os.getloadavg()[0],  # the machine is shared: read timings with this
         }
         rows.append(row)
         print(
             f"{case['kernel']:>9} M={m:<4} {template.name:<16} default {row['ours_default_us']:9.1f} us"
             f"  tuned {row['ours_tuned_us']:9.1f} us  {dl_kind} {row['dlight_us']:11.1f} us"
             f"  numpy {row['numpy_us']:9.1f} / 1 thread {row['numpy_1t_us']:9.1f} us"
-            f"  -> {row['vs_numpy']:.2f}x numpy, {row['vs_dlight']:.1f}x dlight",
+            f"  -> {row['vs_numpy']:.2f}x numpy, {row['vs_dlight']:.1f}x dlight  (load {row['load_avg_1m']:.1f})",
             flush=True,
         )
     if measurer is not None:

@@ -59,7 +59,7 @@ def test_gemm_cpu(cpu_target, M, K, N, epilogue, nt):
     assert template.name == "gemm_cpu"
     assert workload.symbolic == ("M" if M is None else None)
     ms = SYMBOLIC_MS if M is None else [M]
-    for i, config in enumerate(sample_configs(template, workload, cpu_target, 3, seed=K + N)):
+    for i, config in enumerate(sample_configs(template, workload, cpu_target, 2, seed=K + N)):
         scheduled = template.apply(func, workload, config, cpu_target)
         ref = functools.partial(linear_reference, func, epilogue=epilogue)
         check_func(scheduled, func, cpu_target, ms, lambda a, ref=ref: ref(a), seed=i)
@@ -103,7 +103,7 @@ def test_reduction_cpu_every_config(cpu_target):
     configs = [dict(zip(space, v, strict=True)) for v in itertools.product(*space.values())]
     for i, config in enumerate(c for c in configs if template.is_valid(workload, c, cpu_target)):
         scheduled = template.apply(func, workload, config, cpu_target)
-        check_func(scheduled, func, cpu_target, [1, 17, 33], rmsnorm_reference, seed=i)
+        check_func(scheduled, func, cpu_target, [1, 17], rmsnorm_reference, seed=i)
 
 
 @pytest.mark.parametrize(("op", "width"), [("silu_mul", 96), ("add", 64), ("take", 48)])
