@@ -175,12 +175,19 @@ def emit_ort_onnx(
 
 
 def build_ort_genai(
-    gguf_path: Path, work: Path, precision: str = "int4", rebuild: bool = False, log: Any = print
+    gguf_path: Path,
+    work: Path,
+    precision: str = "int4",
+    rebuild: bool = False,
+    log: Any = print,
+    from_f16_gguf: bool = False,
 ) -> Path:
     """onnxruntime-genai model folder built offline by its model builder from this GGUF.
 
-    The builder reads config + tokenizer from a Hugging Face folder and, for int4, weights from an
-    F16 GGUF (it reads only F16/F32 GGUFs): both are made from ``gguf_path`` first.
+    The builder reads config + tokenizer from a Hugging Face folder written from ``gguf_path``
+    (fp32 safetensors of the GGUF's dequantized weights); it quantizes those weights itself. With
+    ``from_f16_gguf`` the weights come from the GGUF requantized to F16 by llama.cpp instead (the
+    builder reads only F16/F32 GGUFs).
     """
     import importlib.util
 
@@ -189,7 +196,7 @@ def build_ort_genai(
     key = model_key(gguf_path)
     out = work / f"ortgenai-{key}-{precision}"
     marker = out / ".bench-stamp"
-    stamp = _stamp(gguf_path) + f":{precision}"
+    stamp = _stamp(gguf_path) + f":{precision}:{from_f16_gguf}"
     if not rebuild and _fresh(marker, stamp):
         return out
     from perfx_compiler.model.hf import write_hf_folder
@@ -201,7 +208,7 @@ def build_ort_genai(
         write_hf_folder(load_model(str(gguf_path)), hf)
         (hf / ".bench-stamp").write_text(_stamp(gguf_path))
     src: Path = hf
-    if precision == "int4":
+    if precision == "int4" and from_f16_gguf:
         f16 = work / f"{key}.F16.gguf"
         if rebuild or not _fresh(work / f"{key}.F16.stamp", _stamp(gguf_path)):
             log(f"ort-genai: requantizing {gguf_path.name} to F16 with llama.cpp ...")
