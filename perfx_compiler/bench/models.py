@@ -103,13 +103,9 @@ def _gguf_main_type(path: Path) -> str:
 def quantization_candidates(path: Path) -> list[str]:
     """PerfX quantization options to try, best first: GGUF passthrough, the closest own format, f32."""
     main = _gguf_main_type(path).upper()
-    closest = {"Q4_0": "q4_g32", "Q4_1": "q4_g32", "Q8_0": "q8"}.get(main)
-    out = ["gguf"]
-    if main.startswith("Q4"):
-        out += [c for c in (closest, "q4_g128", "q4") if c]
-    elif main.startswith("Q8"):
-        out += ["q8", "q8_g128"]
-    out.append("f32")
+    # GGUF Q4_0 = symmetric int4, groups of 32; Q4_1 = scale + min (asymmetric), groups of 32.
+    closest = {"Q4_0": ["q4_sym_g32", "q4_g32"], "Q4_1": ["q4_g32", "q4_sym_g32"], "Q8_0": ["q8"]}.get(main, [])
+    out = ["gguf", *closest, "f32"]
     return list(dict.fromkeys(out))
 
 
@@ -150,7 +146,8 @@ def compile_perfx(
             note = f"requested {q}, but the artifact's weights are float32 (the option is not implemented yet)"
             log(f"perfx: {note}")
             return out, {"requested": q, "effective": "f32", "weight_format": fmt, "note": note, "tried": tried}
-        return out, {"requested": q, "effective": q, "weight_format": fmt, "note": "", "tried": tried}
+        note = f"not available in PerfX: {', '.join(t.split(':')[0] for t in tried)}" if tried else ""
+        return out, {"requested": q, "effective": q, "weight_format": fmt, "note": note, "tried": tried}
     raise PerfXError(f"no PerfX quantization worked for {gguf_path}: {'; '.join(tried)}")
 
 

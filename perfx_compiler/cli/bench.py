@@ -121,7 +121,9 @@ def _prepare(
     art, notes = models.compile_perfx(gguf, work, args.quantization, args.max_context, args.rebuild)
     paths["perfx"] = art
     meta["perfx"] = {
-        "quantization": f"{notes['requested']}->{notes['effective']}" if notes["note"] else notes["effective"],
+        "quantization": notes["effective"]
+        if notes["requested"] == notes["effective"]
+        else f"{notes['requested']}->{notes['effective']}",
         "note": notes["note"],
     }
     for peer in peers:
