@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--no-counts", action="store_true")
     args = ap.parse_args()
 
+    import tvm  # noqa: F401 - the full library first: the engine alone would load only the runtime
+
     from perfx_compiler.runtime.engine import Engine
 
     arts = {q: compile_if_needed(args.model, q, args.work) for q in args.quant}

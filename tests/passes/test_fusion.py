@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import FUSION_PASSES, lower, max_rel_err, tiny_desc
 from tvm import relax
 
 from perfx_compiler.passes import report
+from tests.passes.conftest import FUSION_PASSES, lower, max_rel_err, tiny_desc
 
 
 def _ops(func: relax.Function) -> list[str]:

@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import ALL_PASSES, lower, max_rel_err, tiny_desc
 
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.model.description import ModelDescription
@@ -20,6 +19,7 @@ from perfx_compiler.passes._quant import (
     unpack_int4,
 )
 from perfx_compiler.passes.quantize_int4 import parse
+from tests.passes.conftest import ALL_PASSES, lower, max_rel_err, tiny_desc
 
 
 def dequantized(desc: ModelDescription, fmt: Int4Format) -> ModelDescription:
