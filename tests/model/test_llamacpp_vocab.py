@@ -61,7 +61,9 @@ def test_matches_llamacpp(name: str, request: pytest.FixtureRequest) -> None:
         reason = f"llama.cpp vocab files absent in {VOCAB_DIR}; run tests/fetch_llamacpp_vocab.sh"
         print(reason)
         pytest.skip(reason)
-    cache_dir = Path(request.config.cache.mkdir("perfx-llamacpp-vocab"))
+    cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider
+    cache_dir = Path(cache.mkdir("perfx-llamacpp-vocab")) if cache else Path.home() / ".cache/perfx/llamacpp-tok"
+    cache_dir.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(_tokenizer_json(gguf_path, cache_dir))
     tok.encode_special_tokens = True  # llama.cpp's test tokenizes with parse_special=false
     bad = []

@@ -132,7 +132,13 @@ def test_tokenizer_facade(fake_artifacts) -> None:
 
 
 def test_non_artifact_model_is_compiled_once_and_cached(monkeypatch, tmp_path, fake_artifacts, tokenizer) -> None:
-    from conftest import write_artifact
+    # by path: several test folders have a module named conftest
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("runtime_conftest", Path(__file__).with_name("conftest.py"))
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    write_artifact = helpers.write_artifact
 
     calls = []
 
