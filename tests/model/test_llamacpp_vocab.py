@@ -32,7 +32,7 @@ def _cases(name: str) -> list[tuple[str, list[int]]]:
         inputs.pop()
     outputs = Path(f"{base}.out").read_text(encoding="utf-8").split("\n")[: len(inputs)]
     assert len(outputs) == len(inputs), f"{name}: .inp/.out disagree"
-    return [(s, [int(t) for t in o.split()]) for s, o in zip(inputs, outputs)]
+    return [(s, [int(t) for t in o.split()]) for s, o in zip(inputs, outputs, strict=True)]
 
 
 def _tokenizer_json(gguf_path: Path, cache_dir: Path) -> str:
