@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None, help="KV cache length (default: min(model's, 2048))")
     p.add_argument("--schedule", choices=["perfx", "dlight"], default="perfx", help="schedule templates to use")
     p.add_argument("--quantization", default="f32", help="weight format (f32)")
+    p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=None,
+                   help="also export the paged, batched functions perfx-serve uses")
     p.add_argument("--emit-onnx", default=None, metavar="FILE", help="also write the model as a runnable ONNX graph")
     p.add_argument("--list-targets", action="store_true", help="list the known targets and exit")
     p.add_argument("--quiet", action="store_true", help="no progress display")
@@ -74,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             schedule=args.schedule,
             quantization=args.quantization,
             progress=not args.quiet,
+            **({} if args.batching is None else {"batching": args.batching}),
         )
         print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
         return 0
