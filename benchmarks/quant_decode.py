@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--quant", nargs="+", default=["f32", "q4_g128", "q4_g64", "q4_g32", "q4_sym_g128"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/perfx-bench"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/perfx-bench-quant"))
     ap.add_argument("--no-counts", action="store_true")
     args = ap.parse_args()
 
