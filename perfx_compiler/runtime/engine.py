@@ -17,6 +17,9 @@ from typing import Any
 
 import numpy as np
 
+# TVM's thread pool assumes SMT and takes half the logical CPUs (ONE thread on a 2-vCPU machine);
+# it is created on first use, so size it before any kernel runs.
+os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
 if "tvm" not in sys.modules:
     # Load only TVM's runtime library: a deployed runtime needs no compiler (and skips its import cost).
     os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
