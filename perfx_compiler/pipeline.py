@@ -54,7 +54,7 @@ class CompileOptions:
     progress: bool = True
     schedule: str = "perfx"  # "perfx": templates from schedules/; "dlight": TVM's default rules
     passes: list[str] | None = None  # None: the default pass list of perfx_compiler.passes
-    batching: bool = False  # also export the paged, batched functions used for serving
+    batching: bool = True  # also export the paged, batched functions used for serving
 
 
 @dataclass

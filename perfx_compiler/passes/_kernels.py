@@ -23,7 +23,7 @@ def vector_width(n: int, lanes: int = 16) -> int:
 
 
 def rms_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) -> Any:
-    """``(a [+ b]) / sqrt(mean(x^2) + eps) * w`` over rows of [1, n, hidden].
+    """``(a [+ b]) / sqrt(mean(x^2) + eps) * w`` over rows of [batch, n, hidden].
 
     With ``residual`` the kernel takes (a, b, w) and returns (a + b, normalized): the residual
     stream is written once and reused for the sum of squares while still in cache.
@@ -38,12 +38,43 @@ def rms_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) ->
         @T.prim_func(private=True)
         def add_rms_norm(a_h: T.handle, b_h: T.handle, w_h: T.handle, s_h: T.handle, o_h: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            bsz = T.int64()
             n = T.int64()
-            A = T.match_buffer(a_h, (T.int64(1), n, T.int64(H)), "float32")
-            B = T.match_buffer(b_h, (T.int64(1), n, T.int64(H)), "float32")
+            A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
+            B = T.match_buffer(b_h, (bsz, n, T.int64(H)), "float32")
             W = T.match_buffer(w_h, (T.int64(H),), "float32")
-            S = T.match_buffer(s_h, (T.int64(1), n, T.int64(H)), "float32")
-            Out = T.match_buffer(o_h, (T.int64(1), n, T.int64(H)), "float32")
+            S = T.match_buffer(s_h, (bsz, n, T.int64(H)), "float32")
+            Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
+            for b in T.serial(bsz):
+                for r in T.serial(n):
+                    acc = T.decl_buffer((L,), "float32", scope="local")
+                    tot = T.decl_buffer((1,), "float32", scope="local")
+                    for lane in T.vectorized(L):
+                        acc[lane] = T.float32(0)
+                    for c in T.serial(C):
+                        for lane in T.vectorized(L):
+                            S[b, r, c * L + lane] = A[b, r, c * L + lane] + B[b, r, c * L + lane]
+                        for lane in T.vectorized(L):
+                            acc[lane] = acc[lane] + S[b, r, c * L + lane] * S[b, r, c * L + lane]
+                    tot[0] = T.float32(0)
+                    for lane in T.serial(L):
+                        tot[0] = tot[0] + acc[lane]
+                    tot[0] = T.sqrt(tot[0] * T.float32(inv_h) + T.float32(eps))
+                    for c in T.serial(C):
+                        for lane in T.vectorized(L):
+                            Out[b, r, c * L + lane] = S[b, r, c * L + lane] / tot[0] * W[c * L + lane]
+
+        return add_rms_norm
+
+    @T.prim_func(private=True)
+    def rms_norm(a_h: T.handle, w_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        bsz = T.int64()
+        n = T.int64()
+        A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
+        W = T.match_buffer(w_h, (T.int64(H),), "float32")
+        Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
+        for b in T.serial(bsz):
             for r in T.serial(n):
                 acc = T.decl_buffer((L,), "float32", scope="local")
                 tot = T.decl_buffer((1,), "float32", scope="local")
@@ -51,41 +82,14 @@ def rms_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) ->
                     acc[lane] = T.float32(0)
                 for c in T.serial(C):
                     for lane in T.vectorized(L):
-                        S[0, r, c * L + lane] = A[0, r, c * L + lane] + B[0, r, c * L + lane]
-                    for lane in T.vectorized(L):
-                        acc[lane] = acc[lane] + S[0, r, c * L + lane] * S[0, r, c * L + lane]
+                        acc[lane] = acc[lane] + A[b, r, c * L + lane] * A[b, r, c * L + lane]
                 tot[0] = T.float32(0)
                 for lane in T.serial(L):
                     tot[0] = tot[0] + acc[lane]
                 tot[0] = T.sqrt(tot[0] * T.float32(inv_h) + T.float32(eps))
                 for c in T.serial(C):
                     for lane in T.vectorized(L):
-                        Out[0, r, c * L + lane] = S[0, r, c * L + lane] / tot[0] * W[c * L + lane]
-
-        return add_rms_norm
-
-    @T.prim_func(private=True)
-    def rms_norm(a_h: T.handle, w_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        n = T.int64()
-        A = T.match_buffer(a_h, (T.int64(1), n, T.int64(H)), "float32")
-        W = T.match_buffer(w_h, (T.int64(H),), "float32")
-        Out = T.match_buffer(o_h, (T.int64(1), n, T.int64(H)), "float32")
-        for r in T.serial(n):
-            acc = T.decl_buffer((L,), "float32", scope="local")
-            tot = T.decl_buffer((1,), "float32", scope="local")
-            for lane in T.vectorized(L):
-                acc[lane] = T.float32(0)
-            for c in T.serial(C):
-                for lane in T.vectorized(L):
-                    acc[lane] = acc[lane] + A[0, r, c * L + lane] * A[0, r, c * L + lane]
-            tot[0] = T.float32(0)
-            for lane in T.serial(L):
-                tot[0] = tot[0] + acc[lane]
-            tot[0] = T.sqrt(tot[0] * T.float32(inv_h) + T.float32(eps))
-            for c in T.serial(C):
-                for lane in T.vectorized(L):
-                    Out[0, r, c * L + lane] = A[0, r, c * L + lane] / tot[0] * W[c * L + lane]
+                        Out[b, r, c * L + lane] = A[b, r, c * L + lane] / tot[0] * W[c * L + lane]
 
     return rms_norm
 
@@ -102,10 +106,11 @@ def swiglu_kernel(ffn: int) -> Any:
     @T.prim_func(private=True, s_tir=True)
     def swiglu(x_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True})
+        bsz = T.int64()
         n = T.int64()
-        X = T.match_buffer(x_h, (T.int64(1), n, T.int64(2 * F)), "float32")
-        Out = T.match_buffer(o_h, (T.int64(1), n, T.int64(F)), "float32")
-        for i0, i1, i2 in T.grid(T.int64(1), n, T.int64(F)):
+        X = T.match_buffer(x_h, (bsz, n, T.int64(2 * F)), "float32")
+        Out = T.match_buffer(o_h, (bsz, n, T.int64(F)), "float32")
+        for i0, i1, i2 in T.grid(bsz, n, T.int64(F)):
             with T.sblock("swiglu"):
                 v0, v1, v2 = T.axis.remap("SSS", [i0, i1, i2])
                 T.reads(X[v0, v1, v2], X[v0, v1, v2 + T.int64(F)])

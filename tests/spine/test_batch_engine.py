@@ -24,7 +24,7 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("batch")
     path, _ = write_tiny_gguf(root / "m.gguf", context_length=64, heads=4, kv_heads=2)
     desc = load_gguf(path)
-    art = compile_model(desc, "host", root / "art", progress=False, batching=True, passes=["weight_layout"])
+    art = compile_model(desc, "host", root / "art", progress=False, batching=True)
     return desc, art
 
 
