@@ -104,7 +104,7 @@ def phase_import(state: CompileState) -> None:
 def phase_passes(state: CompileState) -> None:
     from perfx_compiler.passes import run_passes
 
-    state.mod, state.weights = run_passes(state.mod, state.weights, state.target, state.options)
+    state.mod, state.weights = run_passes(state.mod, state.weights, state.target, state.options, state.desc)
     check_signatures(state)
 
 

@@ -25,6 +25,7 @@ from perfx_compiler.errors import PerfXError
 class PassContext:
     target: Any  # TargetDescription
     options: Any  # CompileOptions
+    desc: Any = None  # ModelDescription (config, quantized GGUF blocks for passthrough)
 
 
 def discover() -> list[ModuleType]:
@@ -40,7 +41,7 @@ def discover() -> list[ModuleType]:
 
 
 def run_passes(
-    mod: tvm.IRModule, weights: dict[str, Any], target: Any, options: Any
+    mod: tvm.IRModule, weights: dict[str, Any], target: Any, options: Any, desc: Any = None
 ) -> tuple[tvm.IRModule, dict[str, Any]]:
     """Run the selected passes (``options.passes`` or every DEFAULT pass) in ORDER."""
     available = discover()
@@ -53,7 +54,7 @@ def run_passes(
         if unknown:
             raise PerfXError(f"unknown pass(es) {', '.join(unknown)}; available: {', '.join(names)}")
         selected = [m for m in available if m.NAME in wanted]
-    ctx = PassContext(target=target, options=options)
+    ctx = PassContext(target=target, options=options, desc=desc)
     for m in selected:
         mod, weights = m.apply(mod, weights, ctx)
     return mod, weights
