@@ -142,10 +142,10 @@ def compile_perfx(
             marker.write_text(stamp)
             log(f"perfx: compiled in {time.perf_counter() - t:.0f} s")
         fmt = weight_format(manifest)
-        if q != "f32" and fmt == "float32":
-            note = f"requested {q}, but the artifact's weights are float32 (the option is not implemented yet)"
-            log(f"perfx: {note}")
-            return out, {"requested": q, "effective": "f32", "weight_format": fmt, "note": note, "tried": tried}
+        if q != "f32" and fmt == "float32":  # the option was accepted but ignored: try the next one
+            tried.append(f"{q}: compiled, but the weights stayed float32")
+            log(f"perfx: quantization {q} left the weights float32; trying the next option")
+            continue
         note = f"not available in PerfX: {', '.join(t.split(':')[0] for t in tried)}" if tried else ""
         return out, {"requested": q, "effective": q, "weight_format": fmt, "note": note, "tried": tried}
     raise PerfXError(f"no PerfX quantization worked for {gguf_path}: {'; '.join(tried)}")
