@@ -10,8 +10,10 @@ Bytes and FLOPs per call are estimated from the arguments (the artifact carries 
 * a 2-D argument with the shape of one of the artifact's weights is a weight, read whole;
   if it is the first argument the kernel is a lookup (embedding) and reads one row per token;
 * KV-cache arguments are read up to the current length; RoPE tables one row per token;
-* a kernel with a weight ``[N, ...]`` after a float activation ``[..., K]`` does 2*rows*N*K FLOPs;
-  attention does 4 * seq * ctx * heads * head_dim; anything else one FLOP per output element.
+* a kernel with a weight ``[N, ...]`` after a float activation ``[..., K]`` does 2*rows*N*K FLOPs
+  (a "matmul" kernel whose 2-D argument ``[N, K]`` is not a stored weight, e.g. the dequantized
+  scratch of a prefill, too); attention does 4 * seq * (ctx - (seq-1)/2) * heads * head_dim
+  (causal); anything else one FLOP per output element.
 """
 
 from __future__ import annotations
@@ -105,10 +107,17 @@ class _Estimator:
                     weight = s
             nbytes += size
         out = arrays[-1][0]
+        act = arrays[0][0]
+        if weight is None and not lookup and "matmul" in name and act:
+            # a float matmul over a dequantized scratch weight [N, K] (prefill of a quantized model)
+            for s2, _ in arrays[1:-1]:
+                if len(s2) == 2 and s2[1] == act[-1] and s2 != self.cache_shape:
+                    weight = s2
+                    break
         if "attention" in name:
-            flops = 4.0 * seq * ctx * self.heads * self.head_dim
-        elif weight is not None and not lookup and len(arrays[0][0]) >= 1:
-            act = arrays[0][0]
+            # causal: query i sees ctx - seq + i + 1 keys, on average ctx - (seq - 1) / 2
+            flops = 4.0 * seq * (ctx - (seq - 1) / 2) * self.heads * self.head_dim
+        elif weight is not None and not lookup and len(act) >= 1:
             k = act[-1]
             rows = math.prod(act[:-1]) if len(act) > 1 else 1
             flops = 2.0 * rows * weight[0] * k
