@@ -10,9 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,11 +53,12 @@ class CompileOptions:
     output_dir: Path | None = None
     dump_ir: Path | None = None
     tuning_log: Path | None = None
-    quantization: str = "f32"
+    quantization: str = "auto"  # "auto": gguf (passthrough) for GGUF input with Q4_0/Q4_1/Q8_0, else f32
     max_context: int | None = None
     progress: bool = True
     schedule: str = "perfx"  # "perfx": templates from schedules/; "dlight": TVM's default rules
     passes: list[str] | None = None  # None: the default pass list of perfx_compiler.passes
+    verbose: bool = False  # show TVM's native log lines (hidden by default: they are not user errors)
     batching: bool = True  # also export the paged, batched functions used for serving
 
 
@@ -81,13 +86,14 @@ def phase_import(state: CompileState) -> None:
     )
 
     set_target_family(state.target.family)  # kernels with a GPU variant (attention) pick it from this
+    index_dtype = index_dtype_of(state.target)
     layers = state.desc.config.num_layers
     merged = tvm.IRModule()
     for name in exported_functions(state.options):
         spec = FUNCTIONS[name]
         # inputs before the weights: ids, past_len | (positions, page_table), then the KV tensors
         n_in = (3 if spec.get("kv") == "paged" else 2) + 2 * layers
-        graph = emit_onnx(state.desc, weights="inputs", **spec)
+        graph = emit_onnx(state.desc, weights="inputs", index_dtype=index_dtype, **spec)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the importer warns about every sanitized name
             mod = import_onnx(graph, keep_params_in_input=True, extra_converters=PERFX_CONVERTERS)
@@ -101,8 +107,26 @@ def phase_import(state: CompileState) -> None:
     state.weights = {p.name: arrays[n] for p, n in zip(params, names, strict=True)}
 
 
+def index_dtype_of(target: TargetDescription) -> str:
+    """Element type of the graph's integer inputs (ids, past_len, positions, page_table) for ``target``:
+    the target file's ``"index_dtype"`` ("int32" where the device has no 64-bit integers, e.g. WebGPU)."""
+    dtype = str((target.raw or {}).get("index_dtype", "int64"))
+    if dtype not in ("int64", "int32"):
+        raise PerfXError(f"target {target.name}: index_dtype must be 'int64' or 'int32', not {dtype!r}")
+    return dtype
+
+
+def resolve_quantization(quantization: str | None, desc: ModelDescription) -> str:
+    """``auto`` (or None) -> ``gguf`` when the model carries GGUF Q4_0/Q4_1/Q8_0 blocks, else ``f32``."""
+    if quantization in (None, "", "auto"):
+        return "gguf" if getattr(desc, "quantized", None) else "f32"
+    return str(quantization)
+
+
 def phase_passes(state: CompileState) -> None:
     from perfx_compiler.passes import run_passes
+
+    state.options.quantization = resolve_quantization(state.options.quantization, state.desc)
 
     state.mod, state.weights = run_passes(state.mod, state.weights, state.target, state.options, state.desc)
     check_signatures(state)
@@ -126,12 +150,10 @@ def phase_lower(state: CompileState) -> None:
 def phase_schedule(state: CompileState) -> None:
     if state.options.schedule == "perfx":
         from perfx_compiler.schedule import apply_schedules
+        from perfx_compiler.tune.records import default_records
 
-        records = None
-        if state.options.tuning_log is not None:
-            from perfx_compiler.tune.records import TuningDatabase
-
-            records = TuningDatabase(state.options.tuning_log)
+        records = default_records(state.target.name, state.options.tuning_log)
+        state.notes["tuning_records"] = 0 if records is None else len(records)
         state.mod = apply_schedules(state.mod, state.target, records)
         _bind_gpu_host_kernels(state)
         return
@@ -154,6 +176,11 @@ def _bind_gpu_host_kernels(state: CompileState) -> None:
     from perfx_compiler.gpu_adapt import bind_host_kernels
 
     state.mod, state.notes["gpu_host_kernels_adapted"] = bind_host_kernels(state.mod, state.target)
+    if index_dtype_of(state.target) == "int32":
+        from perfx_compiler.narrow_index import narrow_to_int32
+
+        # PrimFuncs only (WGSL has no 64-bit integers); the host's Relax functions keep int64 shapes
+        state.mod = narrow_to_int32(state.mod)
     prepare_build_env(state.target)  # toolchain paths the build phase needs (ROCm)
 
 
@@ -203,12 +230,57 @@ PHASES: list[tuple[str, Callable[[CompileState], None]]] = [
 ]
 
 
+@contextlib.contextmanager
+def _native_log(state: CompileState) -> Iterator[None]:
+    """Collect what TVM's C++ side prints on fd 2 during a phase (kept in the dump dir, if any)."""
+    if state.options.verbose:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            state.notes.setdefault("native_log", []).append(tmp.read().decode(errors="replace"))
+
+
 def _dump(state: CompileState, index: int, name: str) -> None:
     if state.options.dump_ir is None or state.mod is None:
         return
     out = Path(state.options.dump_ir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{index:02d}_{name}.py").write_text(state.mod.script(show_meta=False))
+    logs = state.notes.get("native_log") or [""]
+    if logs[-1].strip():
+        (out / f"{index:02d}_{name}.tvm.log").write_text(logs[-1])
+
+
+def lower_model(
+    model: str | ModelDescription, target: str = "host", **options: Any
+) -> tuple[tvm.IRModule, CompileState]:
+    """Run phases 0-2 (import, passes, lower): the unscheduled TIR module the tuner extracts
+    workloads from, and the state (target, options, weights) that produced it."""
+    opts = CompileOptions(target=target, progress=False, **options)
+    tdesc = load_target(target)
+    if isinstance(model, ModelDescription):
+        desc = model
+    else:
+        from perfx_compiler.model.loader import load_model
+
+        desc = load_model(model, max_context=opts.max_context)
+    desc.validate()
+    state = CompileState(desc=desc, target=tdesc, options=opts)
+    for name, fn in PHASES[:3]:
+        start = time.perf_counter()
+        fn(state)
+        state.timings[name] = time.perf_counter() - start
+    return state.mod, state
 
 
 def default_output_dir(model: str, target: str) -> Path:
@@ -234,6 +306,7 @@ def compile_model(
         spec = model
         desc = load_model(model, max_context=opts.max_context)
     desc.validate()
+    opts.quantization = resolve_quantization(opts.quantization, desc)  # the manifest records this name
     opts.output_dir = Path(output_dir) if output_dir is not None else default_output_dir(str(spec), target)
     state = CompileState(desc=desc, target=tdesc, options=opts)
     state.notes["model_spec"] = str(spec)
@@ -248,7 +321,8 @@ def compile_model(
                 bar.set_description(f"compile [{i}] {name}")
             start = time.perf_counter()
             try:
-                fn(state)
+                with _native_log(state):
+                    fn(state)
             except PerfXError:
                 raise
             except Exception as err:  # a TVM failure is our bug, but say where it happened

@@ -53,6 +53,9 @@ class TuningRecord:
     bucket: int | None = None  # M the candidate was timed at (symbolic-M workloads)
     error: str | None = None
     dims: dict[str, int] | None = None  # workload dims, so the cost model can learn from any record
+    # "measured" (timed here), "predicted" (perfx-tune --no-measure: cost model / roofline estimate),
+    # "shared" (timed on an equivalent workload: same template, dims and layout).
+    source: str = "measured"
     versions: dict[str, str] = field(default_factory=_versions)
     timestamp: float = field(default_factory=time.time)
 
@@ -82,13 +85,17 @@ class TuningRecord:
             bucket=data.get("bucket"),
             error=data.get("error"),
             dims=data.get("dims"),
+            source=str(data.get("source") or "measured"),
             versions=dict(data.get("versions") or {}),
             timestamp=float(data.get("timestamp") or 0.0),
         )
 
 
-def read_records(path: Path) -> Iterator[TuningRecord]:
-    """Records of one file; a torn (unterminated, unparsable) last line is skipped with a warning."""
+def read_records(path: Path, strict: bool = False) -> Iterator[TuningRecord]:
+    """Records of one file; a torn (unterminated, unparsable) last line is skipped with a warning.
+
+    ``strict``: an unreadable line anywhere but at the end raises TuningLogError (a corrupt file,
+    not a writer killed mid-line)."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -105,6 +112,8 @@ def read_records(path: Path) -> Iterator[TuningRecord]:
             last = number == len(lines) or all(not rest.strip() for rest in lines[number:])
             if last:
                 log.warning("%s: skipping torn last line %d (%s)", path, number, err)
+            elif strict:
+                raise TuningLogError(f"{path}: line {number} is not a tuning record ({err})") from None
             else:
                 log.warning("%s: skipping unreadable line %d (%s)", path, number, err)
 
@@ -112,14 +121,27 @@ def read_records(path: Path) -> Iterator[TuningRecord]:
 class TuningDatabase:
     """Records of one target directory, loaded into memory; new records are appended to ``path``."""
 
-    def __init__(self, path: str | os.PathLike[str], load_dir: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike[str], load_dir: bool = True, strict: bool = False) -> None:
         self.path = Path(path)
         self._records: list[TuningRecord] = []
         files = sorted(self.path.parent.glob("*.jsonl")) if load_dir else [self.path]
         if self.path not in files and self.path.exists():
             files.append(self.path)
         for file in files:
-            self._records.extend(read_records(file))
+            self._records.extend(read_records(file, strict=strict))
+
+    @classmethod
+    def from_path(cls, path: str | os.PathLike[str], target_name: str) -> TuningDatabase:
+        """Open what a user points at: a .jsonl file (with its directory's other logs), a target
+        directory (``tuning_logs/x86-avx512``) or a log root holding ``<target_name>/``."""
+        p = Path(path)
+        if p.is_dir():
+            if (p / target_name).is_dir():
+                p = p / target_name
+            return cls(p / "records.jsonl")
+        if not p.exists():
+            raise TuningLogError(f"tuning log {p} does not exist")
+        return cls(p)
 
     @classmethod
     def for_target(
@@ -171,17 +193,47 @@ class TuningDatabase:
         """Configs already measured (successfully or not): a resumed search skips them."""
         return {config_key(r.config) for r in self.for_workload(workload_key, target_key, bucket)}
 
+    def buckets(self, workload_key: str, target_key: str) -> list[int]:
+        """M buckets with at least one valid record for (workload, target), ascending."""
+        return sorted({r.bucket for r in self.for_workload(workload_key, target_key) if r.ok and r.bucket is not None})
+
     def best(
-        self, workload_key: str, target_key: str, bucket: int | None = None
+        self, workload_key: str, target_key: str, bucket: int | None = None, nearest: bool = False
     ) -> TuningRecord | None:
-        """Fastest valid record for (workload, target). For symbolic-M workloads without a bucket,
-        the largest measured bucket decides (prefill shapes dominate the time)."""
+        """Fastest valid record for (workload, target); measured records beat predicted ones.
+
+        For symbolic-M workloads without a bucket, the largest measured bucket decides (prefill
+        shapes dominate the time). ``nearest``: when ``bucket`` has no records, use the bucket
+        nearest to it on a log scale."""
+        if nearest and bucket is not None:
+            have = self.buckets(workload_key, target_key)
+            if have and bucket not in have:
+                bucket = min(have, key=lambda b: (abs(math.log2(max(b, 1)) - math.log2(max(bucket, 1))), -b))
         rows = [r for r in self.for_workload(workload_key, target_key, bucket) if r.ok]
         if not rows:
             return None
+        measured = [r for r in rows if r.source != "predicted"]
+        rows = measured or rows
         if bucket is None:
             buckets = [r.bucket for r in rows if r.bucket is not None]
             if buckets:
                 top = max(buckets)
                 rows = [r for r in rows if r.bucket == top]
         return min(rows, key=lambda r: r.mean_s)
+
+
+def default_records(target_name: str, tuning_log: str | os.PathLike[str] | None = None) -> TuningDatabase | None:
+    """Records the compile pipeline builds from: ``tuning_log`` when given, else the repo's
+    ``tuning_logs/<target_name>/`` when it exists (an installed package without the repo has none).
+
+    Set ``PERFX_TUNING_LOGS`` to another log root, or to ``none`` to build from template defaults."""
+    if tuning_log is not None:
+        return TuningDatabase.from_path(tuning_log, target_name)
+    env = os.environ.get("PERFX_TUNING_LOGS")
+    if env is not None and env.strip().lower() in ("", "none", "0", "off"):
+        return None
+    root = Path(env) if env else DEFAULT_LOG_ROOT
+    directory = root / target_name
+    if not directory.is_dir() or not any(directory.glob("*.jsonl")):
+        return None
+    return TuningDatabase(directory / "records.jsonl")
