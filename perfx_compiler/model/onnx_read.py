@@ -2,8 +2,9 @@
 
 A graph PerfX emitted carries its config, tokenizer and chat template in
 ``metadata_props`` and its weights as initializers; it compiles exactly like
-the model it came from. Other ONNX files are checked for operators PerfX cannot
-import (one error naming all of them) and otherwise refused with what to do.
+the model it came from. Other ONNX files (torch.onnx / onnxruntime-genai decoders) go
+to ``frontend.graph_to_description``: operators PerfX cannot import are named in one
+error, otherwise the decoder is recognised and its description rebuilt.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import onnx
 from onnx import numpy_helper
 
-from perfx_compiler.errors import ModelFormatError, UnsupportedModelError
+from perfx_compiler.errors import ModelFormatError
 from perfx_compiler.model.description import ModelConfig, ModelDescription
 from perfx_compiler.model.onnx_emit import ROPE_COS, ROPE_SIN
 
@@ -27,18 +28,10 @@ def load_onnx(path: str | Path) -> ModelDescription:
         raise ModelFormatError(f"{path} is not a readable ONNX file ({type(err).__name__}); re-export it") from None
     meta = {p.key: p.value for p in model.metadata_props}
     if "perfx.config" not in meta:
-        from perfx_compiler.frontend.onnx_import import unsupported_ops
+        # A third-party decoder (torch.onnx, onnxruntime-genai): recognise it and rebuild its description.
+        from perfx_compiler.frontend.graph_to_description import load_foreign_onnx
 
-        found = unsupported_ops(model)
-        if found:
-            from perfx_compiler.frontend.onnx_import import import_onnx
-
-            import_onnx(model)  # raises the one-line error naming every unsupported op and node
-        raise UnsupportedModelError(
-            f"{path} is not a PerfX decoder graph (no perfx.config metadata); third-party decoder "
-            "graphs import into Relax (perfx_compiler.frontend.onnx_import.import_onnx) but cannot be "
-            "compiled into a generating artifact yet; compile the GGUF or Hugging Face folder instead"
-        )
+        return load_foreign_onnx(model, path)
     config = ModelConfig.from_dict(json.loads(meta["perfx.config"]))
     weights = {
         t.name: numpy_helper.to_array(t)
