@@ -14,11 +14,21 @@ import math
 from tvm.script import tirx as T
 
 
-def cached_attention_kernel(num_heads: int, num_kv_heads: int, head_dim: int, max_context: int, dtype: str = "float32"):
-    """Build the PrimFunc for one attention configuration (shape constants baked in)."""
+def cached_attention_kernel(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_context: int,
+    dtype: str = "float32",
+    index_dtype: str = "int64",
+):
+    """Build the PrimFunc for one attention configuration (shape constants baked in).
+
+    ``index_dtype`` is the element type of ``past_len`` (the graph's integer inputs)."""
     H, KVH, D, MAXC = num_heads, num_kv_heads, head_dim, max_context
     G = H // KVH
     HALF = D // 2
+    LANES = next(w for w in (16, 8, 4, 2, 1) if D % w == 0)  # f32 lanes of one AVX-512 register
     scale = 1.0 / math.sqrt(D)
 
     @T.prim_func(private=True)
@@ -33,11 +43,11 @@ def cached_attention_kernel(num_heads: int, num_kv_heads: int, head_dim: int, ma
         V = T.match_buffer(v_h, (T.int64(1), seq, T.int64(KVH * D)), dtype)
         KC = T.match_buffer(kc_h, (T.int64(1), T.int64(KVH), T.int64(MAXC), T.int64(D)), dtype)
         VC = T.match_buffer(vc_h, (T.int64(1), T.int64(KVH), T.int64(MAXC), T.int64(D)), dtype)
-        PAST = T.match_buffer(past_h, (T.int64(1),), "int64")
+        PAST = T.match_buffer(past_h, (T.int64(1),), index_dtype)
         COS = T.match_buffer(cos_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         SIN = T.match_buffer(sin_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         OUT = T.match_buffer(out_h, (T.int64(1), seq, T.int64(H * D)), dtype)
-        past: T.int64 = PAST[0]
+        past: T.int64 = T.Cast("int64", PAST[0])
         # 1) rotate k, append k and v to the caches
         for kvs in T.parallel(KVH * seq):
             kh = kvs // seq
@@ -60,6 +70,7 @@ def cached_attention_kernel(num_heads: int, num_kv_heads: int, head_dim: int, ma
             score = T.decl_buffer((MAXC,), dtype, scope="local")
             acc = T.decl_buffer((D,), dtype, scope="local")
             stat = T.decl_buffer((2,), dtype, scope="local")
+            part = T.decl_buffer((LANES,), dtype, scope="local")
             for d in T.serial(HALF):
                 x1 = Q[0, s, h * D + d]
                 x2 = Q[0, s, h * D + d + HALF]
@@ -69,9 +80,15 @@ def cached_attention_kernel(num_heads: int, num_kv_heads: int, head_dim: int, ma
                 qr[d + HALF] = (x2 * c + x1 * sn) * T.float32(scale)
             stat[0] = T.float32(-3.0e38)
             for j in T.serial(past + s + 1):
+                # q.k with LANES-wide partial sums: a vector FMA per chunk, one horizontal sum per key
+                for lane in T.vectorized(LANES):
+                    part[lane] = T.float32(0)
+                for c in T.serial(D // LANES):
+                    for lane in T.vectorized(LANES):
+                        part[lane] = part[lane] + qr[c * LANES + lane] * KC[0, kh, j, c * LANES + lane]
                 score[j] = T.float32(0)
-                for d in T.serial(D):
-                    score[j] = score[j] + qr[d] * KC[0, kh, j, d]
+                for lane in T.serial(LANES):
+                    score[j] = score[j] + part[lane]
                 stat[0] = T.max(stat[0], score[j])
             stat[1] = T.float32(0)
             for d in T.serial(D):
@@ -79,8 +96,9 @@ def cached_attention_kernel(num_heads: int, num_kv_heads: int, head_dim: int, ma
             for j in T.serial(past + s + 1):
                 p = T.exp(score[j] - stat[0])
                 stat[1] = stat[1] + p
-                for d in T.serial(D):
-                    acc[d] = acc[d] + p * VC[0, kh, j, d]
+                for c in T.serial(D // LANES):
+                    for lane in T.vectorized(LANES):
+                        acc[c * LANES + lane] = acc[c * LANES + lane] + p * VC[0, kh, j, c * LANES + lane]
             for d in T.serial(D):
                 OUT[0, s, h * D + d] = acc[d] / stat[1]
 
