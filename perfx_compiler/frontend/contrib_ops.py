@@ -212,7 +212,7 @@ class RotaryEmbedding(OnnxOpConverter):
             b, s, hidden = shape
             d = 2 * half
             heads = int(attr.get("num_heads", 0)) or int(hidden) // d
-            xs = relax.op.permute_dims(relax.op.reshape(x, [b, s, heads, d]), [0, 2, 1, 3])
+            xs = bb.emit(relax.op.permute_dims(relax.op.reshape(x, [b, s, heads, d]), [0, 2, 1, 3]))
         if len(_shape(pos)) == 2:
             positions = relax.op.reshape(pos, [b, 1, s])  # batch 1 per table lookup below
             cos = relax.op.astype(relax.op.take(cos_cache, positions, axis=0), str(x.ty.dtype))  # [B,1,S,D/2]
@@ -221,7 +221,7 @@ class RotaryEmbedding(OnnxOpConverter):
             start = relax.op.reshape(pos, [])
             positions = relax.op.add(relax.op.arange(0, s, 1, str(pos.ty.dtype)), start)
             cos, sin = _tables(cos_cache, sin_cache, positions, str(x.ty.dtype))
-        y = _rope(xs, cos, sin, interleaved)
+        y = bb.emit(_rope(xs, cos, sin, interleaved))
         if len(shape) == 4:
             return y
         return relax.op.reshape(relax.op.permute_dims(y, [0, 2, 1, 3]), shape)
@@ -272,7 +272,9 @@ class GroupQueryAttention(OnnxOpConverter):
             v = relax.op.repeat(v, group, axis=1)
         total = _shape(present_k)[2]
         scale = float(attr.get("scale", 0.0)) or 1.0 / float(np.sqrt(d))
-        scores = relax.op.multiply(relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2])), relax.const(scale, dtype))
+        # einsum, not matmul(q, permute_dims(k)): a transpose of a symbolic-length tensor trips
+        # TVM's RewriteDataflowReshape when the length is past + seq.
+        scores = relax.op.multiply(relax.op.einsum([q, bb.emit(k)], "bhqd,bhkd->bhqk"), relax.const(scale, dtype))
         qi = relax.op.reshape(relax.op.arange(0, s, 1, "int64"), [s, 1])
         kj = relax.op.reshape(relax.op.arange(0, total, 1, "int64"), [1, total])
         allowed = relax.op.less_equal(kj, relax.op.add(qi, _i64(bb, relax.prim_value(past_len))

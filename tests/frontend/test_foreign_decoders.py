@@ -1,0 +1,203 @@
+"""Third-party decoder graphs compiled by PerfX: tiny random transformers models exported with
+torch.onnx (dynamo, past_key_values, dynamic seq + past axes) and onnxruntime-genai builds (int4
+MatMulNBits + GroupQueryAttention, fp32) from the same kind of HF folder. PerfX logits (prefill +
+16 decode steps) must match onnxruntime running the very same file."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from perfx_compiler.cli.compile import main as compile_main
+from perfx_compiler.cli.run import main as run_main
+from perfx_compiler.frontend.decoder_io import OrtDecoder
+from perfx_compiler.model.onnx_read import load_onnx
+from perfx_compiler.model.reference import ReferenceModel
+from perfx_compiler.pipeline import compile_model
+from perfx_compiler.runtime.engine import Engine
+
+pytest.importorskip("onnxruntime")
+PROMPT = [5, 17, 33, 9, 100, 61, 7]
+DECODE_STEPS = 16
+
+
+def _need(module: str, why: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        print(f"skipping: {module} is not installed ({why})")
+        pytest.skip(f"{module} not installed; pip install {module.replace('_', '-')} ({why})")
+
+
+@pytest.fixture(scope="session")
+def hf_folders(tmp_path_factory) -> dict[str, Path]:
+    from perfx_compiler.model.gguf import load_gguf
+    from perfx_compiler.model.hf import write_hf_folder
+    from perfx_compiler.model.testing import write_tiny_gguf
+
+    root = tmp_path_factory.mktemp("foreign_hf")
+    out = {}
+    for arch, bias in (("llama", False), ("qwen2", True)):
+        path, _ = write_tiny_gguf(root / f"{arch}.gguf", arch=arch, with_bias=bias, tied=False, hidden=64, heads=4,
+                                  kv_heads=2, ffn=96, context_length=256, seed=3)
+        out[arch] = write_hf_folder(load_gguf(path), root / f"hf_{arch}")
+    return out
+
+
+def torch_export(folder: Path, out: Path) -> Path:
+    """transformers model + DynamicCache, exported with torch.onnx dynamo: seq and past axes dynamic."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    cfg = model.config
+    n = cfg.num_hidden_layers
+
+    class WithCache(torch.nn.Module):
+        def __init__(self, m: torch.nn.Module) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            cache = transformers.DynamicCache(config=self.m.config)
+            for i in range(n):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            o = self.m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache, use_cache=True)
+            flat = [t for layer in o.past_key_values.layers for t in (layer.keys, layer.values)]
+            return (o.logits, *flat)
+
+    s, p = 3, 4
+    past = [torch.randn(1, cfg.num_key_value_heads, p, cfg.head_dim) for _ in range(2 * n)]
+    args = (torch.randint(0, cfg.vocab_size, (1, s)), torch.ones(1, s + p, dtype=torch.int64),
+            torch.arange(p, p + s)[None], *past)
+    seq, pl, tot = (torch.export.Dim(k, min=lo, max=2048) for k, lo in (("seq", 1), ("past", 1), ("total", 2)))
+    names = [f"past_key_values.{i}.{kind}" for i in range(n) for kind in ("key", "value")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(
+            WithCache(model), args, dynamo=True, opset_version=18,
+            input_names=["input_ids", "attention_mask", "position_ids", *names],
+            output_names=["logits", *[x.replace("past_key_values", "present") for x in names]],
+            dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: tot}, "position_ids": {1: seq},
+                            "past": tuple({2: pl} for _ in range(2 * n))},
+        )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prog.save(str(out))
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # the tokenizer lives with the model
+        (out.parent / f).write_bytes((folder / f).read_bytes())
+    return out
+
+
+@pytest.fixture(scope="session")
+def torch_graphs(hf_folders, tmp_path_factory) -> dict[str, Path]:
+    _need("torch", "torch.onnx export tests")
+    _need("transformers", "torch.onnx export tests")
+    root = tmp_path_factory.mktemp("torch_onnx")
+    return {arch: torch_export(folder, root / arch / "model.onnx") for arch, folder in hf_folders.items()}
+
+
+def genai_build(folder: Path, out: Path, precision: str, *extra: str) -> Path:
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(folder), "-o", str(out),
+           "-p", precision, "-e", "cpu", "-c", str(out.parent / "cache")]
+    if extra:
+        cmd += ["--extra_options", *extra]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out / "model.onnx"
+
+
+@pytest.fixture(scope="session")
+def genai_graphs(hf_folders, tmp_path_factory) -> dict[str, Path]:
+    _need("onnxruntime_genai", "onnxruntime-genai format tests")
+    root = tmp_path_factory.mktemp("genai")
+    # accuracy_level=1: onnxruntime multiplies by the dequantized int4 weights in fp32, as PerfX does
+    # (its default level 4 quantizes activations to int8 on the fly).
+    return {
+        "int4": genai_build(hf_folders["llama"], root / "int4", "int4", "accuracy_level=1"),
+        "int4_zp": genai_build(hf_folders["qwen2"], root / "int4_zp", "int4", "accuracy_level=1", "is_symmetric=false"),
+        "fp32": genai_build(hf_folders["qwen2"], root / "fp32", "fp32"),
+    }
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def compare_engine(artifact: Path, graph: Path) -> float:
+    """Max relative logits error of PerfX vs onnxruntime over prefill + 16 greedy decode steps."""
+    eng, ref = Engine(artifact), OrtDecoder(graph)
+    want = ref.step(PROMPT)[-1]
+    errs = [_rel(eng.prefill(PROMPT)[0], want)]
+    tok = int(np.argmax(want))
+    for _ in range(DECODE_STEPS):
+        want = ref.step([tok])[-1]
+        errs.append(_rel(eng.decode(tok), want))
+        tok = int(np.argmax(want))
+    return max(errs)
+
+
+def test_torch_llama_gqa_compiles_and_matches_onnxruntime(torch_graphs, tmp_path):
+    desc = load_onnx(torch_graphs["llama"])
+    c = desc.config
+    assert (c.architecture, c.num_heads, c.num_kv_heads, c.head_dim, c.rope_theta) == ("llama", 4, 2, 16, 10000.0)
+    assert desc.tokenizer_json is not None
+    art = compile_model(desc, "host", tmp_path / "art", progress=False, batching=False)
+    err = compare_engine(art, torch_graphs["llama"])
+    print(f"torch.onnx llama: max rel err {err:.2e}")
+    assert err < 1e-3
+
+
+def test_torch_qwen2_bias_recognised(torch_graphs):
+    desc = load_onnx(torch_graphs["qwen2"])
+    assert desc.config.attention_bias and np.any(desc.weights["model.layers.0.self_attn.q_proj.bias"])
+    ref, ort_dec = ReferenceModel(desc), OrtDecoder(torch_graphs["qwen2"])
+    errs = [_rel(ref.forward(PROMPT)[-1], ort_dec.step(PROMPT)[-1])]
+    errs += [_rel(ref.forward([t])[-1], ort_dec.step([t])[-1]) for t in range(40, 48)]
+    assert max(errs) < 1e-4
+
+
+def test_genai_int4_cli_compile_and_run(genai_graphs, tmp_path, capsys):
+    graph = genai_graphs["int4"]
+    assert any(n.op_type == "MatMulNBits" for n in onnx.load(str(graph), load_external_data=False).graph.node)
+    out = tmp_path / "art"
+    assert compile_main([str(graph), "--target", "host", "-o", str(out), "--quiet", "--no-batching"]) == 0
+    err = compare_engine(out, graph)
+    print(f"genai int4 (symmetric): max rel err {err:.2e}")
+    assert err < 1e-3
+    assert run_main([str(out), "--prompt", "Once upon a time", "--max-tokens", "4", "--json"]) == 0
+    assert '"token_ids"' in capsys.readouterr().out
+
+
+def test_genai_int4_zero_points_and_fp32_match_onnxruntime(genai_graphs):
+    for key in ("int4_zp", "fp32"):
+        desc = load_onnx(genai_graphs[key])
+        assert desc.config.architecture == "qwen2" and desc.config.max_context == 256
+        ref, ort_dec = ReferenceModel(desc), OrtDecoder(genai_graphs[key])
+        errs = [_rel(ref.forward(PROMPT)[-1], ort_dec.step(PROMPT)[-1])]
+        errs += [_rel(ref.forward([t])[-1], ort_dec.step([t])[-1]) for t in range(40, 56)]
+        print(f"genai {key}: max rel err {max(errs):.2e}")
+        assert max(errs) < 1e-3
+
+
+def test_unsupported_ops_one_line_error_no_output(genai_graphs, tmp_path, capsys):
+    m = onnx.load(str(genai_graphs["fp32"]))
+    nodes = [n for n in m.graph.node if n.op_type == "Sigmoid"]
+    for i, n in enumerate(nodes):
+        n.op_type, n.domain = ("FancyGate", "com.example") if i % 2 else ("FancyGate2", "")
+    m.opset_import.append(onnx.helper.make_opsetid("com.example", 3))
+    bad = tmp_path / "bad" / "model.onnx"
+    bad.parent.mkdir()
+    onnx.save(m, str(bad))
+    out = tmp_path / "never"
+    assert compile_main([str(bad), "--target", "host", "-o", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "com.example::FancyGate (opset 3" in err and "FancyGate2 (opset 22" in err
+    assert nodes[0].name in err and nodes[1].name in err
+    assert not out.exists()
