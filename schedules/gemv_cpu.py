@@ -38,7 +38,7 @@ def _divisors(n: int, candidates: tuple[int, ...]) -> list[int]:
 
 class GemvCPU(ScheduleTemplate):
     name = "gemv_cpu"
-    version = 2  # v2: split-K kernel for [K, N] weights
+    version = 3  # v2: split-K kernel for [K, N] weights; v3: [N, K] partial sums lanes-innermost
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         if not is_cpu_target(target):

@@ -149,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         _print_table(summary.rows)
     note = " (time budget reached; rerun to continue)" if summary.stopped_by_budget else ""
+    if summary.failed:
+        note += f"; {len(summary.failed)} workloads could not be measured (left at defaults): {', '.join(summary.failed[:4])}"
     print(f"measured {summary.measured} candidates in {summary.seconds:.0f} s, shared {summary.shared} records "
           f"with equivalent workloads; log {path}{note}")
     return 0

@@ -105,7 +105,7 @@ def random_inputs(func: Any, m_value: int, seed: int = 0) -> list[np.ndarray]:
     arrays = []
     for name, shape, dtype in param_specs(func, m_value):
         if shape is None:
-            arrays.append(np.asarray(m_value, dtype=dtype))  # scalar shape var: its value
+            arrays.append(np.dtype(dtype).type(m_value))  # scalar shape var: a numpy scalar, not a 0-d tensor
         elif name in outs:
             arrays.append(np.zeros(shape, dtype=dtype))
         elif dtype.startswith(("int", "uint")):
@@ -160,10 +160,11 @@ def run_func(rt: Any, func: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
     return [t.numpy() for p, t in zip(func.params, tensors, strict=True) if str(p.name) in outs]
 
 
-def _to_arg(array: np.ndarray, dev: Any) -> Any:
+def _to_arg(array: np.ndarray | np.generic, dev: Any) -> Any:
+    """A scalar parameter (numpy scalar) goes by value; arrays, 0-d ones included, as tensors."""
     import tvm
 
-    return array.item() if array.ndim == 0 else tvm.runtime.tensor(array, dev)
+    return array.item() if not isinstance(array, np.ndarray) else tvm.runtime.tensor(array, dev)
 
 
 def reference_outputs(func: Any, target: TargetDescription, m_value: int, seed: int = 0) -> list[np.ndarray]:

@@ -124,6 +124,17 @@ class SessionSummary:
     seconds: float = 0.0
     stopped_by_budget: bool = False
     rows: list[dict[str, Any]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # groups whose reference run failed (left at defaults)
+
+
+def _guarded(group: TaskGroup, fn: Any) -> Any:
+    """Run one group's search; a failure of the harness itself (the unscheduled reference does not
+    run, ...) skips that workload instead of ending the session. Candidate failures never get here."""
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001
+        log.warning("skipping %s (%s): %s: %s", group.label, group.rep.name, type(err).__name__, str(err)[:300])
+        return None
 
 
 def tune_groups(
@@ -148,6 +159,7 @@ def tune_groups(
     for g in groups:  # a resumed session first completes the copies a killed one had not made
         summary.shared += sync_members(db, g)
     planned = sum(max(0, trials - _known(db, g.rep)) for g in groups)
+    broken: set[int] = set()
 
     def left() -> float | None:
         return None if time_budget_s is None else time_budget_s - (time.perf_counter() - start)
@@ -161,7 +173,12 @@ def tune_groups(
                 break
             todo = min(2, trials - _known(db, g.rep))
             if todo > 0:
-                res = tune_task(g.rep, target, db, measurer, model, trials=todo, batch=2, seed=seed + i, progress=bar)
+                res = _guarded(g, lambda g=g, todo=todo, i=i: tune_task(
+                    g.rep, target, db, measurer, model, trials=todo, batch=2, seed=seed + i, progress=bar))
+                if res is None:
+                    summary.failed.append(g.label)
+                    broken.add(id(g))
+                    continue
                 summary.measured += res.measured
             g.baseline_s = _baseline(db, g.rep, target)
             summary.shared += sync_members(db, g)
@@ -169,6 +186,8 @@ def tune_groups(
         order = sorted(groups, key=lambda g: -g.weight())
         pending_weight = sum(g.weight() for g in order)
         for i, g in enumerate(order):
+            if id(g) in broken:
+                continue
             remaining = left()
             weight = g.weight()
             if remaining is not None and remaining <= 0:
@@ -179,8 +198,13 @@ def tune_groups(
             todo = trials - _known(db, g.rep)
             if todo <= 0 or (share is not None and share < 1.0):
                 continue
-            res = tune_task(g.rep, target, db, measurer, model, trials=todo, batch=batch, time_budget_s=share,
-                            seed=seed + 1000 + i, progress=bar)
+            res = _guarded(g, lambda g=g, todo=todo, share=share, i=i: tune_task(
+                g.rep, target, db, measurer, model, trials=todo, batch=batch, time_budget_s=share,
+                seed=seed + 1000 + i, progress=bar))
+            if res is None:
+                summary.failed.append(g.label)
+                broken.add(id(g))
+                continue
             summary.measured += res.measured
             summary.shared += sync_members(db, g)
     summary.seconds = time.perf_counter() - start

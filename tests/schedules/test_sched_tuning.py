@@ -145,8 +145,9 @@ def test_apply_schedules_marks_and_uses_records(tmp_path, cpu_target):
     db.add(TuningRecord(wl.key, "some-other-target", "gemm_cpu", {"mr": 8, "nr": 16, "nc": 16, "parallel": "n"}, 1e-9))
     _, name, used = schedule_func(func, cpu_target, db)
     assert name == "gemm_cpu" and used == config
-    # A stale record the template rejects falls back to the default config.
-    db.add(TuningRecord(wl.key, wl.target_key, "gemm_cpu", {"mr": 4, "nr": 24, "nc": 24, "parallel": "n"}, 1e-7, 0.0, 512))
+    # A stale record the template rejects falls back to the default config (bucket 64: the one
+    # nearest schedule.TYPICAL_M, which a symbolic function without a dispatch is configured for).
+    db.add(TuningRecord(wl.key, wl.target_key, "gemm_cpu", {"mr": 4, "nr": 24, "nc": 24, "parallel": "n"}, 1e-7, 0.0, 64))
     _, _, used = schedule_func(func, cpu_target, db)
     assert used == find_template(func, cpu_target)[0].default_config(wl, cpu_target)
 
