@@ -19,7 +19,7 @@ import numpy as np
 import tvm
 
 from perfx_compiler.model.onnx_emit import PAGE_SIZE, cache_shape, pages_per_sequence, pool_shape
-from perfx_compiler.pipeline import exported_functions
+from perfx_compiler.pipeline import exported_functions, index_dtype_of
 
 FORMAT_VERSION = 1
 MANIFEST = "perfx-config.json"
@@ -77,6 +77,8 @@ def write_artifact(state: Any) -> Path:
                    "host_triple": target.host_triple},
         "quantization": state.options.quantization,
         "functions": {name: name for name in exported_functions(state.options)},
+        # element type of input_ids / past_len / positions / page_table (int32 on targets without i64)
+        "index_dtype": index_dtype_of(target),
         "kv_cache": {"shape": cache_shape(cfg), "dtype": "float32", "count": 2 * cfg.num_layers},
         "paged_kv": {
             "page_size": PAGE_SIZE,

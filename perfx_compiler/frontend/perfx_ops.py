@@ -12,8 +12,8 @@ from tvm import relax, tirx
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
 from perfx_compiler.kernels.attention import cached_attention_kernel
-from perfx_compiler.kernels.paged_attention import paged_attention_kernel
 from perfx_compiler.kernels.attention_gpu import cached_attention_kernel_gpu
+from perfx_compiler.kernels.paged_attention import paged_attention_kernel
 
 # Target family of the compilation being imported ("cpu" | "gpu"); the pipeline's import phase
 # sets it, converters pick the kernel variant from it.
@@ -63,6 +63,13 @@ def _static(dim) -> int:
     return int(dim)
 
 
+def _index_args(index: relax.Expr) -> tuple[str, ...]:
+    """The kernels' index-dtype argument: the graph's integer input dtype (int32 on WebGPU).
+    Empty for int64, the default, so int64 kernels keep their names."""
+    dtype = str(index.ty.dtype)
+    return () if dtype == "int64" else (dtype,)
+
+
 class CachedAttention(OnnxOpConverter):
     """q, k, v, cache_k, cache_v, past_len, rope_cos, rope_sin -> out, cache_k, cache_v."""
 
@@ -71,10 +78,13 @@ class CachedAttention(OnnxOpConverter):
         q, k, v, kc, vc, past, cos, sin = inputs
         _, kvh, maxc, d = (_static(x) for x in kc.ty.shape)
         heads = _static(q.ty.shape[2]) // d
+        idx = _index_args(past)
         if TARGET_FAMILY == "gpu":
-            gv = kernel_global_var("cached_attention_gpu", cached_attention_kernel_gpu, heads, kvh, d, maxc, q.ty.dtype)
+            gv = kernel_global_var(
+                "cached_attention_gpu", cached_attention_kernel_gpu, heads, kvh, d, maxc, q.ty.dtype, *idx
+            )
         else:
-            gv = kernel_global_var("cached_attention", cached_attention_kernel, heads, kvh, d, maxc, q.ty.dtype)
+            gv = kernel_global_var("cached_attention", cached_attention_kernel, heads, kvh, d, maxc, q.ty.dtype, *idx)
         out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kc.ty, vc.ty]
         call = relax.call_tir_inplace(gv, [q, k, v, kc, vc, past, cos, sin], [-1, 3, 4], out_ty)
         return bb.emit(call)
@@ -91,7 +101,7 @@ class PagedAttention(OnnxOpConverter):
         heads = _static(q.ty.shape[2]) // d
         maxc = _static(cos.ty.shape[0])
         gv = kernel_global_var(
-            "paged_attention", paged_attention_kernel, heads, kvh, d, maxc, page_size, q.ty.dtype
+            "paged_attention", paged_attention_kernel, heads, kvh, d, maxc, page_size, q.ty.dtype, *_index_args(pos)
         )
         out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kp.ty, vp.ty]
         call = relax.call_tir_inplace(gv, [q, k, v, kp, vp, pos, table, cos, sin], [-1, 3, 4], out_ty)

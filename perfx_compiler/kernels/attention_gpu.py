@@ -26,9 +26,17 @@ from tvm.script import tirx as T
 
 
 def cached_attention_kernel_gpu(
-    num_heads: int, num_kv_heads: int, head_dim: int, max_context: int, dtype: str = "float32"
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_context: int,
+    dtype: str = "float32",
+    index_dtype: str = "int64",
 ):
-    """Build the GPU PrimFunc for one attention configuration (shape constants baked in)."""
+    """Build the GPU PrimFunc for one attention configuration (shape constants baked in).
+
+    ``index_dtype`` is the element type of ``past_len``: int32 on targets without 64-bit integers
+    (WebGPU), where the compiler also narrows every index expression to int32."""
     H, KVH, D, MAXC = num_heads, num_kv_heads, head_dim, max_context
     G = H // KVH
     HALF = D // 2
@@ -56,7 +64,7 @@ def cached_attention_kernel_gpu(
         V = T.match_buffer(v_h, (T.int64(1), seq, T.int64(KVH * D)), dtype)
         KC = T.match_buffer(kc_h, (T.int64(1), T.int64(KVH), T.int64(MAXC), T.int64(D)), dtype)
         VC = T.match_buffer(vc_h, (T.int64(1), T.int64(KVH), T.int64(MAXC), T.int64(D)), dtype)
-        PAST = T.match_buffer(past_h, (T.int64(1),), "int64")
+        PAST = T.match_buffer(past_h, (T.int64(1),), index_dtype)
         COS = T.match_buffer(cos_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         SIN = T.match_buffer(sin_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         OUT = T.match_buffer(out_h, (T.int64(1), seq, T.int64(H * D)), dtype)
@@ -65,7 +73,7 @@ def cached_attention_kernel_gpu(
             for tx in T.thread_binding(T.int64(HALF), thread="threadIdx.x"):
                 kh: T.let[T.int64] = bx // seq
                 s: T.let[T.int64] = bx % seq
-                pos: T.let[T.int64] = PAST[0] + s
+                pos: T.let[T.int64] = T.Cast("int64", PAST[0]) + s
                 x1: T.let[T.float32] = K[0, s, kh * D + tx]
                 x2: T.let[T.float32] = K[0, s, kh * D + tx + HALF]
                 c: T.let[T.float32] = COS[pos, tx]
@@ -83,7 +91,7 @@ def cached_attention_kernel_gpu(
                 h: T.let[T.int64] = bx // seq
                 s: T.let[T.int64] = bx % seq
                 kh: T.let[T.int64] = h // G
-                pos: T.let[T.int64] = PAST[0] + s
+                pos: T.let[T.int64] = T.Cast("int64", PAST[0]) + s
                 length: T.let[T.int64] = pos + T.int64(1)
                 if tx < T.int64(HALF):
                     x1: T.let[T.float32] = Q[0, s, h * D + tx]

@@ -15,8 +15,15 @@ from tvm.script import tirx as T
 
 
 def paged_attention_kernel(
-    num_heads: int, num_kv_heads: int, head_dim: int, max_context: int, page_size: int, dtype: str = "float32"
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_context: int,
+    page_size: int,
+    dtype: str = "float32",
+    index_dtype: str = "int64",
 ):
+    """``index_dtype``: element type of ``positions`` and ``page_table`` (the graph's integer inputs)."""
     H, KVH, D, MAXC, PS = num_heads, num_kv_heads, head_dim, max_context, page_size
     NPP = -(-MAXC // PS)  # pages per sequence
     G = H // KVH
@@ -37,8 +44,8 @@ def paged_attention_kernel(
         V = T.match_buffer(v_h, (batch, seq, T.int64(KVH * D)), dtype)
         KP = T.match_buffer(kp_h, (pages, T.int64(PS), T.int64(KVH), T.int64(D)), dtype)
         VP = T.match_buffer(vp_h, (pages, T.int64(PS), T.int64(KVH), T.int64(D)), dtype)
-        POS = T.match_buffer(pos_h, (batch,), "int64")
-        PT = T.match_buffer(pt_h, (batch, T.int64(NPP)), "int64")
+        POS = T.match_buffer(pos_h, (batch,), index_dtype)
+        PT = T.match_buffer(pt_h, (batch, T.int64(NPP)), index_dtype)
         COS = T.match_buffer(cos_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         SIN = T.match_buffer(sin_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         OUT = T.match_buffer(out_h, (batch, seq, T.int64(H * D)), dtype)
@@ -47,8 +54,8 @@ def paged_attention_kernel(
             b = bks // (KVH * seq)
             kh = bks // seq % KVH
             s = bks % seq
-            p = POS[b] + s
-            page = PT[b, p // PS]
+            p = T.Cast("int64", POS[b]) + s
+            page = T.Cast("int64", PT[b, p // PS])
             slot = p % PS
             for d in T.serial(HALF):
                 x1 = K[b, s, kh * D + d]
@@ -63,7 +70,7 @@ def paged_attention_kernel(
             h = bhs // seq % H
             s = bhs % seq
             kh = h // G
-            p = POS[b] + s
+            p = T.Cast("int64", POS[b]) + s
             qr = T.decl_buffer((D,), dtype, scope="local")
             score = T.decl_buffer((MAXC,), dtype, scope="local")
             acc = T.decl_buffer((D,), dtype, scope="local")
@@ -77,7 +84,7 @@ def paged_attention_kernel(
             for j in T.serial(p + 1):
                 score[j] = T.float32(0)
                 for d in T.serial(D):
-                    score[j] = score[j] + qr[d] * KP[PT[b, j // PS], j % PS, kh, d]
+                    score[j] = score[j] + qr[d] * KP[T.Cast("int64", PT[b, j // PS]), j % PS, kh, d]
                 stat[0] = T.max(stat[0], score[j])
             stat[1] = T.float32(0)
             for d in T.serial(D):
@@ -86,7 +93,7 @@ def paged_attention_kernel(
                 w = T.exp(score[j] - stat[0])
                 stat[1] = stat[1] + w
                 for d in T.serial(D):
-                    acc[d] = acc[d] + w * VP[PT[b, j // PS], j % PS, kh, d]
+                    acc[d] = acc[d] + w * VP[T.Cast("int64", PT[b, j // PS]), j % PS, kh, d]
             for d in T.serial(D):
                 OUT[b, s, h * D + d] = acc[d] / stat[1]
 

@@ -11,6 +11,8 @@ standard operators, so:
 Graph I/O (batch 1, ``seq`` symbolic):
     input_ids  int64  [1, seq]
     past_len   int64  [1]                       tokens already in the cache
+    (``index_dtype="int32"``: ids, past_len, positions and page_table are int32, for targets without
+    64-bit integers such as WebGPU; the attention functions widen them to int64 internally)
     cache_k.{i}, cache_v.{i}  float [1, kv_heads, max_context, head_dim]
     -> logits  float  [1, seq, vocab]  (or [1, 1, vocab] with ``logits="last"``)
     -> cache_k_out.{i}, cache_v_out.{i}          the caches with this step written
@@ -73,7 +75,7 @@ class _Graph:
         return name
 
 
-def _attention_function(config: ModelConfig) -> onnx.FunctionProto:
+def _attention_function(config: ModelConfig, index_dtype: str = "int64") -> onnx.FunctionProto:
     """``perfx.CachedAttention`` as standard ONNX ops (what onnxruntime runs).
 
     inputs: q [1,seq,H*D], k/v [1,seq,KVH*D], cache_k/cache_v [1,KVH,MAXC,D], past_len [1],
@@ -88,6 +90,8 @@ def _attention_function(config: ModelConfig) -> onnx.FunctionProto:
     seq_shape = g.op("Shape", "q")
     seq = g.op("Gather", seq_shape, g.const(1), axis=0)  # scalar
     past = g.op("Squeeze", "past_len", g.const([0]))
+    if index_dtype != "int64":
+        past = g.op("Cast", past, to=TensorProto.INT64)
     pos = g.op("Range", past, g.op("Add", past, seq), g.const(1))  # [seq]
     cos = g.op("Gather", "rope_cos", pos, axis=0)  # [seq, D/2]
     sin = g.op("Gather", "rope_sin", pos, axis=0)
@@ -148,7 +152,7 @@ def pool_shape(config: ModelConfig, num_pages: int | str, page_size: int = PAGE_
     return [num_pages, page_size, config.num_kv_heads, config.head_dim]
 
 
-def _paged_attention_function(config: ModelConfig, page_size: int) -> onnx.FunctionProto:
+def _paged_attention_function(config: ModelConfig, page_size: int, index_dtype: str = "int64") -> onnx.FunctionProto:
     """``perfx.PagedAttention``: CachedAttention for a batch of sequences over a paged KV pool.
 
     inputs: q [B,seq,H*D], k/v [B,seq,KVH*D], pool_k/pool_v [pages,PS,KVH,D], positions [B] (tokens
@@ -160,9 +164,13 @@ def _paged_attention_function(config: ModelConfig, page_size: int) -> onnx.Funct
     h, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
     npp = pages_per_sequence(c, page_size)
     g = _Graph()
+    positions, page_table = "positions", "page_table"
+    if index_dtype != "int64":
+        positions = g.op("Cast", positions, to=TensorProto.INT64)
+        page_table = g.op("Cast", page_table, to=TensorProto.INT64)
     seq = g.op("Gather", g.op("Shape", "q"), g.const(1), axis=0)
     steps = g.op("Unsqueeze", g.op("Range", g.const(0), seq, g.const(1)), g.const([0]))  # [1, seq]
-    pos = g.op("Add", g.op("Unsqueeze", "positions", g.const([1])), steps)  # [B, seq]
+    pos = g.op("Add", g.op("Unsqueeze", positions, g.const([1])), steps)  # [B, seq]
     cos = g.op("Unsqueeze", g.op("Gather", "rope_cos", pos, axis=0), g.const([1]))  # [B,1,seq,D/2]
     sin = g.op("Unsqueeze", g.op("Gather", "rope_sin", pos, axis=0), g.const([1]))
 
@@ -178,14 +186,14 @@ def _paged_attention_function(config: ModelConfig, page_size: int) -> onnx.Funct
     q = rope(heads("q", h))
     k = g.op("Transpose", rope(heads("k", kvh)), perm=[0, 2, 1, 3])  # [B,seq,KVH,D]
     v = g.op("Reshape", "v", g.const([0, 0, kvh, d]))
-    page = g.op("GatherElements", "page_table", g.op("Div", pos, g.const(page_size)), axis=1)
+    page = g.op("GatherElements", page_table, g.op("Div", pos, g.const(page_size)), axis=1)
     slot = g.op("Mod", pos, g.const(page_size))
     idx = g.op("Concat", g.op("Unsqueeze", page, g.const([2])), g.op("Unsqueeze", slot, g.const([2])), axis=2)
     g.nodes.append(helper.make_node("ScatterND", ["pool_k", idx, k], ["pool_k_out"]))
     g.nodes.append(helper.make_node("ScatterND", ["pool_v", idx, v], ["pool_v_out"]))
 
     def gather_seq(pool: str) -> str:  # -> [B, KVH, P*PS, D]
-        x = g.op("Gather", pool, "page_table", axis=0)  # [B,P,PS,KVH,D]
+        x = g.op("Gather", pool, page_table, axis=0)  # [B,P,PS,KVH,D]
         x = g.op("Reshape", x, g.const([0, npp * page_size, kvh, d]))
         return g.op("Transpose", x, perm=[0, 2, 1, 3])
 
@@ -221,12 +229,16 @@ def emit_onnx(
     batch: int | str = 1,
     num_pages: int | str = "pages",
     page_size: int = PAGE_SIZE,
+    index_dtype: Literal["int64", "int32"] = "int64",
 ) -> onnx.ModelProto:
     """Build the decoder graph for ``desc`` (see module docstring for its I/O).
 
     ``kv="paged"`` builds the batched variant: input_ids [batch, seq], positions [batch],
     page_table [batch, pages_per_sequence] and one paged pool per layer for K and V.
+    ``index_dtype`` is the element type of the integer inputs (ids, past_len, positions, page_table).
     """
+    if index_dtype not in ("int64", "int32"):
+        raise ValueError(f"index_dtype must be 'int64' or 'int32', not {index_dtype!r}")
     if kv == "contiguous" and batch != 1:
         raise ValueError("the contiguous KV cache holds one sequence; use kv='paged' for batches")
     c = desc.config
@@ -279,12 +291,13 @@ def emit_onnx(
         act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
         x = g.op("Add", x, linear(act, p + "mlp.down_proj"))
     if logits == "last":
-        x = g.op("Slice", x, g.const([-1]), g.const([np.iinfo(np.int64).max]), g.const([1]))
+        end = np.iinfo(np.int64 if index_dtype == "int64" else np.int32).max  # int32: kernels index in int32
+        x = g.op("Slice", x, g.const([-1]), g.const([end]), g.const([1]))
     x = rms_norm(x, "model.norm.weight")
     head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     g.nodes.append(helper.make_node("MatMul", [x, g.op("Transpose", head, perm=[1, 0])], ["logits"]))
 
-    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    f32, i64 = TensorProto.FLOAT, (TensorProto.INT64 if index_dtype == "int64" else TensorProto.INT32)
     if kv == "paged":
         cshape = pool_shape(c, num_pages, page_size)
         inputs = [
@@ -292,14 +305,14 @@ def emit_onnx(
             helper.make_tensor_value_info("positions", i64, [batch]),
             helper.make_tensor_value_info("page_table", i64, [batch, pages_per_sequence(c, page_size)]),
         ] + [helper.make_tensor_value_info(n, f32, cshape) for n in pool_names(c.num_layers)]
-        function = _paged_attention_function(c, page_size)
+        function = _paged_attention_function(c, page_size, index_dtype)
     else:
         cshape = cache_shape(c)
         inputs = [
             helper.make_tensor_value_info("input_ids", i64, [1, seq_len]),
             helper.make_tensor_value_info("past_len", i64, [1]),
         ] + [helper.make_tensor_value_info(n, f32, cshape) for n in cache_names(c.num_layers)]
-        function = _attention_function(c)
+        function = _attention_function(c, index_dtype)
     out_seq = 1 if logits == "last" else seq_len
     outputs = [helper.make_tensor_value_info("logits", f32, [batch, out_seq, c.vocab_size])] + [
         helper.make_tensor_value_info(n, f32, cshape) for n in outputs_cache

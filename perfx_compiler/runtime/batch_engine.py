@@ -32,6 +32,7 @@ class BatchEngine:
         self.vocab_size = self._base.vocab_size
         paged = self.manifest["paged_kv"]
         self.page_size = int(paged["page_size"])
+        self.index_dtype = self._base.index_dtype  # ids / positions / page table (the manifest's index_dtype)
         self.pages_per_sequence = int(paged["pages_per_sequence"])
         self.max_batch = max_batch
         self.num_pages = num_pages or max_batch * self.pages_per_sequence
@@ -84,7 +85,7 @@ class BatchEngine:
             pages.append(self._free.pop())
 
     def _table(self, seq_ids: Sequence[int]) -> np.ndarray:
-        table = np.zeros((len(seq_ids), self.pages_per_sequence), dtype=np.int64)
+        table = np.zeros((len(seq_ids), self.pages_per_sequence), dtype=self.index_dtype)
         for row, sid in enumerate(seq_ids):
             pages = self._pages[sid]
             table[row, : len(pages)] = pages
@@ -93,12 +94,12 @@ class BatchEngine:
     # -- compute -----------------------------------------------------------------------------
     def prefill(self, seq_id: int, token_ids: Sequence[int]) -> np.ndarray:
         """Append a chunk of prompt tokens to one sequence; return its last logits [vocab]."""
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+        ids = np.asarray(token_ids, dtype=self.index_dtype).reshape(1, -1)
         if ids.size == 0:
             raise ValueError("no tokens to run")
         self._reserve(seq_id, ids.shape[1])
         dev = self._base.device
-        pos = np.array([self._length[seq_id]], dtype=np.int64)
+        pos = np.array([self._length[seq_id]], dtype=self.index_dtype)
         out = self._prefill(
             tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(pos, dev),
             tvm.runtime.tensor(self._table([seq_id]), dev), *self._tail,
@@ -115,8 +116,8 @@ class BatchEngine:
         for sid in seq_ids:
             self._reserve(sid, 1)
         dev = self._base.device
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1, 1)
-        pos = np.array([self._length[s] for s in seq_ids], dtype=np.int64)
+        ids = np.asarray(token_ids, dtype=self.index_dtype).reshape(-1, 1)
+        pos = np.array([self._length[s] for s in seq_ids], dtype=self.index_dtype)
         out = self._decode(
             tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(pos, dev),
             tvm.runtime.tensor(self._table(seq_ids), dev), *self._tail,

@@ -88,8 +88,10 @@ class Engine:
         self._decode = self.vm[fns["decode"]]
         self._prefill_all = self.vm[fns["prefill_all"]]
         self._tail = [*self._caches, *self._weights]
-        self._one_token = np.zeros((1, 1), dtype=np.int64)
-        self._pos = np.zeros((1,), dtype=np.int64)
+        # ids / past_len element type the graph was compiled with (int32 on targets without i64)
+        self.index_dtype = np.dtype(self.manifest.get("index_dtype", "int64"))
+        self._one_token = np.zeros((1, 1), dtype=self.index_dtype)
+        self._pos = np.zeros((1,), dtype=self.index_dtype)
         self.position = 0
 
     def _load_weights(self) -> list[Any]:
@@ -113,7 +115,7 @@ class Engine:
             )
 
     def _run(self, fn: Any, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+        ids = np.asarray(token_ids, dtype=self.index_dtype).reshape(1, -1)
         n = ids.shape[1]
         if n == 0:
             raise ValueError("no tokens to run")

@@ -56,14 +56,7 @@ class CompiledPrimFunc:
 
     def param_info(self) -> list[tuple[str, tuple | None, str]]:
         """(name, shape expressions or None for scalars, dtype) per PrimFunc parameter."""
-        out = []
-        for p in self.func.params:
-            ty = _buffer_type(p)
-            if ty is None:
-                out.append((p.name, None, expr_dtype(p)))
-            else:
-                out.append((p.name, tuple(ty.shape), str(ty.dtype)))
-        return out
+        return func_param_info(self.func)
 
     def bind_env(self, values: list[Any]) -> dict[str, int]:
         """Shape variables and scalar parameters, from the call's arrays (anything with .shape) and scalars."""
@@ -113,6 +106,18 @@ class CompiledPrimFunc:
                     shmem = value
             out.append(BoundLaunch(spec.kernel, args, tuple(grid), tuple(block), shmem))
         return out
+
+
+def func_param_info(func: Any) -> list[tuple[str, tuple | None, str]]:
+    """(name, shape expressions or None for scalars, dtype) per parameter of a PrimFunc."""
+    out = []
+    for p in func.params:
+        ty = _buffer_type(p)
+        if ty is None:
+            out.append((p.name, None, expr_dtype(p)))
+        else:
+            out.append((p.name, tuple(ty.shape), str(ty.dtype)))
+    return out
 
 
 def _buffer_type(param: Any) -> Any:
@@ -306,17 +311,22 @@ def dedup_opencl(src: str) -> str:
 
 
 def random_inputs(cf: CompiledPrimFunc, sizes: dict[str, int], seed: int = 0) -> list[Any]:
-    """Random arguments for ``cf``: shape variables from ``sizes`` (name -> value), int buffers
+    """Random arguments for ``cf`` (see :func:`random_args`)."""
+    return random_args(cf.func, sizes, seed)
+
+
+def random_args(func: Any, sizes: dict[str, int], seed: int = 0) -> list[Any]:
+    """Random arguments for PrimFunc ``func``: shape variables from ``sizes`` (name -> value), int buffers
     small non-negative values (indices), floats standard normal; scalars from ``sizes``."""
     rng = np.random.default_rng(seed)
     out: list[Any] = []
-    for name, shape, dtype in cf.param_info():
+    for name, shape, dtype in func_param_info(func):
         if shape is None:
             out.append(int(sizes.get(name, 1)))
             continue
         dims = [int(evaluate(d, sizes)) for d in shape]
         if dtype.startswith("int") or dtype.startswith("uint"):
-            out.append(rng.integers(0, 4, size=dims).astype(dtype))
+            out.append(np.asarray(rng.integers(0, 4, size=dims), dtype=dtype))  # 0-d stays an ndarray
         else:
-            out.append(rng.standard_normal(dims).astype(dtype))
+            out.append(np.asarray(rng.standard_normal(dims), dtype=dtype))
     return out

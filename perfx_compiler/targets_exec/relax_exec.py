@@ -103,15 +103,17 @@ def run_decode_steps(state: Any, launcher: Any, tokens: list[int], weights: dict
     """Prefill ``tokens[:-1]`` with ``prefill_all`` semantics token by token through ``decode``; return the
     logits of every decode step (one per token). ``state`` is a pipeline state after the schedule phase."""
     from perfx_compiler.model.onnx_emit import cache_shape
+    from perfx_compiler.pipeline import index_dtype_of
 
     cfg = state.desc.config
+    index = np.dtype(index_dtype_of(state.target))  # int32 where the device has no 64-bit integers
     runner = RelaxKernelRunner(state.mod, state.target.tvm(), launcher)
     caches = [launcher.to_device(np.zeros(cache_shape(cfg), np.float32)) for _ in range(2 * cfg.num_layers)]
     dev_weights = [launcher.to_device(np.asarray(w)) for w in weights.values()]
     logits = []
     for pos, tok in enumerate(tokens):
-        ids = launcher.to_device(np.array([[tok]], np.int64))
-        past = launcher.to_device(np.array([pos], np.int64))
+        ids = launcher.to_device(np.array([[tok]], index))
+        past = launcher.to_device(np.array([pos], index))
         out = runner.run("decode", [ids, past, *caches, *dev_weights])
         first = out[0] if isinstance(out, list) else out
         logits.append(launcher.to_host(first).reshape(-1))
