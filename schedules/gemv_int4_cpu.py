@@ -58,10 +58,11 @@ def _static_rows(func: Any, kind: str) -> int | None:
     return rows
 
 
-def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4) -> Any:
+def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool = False) -> Any:
     from tvm.script import tirx as T
 
     NG = -(-K // G)
+    ZT = "float16" if offset else "uint8"  # offset (GGUF Q4_1): w = code * s + min
     VPG = G // L  # vectors per full group
     NV = K // L
     NB = K // (8 * L)  # packed blocks per row
@@ -75,7 +76,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4) -> Any:
         X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
         Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
         S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), "uint8")
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
         xs = T.decl_buffer((NG * L,), "float32")
         # x copied into a buffer zero-padded to whole groups: the ragged last group then runs the
@@ -123,11 +124,19 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4) -> Any:
                                             ),
                                         ) * xr[(g * VPG + u) * L + lane]
                                     )
-                        for r in T.unroll(R):
-                            for lane in T.vectorized(L):
-                                acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
-                                    accg[r * L + lane] - T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[g * L + lane]
-                                )
+                        if offset:
+                            for r in T.unroll(R):
+                                for lane in T.vectorized(L):
+                                    acc[r * L + lane] = acc[r * L + lane] + (
+                                        T.Cast("float32", S[t * PER + nj * R + r, g]) * accg[r * L + lane]
+                                        + T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[g * L + lane]
+                                    )
+                        else:
+                            for r in T.unroll(R):
+                                for lane in T.vectorized(L):
+                                    acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
+                                        accg[r * L + lane] - T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[g * L + lane]
+                                    )
                     for r in T.unroll(R):
                         for lane in T.serial(L - 1):
                             acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
@@ -136,10 +145,11 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4) -> Any:
     return q4_gemv
 
 
-def _dequant(N: int, K: int, G: int, L: int, tasks: int) -> Any:
+def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False) -> Any:
     from tvm.script import tirx as T
 
     NG = -(-K // G)
+    ZT = "float16" if offset else "uint8"
     NV = K // L
     PER = N // tasks
 
@@ -148,14 +158,14 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int) -> Any:
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
         S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), "uint8")
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
         Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
         for t in T.parallel(tasks):
             for nj in T.serial(PER):
                 for v in T.serial(NV):
-                    for lane in T.vectorized(L):
-                        Out[t * PER + nj, v * L + lane] = (
-                            T.Cast(
+                    if offset:
+                        for lane in T.vectorized(L):
+                            Out[t * PER + nj, v * L + lane] = T.Cast(
                                 "float32",
                                 T.Cast(
                                     "int32",
@@ -164,17 +174,31 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int) -> Any:
                                         T.uint32(15),
                                     ),
                                 ),
-                            )
-                            - T.Cast("float32", Z[t * PER + nj, v * L // G])
-                        ) * T.Cast("float32", S[t * PER + nj, v * L // G])
+                            ) * T.Cast("float32", S[t * PER + nj, v * L // G]) + T.Cast("float32", Z[t * PER + nj, v * L // G])
+                    else:
+                        for lane in T.vectorized(L):
+                            Out[t * PER + nj, v * L + lane] = (
+                                T.Cast(
+                                    "float32",
+                                    T.Cast(
+                                        "int32",
+                                        T.bitwise_and(
+                                            T.shift_right(Q[t * PER + nj, (v // 8) * L + lane], T.Cast("uint32", (v % 8) * 4)),
+                                            T.uint32(15),
+                                        ),
+                                    ),
+                                )
+                                - T.Cast("float32", Z[t * PER + nj, v * L // G])
+                            ) * T.Cast("float32", S[t * PER + nj, v * L // G])
 
     return q4_dequant
 
 
-def _take(N: int, K: int, G: int, L: int) -> Any:
+def _take(N: int, K: int, G: int, L: int, offset: bool = False) -> Any:
     from tvm.script import tirx as T
 
     NG = -(-K // G)
+    ZT = "float16" if offset else "uint8"
     NV = K // L
 
     @T.prim_func(private=True)
@@ -184,22 +208,34 @@ def _take(N: int, K: int, G: int, L: int) -> Any:
         m = T.int64()
         Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
         S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), "uint8")
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
         ID = T.match_buffer(i_h, (b, m), "int64")
         Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
         for bm in T.serial(b * m):
             for v in T.serial(NV):
-                for lane in T.vectorized(L):
-                    Out[bm // m, bm % m, v * L + lane] = (
-                        T.Cast(
+                if offset:
+                    for lane in T.vectorized(L):
+                        Out[bm // m, bm % m, v * L + lane] = T.Cast(
                             "float32",
                             T.bitwise_and(
                                 T.shift_right(Q[ID[bm // m, bm % m], (v // 8) * L + lane], T.Cast("uint32", (v % 8) * 4)),
                                 T.uint32(15),
                             ),
+                        ) * T.Cast("float32", S[ID[bm // m, bm % m], v * L // G]) + T.Cast(
+                            "float32", Z[ID[bm // m, bm % m], v * L // G]
                         )
-                        - T.Cast("float32", Z[ID[bm // m, bm % m], v * L // G])
-                    ) * T.Cast("float32", S[ID[bm // m, bm % m], v * L // G])
+                else:
+                    for lane in T.vectorized(L):
+                        Out[bm // m, bm % m, v * L + lane] = (
+                            T.Cast(
+                                "float32",
+                                T.bitwise_and(
+                                    T.shift_right(Q[ID[bm // m, bm % m], (v // 8) * L + lane], T.Cast("uint32", (v % 8) * 4)),
+                                    T.uint32(15),
+                                ),
+                            )
+                            - T.Cast("float32", Z[ID[bm // m, bm % m], v * L // G])
+                        ) * T.Cast("float32", S[ID[bm // m, bm % m], v * L // G])
 
     return q4_take
 
@@ -226,7 +262,8 @@ class GemvInt4CPU(ScheduleTemplate):
                 "M": rows or 0}
         return make_workload(
             self.name, func, target, dims, symbolic="M" if rows is None else None,
-            info={"kind": kind, "sym": bool(info.get("sym"))}, version=self.version,
+            info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset"))},
+            version=self.version,
         )
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
@@ -244,12 +281,13 @@ class GemvInt4CPU(ScheduleTemplate):
             raise ScheduleConfigError(f"invalid int4 config {config} for {d}")
         kind = workload.info.get("kind", "matmul")
         tasks = int(config.get("tasks", _rows_divisor(N, 16)))
+        offset = bool(workload.info.get("offset"))
         if kind == "take":
-            kernel = _take(N, K, G, L)
+            kernel = _take(N, K, G, L, offset)
         elif kind == "dequant":
-            kernel = _dequant(N, K, G, L, tasks)
+            kernel = _dequant(N, K, G, L, tasks, offset)
         elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
-            kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0))
+            kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0), offset=offset)
         else:
             raise ScheduleConfigError("int4 matmul with many rows: the pass emits dequantize + float GEMM")
         return _like(kernel, func)

@@ -30,7 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tuning-log", default=None, metavar="DIR", help="tuning records to build from (no new trials)")
     p.add_argument("--max-context", type=int, default=None, help="KV cache length (default: min(model's, 2048))")
     p.add_argument("--schedule", choices=["perfx", "dlight"], default="perfx", help="schedule templates to use")
-    p.add_argument("--quantization", default="f32", help="weight format (f32)")
+    p.add_argument(
+        "--quantization", default="auto",
+        help="weight format: auto (gguf for a GGUF model with Q4_0/Q4_1/Q8_0 weights, else f32), f32, gguf, "
+             "q8, q8_g64, q8_g128, q4_g128/g64/g32, q4_sym_g*, q4_awq_g128/g64/g32",
+    )
     p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=None,
                    help="also export the paged, batched functions perfx-serve uses")
     p.add_argument("--emit-onnx", default=None, metavar="FILE", help="also write the model as a runnable ONNX graph")

@@ -9,6 +9,8 @@ Packed layout (what ``schedules/gemv_int4_cpu.py`` reads), for W [N, K]:
 * ``scale``: float16 [N, ceil(K/G)], ``zero``: uint8 [N, ceil(K/G)]; w = (code - zero) * scale.
   Symmetric quantization stores zero = 8 (codes -8..7 shifted). A group size that does not divide
   K leaves a shorter last group (K = 576 with g128: 4 groups of 128 + one of 64).
+* Offset variant (``Int4Format.offset``, GGUF Q4_1 as it is): the third array is ``min``, float16
+  [N, ceil(K/G)], and w = code * scale + min.
 
 Bytes per parameter at g128: 0.5 + 3/128 = 0.523.
 """
@@ -30,6 +32,12 @@ QUANT_ATTR = "perfx.quant"
 class Int4Format:
     group: int
     symmetric: bool
+    offset: bool = False  # third array is a float16 min (w = code * scale + min), not a uint8 zero
+
+    @property
+    def tag(self) -> str:
+        """Format tag in kernel names: g128, g32s (symmetric), g32m (min offset)."""
+        return f"g{self.group}{'s' if self.symmetric else ''}{'m' if self.offset else ''}"
 
     def lanes(self, k: int) -> int:
         """Interleave width L (block B = 8L) for a row of ``k`` columns."""
@@ -97,14 +105,33 @@ def unpack_int4(words: np.ndarray, k: int, lanes: int) -> np.ndarray:
     return out.reshape(n, k).astype(np.uint8)
 
 
-def quant_info(n: int, k: int, group: int, lanes: int, symmetric: bool) -> str:
+def quant_info(n: int, k: int, group: int, lanes: int, symmetric: bool, offset: bool = False) -> str:
     """The JSON the schedule template reads from a quantized matmul PrimFunc."""
-    return json.dumps({"bits": 4, "N": n, "K": k, "group": group, "lanes": lanes, "sym": symmetric}, sort_keys=True)
+    info = {"bits": 4, "N": n, "K": k, "group": group, "lanes": lanes, "sym": symmetric}
+    if offset:
+        info["offset"] = True
+    return json.dumps(info, sort_keys=True)
+
+
+def int4_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: Int4Format) -> Any:
+    """The ``_qlinear.Packed`` of int4 codes [N, K] with scale and zero (or min, ``fmt.offset``)."""
+    from perfx_compiler.passes._qlinear import Packed
+
+    n, k = codes.shape
+    lanes = fmt.lanes(k)
+
+    def compute(kind: str, rows: tuple[int | None, int | None]) -> Any:
+        return int4_matmul_compute(n, k, fmt.group, lanes, fmt.symmetric, kind=kind, rows=rows, offset=fmt.offset)
+
+    arrays = [("_q4", pack_int4(codes, lanes)), ("_q4_scale", np.ascontiguousarray(scale, dtype=np.float16)),
+              ("_q4_min", np.ascontiguousarray(third, dtype=np.float16)) if fmt.offset
+              else ("_q4_zero", np.ascontiguousarray(third, dtype=np.uint8))]
+    return Packed("q4", fmt.tag, n, k, arrays, compute)
 
 
 def int4_matmul_compute(
     n: int, k: int, group: int, lanes: int, symmetric: bool, kind: str = "matmul",
-    rows: tuple[int | None, int | None] = (1, None),
+    rows: tuple[int | None, int | None] = (1, None), offset: bool = False,
 ) -> Any:
     """Reference PrimFunc ``y[0, m, n] = sum_k x[0, m, k] * dequant(W)[n, k]`` (M symbolic), tagged
     with ``perfx.quant`` so the int4 template can replace it with its scheduled kernel. Correct
@@ -118,12 +145,14 @@ def int4_matmul_compute(
     words = k // 8
     q = te.placeholder((n, words), "uint32", name="q")
     s = te.placeholder((n, ng), "float16", name="scale")
-    z = te.placeholder((n, ng), "uint8", name="zero")
+    z = te.placeholder((n, ng), "float16" if offset else "uint8", name="min" if offset else "zero")
 
     def w(row: Any, col: Any) -> Any:
         word = q[row, (col // block) * lanes + col % lanes]
         code = (word >> ((col % block) // lanes * 4).astype("uint32")) & tirx.const(15, "uint32")
         g = col // group
+        if offset:
+            return code.astype("float32") * s[row, g].astype("float32") + z[row, g].astype("float32")
         return (code.astype("float32") - z[row, g].astype("float32")) * s[row, g].astype("float32")
 
     b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
@@ -140,6 +169,6 @@ def int4_matmul_compute(
         r = te.reduce_axis((0, k), name="k")
         out = te.compute((b, m, n), lambda bi, i, j: te.sum(x[bi, i, r] * w(j, r), axis=r), name="matmul_q4")
         func = te.create_prim_func([x, q, s, z, out])
-    info = json.loads(quant_info(n, k, group, lanes, symmetric))
+    info = json.loads(quant_info(n, k, group, lanes, symmetric, offset))
     info["kind"] = kind
     return func.with_attr(QUANT_ATTR, json.dumps(info, sort_keys=True))

@@ -60,8 +60,7 @@ def test_quantization_names() -> None:
     assert parse("f32") is None
     with pytest.raises(PerfXError, match="unknown quantization 'q4_g96'"):
         parse("q4_g96")
-    with pytest.raises(PerfXError, match="not implemented yet"):
-        parse("q8")
+    assert parse("q8") is None and parse("gguf") is None  # other passes' schemes: valid, not int4 RTN
     with pytest.raises(PerfXError, match="multiple of 32"):
         Int4Format(32, False).lanes(100)
 
@@ -79,8 +78,9 @@ def test_ir_structure(q4_state: Any) -> None:
     assert sum(v for k, v in decode.items() if k.startswith("q4_matmul")) == 2 * 4 + 1
     assert sum(v for k, v in decode.items() if k.startswith("q4_take")) == 1
     prefill = report.kernel_breakdown(st.notes["after_passes"], "prefill")
-    assert sum(v for k, v in prefill.items() if k.startswith("q4_dequant")) == 2 * 4 + 1
-    assert not any(k.startswith("q4_matmul") for k in prefill)
+    assert sum(v for k, v in prefill.items() if k.startswith("q4_dequant")) == 2 * 4
+    # the last-token lm_head reads one row (its row count is an expression equal to 1): GEMV
+    assert sum(v for k, v in prefill.items() if k.startswith("q4_matmul")) == 1
 
 
 @pytest.mark.parametrize(

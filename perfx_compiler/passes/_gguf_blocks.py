@@ -1,0 +1,79 @@
+"""GGUF Q4_0 / Q4_1 / Q8_0 blocks -> the layouts PerfX's quantized kernels read (no requantization).
+
+ggml blocks hold 32 consecutive weights of a row:
+
+* Q4_0 (18 bytes): d (f16), 16 bytes of nibbles; weight j < 16 is byte j's low nibble, weight
+  j + 16 its high nibble; w = (q - 8) * d. -> int4 symmetric, groups of 32: scale d, zero 8.
+* Q4_1 (20 bytes): d (f16), m (f16), 16 bytes of nibbles as Q4_0; w = q * d + m.
+  -> int4 offset format, groups of 32: scale d, min m.
+* Q8_0 (34 bytes): d (f16), 32 int8; w = q * d. -> int8, groups of 32: scale d.
+
+Every value (code, scale, min) is copied bit for bit, so the kernels compute with exactly the
+weights the GGUF file describes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from perfx_compiler.errors import PerfXError
+from perfx_compiler.passes._quant import Int4Format, int4_packed
+from perfx_compiler.passes._quant8 import int8_packed
+
+BLOCK = 32
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+Q4_0 = Int4Format(32, symmetric=True)
+Q4_1 = Int4Format(32, symmetric=False, offset=True)
+
+
+def _blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    n, k = shape
+    if qtype not in BLOCK_BYTES:
+        raise PerfXError(f"GGUF passthrough reads Q4_0, Q4_1 and Q8_0 tensors, not {qtype}")
+    if k % BLOCK:
+        raise PerfXError(f"internal: a {qtype} tensor of shape {shape} is not made of whole 32-blocks")
+    b = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // BLOCK, BLOCK_BYTES[qtype])
+    return b
+
+
+def _f16(b: np.ndarray, at: int) -> np.ndarray:
+    return np.ascontiguousarray(b[:, :, at : at + 2]).view(np.float16)[:, :, 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    n, nb, _ = qs.shape
+    return np.concatenate([qs & 15, qs >> 4], axis=2).reshape(n, nb * BLOCK).astype(np.uint8)
+
+
+def unpack_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> tuple[np.ndarray, ...]:
+    """Q4_0 -> (codes, scale, zero); Q4_1 -> (codes, scale, min); Q8_0 -> (int8 codes, scale)."""
+    b = _blocks(qtype, raw, shape)
+    if qtype == "Q8_0":
+        return np.ascontiguousarray(b[:, :, 2:]).view(np.int8).reshape(shape), _f16(b, 0)
+    if qtype == "Q4_0":
+        d = _f16(b, 0)
+        return _nibbles(b[:, :, 2:]), d, np.full(d.shape, 8, dtype=np.uint8)
+    return _nibbles(b[:, :, 4:]), _f16(b, 0), _f16(b, 2)
+
+
+def dequantize_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """Float32 weights of the blocks, computed from the unpacked arrays (checks the unpacking)."""
+    parts = unpack_blocks(qtype, raw, shape)
+    idx = np.arange(shape[1]) // BLOCK
+    if qtype == "Q8_0":
+        return parts[0].astype(np.float32) * parts[1].astype(np.float32)[:, idx]
+    codes, d, third = parts
+    c, s = codes.astype(np.float32), d.astype(np.float32)[:, idx]
+    if qtype == "Q4_0":
+        return (c - 8.0) * s
+    return c * s + third.astype(np.float32)[:, idx]
+
+
+def packed_from_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> Any:
+    """The ``_qlinear.Packed`` of a GGUF tensor."""
+    parts = unpack_blocks(qtype, raw, shape)
+    if qtype == "Q8_0":
+        return int8_packed(parts[0], parts[1], BLOCK)
+    return int4_packed(*parts, Q4_0 if qtype == "Q4_0" else Q4_1)

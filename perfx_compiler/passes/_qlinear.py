@@ -1,0 +1,219 @@
+"""Rewrite linears over quantized weights: the Relax surgery shared by every weight-only scheme
+(own int4 ``quantize_int4``, ``q8``, GGUF passthrough, AWQ).
+
+A scheme hands over, per weight W [N, K] read by a linear, a :class:`Packed`: the arrays that
+replace W in the weight table (in kernel-argument order, named ``<W><suffix>``) and a factory of
+reference PrimFuncs tagged ``perfx.quant`` (a schedule template swaps each for its kernel):
+
+* ``matmul`` (static rows <= GEMV_MAX_ROWS, decode): ``y = x @ dequant(W)^T`` in one call;
+* ``dequant`` (prefill, rows symbolic): the float W [N, K], followed by the float GEMM;
+* ``take``: the embedding gather straight from the packed table (a tied embedding keeps no
+  float copy).
+
+Kernel names are ``<family>_<kind>_<N>_<K>_<tag>[_<rows>]`` (``q4_matmul_576_576_g32m_1x1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from perfx_compiler.errors import PerfXError
+from perfx_compiler.passes._relax_util import (
+    SKIP,
+    FuncInfo,
+    exported,
+    find_linears,
+    op_name,
+    replace_weight_params,
+    rewrite_functions,
+)
+
+GEMV_MAX_ROWS = 8  # more rows than this (prefill): dequantize once, then the float GEMM
+
+
+@dataclass
+class Packed:
+    """One quantized weight: its replacement arrays and its kernels' reference PrimFuncs."""
+
+    family: str  # kernel-name prefix: "q4", "q8"
+    tag: str  # format tag in kernel names, e.g. "g32s" (int4 symmetric, groups of 32)
+    n: int
+    k: int
+    arrays: list[tuple[str, np.ndarray]]  # (parameter-name suffix, array), kernel-argument order
+    compute: Callable[[str, tuple[int | None, int | None]], Any]  # (kind, rows) -> PrimFunc
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for _, a in self.arrays))
+
+
+def weight_uses(mod: tvm.IRModule, names: set[str]) -> dict[str, set[str]]:
+    """For each weight name, the kinds of use it has across exported functions: linear, take, other."""
+    uses: dict[str, set[str]] = {n: set() for n in names}
+    for fn in exported(mod):
+        info = FuncInfo.of(mod[fn])
+        lin_perms = {lin.permute for lin in find_linears(info)}
+        for var, value in info.values.items():
+            args = list(value.args) if isinstance(value, relax.Call) else []
+            for a in args:
+                if isinstance(a, relax.Var) and a.name in names and a not in info.values:
+                    if op_name(value) == "relax.permute_dims" and var in lin_perms:
+                        uses[a.name].add("linear")
+                    elif op_name(value) == "relax.take" and int(value.attrs.axis) == 0 and a.same_as(args[0]):
+                        uses[a.name].add("take")
+                    elif op_name(value) == "relax.shape_of":
+                        uses[a.name].add("shape")  # the importer's negative-id wrap: a constant
+                    else:
+                        uses[a.name].add("other")
+    return uses
+
+
+def linear_weights(mod: tvm.IRModule, weights: dict[str, Any]) -> tuple[set[str], dict[str, set[str]]]:
+    """(names of 2-D weights some linear reads, their uses)."""
+    candidates = {n for n, a in weights.items() if np.asarray(a).ndim == 2}
+    uses = weight_uses(mod, candidates)
+    return {n for n, u in uses.items() if "linear" in u}, uses
+
+
+def static_dim(expr: Any, axis: int) -> int | None:
+    """A dim's value when it is a constant, or an expression that is one for every length >= 1
+    (prefill's last-token slice has ``min(INT64_MAX, seq) - min(max(seq - 1, 0), seq)`` rows: 1)."""
+    d = expr.ty.shape.values[axis]
+    if isinstance(d, tvm.tirx.IntImm):
+        return int(d.value)
+    from tvm import sym
+
+    analyzer = sym.Analyzer()
+    for v in tvm.tirx.analysis.undefined_vars(d):
+        analyzer.update(v, sym.ConstIntBound(1, 1 << 40))
+    out = analyzer.simplify(d)
+    return int(out.value) if isinstance(out, tvm.tirx.IntImm) else None
+
+
+def rewrite_linears(
+    mod: tvm.IRModule, weights: dict[str, Any], packed: dict[str, Packed]
+) -> tuple[tvm.IRModule, dict[str, Any]]:
+    """Replace each weight of ``packed`` by its arrays and every linear/gather over it by kernels."""
+    if not packed:
+        return mod, weights
+    _, uses = linear_weights(mod, weights)
+    new_weights: dict[str, Any] = {}
+    for name, arr in weights.items():
+        if name not in packed:
+            new_weights[name] = arr
+            continue
+        if "other" in uses.get(name, set()):
+            new_weights[name] = arr  # still read as floats somewhere: keep both
+        for suffix, a in packed[name].arrays:
+            new_weights[f"{name}{suffix}"] = a
+    mod, new_weights, params = replace_weight_params(mod, weights, new_weights)
+
+    kernels: dict[str, Any] = {}
+
+    def kernel(kind: str, name: str, lead: Any) -> str:
+        pk = packed[name]
+        if kind == "dequant":
+            key = f"{pk.family}_dequant_{pk.n}_{pk.k}_{pk.tag}"
+            if key not in kernels:
+                kernels[key] = pk.compute("dequant", (None, None))
+            return key
+        if len(lead.ty.shape.values) != (3 if kind == "matmul" else 2):
+            raise PerfXError(f"internal: quantized {kind} of {name} expects a rank-3 input, got {lead.ty}")
+        rows = (static_dim(lead, 0), static_dim(lead, 1))
+        tag = "x".join("n" if r is None else str(r) for r in rows)
+        key = f"{pk.family}_{kind}_{pk.n}_{pk.k}_{pk.tag}_{tag}"
+        if key not in kernels:
+            kernels[key] = pk.compute(kind, rows)
+        return key
+
+    plans: dict[str, list[tuple[str, Any, Any]]] = {}
+    for fn in exported(mod):
+        info = FuncInfo.of(mod[fn])
+        todo: list[tuple[str, Any, Any]] = []
+        for lin in find_linears(info):
+            if lin.weight.name in packed:
+                rows = [static_dim(lin.x, 0), static_dim(lin.x, 1)]
+                if None not in rows and rows[0] * rows[1] <= GEMV_MAX_ROWS:
+                    todo.append(("linear", lin, kernel("matmul", lin.weight.name, lin.x)))
+                else:
+                    todo.append(("dequant", lin, kernel("dequant", lin.weight.name, None)))
+        for var, value in info.values.items():
+            if op_name(value) == "relax.shape_of" and getattr(value.args[0], "name", None) in packed:
+                if value.args[0] not in info.values:
+                    pk = packed[value.args[0].name]
+                    todo.append(("shape", var, (pk.n, pk.k)))
+            if op_name(value) == "relax.take" and isinstance(value.args[0], relax.Var):
+                wname = value.args[0].name
+                if wname in packed and value.args[0] not in info.values and int(value.attrs.axis) == 0:
+                    ids = value.args[1]
+                    if len(ids.ty.shape.values) == 2 and "other" not in uses[wname]:
+                        todo.append(("take", var, kernel("take", wname, ids)))
+        plans[fn] = todo
+
+    def plan_for(fn: str, func: relax.Function, info: FuncInfo, gvars: dict[str, Any]) -> dict[Any, Any]:
+        plan: dict[Any, Any] = {}
+        p = params[fn]
+
+        def qargs(wn: str) -> list[Any]:
+            return [p[f"{wn}{suffix}"] for suffix, _ in packed[wn].arrays]
+
+        for kind, item, key in plans[fn]:
+            if kind == "linear":
+                lin = item
+                for v in lin.vars:
+                    plan[v] = SKIP
+
+                def linear(rw: Any, binding: Any, lin=lin, key=key) -> None:
+                    ty = lin.matmul.ty
+                    y = rw.emit(
+                        relax.call_tir(gvars[key], [rw.arg(lin.x), *qargs(lin.weight.name)],
+                                       relax.TensorType(ty.shape, "float32")),
+                        None if lin.add is not None else lin.matmul,
+                    )
+                    if lin.add is not None:
+                        y = rw.emit(relax.op.add(y, rw.arg(lin.bias)), lin.add)
+                    rw.remap(lin.out, y)
+
+                plan[min(lin.vars[1:], key=lambda v: info.order[v])] = linear
+            elif kind == "dequant":
+                lin = item
+                for v in lin.vars:
+                    plan[v] = SKIP
+
+                def dequant(rw: Any, binding: Any, lin=lin, key=key) -> None:
+                    pk = packed[lin.weight.name]
+                    w = rw.emit(relax.call_tir(gvars[key], qargs(lin.weight.name),
+                                               relax.TensorType([pk.n, pk.k], "float32")))
+                    pt = rw.emit(relax.op.permute_dims(w, axes=[1, 0]))
+                    y = rw.emit(relax.op.matmul(rw.arg(lin.x), pt), None if lin.add is not None else lin.matmul)
+                    if lin.add is not None:
+                        y = rw.emit(relax.op.add(y, rw.arg(lin.bias)), lin.add)
+                    rw.remap(lin.out, y)
+
+                plan[lin.matmul] = dequant
+            elif kind == "shape":
+                n, k = key
+
+                def shape(rw: Any, binding: Any, n=n, k=k) -> None:
+                    rw.remap(binding.var, rw.emit(relax.ShapeExpr([n, k]), binding.var))
+
+                plan[item] = shape
+            else:
+
+                def take(rw: Any, binding: Any, key=key) -> None:
+                    wn = binding.value.args[0].name
+                    call = relax.call_tir(gvars[key], [*qargs(wn), rw.arg(binding.value.args[1])],
+                                          relax.TensorType(binding.var.ty.shape, "float32"))
+                    rw.remap(binding.var, rw.emit(call, binding.var))
+
+                plan[item] = take
+        return plan
+
+    mod, _ = rewrite_functions(mod, plan_for, kernels)
+    return mod, new_weights

@@ -1,0 +1,99 @@
+"""Weight-only int8 group quantization (symmetric; GGUF Q8_0 is the G = 32 case): numpy side and
+the reference PrimFuncs that ``schedules/gemv_int8_cpu.py`` replaces by its kernels.
+
+Layout, for W [N, K]: ``q`` int8 [N, K] row-major (a vector load of L bytes = L consecutive
+columns), ``scale`` float16 [N, K/G]; w = q * scale. G must divide K (every GGUF Q8_0 tensor
+qualifies: rows are whole blocks of 32). Bytes per parameter at G = 32: 1 + 2/32 = 1.0625.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from perfx_compiler.errors import PerfXError
+
+QUANT_ATTR = "perfx.quant"
+
+
+def check_group(k: int, group: int, what: str = "q8") -> None:
+    if k % group:
+        raise PerfXError(
+            f"{what}: group size {group} does not divide a weight's input size K={k}; "
+            f"pick a group dividing {k} (q8 = groups of 32, q8_g64, q8_g128)"
+        )
+
+
+def quantize_int8(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """(codes int8 [N, K] in -127..127, scale float16 [N, K/G]), round to nearest as llama.cpp Q8_0."""
+    w = np.asarray(w, dtype=np.float32)
+    n, k = w.shape
+    check_group(k, group)
+    grp = w.reshape(n, k // group, group).astype(np.float64)
+    scale = (np.abs(grp).max(axis=2) / 127.0).astype(np.float16)
+    s = scale.astype(np.float64)
+    s[s == 0] = 1.0
+    codes = np.clip(np.rint(grp / s[:, :, None]), -127, 127).astype(np.int8).reshape(n, k)
+    return codes, scale
+
+
+def dequantize_int8(codes: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
+    idx = np.arange(codes.shape[1]) // group
+    return (codes.astype(np.float32) * scale.astype(np.float32)[:, idx]).astype(np.float32)
+
+
+def lanes8(k: int, group: int) -> int:
+    for lanes in (16, 8, 4):
+        if group % lanes == 0 and k % lanes == 0:
+            return lanes
+    raise PerfXError(f"q8: group size {group} must be a multiple of 4")
+
+
+def int8_matmul_compute(
+    n: int, k: int, group: int, kind: str = "matmul", rows: tuple[int | None, int | None] = (1, None)
+) -> Any:
+    """Reference PrimFunc of an int8 linear (``kind``: matmul / dequant / take, as in ``_quant``),
+    tagged ``perfx.quant`` with bits = 8. Correct (slow) on any target as it is."""
+    from tvm import te, tirx
+
+    check_group(k, group)
+    ng = k // group
+    q = te.placeholder((n, k), "int8", name="q")
+    s = te.placeholder((n, ng), "float16", name="scale")
+
+    def w(row: Any, col: Any) -> Any:
+        return q[row, col].astype("float32") * s[row, col // group].astype("float32")
+
+    b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
+    m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
+    if kind == "dequant":
+        out = te.compute((n, k), lambda row, col: w(row, col), name="dequant_q8")
+        func = te.create_prim_func([q, s, out])
+    elif kind == "take":
+        ids = te.placeholder((b, m), "int64", name="ids")
+        out = te.compute((b, m, k), lambda bi, i, c: w(ids[bi, i], c), name="take_q8")
+        func = te.create_prim_func([q, s, ids, out])
+    else:
+        x = te.placeholder((b, m, k), "float32", name="x")
+        r = te.reduce_axis((0, k), name="k")
+        out = te.compute((b, m, n), lambda bi, i, j: te.sum(x[bi, i, r] * w(j, r), axis=r), name="matmul_q8")
+        func = te.create_prim_func([x, q, s, out])
+    info = {"bits": 8, "N": n, "K": k, "group": group, "lanes": lanes8(k, group), "kind": kind}
+    return func.with_attr(QUANT_ATTR, json.dumps(info, sort_keys=True))
+
+
+def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
+    """The ``_qlinear.Packed`` of int8 codes [N, K] + float16 scales [N, K/G]."""
+    from perfx_compiler.passes._qlinear import Packed
+
+    n, k = codes.shape
+    check_group(k, group)
+
+    def compute(kind: str, rows: tuple[int | None, int | None]) -> Any:
+        return int8_matmul_compute(n, k, group, kind=kind, rows=rows)
+
+    arrays = [("_q8", np.ascontiguousarray(codes, dtype=np.int8)),
+              ("_q8_scale", np.ascontiguousarray(scale, dtype=np.float16))]
+    return Packed("q8", f"g{group}", n, k, arrays, compute)

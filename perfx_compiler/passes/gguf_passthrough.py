@@ -1,0 +1,79 @@
+"""GGUF passthrough (quantization ``gguf``): linears read the file's Q4_0 / Q4_1 / Q8_0 blocks as
+they are, repacked into the kernels' layouts (``_gguf_blocks``), never requantized.
+
+The loader keeps each such tensor's raw blocks in ``ModelDescription.quantized`` (Q/K rows already
+in Hugging Face order). Merged projections (``merge_projections``: QKV, gate+up) take their
+members' blocks concatenated by rows when all members share one type. Each packed weight is
+checked against the float weight the graph was built from (the same file, dequantized by the
+``gguf`` package); a mismatch is an internal error, never a silent change of the model. Weights
+of other types (F32, F16, K-quants) stay float32.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import tvm
+
+from perfx_compiler.errors import PerfXError
+from perfx_compiler.passes._gguf_blocks import dequantize_blocks, packed_from_blocks
+from perfx_compiler.passes._qlinear import linear_weights, rewrite_linears
+from perfx_compiler.passes.merge_projections import GROUPS
+
+NAME = "gguf_passthrough"
+ORDER = 61  # after the merges; acts only for quantization "gguf" (quantize_int4 acts for q4_*)
+DEFAULT = True
+
+
+def relax_name(hf_name: str) -> str:
+    """The Relax parameter name of a weight (the ONNX importer turns dots into underscores)."""
+    return hf_name.replace(".", "_")
+
+
+def block_tables(desc: Any) -> dict[str, tuple[str, np.ndarray, tuple[int, int]]]:
+    """Relax weight name -> (ggml type, raw blocks [rows, bytes], (N, K)), merged groups included."""
+    out = {relax_name(n): (t, raw, tuple(shape)) for n, (t, raw, shape) in desc.quantized.items()}
+    for merged, members in GROUPS:
+        pat = re.compile(rf"^(.*){members[0]}_weight$")
+        for name in list(out):
+            m = pat.match(name)
+            if not m:
+                continue
+            parts = [out.get(f"{m.group(1)}{s}_weight") for s in members]
+            if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:  # type: ignore[index]
+                continue
+            raw = np.concatenate([np.asarray(p[1]) for p in parts], axis=0)  # type: ignore[index]
+            rows = sum(p[2][0] for p in parts)  # type: ignore[index]
+            out[f"{m.group(1)}{merged}_weight"] = (parts[0][0], raw, (rows, parts[0][2][1]))  # type: ignore[index]
+    return out
+
+
+def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
+    if (getattr(ctx.options, "quantization", "f32") or "f32") != "gguf":
+        return mod, weights
+    desc = ctx.desc
+    if desc is None or not getattr(desc, "quantized", None):
+        raise PerfXError(
+            "quantization 'gguf' needs a GGUF model with Q4_0, Q4_1 or Q8_0 weights; this model has none "
+            "(use f32, q8 or q4_g128)"
+        )
+    quant, uses = linear_weights(mod, weights)
+    # An untied embedding is only gathered: its rows come from the blocks too (no float copy).
+    quant |= {n for n, u in uses.items() if "take" in u and "other" not in u}
+    tables = block_tables(desc)
+    packed = {}
+    for name in sorted(quant):
+        if name not in tables:
+            continue  # F32 / F16 / K-quant weights stay float
+        qtype, raw, shape = tables[name]
+        w = np.asarray(weights[name], dtype=np.float32)
+        if tuple(w.shape) != shape:
+            raise PerfXError(f"internal: GGUF blocks of {name} have shape {shape}, the graph's weight {w.shape}")
+        back = dequantize_blocks(qtype, raw, shape)
+        err = float(np.abs(back - w).max())
+        if err > 1e-6 * max(float(np.abs(w).max()), 1e-30):
+            raise PerfXError(f"internal: GGUF blocks of {name} ({qtype}) do not reproduce its weights (max error {err:g})")
+        packed[name] = packed_from_blocks(qtype, raw, shape)
+    return rewrite_linears(mod, weights, packed)

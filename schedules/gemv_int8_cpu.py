@@ -1,0 +1,199 @@
+"""CPU kernels for int8 group-quantized linears (functions tagged ``perfx.quant`` with bits = 8:
+the ``q8`` scheme and GGUF Q8_0 passthrough) and the int8 embedding gather.
+
+* GEMV (static rows <= 8, decode): parallel over output rows N, R rows at a time (R independent
+  FMA chains sharing each x load). Per group of G columns the codes are sign-extended, converted
+  and multiplied into a per-group vector accumulator; the group's scale is applied once per
+  group: ``y += s_g * sum_g(q x)``.
+* Dequantize (prefill, rows symbolic): int8 -> fp32 W [N, K], then the float GEMM template.
+* Embedding gather: rows of the int8 table dequantized on the fly.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from perfx_compiler.schedule_template import (
+    ScheduleConfigError,
+    ScheduleTemplate,
+    Workload,
+    is_cpu_target,
+    make_workload,
+)
+from perfx_compiler.targets import TargetDescription
+
+PRIORITY = 5
+QUANT_ATTR = "perfx.quant"
+GEMV_MAX_ROWS = 8
+
+
+def _info(func: Any) -> dict[str, Any] | None:
+    attrs = func.attrs
+    if attrs is None or QUANT_ATTR not in attrs:
+        return None
+    try:
+        info = json.loads(str(attrs[QUANT_ATTR]))
+    except ValueError:
+        return None
+    return info if info.get("bits") == 8 else None
+
+
+def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int) -> Any:
+    from tvm.script import tirx as T
+
+    NG = K // G
+    VPG = G // L
+    PER = N // tasks
+
+    @T.prim_func(private=True)
+    def q8_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        b = T.int64()
+        m = T.int64()
+        X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+        Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
+        for bm in T.serial(b * m):
+            for t in T.parallel(tasks):
+                acc = T.decl_buffer((R * L,), "float32", scope="local")
+                accg = T.decl_buffer((R * L,), "float32", scope="local")
+                for nj in T.serial(PER // R):
+                    for r in T.unroll(R):
+                        for lane in T.vectorized(L):
+                            acc[r * L + lane] = T.float32(0)
+                    for g in T.serial(NG):
+                        for r in T.unroll(R):
+                            for lane in T.vectorized(L):
+                                accg[r * L + lane] = T.float32(0)
+                        for u in T.unroll(VPG):
+                            for r in T.unroll(R):
+                                for lane in T.vectorized(L):
+                                    accg[r * L + lane] = accg[r * L + lane] + T.Cast(
+                                        "float32", Q[t * PER + nj * R + r, g * G + u * L + lane]
+                                    ) * X[bm // m, bm % m, g * G + u * L + lane]
+                        for r in T.unroll(R):
+                            for lane in T.vectorized(L):
+                                acc[r * L + lane] = acc[r * L + lane] + T.Cast(
+                                    "float32", S[t * PER + nj * R + r, g]
+                                ) * accg[r * L + lane]
+                    for r in T.unroll(R):
+                        for lane in T.serial(L - 1):
+                            acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
+                        Y[bm // m, bm % m, t * PER + nj * R + r] = acc[r * L]
+
+    return q8_gemv
+
+
+def _dequant(N: int, K: int, G: int, L: int, tasks: int) -> Any:
+    from tvm.script import tirx as T
+
+    NG = K // G
+    NV = K // L
+    PER = N // tasks
+
+    @T.prim_func(private=True)
+    def q8_dequant(q_h: T.handle, s_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+        Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
+        for t in T.parallel(tasks):
+            for nj in T.serial(PER):
+                for v in T.serial(NV):
+                    for lane in T.vectorized(L):
+                        Out[t * PER + nj, v * L + lane] = T.Cast("float32", Q[t * PER + nj, v * L + lane]) * T.Cast(
+                            "float32", S[t * PER + nj, v * L // G]
+                        )
+
+    return q8_dequant
+
+
+def _take(N: int, K: int, G: int, L: int) -> Any:
+    from tvm.script import tirx as T
+
+    NG = K // G
+    NV = K // L
+
+    @T.prim_func(private=True)
+    def q8_take(q_h: T.handle, s_h: T.handle, i_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        b = T.int64()
+        m = T.int64()
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+        ID = T.match_buffer(i_h, (b, m), "int64")
+        Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
+        for bm in T.serial(b * m):
+            for v in T.serial(NV):
+                for lane in T.vectorized(L):
+                    Out[bm // m, bm % m, v * L + lane] = T.Cast("float32", Q[ID[bm // m, bm % m], v * L + lane]) * T.Cast(
+                        "float32", S[ID[bm // m, bm % m], v * L // G]
+                    )
+
+    return q8_take
+
+
+def _rows_divisor(n: int, want: int) -> int:
+    for r in (want, 16, 8, 4, 2, 1):
+        if r <= want and n % r == 0:
+            return r
+    return 1
+
+
+def _static_rows(func: Any, kind: str) -> int | None:
+    buf = func.params[0] if kind == "matmul" else func.params[2]
+    rows = 1
+    for d in list(buf.shape)[:2]:
+        v = getattr(d, "value", None)
+        if not isinstance(v, int):
+            return None
+        rows *= v
+    return rows
+
+
+class GemvInt8CPU(ScheduleTemplate):
+    name = "gemv_int8_cpu"
+
+    def match(self, func: Any, target: TargetDescription) -> Workload | None:
+        if not is_cpu_target(target):
+            return None
+        info = _info(func)
+        if info is None:
+            return None
+        kind = info.get("kind", "matmul")
+        rows = _static_rows(func, kind)
+        dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "L": int(info["lanes"]),
+                "M": rows or 0}
+        return make_workload(self.name, func, target, dims, symbolic="M" if rows is None else None,
+                             info={"kind": kind}, version=self.version)
+
+    def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
+        N = workload.dims["N"]
+        return {"tasks": [t for t in (2, 4, 8, 16, 32, 64) if N % t == 0]}
+
+    def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
+        return {"tasks": _rows_divisor(workload.dims["N"], 16)}
+
+    def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
+        from schedules.gemv_int4_cpu import _like
+
+        d = workload.dims
+        N, K, G, L = d["N"], d["K"], d["G"], d["L"]
+        tasks = int(config.get("tasks", _rows_divisor(N, 16)))
+        if N % tasks or K % G or G % L:
+            raise ScheduleConfigError(f"invalid int8 config {config} for {d}")
+        kind = workload.info.get("kind", "matmul")
+        if kind == "take":
+            kernel = _take(N, K, G, L)
+        elif kind == "dequant":
+            kernel = _dequant(N, K, G, L, tasks)
+        elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
+            kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0))
+        else:
+            raise ScheduleConfigError("int8 matmul with many rows: the pass emits dequantize + float GEMM")
+        return _like(kernel, func)
+
+
+TEMPLATE = GemvInt8CPU()
