@@ -28,8 +28,8 @@ ORDER = 60  # after the merges (quantize the merged weights), before weight_layo
 DEFAULT = True
 
 # Schemes other passes implement (gguf_passthrough, quantize_int8, awq): not int4 RTN, but valid names.
-OTHER = ("f32", "gguf", "q8", "q8_g32", "q8_g64", "q8_g128")
-NOT_YET = ("q4_awq_g128", "q4_awq_g64", "q4_awq_g32")  # planned schemes: refuse rather than silently compile f32
+OTHER = ("f32", "gguf", "q8", "q8_g32", "q8_g64", "q8_g128", "q4_awq_g128", "q4_awq_g64", "q4_awq_g32")
+NOT_YET: tuple[str, ...] = ()  # planned schemes: refuse rather than silently compile f32
 KNOWN = OTHER
 __all__ = ["GEMV_MAX_ROWS", "parse", "quantize_linears", "apply"]
 _Q4 = re.compile(r"^q4_(sym_)?g(32|64|128)$")
