@@ -69,7 +69,7 @@ def kernel_counts(model: str) -> dict[str, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--quant", nargs="+", default=["f32", "q4_g128", "q4_g64", "q4_g32", "q4_sym_g128"])
+    ap.add_argument("--quant", nargs="+", default=["f32", "gguf", "q8", "q4_g128", "q4_awq_g128", "q4_g64", "q4_g32", "q4_sym_g128"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--work", type=Path, default=Path("/tmp/perfx-bench-quant"))
