@@ -99,15 +99,23 @@ class RelaxKernelRunner:
         return outs if isinstance(out_ty, relax.TupleType) else outs[0]
 
 
-def run_decode_steps(state: Any, launcher: Any, tokens: list[int], weights: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Prefill ``tokens[:-1]`` with ``prefill_all`` semantics token by token through ``decode``; return the
-    logits of every decode step (one per token). ``state`` is a pipeline state after the schedule phase."""
+def run_decode_steps(
+    state: Any,
+    launcher: Any,
+    tokens: list[int],
+    weights: dict[str, np.ndarray],
+    runner: RelaxKernelRunner | None = None,
+) -> list[np.ndarray]:
+    """Run ``tokens`` one by one through ``decode`` from an empty cache; return the logits of every step.
+    ``state`` is a pipeline state after the schedule phase; ``runner`` defaults to a
+    :class:`RelaxKernelRunner` over ``launcher``."""
     from perfx_compiler.model.onnx_emit import cache_shape
     from perfx_compiler.pipeline import index_dtype_of
 
     cfg = state.desc.config
     index = np.dtype(index_dtype_of(state.target))  # int32 where the device has no 64-bit integers
-    runner = RelaxKernelRunner(state.mod, state.target.tvm(), launcher)
+    if runner is None:
+        runner = RelaxKernelRunner(state.mod, state.target.tvm(), launcher)
     caches = [launcher.to_device(np.zeros(cache_shape(cfg), np.float32)) for _ in range(2 * cfg.num_layers)]
     dev_weights = [launcher.to_device(np.asarray(w)) for w in weights.values()]
     logits = []

@@ -133,3 +133,62 @@ def run_kernels_qemu(
                 row.append(s)
         results.append(row)
     return results
+
+
+class QemuKernelLauncher:
+    """The launcher interface of ``relax_exec`` for riscv64 kernels: arrays stay numpy arrays on this
+    machine, and each kernel call is one harness run under qemu whose results are copied back into the
+    arguments (in-place outputs included)."""
+
+    def __init__(self, harness: Path, lib: Path, work: Path) -> None:
+        self.harness, self.lib, self.work = harness, lib, work
+        self.calls = 0
+
+    def to_device(self, arr: np.ndarray) -> np.ndarray:
+        return np.array(arr, order="C")
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        return np.zeros(shape, dtype)
+
+    def to_host(self, arr: np.ndarray) -> np.ndarray:
+        return arr.copy()
+
+    def view(self, arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return arr.reshape(shape)
+
+    def run(self, name: str, values: list[Any]) -> None:
+        (after,) = run_kernels_qemu(self.harness, self.lib, [(name, values)], self.work / f"call{self.calls}")
+        self.calls += 1
+        for v, a in zip(values, after, strict=True):
+            if isinstance(v, np.ndarray):
+                v[...] = a
+
+
+def run_decode_steps_qemu(state: Any, tokens: list[int], work: Path) -> list[np.ndarray]:
+    """Decode ``tokens`` one by one with every kernel of the riscv64 build run under qemu (the Relax
+    function's call sequence is walked on this machine: no riscv64 TVM runtime exists)."""
+    from perfx_compiler.targets_exec.relax_exec import RelaxKernelRunner, run_decode_steps
+
+    class ByName(RelaxKernelRunner):
+        def compiled(self, name: str) -> Any:  # the harness calls the library's __tvm_ffi_<name>
+            return name
+
+    funcs = called_prim_funcs(state.mod, "decode")
+    lib = export_kernels(funcs, state.target.tvm(), work / "kernels.so")
+    launcher = QemuKernelLauncher(build_harness(work), lib, work)
+    runner = ByName(state.mod, state.target.tvm(), launcher)
+    return run_decode_steps(state, launcher, tokens, state.weights, runner=runner)
+
+
+def called_prim_funcs(mod: Any, fn_name: str) -> dict[str, Any]:
+    """name -> PrimFunc of every kernel the Relax function ``fn_name`` calls."""
+    from tvm import relax, tirx
+
+    names: set[str] = set()
+
+    def visit(expr: Any) -> None:
+        if isinstance(expr, relax.GlobalVar) and isinstance(mod[expr], tirx.PrimFunc):
+            names.add(expr.name_hint)
+
+    relax.analysis.post_order_visit(mod[fn_name].body, visit)
+    return {n: mod[n] for n in sorted(names)}

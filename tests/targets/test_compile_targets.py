@@ -11,23 +11,25 @@ from targets_common import MAX_CONTEXT
 from perfx_compiler.targets import list_targets, load_target
 
 pytestmark = pytest.mark.targets
-GPU_FILES = {"opencl": ["kernels.cl"], "cuda": ["kernels.cu"], "rocm": ["kernels.{mcpu}.s", "kernels.{mcpu}.hsaco"]}
-# WebGPU's WGSL has no 64-bit integers; the model graph passes token ids and positions as int64.
-KNOWN_FAILING = {"vulkan": "WGSL has no i64: token ids / past_len / shape scalars are int64 in the model graph"}
+GPU_FILES = {
+    "opencl": ["kernels.cl"],
+    "cuda": ["kernels.cu"],
+    "rocm": ["kernels.{mcpu}.s", "kernels.{mcpu}.hsaco"],
+    "webgpu": ["kernels.wgsl"],
+}
 
 
 @pytest.mark.parametrize("target", [t for t in list_targets() if not t.startswith("x86")])
 def test_target_compiles(target: str, tiny_gguf: Path, tmp_path: Path) -> None:
     from perfx_compiler.pipeline import compile_model
 
-    if target in KNOWN_FAILING:
-        pytest.xfail(KNOWN_FAILING[target])
     out = compile_model(str(tiny_gguf), target, tmp_path / target, progress=False, max_context=MAX_CONTEXT)
     t = load_target(target)
     files = {p.name for p in out.iterdir()}
     assert {"model.so", "weights.bin", "perfx-config.json", "DEPLOY.md"} <= files
     manifest = json.loads((out / "perfx-config.json").read_text())
     assert manifest["target"]["name"] == target
+    assert manifest["index_dtype"] == t.raw.get("index_dtype", "int64")
     for pattern in GPU_FILES.get(t.tvm_target["kind"], []):
         assert pattern.format(mcpu=t.tvm_target.get("mcpu")) in files, files
     elf = (out / "model.so").read_bytes()[:20]
