@@ -11,7 +11,7 @@ RMSNorm / SiLU*mul, time:
 Variants are timed in interleaved rounds and the minimum kept (the machine is shared).
 Writes benchmarks/results/kernels_cpu.csv and kernels_cpu.png.
 
-    python benchmarks/bench_kernels_cpu.py [--trials 16] [--layout nn|nt] [--quick]
+    python benchmarks/bench_kernels_cpu.py [--trials 16] [--layout nt|nn] [--quick]
 """
 
 from __future__ import annotations
@@ -117,12 +117,14 @@ def tuned_config(func: Any, target: Any, m: int, trials: int, db: Any, measurer:
 def cases(layout: str, quick: bool) -> list[dict[str, Any]]:
     out = []
     ms = [1, 128] if quick else [1, 128, 512]
-    names = ["q_proj", "gate_up", "down_proj"] if quick else list(SMOLLM2_LINEARS)
+    names = ["q_proj", "gate_up", "down_proj", "lm_head"] if quick else list(SMOLLM2_LINEARS)
     for name in names:
         if name == "o_proj":
             continue  # same shape as q_proj
         K, N = SMOLLM2_LINEARS[name]
         for m in ms:
+            if quick and name == "lm_head" and m > 1:
+                continue  # --quick: lm_head only as the decode GEMV (its prefill GEMM is minutes untuned)
             out.append({"kernel": name, "K": K, "N": N, "M": m, "kind": "linear", "layout": layout})
     for m in ms:
         out.append({"kernel": "rmsnorm", "K": 576, "N": 576, "M": m, "kind": "rmsnorm", "layout": "-"})
@@ -159,8 +161,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="host")
     parser.add_argument("--trials", type=int, default=16, help="search trials per kernel (0: no tuning)")
-    parser.add_argument("--layout", choices=["nn", "nt"], default="nn", help="nn: pipeline order (w^T [K,N])")
-    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--layout", choices=["nn", "nt"], default="nt",
+                        help="nt: weights [N, K] as the compile pipeline produces them (FuseTransposeMatmul); nn: w^T [K, N]")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer shapes: q_proj, gate_up, down_proj at M 1/128, lm_head at M 1, norms")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (min is kept)")
     parser.add_argument("--out", default=str(RESULTS / "kernels_cpu.csv"))
     args = parser.parse_args()

@@ -300,6 +300,14 @@ def schedule_register_tiled(
     return sch.mod["main"]
 
 
+def _inner_loops(sch: Any, block: Any, outer: Any) -> list:
+    """The loops of ``block`` below ``outer`` (unit loops may have been dropped)."""
+    loops = sch.get_loops(block)
+    outer_sref = sch.get_sref(outer)
+    idx = next(i for i, lp in enumerate(loops) if sch.get_sref(lp).same_as(outer_sref))
+    return loops[idx + 1 :]
+
+
 def schedule_dot_rows(
     func: Any,
     facts: MatmulFacts,
@@ -311,13 +319,14 @@ def schedule_dot_rows(
 ) -> Any:
     """GEMV with weights [N, K]: each output is a dot product along contiguous K. ``rows`` outputs
     share each x load; the K loop keeps ``accum`` vector partial sums per row (rfactor) so the FMA
-    latency chain is hidden; a short horizontal sum finishes each row.
+    latency chain is hidden.
 
     The partial sums are a task-local [rows, accum * lanes] buffer with the lanes innermost, so
     each accumulator is one contiguous vector (LLVM keeps them in registers); with the lanes
-    outermost (rfactor's default axis) every FMA result went through a strided scatter/gather
-    in memory and decode GEMVs ran at half of numpy's speed. The final per-row sum is unrolled
-    over register values."""
+    outermost (rfactor's default axis) every FMA result went through a strided scatter/gather in
+    memory and decode GEMVs ran at half of numpy's speed. Each row's accum * lanes partial sums are
+    then added as a tree of vector adds (successive rfactors over halves: 32 -> 16 -> ... -> 2
+    lanes, log2 dependent adds instead of a 31-long scalar chain) before the last scalar add."""
     from tvm import s_tir
 
     N, K = facts.N, facts.K
@@ -338,7 +347,12 @@ def schedule_dot_rows(
     sch.reorder(no, nt, ko, m, ni, kf)
     out_dims = len(sch.get(mm).writes[0].region)
     rf = sch.rfactor(kf, factor_axis=out_dims)  # partial sums [..., N, kr]: lanes innermost
-    # rf block: partial sums over ko for each of the kr lanes; final block reduces the lanes.
+    folds = []  # the tree, built while the final block still has its own loop nest
+    width = kr
+    while width > 2 and width % 2 == 0:
+        _, half = sch.split(sch.get_loops(mm)[-1], [2, width // 2])
+        folds.append(sch.rfactor(half, factor_axis=out_dims))
+        width //= 2
     rloops = sch.get_loops(rf)
     rku, rkl = sch.split(rloops[-1], [accum, lanes])
     sch.unroll(rku)
@@ -347,18 +361,32 @@ def schedule_dot_rows(
     if _as_int(sch.get(rloops[-3]).extent) is not None:  # m; may be an expression equal to 1
         sch.unroll(rloops[-3])
     rf_nt = sch.get_loops(rf)[-6]  # loops: ..., no, nt, ko, m, ni, k_acc, k_lane
-    sch.reverse_compute_at(mm, rf_nt)
     sch.set_scope(rf, 0, "local")  # compacted to [rows, kr] per task step: registers
+    for fold in folds:
+        sch.reverse_compute_at(fold, rf_nt)
+        sch.set_scope(fold, 0, "local")
+    sch.reverse_compute_at(mm, rf_nt)
     if epis:
         sch.reverse_compute_at(epis[-1], rf_nt)
     sch.parallel(sch.get_loops(rf)[-7])
     init = sch.decompose_reduction(rf, sch.get_loops(rf)[len(rloops) - 4])
-    iloops = sch.get_loops(init)
-    sch.vectorize(iloops[-1])
-    final = sch.get_loops(mm)
-    sch.unroll(final[-1])  # the kr lanes of one row: straight-line adds of register values
-    sch.unroll(final[-2])
+    sch.vectorize(sch.get_loops(init)[-1])
+    for fold in folds:  # loops (half, 2[, row]) -> (row, 2, half): vector adds of two halves
+        inner = _inner_loops(sch, fold, rf_nt)
+        sch.reorder(*inner[2:], inner[1], inner[0])
+        _unroll_constant(sch, inner[1:])
+        sch.vectorize(inner[0])
+    inner = _inner_loops(sch, mm, rf_nt)  # (2[, row])
+    sch.reorder(*inner[1:], inner[0])
+    _unroll_constant(sch, inner)
     return sch.mod["main"]
+
+
+def _unroll_constant(sch: Any, loops: list) -> None:
+    """Unroll the loops with a constant extent (an M that is an expression equal to 1 is not)."""
+    for lp in loops:
+        if _as_int(sch.get(lp).extent) is not None:
+            sch.unroll(lp)
 
 
 def schedule_split_k(

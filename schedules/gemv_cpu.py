@@ -38,7 +38,9 @@ def _divisors(n: int, candidates: tuple[int, ...]) -> list[int]:
 
 class GemvCPU(ScheduleTemplate):
     name = "gemv_cpu"
-    version = 3  # v2: split-K kernel for [K, N] weights; v3: [N, K] partial sums lanes-innermost
+    # v2: split-K kernel for [K, N] weights; v3 (retired: never released) and v4: [N, K] partial sums lanes-innermost in registers,
+    # vector-add tree for the final sum, rows=8 for DRAM-resident weights
+    version = 4
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         if not is_cpu_target(target):
@@ -106,8 +108,11 @@ class GemvCPU(ScheduleTemplate):
         N, K, M = workload.dims["N"], workload.dims["K"], workload.dims["M"]
         cores = max(1, target.cores or 1)
         if workload.info.get("layout") == "NT":
-            rows = next((r for r in (4, 2, 1) if N % r == 0 and M * r <= 16), 1)
-            accum = next((a for a in (2, 1) if K % (a * lanes) == 0 and M * rows * a <= 16), 1)
+            # DRAM-resident weights (lm_head): 8 rows in flight (8 streams) with one accumulator
+            # each measured at numpy's bandwidth on one core; 4 rows x 2 accumulators at 0.6x.
+            dram = K * N * 4 >= (8 << 20)
+            rows = next((r for r in ((8, 4, 2, 1) if dram else (4, 2, 1)) if N % r == 0 and M * r <= 16), 1)
+            accum = next((a for a in (((1,) if dram else (2, 1))) if K % (a * lanes) == 0 and M * rows * a <= 16), 1)
             groups = N // rows
             small = K * N * 4 < (2 << 20)  # L2-resident weights: one core, no wake-up cost
             tasks = 1 if small else next((t for t in (8 * cores, 4 * cores, 2 * cores, cores, 1) if groups % t == 0), 1)
