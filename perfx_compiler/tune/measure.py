@@ -290,11 +290,17 @@ class LocalMeasurer:
         while pending:
             pool = self._pool()
             futures = {pool.submit(_worker_build, {**base, "config": configs[i], "path": paths[i]}): i for i in pending}
-            rounds = -(-len(pending) // self.workers)
             pending = []
+            waiting = set(futures)
             try:
-                for fut in cf.as_completed(futures, timeout=self.build_timeout_s * rounds):
-                    self._collect(fut, results[futures[fut]])
+                # A build that hangs is noticed build_timeout_s after the last build finished,
+                # not after the whole batch's worth of timeouts.
+                while waiting:
+                    done, waiting = cf.wait(waiting, timeout=self.build_timeout_s, return_when=cf.FIRST_COMPLETED)
+                    if not done:
+                        raise cf.TimeoutError
+                    for fut in done:
+                        self._collect(fut, results[futures[fut]])
             except cf.TimeoutError:
                 stalled = []
                 for fut, i in futures.items():
