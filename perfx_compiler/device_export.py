@@ -211,5 +211,7 @@ def export_for_target(state: Any, out_dir: Path) -> dict[str, Any]:
     facts: dict[str, Any] = {"files": []}
     if state.target.family == "gpu":
         facts = export_device_code(state.executable, state.target, out_dir)
+        # hand-scheduled CPU kernels bound to the device as they are (gpu_adapt): correct, not tuned
+        facts["adapted_cpu_kernels"] = sorted(state.notes.get("gpu_host_kernels_adapted") or [])
     write_deploy_md(state, out_dir, facts)
     return facts

@@ -44,7 +44,7 @@ def test_every_kernel_on_pocl(target: str, seq: int, tiny_gguf: Path, launcher) 
     for name, func in funcs.items():
         cf = compile_primfunc(name, func, tgt)
         assert cf.launches, f"{name} has no device launch on {target}"
-        ins = random_inputs(cf, {"seq": seq, "n": seq}, seed=len(checked))
+        ins = random_inputs(cf, {"seq": seq, "n": seq, "bsz": 1, "batch": 2, "pages": 8}, seed=len(checked))
         for i, (pname, _, _) in enumerate(cf.param_info()):
             if pname in ("PAST", "past_len") and isinstance(ins[i], np.ndarray):
                 ins[i][:] = 7  # attention: 7 cached positions before the chunk
