@@ -240,8 +240,13 @@ def _collect_host(host_mod: Any) -> tuple[list[tuple[str, Any]], list[LaunchSpec
     return lets, launches, aliases
 
 
-def compile_primfunc(name: str, func: Any, target: Any, build_runtime: bool = True) -> CompiledPrimFunc:
-    """Lower one scheduled PrimFunc for ``target`` (a tvm Target with host) and record its launches."""
+def compile_primfunc(
+    name: str, func: Any, target: Any, build_runtime: bool = True, pipeline: tuple[Any, Any, Any] | None = None
+) -> CompiledPrimFunc:
+    """Lower one scheduled PrimFunc for ``target`` (a tvm Target with host) and record its launches.
+
+    ``pipeline``: (pipeline, finalize_host, finalize_device) passes; TVM's s_tir pipeline by default
+    (``kernels.gemv_texture.adreno_tir_pipeline`` for Adreno textures)."""
     import tvm
     from tvm.tirx.build import codegen_build, split_host_device_mods
 
@@ -249,7 +254,7 @@ def compile_primfunc(name: str, func: Any, target: Any, build_runtime: bool = Tr
     mod = tvm.IRModule({"main": func})
     host = target.host if target.host is not None else tvm.target.Target("llvm")
     mod = tvm.tirx.transform.BindTarget(target.with_host(host))(mod)
-    pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir")
+    pipeline, finalize_host, finalize_device = pipeline or tvm.tirx.get_tir_pipeline("s_tir")
     with target:
         mod = pipeline(mod)
         host_mod, device_mods = split_host_device_mods(mod)

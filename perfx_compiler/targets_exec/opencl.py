@@ -10,6 +10,7 @@ weights uploaded once.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,15 @@ from perfx_compiler.targets_exec.kernels import CompiledPrimFunc
 @dataclass
 class DeviceArray:
     buffer: Any  # pyopencl.Buffer
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+@dataclass
+class DeviceImage:
+    """An RGBA float ``image2d_array_t`` holding an array [rows, texels, 4] (a ``global.texture`` buffer)."""
+
+    image: Any  # pyopencl.Image
     shape: tuple[int, ...]
     dtype: np.dtype
 
@@ -67,6 +77,17 @@ class OpenCLLauncher:
         nbytes = max(int(np.prod(shape)) * dtype.itemsize, dtype.itemsize)
         return DeviceArray(self.cl.Buffer(self.ctx, self.cl.mem_flags.READ_WRITE, nbytes), tuple(shape), dtype)
 
+    def to_image(self, arr: np.ndarray) -> DeviceImage:
+        """Upload [rows, texels, 4] float32 as a one-layer RGBA image array (width texels, height rows)."""
+        cl = self.cl
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if arr.ndim != 3 or arr.shape[-1] != 4:
+            raise ValueError(f"texture arrays are [rows, texels, 4], got {arr.shape}")
+        fmt = cl.ImageFormat(cl.channel_order.RGBA, cl.channel_type.FLOAT)
+        flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
+        image = cl.Image(self.ctx, flags, fmt, shape=(arr.shape[1], arr.shape[0], 1), is_array=True, hostbuf=arr)
+        return DeviceImage(image, arr.shape, arr.dtype)
+
     def to_host(self, dev: DeviceArray) -> np.ndarray:
         out = np.empty(dev.shape, dev.dtype)
         if out.nbytes:
@@ -103,7 +124,8 @@ class OpenCLLauncher:
             args = []
             for a in launch.args:
                 if a[0] == "buffer":
-                    args.append(values[a[1]].buffer)
+                    v = values[a[1]]
+                    args.append(v.image if isinstance(v, DeviceImage) else v.buffer)
                 else:
                     args.append(np.dtype(a[2]).type(a[1]))
             kernel.set_args(*args)
@@ -116,6 +138,17 @@ class OpenCLLauncher:
 
     def run_numpy(self, cf: CompiledPrimFunc, arrays: list[Any]) -> list[Any]:
         """Copy numpy arguments in, run, copy every buffer back (in-place outputs included)."""
-        values = [self.to_device(a) if isinstance(a, np.ndarray) else a for a in arrays]
+        textures = texture_params(cf)
+        values = [
+            (self.to_image(a) if i in textures else self.to_device(a)) if isinstance(a, np.ndarray) else a
+            for i, a in enumerate(arrays)
+        ]
         self.run(cf, values)
         return [self.to_host(v) if isinstance(v, DeviceArray) else v for v in values]
+
+
+def texture_params(cf: CompiledPrimFunc) -> set[int]:
+    """Indices of ``cf``'s parameters in scope ``global.texture`` (images), when its source reads images."""
+    if not re.search(r"image2d(_array)?_t", cf.source):
+        return set()
+    return {i for i, p in enumerate(cf.func.params) if hasattr(p, "scope") and "texture" in str(p.scope())}
