@@ -166,6 +166,18 @@ def narrow_to_int32(mod: Any) -> Any:
     """``mod`` with every PrimFunc narrowed to int32 indices and scalars (see the module docstring)."""
     from tvm import tirx
 
+    from perfx_compiler.errors import PerfXError
+
+    for gv, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        wide = [p.name for p in func.params if _is_buffer(p) and _dtype(p) in ("int64", "uint64")]
+        if wide:
+            raise PerfXError(
+                f"kernel {gv.name_hint} takes 64-bit integer tensor(s) {', '.join(wide)}, which this target cannot "
+                "hold (index_dtype int32: WGSL has no 64-bit integers); the pass that made it must follow the "
+                "graph's index dtype (for GGUF-quantized models try --quantization f32)"
+            )
     mod = tirx.transform.ForceNarrowIndexToInt32()(mod)
     updates = {}
     for gv, func in mod.functions.items():
