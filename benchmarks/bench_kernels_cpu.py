@@ -8,7 +8,8 @@ RMSNorm / SiLU*mul, time:
                 neither rule applies (marked "unscheduled")
   numpy         x @ w.T (OpenBLAS) / the numpy expression, with OpenBLAS threads and with one
                 thread (threadpoolctl); speedups are against the faster of the two
-Variants are timed in interleaved rounds and the minimum kept (the machine is shared).
+Variants are timed in interleaved rounds and the minimum kept (the machine is shared); every
+variant, TVM or numpy, is timed by its fastest single call (min over up to 200 calls / 0.2 s).
 Writes benchmarks/results/kernels_cpu.csv and kernels_cpu.png.
 
     python benchmarks/bench_kernels_cpu.py [--trials 16] [--layout nt|nn] [--quick]
@@ -74,11 +75,21 @@ def time_numpy(fn: Any, min_s: float = 0.2) -> float:
 
 
 def tvm_timer(func: Any, target: Any, m: int, flops: float) -> Any:
-    """A callable returning one min-of-repeats measurement (seconds) of ``func`` at M = m."""
+    """A callable returning the fastest single call (seconds) of ``func`` at M = m: the same
+    statistic as ``time_numpy`` (min over up to 200 calls / 0.2 s), so that on a shared machine
+    neither side is compared by a mean that includes preemptions against the other's best call."""
+    import tvm
+
+    from perfx_compiler.tune.measure import _to_arg, random_inputs
+
     rt = build_func(func, target)
     if flops > SLOW_FLOP_LIMIT:
         return lambda: time_module(rt, func, m, repeat=1, min_ms=0)[0]
-    return lambda: time_module(rt, func, m, repeat=5, min_ms=30)[0]
+    dev = tvm.cpu()
+    args = [_to_arg(a, dev) for a in random_inputs(func, m, seed=1)]
+    one = min(rt.time_evaluator("main", dev, number=1, repeat=3)(*args).results)
+    repeat = int(min(200, max(5, 0.2 / max(one, 1e-7))))
+    return lambda: float(min(rt.time_evaluator("main", dev, number=1, repeat=repeat)(*args).results))
 
 
 def numpy_timers(fn: Any) -> dict[str, Any]:
