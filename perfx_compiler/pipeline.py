@@ -116,9 +116,17 @@ def index_dtype_of(target: TargetDescription) -> str:
     return dtype
 
 
-def resolve_quantization(quantization: str | None, desc: ModelDescription) -> str:
-    """``auto`` (or None) -> ``gguf`` when the model carries GGUF Q4_0/Q4_1/Q8_0 blocks, else ``f32``."""
+def resolve_quantization(
+    quantization: str | None, desc: ModelDescription, target: TargetDescription | None = None
+) -> str:
+    """``auto`` (or None) -> ``gguf`` when the model carries GGUF Q4_0/Q4_1/Q8_0 blocks, else ``f32``.
+
+    Targets with 32-bit indices (WebGPU) get ``f32`` from ``auto``: the quantized embedding
+    gather kernels read int64 token ids.
+    """
     if quantization in (None, "", "auto"):
+        if target is not None and index_dtype_of(target) == "int32":
+            return "f32"
         return "gguf" if getattr(desc, "quantized", None) else "f32"
     return str(quantization)
 
@@ -126,7 +134,7 @@ def resolve_quantization(quantization: str | None, desc: ModelDescription) -> st
 def phase_passes(state: CompileState) -> None:
     from perfx_compiler.passes import run_passes
 
-    state.options.quantization = resolve_quantization(state.options.quantization, state.desc)
+    state.options.quantization = resolve_quantization(state.options.quantization, state.desc, state.target)
 
     state.mod, state.weights = run_passes(state.mod, state.weights, state.target, state.options, state.desc)
     check_signatures(state)
@@ -306,7 +314,7 @@ def compile_model(
         spec = model
         desc = load_model(model, max_context=opts.max_context)
     desc.validate()
-    opts.quantization = resolve_quantization(opts.quantization, desc)  # the manifest records this name
+    opts.quantization = resolve_quantization(opts.quantization, desc, tdesc)  # the manifest records this name
     opts.output_dir = Path(output_dir) if output_dir is not None else default_output_dir(str(spec), target)
     state = CompileState(desc=desc, target=tdesc, options=opts)
     state.notes["model_spec"] = str(spec)
