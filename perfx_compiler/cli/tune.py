@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate and import records measured elsewhere into the log, then stop")
     p.add_argument("--log-dir", default=None, metavar="DIR", help="log root (default: the repo's tuning_logs/)")
     p.add_argument("--buckets", type=_buckets, default=None, help="M buckets for symbolic-M kernels (default 1,16,64,256)")
+    p.add_argument("--templates", default=None, metavar="NAMES",
+                   help="tune only workloads of these templates (comma-separated, e.g. gemv_cpu)")
     p.add_argument("--workers", type=int, default=None, help="parallel build processes (default: min(2, CPUs))")
     p.add_argument("--build-timeout", type=float, default=120.0, metavar="S", help="per-candidate build timeout")
     p.add_argument("--max-context", type=int, default=None, help="KV cache length, as for perfx-compile")
@@ -125,6 +127,13 @@ def run(args: argparse.Namespace) -> int:
     from perfx_compiler.tune.session import group_tasks
 
     tasks = extract_tasks(mod, target, buckets)
+    if args.templates:
+        wanted = {t.strip() for t in args.templates.split(",") if t.strip()}
+        known = {t.workload.template for t in tasks}
+        if not wanted & known:
+            raise PerfXError(f"--templates {args.templates}: no workload of this model uses them; "
+                             f"its templates are {', '.join(sorted(known))}")
+        tasks = [t for t in tasks if t.workload.template in wanted]
     groups = group_tasks(tasks)
     say(f"{len(tasks)} tasks ({len({t.workload.key for t in tasks})} workloads x M buckets {list(buckets)}), "
         f"{len(groups)} distinct; {len(db)} records already in {path.parent}")

@@ -167,3 +167,30 @@ def test_per_bucket_dispatch_is_correct(tmp_path, cpu_target):
         x, w, r = (rng.standard_normal(s).astype("float32") for s in ((1, m, 64), (96, 64), (1, m, 96)))
         y = vm["main"](*(tvm.runtime.tensor(a) for a in (x, w, r))).numpy()
         np.testing.assert_allclose(y, x @ w.T + r, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_cli_tunes_resumes_and_compile_uses_records(tmp_path, capsys, monkeypatch):
+    """The real model: a short session, a rerun that measures nothing, and a compile from the
+    records in under two minutes that runs no trials (the log does not grow)."""
+    import time
+
+    from perfx_compiler.pipeline import compile_model
+
+    args = ["smollm2-135m", "--target", "x86-avx512", "--log-dir", str(tmp_path), "--trials", "2",
+            "--buckets", "16", "--time-budget", "30", "--quiet"]
+    assert tune_cli.main(args) == 0
+    log = tmp_path / "x86-avx512" / "smollm2-135m.jsonl"
+    lines = log.read_text().count("\n")
+    assert lines > 0 and "measured" in capsys.readouterr().out
+    capsys.readouterr()
+    # Finish the session (a budget that lets every task reach --trials), then rerun it.
+    assert tune_cli.main(args[:-2] + ["600", "--quiet"]) == 0
+    before = log.read_text().count("\n")
+    capsys.readouterr()
+    assert tune_cli.main(args) == 0  # everything within --trials is logged: nothing to measure
+    assert "measured 0 candidates" in capsys.readouterr().out and log.read_text().count("\n") == before
+    monkeypatch.setenv("PERFX_TUNING_LOGS", str(tmp_path))
+    start = time.perf_counter()
+    compile_model("smollm2-135m", "x86-avx512", tmp_path / "artifact", progress=False)
+    assert time.perf_counter() - start < 120 and log.read_text().count("\n") == before
