@@ -80,6 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             schedule=args.schedule,
             quantization=args.quantization,
             progress=not args.quiet,
+            verbose=args.debug,
             **({} if args.batching is None else {"batching": args.batching}),
         )
         print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
