@@ -23,11 +23,11 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from perfx_compiler.cli._errors import run_command
 from perfx_compiler.errors import PerfXError
 
 PROG = "perfx-bench"
@@ -316,16 +316,7 @@ def _write_profile(raw: list[dict[str, Any]], out: Path, name: str, summary: lis
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except PerfXError as err:
-        if args.debug:
-            traceback.print_exc()
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    return run_command(PROG, lambda: run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

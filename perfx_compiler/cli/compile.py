@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 
+from perfx_compiler.cli._errors import run_command
 from perfx_compiler.errors import PerfXError
 
 PROG = "perfx-compile"
@@ -57,42 +57,37 @@ def _list_targets() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        if args.list_targets:
-            return _list_targets()
-        if not args.model:
-            raise PerfXError("no MODEL given; pass smollm2-135m, a .gguf file, a Hugging Face folder or an .onnx file")
-        from perfx_compiler.pipeline import compile_model
+    return run_command(PROG, lambda: _run(args), debug=args.debug)
 
-        if args.emit_onnx:
-            from perfx_compiler.model.loader import load_model
-            from perfx_compiler.model.onnx_emit import save_onnx
 
-            print(f"wrote {save_onnx(load_model(args.model, args.max_context), args.emit_onnx)}")
-        start = time.perf_counter()
-        out = compile_model(
-            args.model,
-            args.target,
-            args.output,
-            dump_ir=args.dump_ir,
-            tuning_log=args.tuning_log,
-            max_context=args.max_context,
-            schedule=args.schedule,
-            quantization=args.quantization,
-            progress=not args.quiet,
-            verbose=args.debug,
-            **({} if args.batching is None else {"batching": args.batching}),
-        )
-        print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
-        return 0
-    except PerfXError as err:
-        if args.debug:
-            traceback.print_exc()
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+def _run(args: argparse.Namespace) -> int:
+    if args.list_targets:
+        return _list_targets()
+    if not args.model:
+        raise PerfXError("no MODEL given; pass smollm2-135m, a .gguf file, a Hugging Face folder or an .onnx file")
+    from perfx_compiler.pipeline import compile_model
+
+    if args.emit_onnx:
+        from perfx_compiler.model.loader import load_model
+        from perfx_compiler.model.onnx_emit import save_onnx
+
+        print(f"wrote {save_onnx(load_model(args.model, args.max_context), args.emit_onnx)}")
+    start = time.perf_counter()
+    out = compile_model(
+        args.model,
+        args.target,
+        args.output,
+        dump_ir=args.dump_ir,
+        tuning_log=args.tuning_log,
+        max_context=args.max_context,
+        schedule=args.schedule,
+        quantization=args.quantization,
+        progress=not args.quiet,
+        verbose=args.debug,
+        **({} if args.batching is None else {"batching": args.batching}),
+    )
+    print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from perfx_compiler.errors import PerfXError
+from perfx_compiler.cli._errors import run_command
 
 PROG = "perfx-run"
 
@@ -96,16 +95,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return _run(args)
-    except PerfXError as e:
-        if args.debug:
-            traceback.print_exc()
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"{PROG}: error: {msg}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command(PROG, lambda: _run(args), debug=args.debug)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,10 @@ import logging
 import os
 import sys
 import time
-import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from perfx_compiler.cli._errors import run_command
 from perfx_compiler.errors import PerfXError
 
 PROG = "perfx-tune"
@@ -169,16 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.ERROR, format="%(name)s: %(message)s")
     os.environ.setdefault("TQDM_MININTERVAL", "0.5")
-    try:
-        return run(args)
-    except PerfXError as err:
-        if args.debug:
-            traceback.print_exc()
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; records so far are saved, rerun to resume", file=sys.stderr)
-        return 130
+    return run_command(PROG, lambda: run(args), debug=args.debug, interrupted="interrupted; records so far are saved, rerun to resume")
 
 
 if __name__ == "__main__":
