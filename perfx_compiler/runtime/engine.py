@@ -92,6 +92,9 @@ class Engine:
         self.index_dtype = np.dtype(self.manifest.get("index_dtype", "int64"))
         self._one_token = np.zeros((1, 1), dtype=self.index_dtype)
         self._pos = np.zeros((1,), dtype=self.index_dtype)
+        # Device tensors reused every step: a decode step allocates nothing but its logits.
+        self._one_token_dev = tvm.runtime.tensor(self._one_token, self.device)
+        self._pos_dev = tvm.runtime.tensor(self._pos, self.device)
         self.position = 0
 
     def _load_weights(self) -> list[Any]:
@@ -123,7 +126,13 @@ class Engine:
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         self._pos[0] = self.position
-        out = fn(tvm.runtime.tensor(ids, self.device), tvm.runtime.tensor(self._pos, self.device), *self._tail)
+        self._pos_dev.copyfrom(self._pos)
+        if n == 1:
+            self._one_token_dev.copyfrom(ids)
+            ids_dev = self._one_token_dev
+        else:
+            ids_dev = tvm.runtime.tensor(ids, self.device)
+        out = fn(ids_dev, self._pos_dev, *self._tail)
         self.position += n
         return out[0].numpy()[0]
 
