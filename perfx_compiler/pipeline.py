@@ -119,7 +119,8 @@ def index_dtype_of(target: TargetDescription) -> str:
 def resolve_quantization(
     quantization: str | None, desc: ModelDescription, target: TargetDescription | None = None
 ) -> str:
-    """``auto`` (or None) -> ``gguf`` when the model carries GGUF Q4_0/Q4_1/Q8_0 blocks, else ``f32``.
+    """``auto`` (or None) -> ``gguf`` when the model carries GGUF Q4_0/Q4_1/Q8_0 blocks, ``onnx`` when it
+    carries ONNX MatMulNBits int4 blocks, else ``f32``.
 
     Targets with 32-bit indices (WebGPU) get ``f32`` from ``auto``: the quantized embedding
     gather kernels read int64 token ids.
@@ -127,7 +128,11 @@ def resolve_quantization(
     if quantization in (None, "", "auto"):
         if target is not None and index_dtype_of(target) == "int32":
             return "f32"
-        return "gguf" if getattr(desc, "quantized", None) else "f32"
+        quantized = getattr(desc, "quantized", None) or {}
+        if not quantized:
+            return "f32"
+        # ONNX MatMulNBits int4 tables: their own passthrough (passes/onnx_int4_passthrough.py)
+        return "onnx" if all(v[0] == "MatMulNBits" for v in quantized.values()) else "gguf"
     return str(quantization)
 
 
