@@ -8,8 +8,9 @@ int64 local variables and its codegen rejects them. :func:`narrow_to_int32` runs
 rewrites what it left: every int64 variable becomes an int32 one, int64 constants become int32
 (they must fit), ``Cast(int64, x)`` of an int32 ``x`` disappears and every arithmetic node is rebuilt
 from its narrowed operands. Buffers of int64 *elements* are not touched (the graph's integer inputs
-are int32 on such targets: ``"index_dtype": "int32"``); :func:`remaining_int64` reports any that is
-left so the build can say which kernel is at fault.
+are int32 on such targets: ``"index_dtype": "int32"``; quantized kernels read int8 codes as uint32
+words there, ``passes/_quant8.py``); :func:`remaining_int64` reports any that is left so the build
+can say which kernel is at fault, and 8/16-bit integer tensors are refused the same way.
 
 Host (Relax) functions keep int64 shapes: the VM passes them into the narrowed PrimFuncs as it does
 for any int32 shape variable.
@@ -177,6 +178,12 @@ def narrow_to_int32(mod: Any) -> Any:
                 f"kernel {gv.name_hint} takes 64-bit integer tensor(s) {', '.join(wide)}, which this target cannot "
                 "hold (index_dtype int32: WGSL has no 64-bit integers); the pass that made it must follow the "
                 "graph's index dtype (for GGUF-quantized models try --quantization f32)"
+            )
+        narrow = [p.name for p in func.params if _is_buffer(p) and _dtype(p) in ("int8", "uint8", "int16", "uint16")]
+        if narrow:
+            raise PerfXError(
+                f"kernel {gv.name_hint} takes 8/16-bit integer tensor(s) {', '.join(narrow)}, which WGSL cannot hold "
+                "(no 8/16-bit integer types); use --quantization gguf with Q4_1/Q8_0 weights, q8 or f32"
             )
     mod = tirx.transform.ForceNarrowIndexToInt32()(mod)
     updates = {}

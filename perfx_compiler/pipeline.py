@@ -122,12 +122,9 @@ def resolve_quantization(
     """``auto`` (or None) -> ``gguf`` when the model carries GGUF Q4_0/Q4_1/Q8_0 blocks, ``onnx`` when it
     carries ONNX MatMulNBits int4 blocks, else ``f32``.
 
-    Targets with 32-bit indices (WebGPU) get ``f32`` from ``auto``: the quantized embedding
-    gather kernels read int64 token ids.
+    Every target, WebGPU's int32-index one included: the quantized kernels take the graph's ids dtype.
     """
     if quantization in (None, "", "auto"):
-        if target is not None and index_dtype_of(target) == "int32":
-            return "f32"
         quantized = getattr(desc, "quantized", None) or {}
         if not quantized:
             return "f32"

@@ -71,9 +71,9 @@ def dequantize_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> np
     return c * s + third.astype(np.float32)[:, idx]
 
 
-def packed_from_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> Any:
-    """The ``_qlinear.Packed`` of a GGUF tensor."""
+def packed_from_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool = False) -> Any:
+    """The ``_qlinear.Packed`` of a GGUF tensor (``words8``: Q8_0 codes as uint32 words, for WGSL)."""
     parts = unpack_blocks(qtype, raw, shape)
     if qtype == "Q8_0":
-        return int8_packed(parts[0], parts[1], BLOCK)
+        return int8_packed(parts[0], parts[1], BLOCK, words=words8)
     return int4_packed(*parts, Q4_0 if qtype == "Q4_0" else Q4_1)

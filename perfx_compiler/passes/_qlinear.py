@@ -46,7 +46,7 @@ class Packed:
     n: int
     k: int
     arrays: list[tuple[str, np.ndarray]]  # (parameter-name suffix, array), kernel-argument order
-    compute: Callable[[str, tuple[int | None, int | None]], Any]  # (kind, rows) -> PrimFunc
+    compute: Callable[..., Any]  # (kind, rows, ids_dtype="int64") -> PrimFunc
 
     @property
     def nbytes(self) -> int:
@@ -128,8 +128,11 @@ def rewrite_linears(
         rows = (static_dim(lead, 0), static_dim(lead, 1))
         tag = "x".join("n" if r is None else str(r) for r in rows)
         key = f"{pk.family}_{kind}_{pk.n}_{pk.k}_{pk.tag}_{tag}"
+        ids_dtype = str(lead.ty.dtype) if kind == "take" else "int64"
+        if ids_dtype != "int64":  # the graph's ids (int32 on targets without 64-bit integers)
+            key += f"_{ids_dtype}"
         if key not in kernels:
-            kernels[key] = pk.compute(kind, rows)
+            kernels[key] = pk.compute(kind, rows, ids_dtype) if kind == "take" else pk.compute(kind, rows)
         return key
 
     plans: dict[str, list[tuple[str, Any, Any]]] = {}

@@ -120,8 +120,10 @@ def int4_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: In
     n, k = codes.shape
     lanes = fmt.lanes(k)
 
-    def compute(kind: str, rows: tuple[int | None, int | None]) -> Any:
-        return int4_matmul_compute(n, k, fmt.group, lanes, fmt.symmetric, kind=kind, rows=rows, offset=fmt.offset)
+    def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
+        return int4_matmul_compute(
+            n, k, fmt.group, lanes, fmt.symmetric, kind=kind, rows=rows, offset=fmt.offset, ids_dtype=ids_dtype
+        )
 
     arrays = [("_q4", pack_int4(codes, lanes)), ("_q4_scale", np.ascontiguousarray(scale, dtype=np.float16)),
               ("_q4_min", np.ascontiguousarray(third, dtype=np.float16)) if fmt.offset
@@ -131,13 +133,14 @@ def int4_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: In
 
 def int4_matmul_compute(
     n: int, k: int, group: int, lanes: int, symmetric: bool, kind: str = "matmul",
-    rows: tuple[int | None, int | None] = (1, None), offset: bool = False,
+    rows: tuple[int | None, int | None] = (1, None), offset: bool = False, ids_dtype: str = "int64",
 ) -> Any:
     """Reference PrimFunc ``y[0, m, n] = sum_k x[0, m, k] * dequant(W)[n, k]`` (M symbolic), tagged
     with ``perfx.quant`` so the int4 template can replace it with its scheduled kernel. Correct
     (slow) as it is on any target. ``kind="take"``: the embedding gather out[0, s, :] = W[ids[0, s]];
     ``kind="dequant"``: the whole float W [N, K] (prefill then runs the float GEMM template).
-    ``rows``: the two leading dims of x (ids), each static or None for symbolic."""
+    ``rows``: the two leading dims of x (ids), each static or None for symbolic; ``ids_dtype``: the
+    graph's index dtype (int32 on targets without 64-bit integers, where shapes are int32 too)."""
     from tvm import te, tirx
 
     ng = -(-k // group)
@@ -161,7 +164,7 @@ def int4_matmul_compute(
         out = te.compute((n, k), lambda row, col: w(row, col), name="dequant_q4")
         func = te.create_prim_func([q, s, z, out])
     elif kind == "take":
-        ids = te.placeholder((b, m), "int64", name="ids")
+        ids = te.placeholder((b, m), ids_dtype, name="ids")
         out = te.compute((b, m, k), lambda bi, i, c: w(ids[bi, i], c), name="take_q4")
         func = te.create_prim_func([q, s, z, ids, out])
     else:

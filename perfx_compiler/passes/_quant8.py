@@ -52,19 +52,30 @@ def lanes8(k: int, group: int) -> int:
 
 
 def int8_matmul_compute(
-    n: int, k: int, group: int, kind: str = "matmul", rows: tuple[int | None, int | None] = (1, None)
+    n: int, k: int, group: int, kind: str = "matmul", rows: tuple[int | None, int | None] = (1, None),
+    ids_dtype: str = "int64", words: bool = False,
 ) -> Any:
     """Reference PrimFunc of an int8 linear (``kind``: matmul / dequant / take, as in ``_quant``),
-    tagged ``perfx.quant`` with bits = 8. Correct (slow) on any target as it is."""
+    tagged ``perfx.quant`` with bits = 8. Correct (slow) on any target as it is. ``words``: the codes
+    arrive as uint32 [N, K/4] (4 codes per word, little-endian: the int8 array's own bytes), for
+    targets without 8-bit types (WGSL); the info then says ``"words": true``."""
     from tvm import te, tirx
 
     check_group(k, group)
     ng = k // group
-    q = te.placeholder((n, k), "int8", name="q")
+    if words and k % 4:
+        raise PerfXError(f"q8: K={k} is not a multiple of 4; the codes cannot be read as 32-bit words")
+    q = te.placeholder((n, k // 4) if words else (n, k), "uint32" if words else "int8", name="q")
     s = te.placeholder((n, ng), "float16", name="scale")
 
+    def code(row: Any, col: Any) -> Any:
+        if not words:
+            return q[row, col].astype("float32")
+        byte = (q[row, col // 4] >> ((col % 4) * 8).astype("uint32")) & tirx.const(255, "uint32")
+        return (byte.astype("int32") ^ 128) - 128  # sign-extend without 8-bit types
+
     def w(row: Any, col: Any) -> Any:
-        return q[row, col].astype("float32") * s[row, col // group].astype("float32")
+        return code(row, col).astype("float32") * s[row, col // group].astype("float32")
 
     b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
     m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
@@ -72,7 +83,7 @@ def int8_matmul_compute(
         out = te.compute((n, k), lambda row, col: w(row, col), name="dequant_q8")
         func = te.create_prim_func([q, s, out])
     elif kind == "take":
-        ids = te.placeholder((b, m), "int64", name="ids")
+        ids = te.placeholder((b, m), ids_dtype, name="ids")
         out = te.compute((b, m, k), lambda bi, i, c: w(ids[bi, i], c), name="take_q8")
         func = te.create_prim_func([q, s, ids, out])
     else:
@@ -81,19 +92,27 @@ def int8_matmul_compute(
         out = te.compute((b, m, n), lambda bi, i, j: te.sum(x[bi, i, r] * w(j, r), axis=r), name="matmul_q8")
         func = te.create_prim_func([x, q, s, out])
     info = {"bits": 8, "N": n, "K": k, "group": group, "lanes": lanes8(k, group), "kind": kind}
+    if words:
+        info["words"] = True
     return func.with_attr(QUANT_ATTR, json.dumps(info, sort_keys=True))
 
 
-def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
-    """The ``_qlinear.Packed`` of int8 codes [N, K] + float16 scales [N, K/G]."""
+def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = False) -> Any:
+    """The ``_qlinear.Packed`` of int8 codes [N, K] + float16 scales [N, K/G]; ``words``: the codes
+    stored as uint32 [N, K/4] (same bytes; see :func:`int8_matmul_compute`)."""
     from perfx_compiler.passes._qlinear import Packed
 
     n, k = codes.shape
     check_group(k, group)
 
-    def compute(kind: str, rows: tuple[int | None, int | None]) -> Any:
-        return int8_matmul_compute(n, k, group, kind=kind, rows=rows)
+    def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
+        return int8_matmul_compute(n, k, group, kind=kind, rows=rows, ids_dtype=ids_dtype, words=words)
 
-    arrays = [("_q8", np.ascontiguousarray(codes, dtype=np.int8)),
+    q = np.ascontiguousarray(codes, dtype=np.int8)
+    if words:
+        if k % 4:
+            raise PerfXError(f"q8: K={k} is not a multiple of 4; the codes cannot be read as 32-bit words")
+        q = q.view(np.uint32)
+    arrays = [("_q8", q),
               ("_q8_scale", np.ascontiguousarray(scale, dtype=np.float16))]
     return Packed("q8", f"g{group}", n, k, arrays, compute)

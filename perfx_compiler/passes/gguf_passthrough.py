@@ -63,6 +63,9 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     # An untied embedding is only gathered: its rows come from the blocks too (no float copy).
     quant |= {n for n, u in uses.items() if "take" in u and "other" not in u}
     tables = block_tables(desc)
+    # GPU targets without 8-bit types (WGSL; index_dtype int32) read int8 codes as 32-bit words
+    raw_target = getattr(ctx.target, "raw", None) or {}
+    words8 = getattr(ctx.target, "family", "") == "gpu" and raw_target.get("index_dtype") == "int32"
     packed = {}
     for name in sorted(quant):
         if name not in tables:
@@ -75,5 +78,5 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         err = float(np.abs(back - w).max())
         if err > 1e-6 * max(float(np.abs(w).max()), 1e-30):
             raise PerfXError(f"internal: GGUF blocks of {name} ({qtype}) do not reproduce its weights (max error {err:g})")
-        packed[name] = packed_from_blocks(qtype, raw, shape)
+        packed[name] = packed_from_blocks(qtype, raw, shape, words8)
     return rewrite_linears(mod, weights, packed)

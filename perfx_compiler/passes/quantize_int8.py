@@ -37,5 +37,9 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     quant, _ = linear_weights(mod, weights)
     for name in quant:
         check_group(int(np.asarray(weights[name]).shape[1]), group, getattr(ctx.options, "quantization", "q8"))
-    packed = {n: int8_packed(*quantize_int8(np.asarray(weights[n], dtype=np.float32), group), group) for n in quant}
+    raw_target = getattr(ctx.target, "raw", None) or {}  # GPU with int32 indices (WGSL): no 8-bit types
+    words = getattr(ctx.target, "family", "") == "gpu" and raw_target.get("index_dtype") == "int32"
+    packed = {
+        n: int8_packed(*quantize_int8(np.asarray(weights[n], dtype=np.float32), group), group, words) for n in quant
+    }
     return rewrite_linears(mod, weights, packed)

@@ -102,7 +102,9 @@ class WebGPULauncher:
             "max-compute-invocations-per-workgroup": min(max_invocations, lim["max-compute-invocations-per-workgroup"]),
             "max-compute-workgroup-storage-size": min(max_workgroup_storage, lim["max-compute-workgroup-storage-size"]),
         }
-        self.device = self.adapter.request_device_sync(required_limits=limits)
+        # f16 buffers (quantized weights' scales) need WGSL's `enable f16`, i.e. the shader-f16 feature
+        features = [f for f in ("shader-f16",) if f in self.adapter.features]
+        self.device = self.adapter.request_device_sync(required_features=features, required_limits=limits)
         self.usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self._kernels: dict[str, dict[str, WGSLKernel]] = {}
         self._pipelines: dict[tuple[str, str], tuple[Any, Any]] = {}
