@@ -2,7 +2,10 @@
 
 ``dequantize_matmulnbits`` turns a ``MatMulNBits`` weight (blocks of 2/4/8-bit codes with
 per-block scales and optional packed zero points) into the exact float matrix onnxruntime
-multiplies by; the graph recogniser uses it. ``CONTRIB_CONVERTERS`` are Relax converters for
+multiplies by; ``matmulnbits_table`` keeps the same weight as its integer codes, scales and zero
+points (an ``NBitsTable``), which the graph recogniser records for the int4 passthrough pass
+(``passes/onnx_int4_passthrough.py``: PerfX's int4 kernels over the file's own codes).
+``CONTRIB_CONVERTERS`` are Relax converters for
 ``import_onnx(..., extra_converters=CONTRIB_CONVERTERS)``:
 
 * ``MatMulNBits``: unpack + dequantize in Relax, then ``A @ W^T`` (+ bias);
@@ -18,6 +21,7 @@ multiplies by; the graph recogniser uses it. ``CONTRIB_CONVERTERS`` are Relax co
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,35 +47,87 @@ def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     return np.stack(parts, axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * per)
 
 
-def dequantize_matmulnbits(node: onnx.NodeProto, const: Callable[[str], np.ndarray | None]) -> np.ndarray | None:
-    """The float32 weight [N, K] of a com.microsoft MatMulNBits node; None if its inputs are not constant."""
+@dataclass(frozen=True)
+class NBitsTable:
+    """A MatMulNBits weight as its file stores it, for a quantized passthrough: ``codes`` uint8
+    [N, K] (unpacked, bit for bit), ``scales`` [N, ceil(K/block)] in the file's float type,
+    ``zeros`` uint8 [N, ceil(K/block)] or None (the default zero point ``2^(bits-1)``).
+    w = (code - zero) * scale."""
+
+    bits: int
+    block: int
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.codes.shape[0]), int(self.codes.shape[1])
+
+    def rows(self, index: Any) -> NBitsTable:
+        """The table of some rows (a slice or an index array): QKV splits, Q/K row permutations."""
+        z = None if self.zeros is None else np.ascontiguousarray(self.zeros[index])
+        return NBitsTable(self.bits, self.block, np.ascontiguousarray(self.codes[index]),
+                          np.ascontiguousarray(self.scales[index]), z)
+
+    def zero_points(self) -> np.ndarray:
+        """uint8 zero points [N, groups], the default ones filled in."""
+        if self.zeros is not None:
+            return self.zeros
+        return np.full(self.scales.shape, 1 << (self.bits - 1), dtype=np.uint8)
+
+    def dequantize(self) -> np.ndarray:
+        """The float32 weight [N, K] onnxruntime multiplies by."""
+        idx = np.arange(self.codes.shape[1]) // self.block
+        z = self.zero_points().astype(np.float32)[:, idx]
+        return ((self.codes.astype(np.float32) - z) * self.scales.astype(np.float32)[:, idx]).astype(np.float32)
+
+
+def matmulnbits_table(node: onnx.NodeProto, const: Callable[[str], np.ndarray | None]) -> NBitsTable | np.ndarray | None:
+    """A com.microsoft MatMulNBits node's weight: an :class:`NBitsTable` when its zero points are
+    absent or packed uint8 (the integer form kernels can use), else the float32 weight [N, K]
+    (float zero points); None if its inputs are not constant."""
     k, n = int(_attr(node, "K")), int(_attr(node, "N"))
     bits, block = int(_attr(node, "bits", 4)), int(_attr(node, "block_size"))
     if bits not in (2, 4, 8):
         raise UnsupportedModelError(f"MatMulNBits '{node.name}' with bits={bits} is not supported (2, 4, 8 are)")
+    n_blocks = -(-k // block)
     if len(node.input) > 4 and node.input[4]:
         g_idx = const(node.input[4])
-        n_blocks = -(-k // block)
+        # g_idx equal to k // block is the plain layout some exporters still write; anything else is act-order.
         if g_idx is None or not np.array_equal(g_idx.reshape(-1), np.arange(k) // block):
             raise UnsupportedModelError(f"MatMulNBits '{node.name}' uses act-order g_idx, which is not supported")
     codes_raw = const(node.input[1])
     scales = const(node.input[2])
     if codes_raw is None or scales is None:
         return None
-    n_blocks = -(-k // block)
     codes = unpack_codes(codes_raw.astype(np.uint8).reshape(n, n_blocks, -1), bits)[:, :, :block]
-    scales = scales.astype(np.float32).reshape(n, n_blocks)
-    zp: np.ndarray = np.full((n, n_blocks), float(1 << (bits - 1)), np.float32)
+    codes = np.ascontiguousarray(codes.reshape(n, n_blocks * block)[:, :k], dtype=np.uint8)
+    scales = np.ascontiguousarray(scales.reshape(n, n_blocks))
     if len(node.input) > 3 and node.input[3]:
         z = const(node.input[3])
         if z is None:
             return None
-        if z.dtype == np.uint8:
-            zp = unpack_codes(z.reshape(n, -1), bits)[:, :n_blocks].astype(np.float32)
-        else:
+        if z.dtype != np.uint8:  # float zero points: no integer form, the float weight only
             zp = z.astype(np.float32).reshape(n, n_blocks)
-    w = (codes.astype(np.float32) - zp[:, :, None]) * scales[:, :, None]
-    return np.ascontiguousarray(w.reshape(n, n_blocks * block)[:, :k])
+            idx = np.arange(k) // block
+            return ((codes.astype(np.float32) - zp[:, idx]) * scales.astype(np.float32)[:, idx]).astype(np.float32)
+        if len(node.input) > 4 and node.input[4]:
+            # onnxruntime's CPU kernel ignores packed zero points when g_idx is given (it uses 2^(bits-1)):
+            # the file's weights are ambiguous, so say so rather than pick one reading.
+            raise UnsupportedModelError(
+                f"MatMulNBits '{node.name}' has both g_idx and packed uint8 zero points, which onnxruntime "
+                "reads as zero points 2^(bits-1); re-export without g_idx (it is the plain k // block_size)"
+            )
+        zeros = np.ascontiguousarray(unpack_codes(z.reshape(n, -1), bits)[:, :n_blocks], dtype=np.uint8)
+        return NBitsTable(bits, block, codes, scales, zeros)
+    return NBitsTable(bits, block, codes, scales, None)
+
+
+def dequantize_matmulnbits(node: onnx.NodeProto, const: Callable[[str], np.ndarray | None]) -> np.ndarray | None:
+    """The float32 weight [N, K] of a com.microsoft MatMulNBits node; None if its inputs are not constant."""
+    t = matmulnbits_table(node, const)
+    return t.dequantize() if isinstance(t, NBitsTable) else t
 
 
 # --- Relax converters ----------------------------------------------------------------------------

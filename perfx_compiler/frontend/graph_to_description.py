@@ -35,13 +35,14 @@ import onnx
 from onnx import numpy_helper
 
 from perfx_compiler.errors import UnsupportedModelError
-from perfx_compiler.frontend.contrib_ops import dequantize_matmulnbits
+from perfx_compiler.frontend.contrib_ops import NBitsTable, matmulnbits_table
 from perfx_compiler.frontend.decoder_io import DecoderIO, read_genai_config, recognize_io
 from perfx_compiler.model.description import ModelConfig, ModelDescription, rope_inv_freq
 
 _PASS_THROUGH = ("Cast", "Identity")
 _ATTENTION_OPS = ("GroupQueryAttention", "MultiHeadAttention", "Attention", "RotaryEmbedding")
 _GENAI_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+QTYPE = "MatMulNBits"  # ModelDescription.quantized type of a MatMulNBits table (GGUF's are ggml type names)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Linear:
     out: str  # output after the bias Add, if any
     weight: np.ndarray  # [out_features, in_features] float32
     bias: np.ndarray | None
+    table: NBitsTable | None = None  # MatMulNBits codes/scales/zeros behind ``weight`` (same rows)
 
 
 class OnnxGraph:
@@ -124,6 +126,7 @@ def _linear_at(g: OnnxGraph, node: onnx.NodeProto) -> Linear | None:
     """The linear layer a MatMul/Gemm/MatMulNBits node computes, if its weight is a constant."""
     w: np.ndarray | None = None
     bias: np.ndarray | None = None
+    table: NBitsTable | None = None
     if node.op_type == "MatMul":
         b = g.const(node.input[1])
         if b is not None and b.ndim == 2:
@@ -141,7 +144,11 @@ def _linear_at(g: OnnxGraph, node: onnx.NodeProto) -> Linear | None:
                 c = g.const(node.input[2])
                 bias = None if c is None else c.reshape(-1) * float(_attr(node, "beta", 1.0))
     elif node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
-        w = dequantize_matmulnbits(node, g.const)
+        t = matmulnbits_table(node, g.const)
+        if isinstance(t, NBitsTable):
+            table, w = t, t.dequantize()
+        else:
+            w = t
         if len(node.input) > 5 and node.input[5]:
             bias = g.const(node.input[5])
     if w is None or g.const(node.input[0]) is not None:
@@ -154,7 +161,7 @@ def _linear_at(g: OnnxGraph, node: onnx.NodeProto) -> Linear | None:
         c = g.const(other)
         if c is not None and c.size == w.shape[0] and c.reshape(-1).shape[0] == c.shape[-1]:
             bias, out = c.reshape(-1), add.output[0]
-    return Linear(node, node.input[0], out, _f32(w), None if bias is None else _f32(bias))
+    return Linear(node, node.input[0], out, _f32(w), None if bias is None else _f32(bias), table)
 
 
 def _reach(g: OnnxGraph, start: str, stop: set[str], limit: int = 400) -> tuple[set[str], set[tuple[str, int]]]:
@@ -314,7 +321,8 @@ def _split_qkv(group: list[Linear], g: OnnxGraph, stop: set[str], io: DecoderIO,
         parts = []
         for a, b in zip(cuts[:-1], cuts[1:], strict=True):
             bias = None if lin.bias is None else lin.bias[a:b]
-            parts.append(Linear(lin.node, lin.x, lin.out, lin.weight[a:b], bias))
+            table = None if lin.table is None else lin.table.rows(slice(a, b))
+            parts.append(Linear(lin.node, lin.x, lin.out, lin.weight[a:b], bias, table))
         return tuple(parts)
     if len(group) != 3:
         raise UnsupportedModelError(f"{where}: {len(group)} projections share the attention input (want q, k, v)")
@@ -382,6 +390,8 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path) -> ModelDescr
         if q_rows != (heads + 2 * kv_heads) * head_dim and len(groups[0]) == 1:  # partial rotary or odd packing
             raise UnsupportedModelError(f"{source}: QKV rows {q_rows} do not match {heads}/{kv_heads} heads x {head_dim}")
     weights: dict[str, np.ndarray] = {"model.embed_tokens.weight": embed}
+    # MatMulNBits weights as the file stores them (ModelDescription.quantized, for the int4 passthrough)
+    quantized: dict[str, tuple[str, NBitsTable, tuple[int, int]]] = {}
     eps_seen: set[float] = set()
     has_bias = False
     for i in range(n_layers):
@@ -404,10 +414,19 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path) -> ModelDescr
         w_post, eps2 = _rms_norm(g, mlp[0].x, f"{where} MLP")
         eps_seen |= {eps1, eps2}
         qw, kw = q.weight, k.weight
+        qt, kt = q.table, k.table
         if interleaved:
             from perfx_compiler.model.gguf import unpermute_qk
 
             qw, kw = unpermute_qk(qw, qw.shape[0] // head_dim), unpermute_qk(kw, kw.shape[0] // head_dim)
+            # the same row permutation moves whole quantized rows
+            qt = None if qt is None else qt.rows(unpermute_qk(np.arange(qw.shape[0]), qw.shape[0] // head_dim))
+            kt = None if kt is None else kt.rows(unpermute_qk(np.arange(kw.shape[0]), kw.shape[0] // head_dim))
+        for name, table in (("self_attn.q_proj", qt), ("self_attn.k_proj", kt), ("self_attn.v_proj", v.table),
+                            ("self_attn.o_proj", o[0].table), ("mlp.gate_proj", gate.table),
+                            ("mlp.up_proj", up.table), ("mlp.down_proj", down[0].table)):
+            if table is not None and table.bits == 4:
+                quantized[f"{p}{name}.weight"] = (QTYPE, table, table.shape)
         weights.update({
             p + "input_layernorm.weight": w_in, p + "post_attention_layernorm.weight": w_post,
             p + "self_attn.q_proj.weight": qw, p + "self_attn.k_proj.weight": kw,
@@ -433,6 +452,8 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path) -> ModelDescr
     tied = bool(np.array_equal(head.weight, embed))
     if not tied:
         weights["lm_head.weight"] = head.weight
+        if head.table is not None and head.table.bits == 4:
+            quantized["lm_head.weight"] = (QTYPE, head.table, head.table.shape)
     q_rows = weights["model.layers.0.self_attn.q_proj.weight"].shape[0]
     k_rows = weights["model.layers.0.self_attn.k_proj.weight"].shape[0]
     if q_rows % head_dim or k_rows % head_dim:
@@ -450,7 +471,8 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path) -> ModelDescr
     tok_json, template = _tokenizer_files(folder, cfg)
     if tok_json is not None:
         _add_stop_tokens(cfg, tok_json)
-    desc = ModelDescription(config=cfg, weights=weights, tokenizer_json=tok_json, chat_template=template, source=source)
+    desc = ModelDescription(config=cfg, weights=weights, tokenizer_json=tok_json, chat_template=template, source=source,
+                            quantized=quantized)
     desc.validate()
     return desc
 
