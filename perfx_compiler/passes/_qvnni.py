@@ -1,0 +1,181 @@
+"""Weight layouts for the x86 VNNI kernels (int8 activations, ``schedules/gemv_qvnni_cpu.py``).
+
+``vpdpbusd`` multiplies 64 unsigned bytes by 64 signed bytes and adds each group of 4 products
+into one of 16 int32 lanes. The kernels quantize the activation row to int8 per weight group
+(scale ``dx = amax / 127``), so a 64-column step is: one 64-byte weight load, one 64-byte
+activation load, a ``vpdpbusd``; lanes 0-7 hold columns 0-31 of the step, lanes 8-15 columns
+32-63 (one weight group each when G = 32).
+
+Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
+
+* int4 (``q4v``): codes uint8 [ceil(N/2), KP]. Byte k of pair p holds row 2p's code of column k
+  in its low nibble and row 2p+1's in its high nibble, so ``v & 15`` and ``v >> 4`` are the two
+  rows' 64 codes in column order (no shuffles). An odd N gets a zero padding row.
+* int8 (``q8v``): codes uint8 [N, KP] = signed code + 128 (vpdpbusd's unsigned operand); the
+  kernel removes the offset like an int4 zero point: ``sum((q+128) x) - 128 sum(x)``.
+* scale / zero / min: [N2, NGP] (N2 = N rounded up to the pair), NGP = max(ceil(KP/G), 16)
+  groups, zero-padded: the kernel reads 16 groups with one vector load (the last chunk of a
+  row overlaps the one before it instead of reading past the row).
+
+Codes, scales, zeros and mins are the format's own values moved, never recomputed: the
+unpacking functions below give back the exact input arrays (tests check this bit for bit).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+QUANT_ATTR = "perfx.quant"
+STEP = 64  # columns per vpdpbusd step
+CHUNK = 16  # groups per scale vector
+
+
+def padded_k(k: int) -> int:
+    return -(-k // STEP) * STEP
+
+
+def groups_padded(k: int, group: int) -> tuple[int, int]:
+    """(groups over the padded row, stored group columns >= 16)."""
+    ng = -(-padded_k(k) // group)
+    return ng, max(ng, CHUNK)
+
+
+def pack_q4_pairs(codes: np.ndarray) -> np.ndarray:
+    """codes uint8 [N, K] (0..15) -> uint8 [ceil(N/2), KP] (row pairs in the two nibbles)."""
+    n, k = codes.shape
+    kp = padded_k(k)
+    c = np.zeros((n + n % 2, kp), dtype=np.uint8)
+    c[:n, :k] = codes
+    return np.ascontiguousarray(c[0::2] | (c[1::2] << np.uint8(4)))
+
+
+def unpack_q4_pairs(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    rows = np.stack([packed & np.uint8(15), packed >> np.uint8(4)], axis=1).reshape(-1, packed.shape[1])
+    return np.ascontiguousarray(rows[:n, :k])
+
+
+def pack_q8_offset(codes: np.ndarray) -> np.ndarray:
+    """int8 codes [N, K] -> uint8 [N, KP] = code + 128 (padding columns hold 128: weight 0)."""
+    n, k = codes.shape
+    out = np.full((n, padded_k(k)), 128, dtype=np.uint8)
+    out[:, :k] = codes.view(np.uint8) ^ np.uint8(0x80)
+    return out
+
+
+def unpack_q8_offset(packed: np.ndarray, k: int) -> np.ndarray:
+    return np.ascontiguousarray((packed[:, :k] ^ np.uint8(0x80)).view(np.int8))
+
+
+def pad_groups(a: np.ndarray, k: int, group: int, rows: int) -> np.ndarray:
+    """[N, ng] per-group array -> [rows, NGP], zero-padded."""
+    _, ngp = groups_padded(k, group)
+    out = np.zeros((rows, ngp), dtype=a.dtype)
+    out[: a.shape[0], : a.shape[1]] = a
+    return out
+
+
+def vnni_info(n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str) -> str:
+    ng, ngp = groups_padded(k, group)
+    info = {"bits": bits, "N": n, "K": k, "KP": padded_k(k), "group": group, "NGP": ngp,
+            "sym": symmetric, "offset": offset, "kind": kind, "layout": "vnni", "act": "int8"}
+    return json.dumps(info, sort_keys=True)
+
+
+def q4_vnni_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: Any) -> Any:
+    """The ``_qlinear.Packed`` of int4 codes in the VNNI pair layout (``fmt``: ``_quant.Int4Format``)."""
+    from perfx_compiler.passes._qlinear import Packed
+
+    n, k = codes.shape
+    n2 = n + n % 2
+    arrays = [("_q4", pack_q4_pairs(codes)),
+              ("_q4_scale", pad_groups(np.asarray(scale, dtype=np.float16), k, fmt.group, n2)),
+              ("_q4_min", pad_groups(np.asarray(third, dtype=np.float16), k, fmt.group, n2)) if fmt.offset
+              else ("_q4_zero", pad_groups(np.asarray(third, dtype=np.uint8), k, fmt.group, n2))]
+
+    def compute(kind: str, rows: tuple[int | None, int | None]) -> Any:
+        return vnni_compute(n, k, fmt.group, 4, fmt.symmetric, fmt.offset, kind, rows)
+
+    return Packed("q4", f"{fmt.tag}v", n, k, arrays, compute)
+
+
+def q8_vnni_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
+    from perfx_compiler.passes._qlinear import Packed
+
+    n, k = codes.shape
+    arrays = [("_q8", pack_q8_offset(np.asarray(codes, dtype=np.int8))),
+              ("_q8_scale", pad_groups(np.asarray(scale, dtype=np.float16), k, group, n))]
+
+    def compute(kind: str, rows: tuple[int | None, int | None]) -> Any:
+        return vnni_compute(n, k, group, 8, True, False, kind, rows)
+
+    return Packed("q8", f"g{group}v", n, k, arrays, compute)
+
+
+def quantize_activations(x: np.ndarray, k: int, group: int) -> np.ndarray:
+    """What the VNNI kernels multiply with: each row of x [..., K] quantized to int8 per group
+    (dx = amax / 127 in float32, q = rint(x * (127 / amax))) and scaled back, as float64."""
+    x = np.asarray(x, dtype=np.float32)
+    lead = x.shape[:-1]
+    kp = padded_k(k)
+    ng = -(-kp // group)
+    xp = np.zeros((*lead, ng * group), dtype=np.float32)
+    xp[..., :k] = x
+    g = xp.reshape(*lead, ng, group)
+    amax = np.abs(g).max(axis=-1, keepdims=True).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint((g * inv).astype(np.float32))
+    dx = (amax / np.float32(127.0)).astype(np.float32)
+    return (q.astype(np.float64) * dx.astype(np.float64)).reshape(*lead, ng * group)[..., :k]
+
+
+def vnni_compute(
+    n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str = "matmul",
+    rows: tuple[int | None, int | None] = (1, None),
+) -> Any:
+    """Reference PrimFunc over the VNNI layouts (float x: the exact linear; the scheduled kernel
+    multiplies with int8-quantized x), tagged ``perfx.quant`` with ``layout: vnni``."""
+    from tvm import te, tirx
+
+    kp = padded_k(k)
+    _, ngp = groups_padded(k, group)
+    n2 = n + n % 2
+    if bits == 4:
+        q = te.placeholder((n2 // 2, kp), "uint8", name="q")
+    else:
+        q = te.placeholder((n, kp), "uint8", name="q")
+    s = te.placeholder((q.shape[0] * (2 if bits == 4 else 1), ngp), "float16", name="scale")
+    z = None
+    if bits == 4:
+        z = te.placeholder(s.shape, "float16" if offset else "uint8", name="min" if offset else "zero")
+
+    def w(row: Any, col: Any) -> Any:
+        g = col // group
+        sc = s[row, g].astype("float32")
+        if bits == 8:
+            return (q[row, col].astype("float32") - tirx.const(128.0, "float32")) * sc
+        byte = q[row // 2, col]
+        code = ((byte >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")).astype("float32")
+        if offset:
+            return code * sc + z[row, g].astype("float32")
+        return (code - z[row, g].astype("float32")) * sc
+
+    ins = [q, s] + ([z] if z is not None else [])
+    b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
+    m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
+    if kind == "dequant":
+        out = te.compute((n, k), lambda row, col: w(row, col), name="dequant_vnni")
+        func = te.create_prim_func([*ins, out])
+    elif kind == "take":
+        ids = te.placeholder((b, m), "int64", name="ids")
+        out = te.compute((b, m, k), lambda bi, i, c: w(ids[bi, i], c), name="take_vnni")
+        func = te.create_prim_func([*ins, ids, out])
+    else:
+        x = te.placeholder((b, m, k), "float32", name="x")
+        r = te.reduce_axis((0, k), name="k")
+        out = te.compute((b, m, n), lambda bi, i, j: te.sum(x[bi, i, r] * w(j, r), axis=r), name="matmul_vnni")
+        func = te.create_prim_func([x, *ins, out])
+    return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind))

@@ -1,0 +1,253 @@
+"""TIR kernels over the VNNI layouts of ``perfx_compiler/passes/_qvnni.py`` (int4 row pairs,
+int8 + 128), used by the ``gemv_qvnni_cpu`` template.
+
+GEMV (decode, static rows M <= 8), one call:
+
+1. Activations: each row of x is quantized to int8 per weight group G (``dx = amax/127``,
+   ``q = round(x * 127/amax)``); per chunk of 16 groups the kernel keeps the vectors ``dx`` and
+   ``dx * sum(q)`` (the latter with the groups an overlapping tail chunk already counted zeroed).
+2. Rows: parallel over tasks; an iteration takes U units (int4: a row pair, one 64-byte load
+   gives both rows' codes by ``& 15`` / ``>> 4``; int8: one row) and shares each activation load
+   among them. Per 64-column step and row: ``vpdpbusd`` (16 int32 lanes, lanes 0-7 = columns
+   0-31, 8-15 = 32-63), int -> float, and one FMA with the per-lane scale ``s_w * dx`` picked by
+   ``vpermps`` from the chunk's 16-group vector. The zero point / min / +128 offset is applied
+   once per chunk: ``acc += (-z * s_w | min) * dx * sum(q)`` (one vector FMA per 16 groups).
+3. Row end: horizontal sum of the 16 lanes.
+
+The result is exactly ``dequant(W) @ xq`` with ``xq`` the int8-quantized x, up to float32
+summation order (``_qvnni.quantize_activations`` is the numpy reference of xq).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STEP = 64
+CHUNK = 16
+
+
+def plan(K: int, G: int) -> dict[str, int]:
+    """Static chunking of a row: full 16-group chunks, then a tail chunk overlapping the last."""
+    KP = -(-K // STEP) * STEP
+    S = KP // STEP
+    NGE = -(-KP // G)
+    NGP = max(NGE, CHUNK)
+    SPC = CHUNK * G // STEP  # steps per full chunk
+    F = KP // (CHUNK * G)  # chunks whose 16 groups are all whole
+    TS = S - F * SPC  # steps in the tail chunk
+    NCH = F + (1 if TS else 0)
+    return {"KP": KP, "S": S, "NGE": NGE, "NGP": NGP, "SPC": SPC, "F": F, "TS": TS, "NCH": NCH,
+            "BASE_T": min(CHUNK * F, NGP - CHUNK)}
+
+
+def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
+         units: int, tasks: int, unroll: int) -> Any:
+    """The GEMV PrimFunc (x, q, scale[, zero|min], y) for one configuration."""
+    from tvm.script import tirx as T
+
+    p = plan(K, G)
+    KP, S, NGE, NGP, SPC, F, TS, NCH, BT = (p[k] for k in ("KP", "S", "NGE", "NGP", "SPC", "F", "TS", "NCH", "BASE_T"))
+    B, MM = rows
+    M = B * MM
+    pair = bits == 4
+    NU = -(-N // 2) if pair else N  # units: row pairs or rows
+    RPU = 2 if pair else 1
+    RW = units * RPU  # rows per iteration
+    NIT = -(-NU // units)
+    IPT = -(-NIT // tasks)
+    N2 = NU * RPU
+    GPS = STEP // G if G <= STEP else 0  # groups per step (G = 32: 2)
+    SPG = G // STEP if G >= STEP else 0  # steps per group (G = 128: 2)
+    UG = unroll * STEP // G  # groups advanced per unrolled inner loop (>= 1 by validity)
+    ZT = "float16" if offset else "uint8"
+    QW = (N2 // 2) if pair else N
+    zconst = 128.0 if bits == 8 else 8.0
+    GV = G // 16  # 16-lane vectors per group
+
+    def lane_group(s_local: int, h: int) -> int:
+        """Group (relative to the chunk's first) of lane half h in the chunk's s_local-th step."""
+        return (s_local * STEP + h * 32) // G
+
+    def idx_vec(off: Any, s_local: int) -> Any:
+        a, b = lane_group(s_local, 0), lane_group(s_local, 1)
+        lanes = T.Ramp(T.int32(0), 1, 16)
+        return T.Broadcast(off, 16) + T.Select(lanes < T.Broadcast(T.int32(8), 16), T.Broadcast(T.int32(a), 16),
+                                               T.Broadcast(T.int32(b), 16))
+
+    def vdot(w: Any, x: Any) -> Any:
+        return T.call_llvm_pure_intrin(
+            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"), T.Broadcast(T.int32(0), 16),
+            w, x, dtype="int32x16")
+
+    def perm(v: Any, idx: Any) -> Any:
+        return T.call_llvm_pure_intrin(
+            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.permvar.sf.512"), v, idx, dtype="float32x16")
+
+    del GPS, SPG
+
+    @T.macro
+    def body(X, Q, Sc, Z, Y):
+        XQ = T.decl_buffer((M * KP,), "int8")
+        DXC = T.decl_buffer((M * NCH * 16,), "float32")
+        DSC = T.decl_buffer((M * NCH * 16,), "float32")
+        gdx = T.decl_buffer((M * NGE,), "float32")
+        gds = T.decl_buffer((M * NGE,), "float32")
+        mx = T.decl_buffer((16,), "float32", scope="local")
+        sm = T.decl_buffer((16,), "int32", scope="local")
+        inv = T.decl_buffer((1,), "float32", scope="local")
+        # 1. int8 activations per group (x beyond K counts as 0)
+        for bm in T.serial(M):
+            for g in T.serial(NGE):
+                for l in T.vectorized(16):
+                    mx[l] = T.float32(0)
+                    sm[l] = 0
+                for c in T.serial(GV):
+                    if g * G + c * 16 < K:
+                        for l in T.vectorized(16):
+                            mx[l] = T.max(mx[l], T.fabs(X[bm // MM, bm % MM, g * G + c * 16 + l]))
+                for l in T.serial(15):
+                    mx[0] = T.max(mx[0], mx[l + 1])
+                gdx[bm * NGE + g] = mx[0] / T.float32(127)
+                inv[0] = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
+                for c in T.serial(GV):
+                    if g * G + c * 16 < KP:
+                        if g * G + c * 16 < K:
+                            for l in T.vectorized(16):
+                                XQ[bm * KP + g * G + c * 16 + l] = T.Cast(
+                                    "int8", T.round(X[bm // MM, bm % MM, g * G + c * 16 + l] * inv[0]))
+                                sm[l] = sm[l] + T.Cast("int32", XQ[bm * KP + g * G + c * 16 + l])
+                        else:
+                            for l in T.vectorized(16):
+                                XQ[bm * KP + g * G + c * 16 + l] = T.int8(0)
+                for l in T.serial(15):
+                    sm[0] = sm[0] + sm[l + 1]
+                gds[bm * NGE + g] = gdx[bm * NGE + g] * T.Cast("float32", sm[0])
+            for c in T.serial(NCH):
+                for l in T.serial(16):
+                    DXC[(bm * NCH + c) * 16 + l] = T.if_then_else(
+                        T.Select(c < F, c * 16 + l, BT + l) < NGE,
+                        gdx[bm * NGE + T.min(T.Select(c < F, c * 16 + l, BT + l), NGE - 1)], T.float32(0))
+                    DSC[(bm * NCH + c) * 16 + l] = T.if_then_else(
+                        T.Select(c < F, c * 16 + l, BT + l) < NGE
+                        and (c < F or BT + l >= F * 16),
+                        gds[bm * NGE + T.min(T.Select(c < F, c * 16 + l, BT + l), NGE - 1)], T.float32(0))
+        # 2. rows
+        for t in T.parallel(tasks):
+            acc = T.decl_buffer((M * RW * 16,), "float32", scope="local")
+            cb = T.decl_buffer((M * RW * 16,), "float32", scope="local")
+            red = T.decl_buffer((4,), "float32", scope="local")
+            for it in T.serial(IPT):
+                if t * IPT + it < NIT:
+                    for i in T.unroll(M * RW):
+                        acc[T.Ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                    for c in T.serial(NCH):
+                        # chunk scales: cb = s_w * dx (16 groups), zero/min term into acc
+                        for u in T.unroll(units):
+                            for h in T.unroll(RPU):
+                                for bm in T.unroll(M):
+                                    cb[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = T.Cast(
+                                        "float32x16",
+                                        Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                                  T.min(c * 16, NGP - 16)], "float16x16"),
+                                    ) * DXC.vload([(bm * NCH + c) * 16], "float32x16")
+                                    if offset:
+                                        acc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = acc.vload(
+                                            [((bm * units + u) * RPU + h) * 16], "float32x16") + T.Cast(
+                                            "float32x16",
+                                            Z.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                                     T.min(c * 16, NGP - 16)], "float16x16"),
+                                        ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
+                                    elif sym or bits == 8:
+                                        acc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = acc.vload(
+                                            [((bm * units + u) * RPU + h) * 16], "float32x16") - T.Broadcast(
+                                            T.float32(zconst), 16) * T.Cast(
+                                            "float32x16",
+                                            Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                                      T.min(c * 16, NGP - 16)], "float16x16"),
+                                        ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
+                                    else:
+                                        acc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = acc.vload(
+                                            [((bm * units + u) * RPU + h) * 16], "float32x16") - T.Cast(
+                                            "float32x16",
+                                            Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                                      T.min(c * 16, NGP - 16)], "float16x16"),
+                                        ) * T.Cast(
+                                            "float32x16",
+                                            Z.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                                     T.min(c * 16, NGP - 16)], "uint8x16"),
+                                        ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
+                        if c < F:
+                            for so in T.serial(SPC // unroll):
+                                for si in T.unroll(unroll):
+                                    for u in T.unroll(units):
+                                        for bm in T.unroll(M):
+                                            for h in T.unroll(RPU):
+                                                acc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = acc.vload(
+                                                    [((bm * units + u) * RPU + h) * 16], "float32x16") + T.Cast(
+                                                    "float32x16",
+                                                    vdot(
+                                                        T.shift_right(
+                                                            Q.vload([T.min((t * IPT + it) * units, NU - units) + u,
+                                                                     (c * SPC + so * unroll + si) * STEP], "uint8x64"),
+                                                            T.Broadcast(T.uint8(4 * h), 64))
+                                                        & T.Broadcast(T.uint8(15 if pair else 255), 64),
+                                                        XQ.vload([bm * KP + (c * SPC + so * unroll + si) * STEP], "int8x64"),
+                                                    ),
+                                                ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"),
+                                                         idx_vec(so * UG, si))
+                        else:
+                            for si in T.unroll(TS):
+                                for u in T.unroll(units):
+                                    for bm in T.unroll(M):
+                                        for h in T.unroll(RPU):
+                                            acc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = acc.vload(
+                                                [((bm * units + u) * RPU + h) * 16], "float32x16") + T.Cast(
+                                                "float32x16",
+                                                vdot(
+                                                    T.shift_right(
+                                                        Q.vload([T.min((t * IPT + it) * units, NU - units) + u,
+                                                                 (F * SPC + si) * STEP], "uint8x64"),
+                                                        T.Broadcast(T.uint8(4 * h), 64))
+                                                    & T.Broadcast(T.uint8(15 if pair else 255), 64),
+                                                    XQ.vload([bm * KP + (F * SPC + si) * STEP], "int8x64"),
+                                                ),
+                                            ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"),
+                                                     idx_vec(T.int32(F * 16 - BT), si))
+                    # 3. horizontal sums
+                    for u in T.unroll(units):
+                        for h in T.unroll(RPU):
+                            for bm in T.unroll(M):
+                                red[T.Ramp(0, 1, 4)] = T.vectorlow("float32x4", T.vectorlow(
+                                    "float32x8", acc.vload([((bm * units + u) * RPU + h) * 16], "float32x16")) + T.vectorhigh(
+                                    "float32x8", acc.vload([((bm * units + u) * RPU + h) * 16], "float32x16"))) + T.vectorhigh(
+                                    "float32x4", T.vectorlow(
+                                        "float32x8", acc.vload([((bm * units + u) * RPU + h) * 16], "float32x16")) + T.vectorhigh(
+                                        "float32x8", acc.vload([((bm * units + u) * RPU + h) * 16], "float32x16")))
+                                if (T.min((t * IPT + it) * units, NU - units) + u) * RPU + h < N:
+                                    Y[bm // MM, bm % MM, (T.min((t * IPT + it) * units, NU - units) + u) * RPU + h] = (
+                                        red[0] + red[2]) + (red[1] + red[3])
+
+    if pair:
+
+        @T.prim_func(private=True)
+        def qv_gemv4(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            X = T.match_buffer(x_h, (T.int64(B), T.int64(MM), T.int64(K)), "float32")
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            Y = T.match_buffer(y_h, (T.int64(B), T.int64(MM), T.int64(N)), "float32")
+            body(X, Q, Sc, Z, Y)
+
+        return qv_gemv4
+
+    @T.prim_func(private=True)
+    def qv_gemv8(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        X = T.match_buffer(x_h, (T.int64(B), T.int64(MM), T.int64(K)), "float32")
+        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+        Y = T.match_buffer(y_h, (T.int64(B), T.int64(MM), T.int64(N)), "float32")
+        body(X, Q, Sc, Sc, Y)
+
+    return qv_gemv8
