@@ -353,8 +353,9 @@ def _attention_heads(g: OnnxGraph) -> tuple[int | None, int | None, onnx.NodePro
     return None, None, None
 
 
-def graph_to_description(model: onnx.ModelProto, path: str | Path) -> ModelDescription:
-    """Rebuild the ModelDescription of a Llama/Qwen2/Mistral decoder graph (weights loaded)."""
+def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: int | None = None) -> ModelDescription:
+    """Rebuild the ModelDescription of a Llama/Qwen2/Mistral decoder graph (weights loaded);
+    ``max_context`` overrides the KV cache length (checked against a sliding window)."""
     path = Path(path)
     source, folder = str(path), path.parent
     genai = read_genai_config(folder)
@@ -363,8 +364,8 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path) -> ModelDescr
     g = OnnxGraph(model)
     heads, kv_heads, gqa = _attention_heads(g)
     if gqa is not None:
-        if int(_attr(gqa, "local_window_size", -1)) != -1 or float(_attr(gqa, "softcap", 0.0)) != 0.0:
-            raise UnsupportedModelError(f"{source}: GroupQueryAttention with a sliding window or softcap is not supported")
+        if float(_attr(gqa, "softcap", 0.0)) != 0.0:
+            raise UnsupportedModelError(f"{source}: GroupQueryAttention with softcap is not supported")
 
     emb = next((n for n in g.nodes if n.op_type == "Gather" and g.unwrap(n.input[1]) == io.input_ids
                 and g.const(n.input[0]) is not None), None)
@@ -458,6 +459,7 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path) -> ModelDescr
     k_rows = weights["model.layers.0.self_attn.k_proj.weight"].shape[0]
     if q_rows % head_dim or k_rows % head_dim:
         raise UnsupportedModelError(f"{source}: q/k rows {q_rows}/{k_rows} are not multiples of the RoPE head dim {head_dim}")
+    window = _sliding_window(hf, gqa)
     cfg = _config(genai, hf, source, vocab=vocab, hidden=hidden, ffn=weights["model.layers.0.mlp.up_proj.weight"].shape[0],
                   layers=n_layers, heads=q_rows // head_dim, kv_heads=k_rows // head_dim, head_dim=head_dim,
                   eps=max(eps_seen), bias=has_bias, tied=tied, inv=inv)
@@ -466,6 +468,17 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path) -> ModelDescr
             for name in ("q_proj", "k_proj", "v_proj"):
                 key = f"model.layers.{i}.self_attn.{name}.bias"
                 weights.setdefault(key, np.zeros(weights[key.replace("bias", "weight")].shape[0], np.float32))
+    if window is not None:
+        # PerfX attention has no sliding-window mask: it is exact while the context fits in the window.
+        cfg.max_context = min(cfg.max_context, window)
+        if max_context is not None and max_context > window:
+            raise UnsupportedModelError(
+                f"{source}: a context of {max_context} tokens exceeds the model's sliding window of {window}; "
+                f"PerfX attention has no sliding-window mask, so it is exact only up to {window} tokens: "
+                f"use --max-context {window} or less"
+            )
+    if max_context is not None:
+        cfg.max_context = int(max_context)
     from perfx_compiler.model.hf import _add_stop_tokens, _tokenizer_files
 
     tok_json, template = _tokenizer_files(folder, cfg)
@@ -475,6 +488,18 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path) -> ModelDescr
                             quantized=quantized)
     desc.validate()
     return desc
+
+
+def _sliding_window(hf: dict[str, Any], gqa: onnx.NodeProto | None) -> int | None:
+    """The attention window in tokens (Mistral's ``sliding_window``, Qwen2's when
+    ``use_sliding_window``, GroupQueryAttention's ``local_window_size``), or None."""
+    windows = []
+    if gqa is not None and int(_attr(gqa, "local_window_size", -1)) > 0:
+        windows.append(int(_attr(gqa, "local_window_size")))
+    w = hf.get("sliding_window")
+    if isinstance(w, int) and w > 0 and hf.get("use_sliding_window", hf.get("model_type") != "qwen2"):
+        windows.append(w)
+    return min(windows) if windows else None
 
 
 def _feeds_silu(g: OnnxGraph, name: str) -> bool:
@@ -530,7 +555,7 @@ def _config(genai: dict[str, Any] | None, hf: dict[str, Any], source: str, *, vo
     return cfg
 
 
-def load_foreign_onnx(model: onnx.ModelProto, path: str | Path) -> ModelDescription:
+def load_foreign_onnx(model: onnx.ModelProto, path: str | Path, max_context: int | None = None) -> ModelDescription:
     """``load_onnx`` for graphs PerfX did not emit: one error naming every operator PerfX cannot
     import (with node names and opset), else the recognised decoder's description."""
     from perfx_compiler.frontend.contrib_ops import CONTRIB_CONVERTERS
@@ -543,4 +568,4 @@ def load_foreign_onnx(model: onnx.ModelProto, path: str | Path) -> ModelDescript
     found = unsupported_ops(model, CONTRIB_CONVERTERS)
     if found:
         raise UnsupportedModelError(_unsupported_message(found, str(path)))
-    return graph_to_description(model, path)
+    return graph_to_description(model, path, max_context)

@@ -43,7 +43,7 @@ def load_model(spec: str | os.PathLike[str], max_context: int | None = None) -> 
     if path.suffix.lower() == ".onnx" and path.is_file():
         from perfx_compiler.model.onnx_read import load_onnx
 
-        desc = load_onnx(path)
+        desc = load_onnx(path, max_context=max_context)  # checked against a sliding window there
         if max_context is not None:
             desc.config.max_context = max_context
         return desc

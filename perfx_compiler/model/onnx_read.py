@@ -20,7 +20,8 @@ from perfx_compiler.model.description import ModelConfig, ModelDescription
 from perfx_compiler.model.onnx_emit import ROPE_COS, ROPE_SIN
 
 
-def load_onnx(path: str | Path) -> ModelDescription:
+def load_onnx(path: str | Path, max_context: int | None = None) -> ModelDescription:
+    """The ModelDescription of an ONNX file; ``max_context`` overrides the KV cache length."""
     path = Path(path)
     try:
         model = onnx.load(str(path), load_external_data=True)
@@ -31,8 +32,10 @@ def load_onnx(path: str | Path) -> ModelDescription:
         # A third-party decoder (torch.onnx, onnxruntime-genai): recognise it and rebuild its description.
         from perfx_compiler.frontend.graph_to_description import load_foreign_onnx
 
-        return load_foreign_onnx(model, path)
+        return load_foreign_onnx(model, path, max_context)
     config = ModelConfig.from_dict(json.loads(meta["perfx.config"]))
+    if max_context is not None:
+        config.max_context = int(max_context)
     weights = {
         t.name: numpy_helper.to_array(t)
         for t in model.graph.initializer
