@@ -4,9 +4,9 @@ Same contract as ``kernels/attention.py`` (the CPU kernel): for ``seq`` new toke
 ``past_len`` it rotates q and k (rotate-half RoPE from tables), writes k/v into the caches at their
 positions and computes causal GQA attention over cache positions ``0 .. past + i``. Two launches:
 
-1. append: one block per (kv head, token), ``D/2`` threads; thread ``t`` rotates the pair
+1. append: one block per (kv head, token) (a 2-D grid), ``D/2`` threads; thread ``t`` rotates the pair
    (t, t + D/2) of k and copies v[t], v[t + D/2] into the caches.
-2. attention: one block per (head, query), ``T = D`` threads (one per output dimension), keys in
+2. attention: one block per (head, query) (2-D grid), ``T = D`` threads (one per output dimension), keys in
    tiles of ``T`` with an online softmax (flash-decoding style, running max and sum):
    thread ``t`` scores key ``tile*T + t`` against the rotated query held in shared memory, the
    tile's max and sum come from a shared-memory array every thread reads (broadcast reads, no
@@ -68,68 +68,67 @@ def cached_attention_kernel_gpu(
         COS = T.match_buffer(cos_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         SIN = T.match_buffer(sin_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         OUT = T.match_buffer(out_h, (T.int64(1), seq, T.int64(H * D)), dtype)
-        # 1) rotate k, append k and v to the caches
-        for bx in T.thread_binding(T.int64(KVH) * seq, thread="blockIdx.x"):
-            for tx in T.thread_binding(T.int64(HALF), thread="threadIdx.x"):
-                kh: T.let[T.int64] = bx // seq
-                s: T.let[T.int64] = bx % seq
-                pos: T.let[T.int64] = T.Cast("int64", PAST[0]) + s
-                x1: T.let[T.float32] = K[0, s, kh * D + tx]
-                x2: T.let[T.float32] = K[0, s, kh * D + tx + HALF]
-                c: T.let[T.float32] = COS[pos, tx]
-                sn: T.let[T.float32] = SIN[pos, tx]
-                KC[0, kh, pos, tx] = x1 * c - x2 * sn
-                KC[0, kh, pos, tx + HALF] = x2 * c + x1 * sn
-                VC[0, kh, pos, tx] = V[0, s, kh * D + tx]
-                VC[0, kh, pos, tx + HALF] = V[0, s, kh * D + tx + HALF]
-        # 2) attention for every (head, query)
-        for bx in T.thread_binding(T.int64(H) * seq, thread="blockIdx.x"):
-            for tx in T.thread_binding(T.int64(TS), thread="threadIdx.x"):
-                qs = T.decl_buffer((D,), dtype, scope="shared")
-                tile = T.decl_buffer((TS,), dtype, scope="shared")
-                st = T.decl_buffer((4,), dtype, scope="local")  # running max, running sum, acc, score
-                h: T.let[T.int64] = bx // seq
-                s: T.let[T.int64] = bx % seq
-                kh: T.let[T.int64] = h // G
-                pos: T.let[T.int64] = T.Cast("int64", PAST[0]) + s
-                length: T.let[T.int64] = pos + T.int64(1)
-                if tx < T.int64(HALF):
-                    x1: T.let[T.float32] = Q[0, s, h * D + tx]
-                    x2: T.let[T.float32] = Q[0, s, h * D + tx + HALF]
+        # 1) rotate k, append k and v to the caches. A 2-D grid (kv head, token): no division by the
+        # symbolic seq, whose int64 div/mod chains cost registers (sm_90a spilled with bx // seq)
+        for kh in T.thread_binding(T.int64(KVH), thread="blockIdx.x"):
+            for s in T.thread_binding(seq, thread="blockIdx.y"):
+                for tx in T.thread_binding(T.int64(HALF), thread="threadIdx.x"):
+                    pos: T.let[T.int64] = T.Cast("int64", PAST[0]) + s
+                    x1: T.let[T.float32] = K[0, s, kh * D + tx]
+                    x2: T.let[T.float32] = K[0, s, kh * D + tx + HALF]
                     c: T.let[T.float32] = COS[pos, tx]
                     sn: T.let[T.float32] = SIN[pos, tx]
-                    qs[tx] = (x1 * c - x2 * sn) * T.float32(scale)
-                    qs[tx + HALF] = (x2 * c + x1 * sn) * T.float32(scale)
-                T.tvm_storage_sync("shared")
-                st[0] = T.float32(-3.0e38)
-                st[1] = T.float32(0)
-                st[2] = T.float32(0)
-                for kt in T.serial((length + T.int64(TS - 1)) // T.int64(TS)):
-                    j: T.let[T.int64] = kt * T.int64(TS) + tx
-                    st[3] = T.float32(-3.0e38)
-                    if j < length:
-                        st[3] = T.float32(0)
-                        for d in T.serial(D):
-                            st[3] = st[3] + qs[d] * KC[0, kh, j, d]
-                    tile[tx] = st[3]
+                    KC[0, kh, pos, tx] = x1 * c - x2 * sn
+                    KC[0, kh, pos, tx + HALF] = x2 * c + x1 * sn
+                    VC[0, kh, pos, tx] = V[0, s, kh * D + tx]
+                    VC[0, kh, pos, tx + HALF] = V[0, s, kh * D + tx + HALF]
+        # 2) attention for every (head, query): grid (head, query), D threads
+        for h in T.thread_binding(T.int64(H), thread="blockIdx.x"):
+            for s in T.thread_binding(seq, thread="blockIdx.y"):
+                for tx in T.thread_binding(T.int64(TS), thread="threadIdx.x"):
+                    qs = T.decl_buffer((D,), dtype, scope="shared")
+                    tile = T.decl_buffer((TS,), dtype, scope="shared")
+                    st = T.decl_buffer((4,), dtype, scope="local")  # running max, running sum, acc, score
+                    kh: T.let[T.int64] = h // G
+                    pos: T.let[T.int64] = T.Cast("int64", PAST[0]) + s
+                    length: T.let[T.int64] = pos + T.int64(1)
+                    if tx < T.int64(HALF):
+                        x1: T.let[T.float32] = Q[0, s, h * D + tx]
+                        x2: T.let[T.float32] = Q[0, s, h * D + tx + HALF]
+                        c: T.let[T.float32] = COS[pos, tx]
+                        sn: T.let[T.float32] = SIN[pos, tx]
+                        qs[tx] = (x1 * c - x2 * sn) * T.float32(scale)
+                        qs[tx + HALF] = (x2 * c + x1 * sn) * T.float32(scale)
                     T.tvm_storage_sync("shared")
-                    m_tile = T.decl_buffer((1,), dtype, scope="local")
-                    m_tile[0] = st[0]
-                    for jj in T.serial(TS):
-                        m_tile[0] = T.max(m_tile[0], tile[jj])
-                    alpha: T.let[T.float32] = T.exp(st[0] - m_tile[0])
-                    T.tvm_storage_sync("shared")
-                    tile[tx] = T.if_then_else(j < length, T.exp(st[3] - m_tile[0]), T.float32(0))
-                    T.tvm_storage_sync("shared")
-                    st[1] = st[1] * alpha
-                    st[2] = st[2] * alpha
-                    for jj in T.serial(TS):
-                        if kt * T.int64(TS) + jj < length:
-                            p: T.let[T.float32] = tile[jj]
-                            st[1] = st[1] + p
-                            st[2] = st[2] + p * VC[0, kh, kt * T.int64(TS) + jj, tx]
-                    st[0] = m_tile[0]
-                    T.tvm_storage_sync("shared")
-                OUT[0, s, h * D + tx] = st[2] / st[1]
+                    st[0] = T.float32(-3.0e38)
+                    st[1] = T.float32(0)
+                    st[2] = T.float32(0)
+                    for kt in T.serial((length + T.int64(TS - 1)) // T.int64(TS)):
+                        j: T.let[T.int64] = kt * T.int64(TS) + tx
+                        st[3] = T.float32(-3.0e38)
+                        if j < length:
+                            st[3] = T.float32(0)
+                            for d in T.serial(D):
+                                st[3] = st[3] + qs[d] * KC[0, kh, j, d]
+                        tile[tx] = st[3]
+                        T.tvm_storage_sync("shared")
+                        m_tile = T.decl_buffer((1,), dtype, scope="local")
+                        m_tile[0] = st[0]
+                        for jj in T.serial(TS):
+                            m_tile[0] = T.max(m_tile[0], tile[jj])
+                        alpha: T.let[T.float32] = T.exp(st[0] - m_tile[0])
+                        T.tvm_storage_sync("shared")
+                        tile[tx] = T.if_then_else(j < length, T.exp(st[3] - m_tile[0]), T.float32(0))
+                        T.tvm_storage_sync("shared")
+                        st[1] = st[1] * alpha
+                        st[2] = st[2] * alpha
+                        for jj in T.serial(TS):
+                            if kt * T.int64(TS) + jj < length:
+                                p: T.let[T.float32] = tile[jj]
+                                st[1] = st[1] + p
+                                st[2] = st[2] + p * VC[0, kh, kt * T.int64(TS) + jj, tx]
+                        st[0] = m_tile[0]
+                        T.tvm_storage_sync("shared")
+                    OUT[0, s, h * D + tx] = st[2] / st[1]
 
     return cached_attention_gpu
