@@ -1,6 +1,6 @@
 """GPU check for a lent NVIDIA machine (H200): correctness and speed of the cuda-sm90 build, one table.
 
-    python benchmarks/gpu_check.py [--model smollm2-135m] [--target cuda-sm90] [--dry]
+    python benchmarks/gpu_check.py [--model smollm2-135m] [--target cuda-sm90] [--dry] [--csv FILE]
 
 1. builds the model for the CUDA target and for the host CPU, decodes the same tokens on both and
    compares logits (max |diff|, argmax agreement);
@@ -9,6 +9,7 @@
 3. times an int4 (group 32) GEMV 1x4096x4096 and reports its bandwidth against a device-to-device copy;
 4. decode tokens/s of the whole model.
 ``--dry`` builds every kernel for the target without running anything (works on a machine without a GPU).
+``--csv`` appends the table's rows (with the date, device and mode) to a CSV file.
 No network is used: the model must be loadable offline (see perfx_compiler/model/loader.py).
 """
 
@@ -187,6 +188,7 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/perfx-gpu-check")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--dry", action="store_true", help="build only (no GPU needed)")
+    ap.add_argument("--csv", type=Path, default=None, help="append the rows to this CSV")
     args = ap.parse_args()
     import tvm
 
@@ -226,7 +228,25 @@ def main() -> int:
     print(f"PerfX GPU check: {args.model} on {args.target} ({'dry: build only' if args.dry else dev.device_name})")
     for what, value, note in ROWS:
         print(f"{what:<{width}}  {value:>22}  {note}")
-    return 0
+    if args.csv is not None:
+        write_csv(args.csv, args, "dry" if args.dry else dev.device_name)
+    return 1 if any(value == "FAILED" for _, value, _ in ROWS) else 0
+
+
+def write_csv(path: Path, args: argparse.Namespace, device: str) -> None:
+    import csv
+    import datetime
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    with path.open("a", newline="") as f:
+        w = csv.writer(f)
+        if new:
+            w.writerow(["utc", "model", "target", "device", "mode", "what", "value", "note"])
+        for what, value, note in ROWS:
+            w.writerow([stamp, args.model, args.target, device, "dry" if args.dry else "run", what, value, note])
+    print(f"appended {len(ROWS)} rows to {path}")
 
 
 if __name__ == "__main__":
