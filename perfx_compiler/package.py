@@ -76,6 +76,7 @@ def write_artifact(state: Any) -> Path:
         "target": {"name": target.name, "tvm_target": target.tvm_target, "family": target.family,
                    "host_triple": target.host_triple},
         "quantization": state.options.quantization,
+        "activations": getattr(state.options, "activations", "f32"),
         "functions": {name: name for name in exported_functions(state.options)},
         # element type of input_ids / past_len / positions / page_table (int32 on targets without i64)
         "index_dtype": index_dtype_of(target),

@@ -60,6 +60,7 @@ class CompileOptions:
     passes: list[str] | None = None  # None: the default pass list of perfx_compiler.passes
     verbose: bool = False  # show TVM's native log lines (hidden by default: they are not user errors)
     batching: bool = True  # also export the paged, batched functions used for serving
+    activations: str = "auto"  # quantized linears' inputs: auto | f32 | int8 (resolve_activations)
 
 
 @dataclass
@@ -133,12 +134,31 @@ def resolve_quantization(
     return str(quantization)
 
 
+def resolve_activations(activations: str | None, quantization: str, target: TargetDescription) -> str:
+    """``auto`` -> ``int8`` where the target has AVX-512 VNNI and the weights are quantized (the
+    VNNI kernels quantize x per group, as llama.cpp does), else ``f32``. ``int8`` elsewhere is an error."""
+    from perfx_compiler.passes._qvnni import has_avx512_vnni
+
+    if activations in (None, "", "auto"):
+        return "int8" if quantization != "f32" and has_avx512_vnni(target) else "f32"
+    if activations not in ("f32", "int8"):
+        raise PerfXError(f"unknown activations '{activations}'; use auto, f32 or int8")
+    if activations == "int8" and not has_avx512_vnni(target):
+        raise PerfXError(f"activations int8 needs an x86 target with AVX-512 VNNI; {target.name} has none (use f32)")
+    return activations
+
+
 def phase_passes(state: CompileState) -> None:
     from perfx_compiler.passes import run_passes
 
     state.options.quantization = resolve_quantization(state.options.quantization, state.desc, state.target)
 
-    state.mod, state.weights = run_passes(state.mod, state.weights, state.target, state.options, state.desc)
+    from perfx_compiler.passes._qlinear import use_activations
+
+    opts = state.options
+    opts.activations = resolve_activations(opts.activations, opts.quantization, state.target)
+    with use_activations(opts.activations):
+        state.mod, state.weights = run_passes(state.mod, state.weights, state.target, state.options, state.desc)
     check_signatures(state)
 
 
@@ -317,6 +337,7 @@ def compile_model(
         desc = load_model(model, max_context=opts.max_context)
     desc.validate()
     opts.quantization = resolve_quantization(opts.quantization, desc, tdesc)  # the manifest records this name
+    opts.activations = resolve_activations(opts.activations, opts.quantization, tdesc)
     opts.output_dir = Path(output_dir) if output_dir is not None else default_output_dir(str(spec), target)
     state = CompileState(desc=desc, target=tdesc, options=opts)
     state.notes["model_spec"] = str(spec)

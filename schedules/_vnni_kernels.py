@@ -98,39 +98,39 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         # 1. int8 activations per group (x beyond K counts as 0)
         for bm in T.serial(M):
             for g in T.serial(NGE):
-                for l in T.vectorized(16):
-                    mx[l] = T.float32(0)
-                    sm[l] = 0
+                for ln in T.vectorized(16):
+                    mx[ln] = T.float32(0)
+                    sm[ln] = 0
                 for c in T.serial(GV):
                     if g * G + c * 16 < K:
-                        for l in T.vectorized(16):
-                            mx[l] = T.max(mx[l], T.fabs(X[bm // MM, bm % MM, g * G + c * 16 + l]))
-                for l in T.serial(15):
-                    mx[0] = T.max(mx[0], mx[l + 1])
+                        for ln in T.vectorized(16):
+                            mx[ln] = T.max(mx[ln], T.fabs(X[bm // MM, bm % MM, g * G + c * 16 + ln]))
+                for ln in T.serial(15):
+                    mx[0] = T.max(mx[0], mx[ln + 1])
                 gdx[bm * NGE + g] = mx[0] / T.float32(127)
                 inv[0] = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
                 for c in T.serial(GV):
                     if g * G + c * 16 < KP:
                         if g * G + c * 16 < K:
-                            for l in T.vectorized(16):
-                                XQ[bm * KP + g * G + c * 16 + l] = T.Cast(
-                                    "int8", T.round(X[bm // MM, bm % MM, g * G + c * 16 + l] * inv[0]))
-                                sm[l] = sm[l] + T.Cast("int32", XQ[bm * KP + g * G + c * 16 + l])
+                            for ln in T.vectorized(16):
+                                XQ[bm * KP + g * G + c * 16 + ln] = T.Cast(
+                                    "int8", T.round(X[bm // MM, bm % MM, g * G + c * 16 + ln] * inv[0]))
+                                sm[ln] = sm[ln] + T.Cast("int32", XQ[bm * KP + g * G + c * 16 + ln])
                         else:
-                            for l in T.vectorized(16):
-                                XQ[bm * KP + g * G + c * 16 + l] = T.int8(0)
-                for l in T.serial(15):
-                    sm[0] = sm[0] + sm[l + 1]
+                            for ln in T.vectorized(16):
+                                XQ[bm * KP + g * G + c * 16 + ln] = T.int8(0)
+                for ln in T.serial(15):
+                    sm[0] = sm[0] + sm[ln + 1]
                 gds[bm * NGE + g] = gdx[bm * NGE + g] * T.Cast("float32", sm[0])
             for c in T.serial(NCH):
-                for l in T.serial(16):
-                    DXC[(bm * NCH + c) * 16 + l] = T.if_then_else(
-                        T.Select(c < F, c * 16 + l, BT + l) < NGE,
-                        gdx[bm * NGE + T.min(T.Select(c < F, c * 16 + l, BT + l), NGE - 1)], T.float32(0))
-                    DSC[(bm * NCH + c) * 16 + l] = T.if_then_else(
-                        T.Select(c < F, c * 16 + l, BT + l) < NGE
-                        and (c < F or BT + l >= F * 16),
-                        gds[bm * NGE + T.min(T.Select(c < F, c * 16 + l, BT + l), NGE - 1)], T.float32(0))
+                for ln in T.serial(16):
+                    DXC[(bm * NCH + c) * 16 + ln] = T.if_then_else(
+                        T.Select(c < F, c * 16 + ln, BT + ln) < NGE,
+                        gdx[bm * NGE + T.min(T.Select(c < F, c * 16 + ln, BT + ln), NGE - 1)], T.float32(0))
+                    DSC[(bm * NCH + c) * 16 + ln] = T.if_then_else(
+                        T.Select(c < F, c * 16 + ln, BT + ln) < NGE
+                        and (c < F or BT + ln >= F * 16),
+                        gds[bm * NGE + T.min(T.Select(c < F, c * 16 + ln, BT + ln), NGE - 1)], T.float32(0))
         # 2. rows
         for t in T.parallel(tasks):
             acc = T.decl_buffer((M * RW * 16,), "float32", scope="local")
@@ -251,3 +251,122 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         body(X, Q, Sc, Sc, Y)
 
     return qv_gemv8
+
+
+def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: int) -> Any:
+    """W [N, K] in float32 from the VNNI layout (prefill: the float GEMM follows)."""
+    from tvm.script import tirx as T
+
+    p = plan(K, G)
+    KP, NGP = p["KP"], p["NGP"]
+    pair = bits == 4
+    N2 = N + N % 2 if pair else N
+    QW = N2 // 2 if pair else N
+    ZT = "float16" if offset else "uint8"
+    NV = K // 16
+    PER = -(-N // tasks)
+
+    def _w(Q: Any, Sc: Any, Z: Any, row: Any, col: Any, g: Any) -> Any:
+        return weight_expr(bits, sym, offset, Q, Sc, Z, row, col, g)
+
+    @T.macro
+    def body(Q, Sc, Z, Out):
+        for t in T.parallel(tasks):
+            for j in T.serial(PER):
+                if t * PER + j < N:
+                    for v in T.serial(NV):
+                        for lane in T.vectorized(16):
+                            Out[t * PER + j, v * 16 + lane] = _w(
+                                Q, Sc, Z, t * PER + j, v * 16 + lane, (v * 16) // G)
+
+    if pair:
+
+        @T.prim_func(private=True)
+        def qv_dequant4(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
+            body(Q, Sc, Z, Out)
+
+        return qv_dequant4
+
+    @T.prim_func(private=True)
+    def qv_dequant8(q_h: T.handle, s_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+        Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
+        body(Q, Sc, Sc, Out)
+
+    return qv_dequant8
+
+
+def weight_expr(bits: int, sym: bool, offset: bool, Q: Any, Sc: Any, Z: Any, row: Any, col: Any, g: Any) -> Any:
+    """Float weight (row, col) of group g read from the VNNI layout."""
+    from tvm.script import tirx as T
+
+    s = T.Cast("float32", Sc[row, g])
+    if bits == 8:
+        return (T.Cast("float32", Q[row, col]) - T.float32(128)) * s
+    code = T.Cast("float32", T.bitwise_and(T.shift_right(Q[row // 2, col], T.Cast("uint8", (row % 2) * 4)),
+                                           T.uint8(15)))
+    if offset:
+        return code * s + T.Cast("float32", Z[row, g])
+    if sym:
+        return (code - T.float32(8)) * s
+    return (code - T.Cast("float32", Z[row, g])) * s
+
+
+def take(bits: int, N: int, K: int, G: int, sym: bool, offset: bool) -> Any:
+    """Embedding gather out[b, m, :] = W[ids[b, m], :] from the VNNI layout."""
+    from tvm.script import tirx as T
+
+    p = plan(K, G)
+    KP, NGP = p["KP"], p["NGP"]
+    pair = bits == 4
+    N2 = N + N % 2 if pair else N
+    QW = N2 // 2 if pair else N
+    ZT = "float16" if offset else "uint8"
+    NV = K // 16
+
+    def _w(Q: Any, Sc: Any, Z: Any, row: Any, col: Any, g: Any) -> Any:
+        return weight_expr(bits, sym, offset, Q, Sc, Z, row, col, g)
+
+    @T.macro
+    def body(Q, Sc, Z, ID, Out, b, m):
+        for bm in T.serial(b * m):
+            for v in T.serial(NV):
+                for lane in T.vectorized(16):
+                    Out[bm // m, bm % m, v * 16 + lane] = _w(
+                        Q, Sc, Z, ID[bm // m, bm % m], v * 16 + lane, (v * 16) // G)
+
+    if pair:
+
+        @T.prim_func(private=True)
+        def qv_take4(q_h: T.handle, s_h: T.handle, z_h: T.handle, i_h: T.handle, o_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            b = T.int64()
+            m = T.int64()
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            ID = T.match_buffer(i_h, (b, m), "int64")
+            Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
+            body(Q, Sc, Z, ID, Out, b, m)
+
+        return qv_take4
+
+    @T.prim_func(private=True)
+    def qv_take8(q_h: T.handle, s_h: T.handle, i_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        b = T.int64()
+        m = T.int64()
+        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+        ID = T.match_buffer(i_h, (b, m), "int64")
+        Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
+        body(Q, Sc, Sc, ID, Out, b, m)
+
+    return qv_take8

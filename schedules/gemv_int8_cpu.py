@@ -36,7 +36,8 @@ def _info(func: Any) -> dict[str, Any] | None:
         info = json.loads(str(attrs[QUANT_ATTR]))
     except ValueError:
         return None
-    return info if info.get("bits") == 8 else None
+    # the VNNI layout (int8 activations) is gemv_qvnni_cpu's
+    return info if info.get("bits") == 8 and info.get("layout") is None else None
 
 
 def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int) -> Any:

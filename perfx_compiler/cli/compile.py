@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
              "with int4 MatMulNBits weights, else f32), f32, gguf, onnx, "
              "q8, q8_g64, q8_g128, q4_g128/g64/g32, q4_sym_g*, q4_awq_g128/g64/g32",
     )
+    p.add_argument(
+        "--activations", default="auto", choices=["auto", "f32", "int8"],
+        help="inputs of quantized linears: int8 (quantized per group, integer dot products; x86 AVX-512 VNNI), "
+             "f32, or auto (int8 where the target has VNNI and the weights are quantized)",
+    )
     p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=None,
                    help="also export the paged, batched functions perfx-serve uses")
     p.add_argument("--emit-onnx", default=None, metavar="FILE", help="also write the model as a runnable ONNX graph")
@@ -83,6 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         max_context=args.max_context,
         schedule=args.schedule,
         quantization=args.quantization,
+        activations=args.activations,
         progress=not args.quiet,
         verbose=args.debug,
         **({} if args.batching is None else {"batching": args.batching}),

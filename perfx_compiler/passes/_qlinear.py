@@ -11,11 +11,17 @@ reference PrimFuncs tagged ``perfx.quant`` (a schedule template swaps each for i
   float copy).
 
 Kernel names are ``<family>_<kind>_<N>_<K>_<tag>[_<rows>]`` (``q4_matmul_576_576_g32m_1x1``).
+
+Activations: under ``use_activations("int8")`` (the pipeline sets it from
+``CompileOptions.activations``) each Packed that offers a VNNI variant is swapped for it: the
+kernels then quantize x to int8 and use integer dot products (``_qvnni``, x86 AVX-512 VNNI).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +41,24 @@ from perfx_compiler.passes._relax_util import (
 )
 
 GEMV_MAX_ROWS = 8  # more rows than this (prefill): dequantize once, then the float GEMM
+ACTIVATIONS = ("f32", "int8")
+_ACTIVATIONS: contextvars.ContextVar[str] = contextvars.ContextVar("perfx_activations", default="f32")
+
+
+@contextlib.contextmanager
+def use_activations(mode: str) -> Iterator[None]:
+    """Quantized linears built inside read ``f32`` or ``int8`` (VNNI layout) activations."""
+    if mode not in ACTIVATIONS:
+        raise PerfXError(f"activations must be one of {', '.join(ACTIVATIONS)}, not {mode!r}")
+    token = _ACTIVATIONS.set(mode)
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.reset(token)
+
+
+def current_activations() -> str:
+    return _ACTIVATIONS.get()
 
 
 @dataclass
@@ -102,6 +126,8 @@ def rewrite_linears(
     """Replace each weight of ``packed`` by its arrays and every linear/gather over it by kernels."""
     if not packed:
         return mod, weights
+    if current_activations() == "int8":
+        packed = {n: (pk.vnni() if pk.vnni is not None else pk) for n, pk in packed.items()}
     _, uses = linear_weights(mod, weights)
     new_weights: dict[str, Any] = {}
     for name, arr in weights.items():

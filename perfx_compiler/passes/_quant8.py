@@ -115,4 +115,9 @@ def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = 
         q = q.view(np.uint32)
     arrays = [("_q8", q),
               ("_q8_scale", np.ascontiguousarray(scale, dtype=np.float16))]
-    return Packed("q8", f"g{group}", n, k, arrays, compute)
+    def vnni() -> Any:
+        from perfx_compiler.passes._qvnni import q8_vnni_packed
+
+        return q8_vnni_packed(codes, scale, group)
+
+    return Packed("q8", f"g{group}", n, k, arrays, compute, vnni)

@@ -179,3 +179,29 @@ def vnni_compute(
         out = te.compute((b, m, n), lambda bi, i, j: te.sum(x[bi, i, r] * w(j, r), axis=r), name="matmul_vnni")
         func = te.create_prim_func([x, *ins, out])
     return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind))
+
+
+# CPUs whose LLVM name implies AVX-512 VNNI (a target file may also list "+avx512vnni" in mattr).
+_VNNI_CPUS = ("cascadelake", "cooperlake", "icelake-client", "icelake-server", "tigerlake", "sapphirerapids",
+              "emeraldrapids", "graniterapids", "znver4", "znver5")
+
+
+def has_avx512_vnni(target: Any) -> bool:
+    """Whether ``target`` (a TargetDescription) runs AVX-512 VNNI: its LLVM mcpu/mattr say so and,
+    for a target detected as this machine (``host``), /proc/cpuinfo agrees."""
+    tt = getattr(target, "tvm_target", None) or {}
+    if tt.get("kind") != "llvm":
+        return False
+    mattr = [str(a) for a in (tt.get("mattr") or [])]
+    if "-avx512vnni" in mattr:
+        return False
+    if "+avx512vnni" not in mattr and str(tt.get("mcpu", "")) not in _VNNI_CPUS:
+        return False
+    if (getattr(target, "raw", None) or {}).get("detected_as"):
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line for line in f if line.startswith("flags")), "")
+        except OSError:
+            return False
+        return " avx512_vnni" in flags
+    return True

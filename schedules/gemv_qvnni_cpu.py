@@ -1,0 +1,143 @@
+"""x86 AVX-512 VNNI kernels for quantized linears with int8 activations (functions tagged
+``perfx.quant`` with ``layout: vnni``: int4 q4_g32/64/128 sym and asym, GGUF Q4_0 / Q4_1 / Q8_0,
+q8 — the ``--activations int8`` path).
+
+* GEMV (static rows <= 8, decode): x quantized to int8 per weight group inside the call, then
+  ``vpdpbusd`` (64 u8 x s8 MACs per instruction) per 64-column step and unit (a row pair for
+  int4, a row for int8); per-group float scales through one ``vpermps`` per step, zero point /
+  min once per 16 groups (see ``_vnni_kernels``). Knobs: ``units`` per iteration (rows sharing
+  each activation load), ``tasks`` (parallel chunks of rows), ``unroll`` (steps per inner loop).
+* Dequantize (prefill) and the embedding gather read the same layout.
+
+``match`` declines targets without AVX-512 VNNI (their passes never produce this layout: the
+pipeline resolves activations to f32 there).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from perfx_compiler.passes._qvnni import has_avx512_vnni
+from perfx_compiler.schedule_template import (
+    ScheduleConfigError,
+    ScheduleTemplate,
+    Workload,
+    is_cpu_target,
+    make_workload,
+)
+from perfx_compiler.targets import TargetDescription
+from schedules import _vnni_kernels as vk
+from schedules.gemv_int4_cpu import _like
+
+PRIORITY = 4  # before gemv_int4_cpu / gemv_int8_cpu (which decline this layout anyway)
+QUANT_ATTR = "perfx.quant"
+GEMV_MAX_ROWS = 8
+MAX_ACC = 16  # rows x activation rows held in zmm accumulators (x2 with the scale vectors)
+
+
+def _info(func: Any) -> dict[str, Any] | None:
+    attrs = func.attrs
+    if attrs is None or QUANT_ATTR not in attrs:
+        return None
+    try:
+        info = json.loads(str(attrs[QUANT_ATTR]))
+    except ValueError:
+        return None
+    return info if info.get("layout") == "vnni" and info.get("bits") in (4, 8) else None
+
+
+def _rows(func: Any, kind: str) -> tuple[int, int] | None:
+    buf = func.params[0] if kind == "matmul" else None
+    if buf is None:
+        return None
+    dims = [getattr(d, "value", None) for d in list(buf.shape)[:2]]
+    return (dims[0], dims[1]) if all(isinstance(d, int) for d in dims) else None
+
+
+class GemvQVnniCPU(ScheduleTemplate):
+    name = "gemv_qvnni_cpu"
+    version = 1
+
+    def match(self, func: Any, target: TargetDescription) -> Workload | None:
+        if not is_cpu_target(target) or not has_avx512_vnni(target):
+            return None
+        info = _info(func)
+        if info is None:
+            return None
+        kind = info.get("kind", "matmul")
+        rows = _rows(func, kind)
+        dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "bits": int(info["bits"]),
+                "B": rows[0] if rows else 0, "MM": rows[1] if rows else 0}
+        return make_workload(
+            self.name, func, target, dims, symbolic=None if rows or kind != "matmul" else "M",
+            info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset"))},
+            version=self.version,
+        )
+
+    def _units(self, d: dict[str, int]) -> int:
+        return -(-d["N"] // 2) if d["bits"] == 4 else d["N"]
+
+    def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
+        d = workload.dims
+        kind = workload.info.get("kind")
+        tasks = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= max(1, d["N"] // 2)]
+        if kind != "matmul":
+            return {"tasks": tasks}
+        return {
+            "units": [1, 2, 4] if d["bits"] == 4 else [1, 2, 4, 8],
+            "tasks": tasks,
+            "unroll": [1, 2, 4, 8],
+        }
+
+    def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
+        d = workload.dims
+        if workload.info.get("kind") != "matmul":
+            return {"tasks": 16 if d["N"] >= 64 else 2}
+        units = 2 if d["bits"] == 4 else 4
+        m = max(1, d["B"] * d["MM"])
+        while units > 1 and (units * (2 if d["bits"] == 4 else 1) * m > MAX_ACC or units > self._units(d)):
+            units //= 2
+        unroll = max(4, d["G"] // vk.STEP)
+        return {"units": units, "tasks": 16, "unroll": unroll}
+
+    def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
+        return self._why_invalid(workload, config) is None
+
+    def _why_invalid(self, workload: Workload, config: dict[str, Any]) -> str | None:
+        d = workload.dims
+        tasks = int(config.get("tasks", 1))
+        if tasks < 1:
+            return "tasks must be >= 1"
+        if workload.info.get("kind") != "matmul":
+            return None
+        if workload.symbolic is not None or d["B"] * d["MM"] > GEMV_MAX_ROWS:
+            return "the VNNI GEMV takes static rows <= 8 (the pass emits dequantize + GEMM for more)"
+        units, unroll = int(config.get("units", 1)), int(config.get("unroll", 1))
+        spc = vk.plan(d["K"], d["G"])["SPC"]
+        if units < 1 or units > self._units(d):
+            return f"units={units} exceeds the {self._units(d)} row units"
+        if units * (2 if d["bits"] == 4 else 1) * d["B"] * d["MM"] > MAX_ACC:
+            return f"units={units} x {d['B'] * d['MM']} activation rows needs more than {MAX_ACC} accumulators"
+        if unroll < 1 or (unroll * vk.STEP) % d["G"] or spc % unroll:
+            return f"unroll={unroll} must cover whole groups (G={d['G']}) and divide {spc} steps per chunk"
+        return None
+
+    def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
+        why = self._why_invalid(workload, config)
+        if why is not None:
+            raise ScheduleConfigError(f"invalid VNNI config {config} for {workload.dims}: {why}")
+        d, info = workload.dims, workload.info
+        args = (d["bits"], d["N"], d["K"], d["G"], info["sym"], info["offset"])
+        kind = info.get("kind")
+        if kind == "take":
+            kernel = vk.take(*args)
+        elif kind == "dequant":
+            kernel = vk.dequant(*args, int(config["tasks"]))
+        else:
+            kernel = vk.gemv(*args, (d["B"], d["MM"]), int(config["units"]), int(config["tasks"]),
+                             int(config["unroll"]))
+        return _like(kernel, func)
+
+
+TEMPLATE = GemvQVnniCPU()
