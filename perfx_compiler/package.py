@@ -77,6 +77,7 @@ def write_artifact(state: Any) -> Path:
                    "host_triple": target.host_triple},
         "quantization": state.options.quantization,
         "activations": getattr(state.options, "activations", "f32"),
+        "precision": getattr(state.options, "precision", "f32"),
         "functions": {name: name for name in exported_functions(state.options)},
         # element type of input_ids / past_len / positions / page_table (int32 on targets without i64)
         "index_dtype": index_dtype_of(target),
@@ -90,6 +91,7 @@ def write_artifact(state: Any) -> Path:
         },
         "weights": weight_index,
         "weight_bytes": int(sum(w["nbytes"] for w in weight_index)),
+        "weight_dtypes": _weight_dtypes(weight_index),
         "parameters": desc.parameter_count(),
         "compile_seconds": {k: round(v, 2) for k, v in state.timings.items()},
         "files": {},
@@ -103,6 +105,15 @@ def write_artifact(state: Any) -> Path:
     if out.exists():
         shutil.rmtree(out)
     tmp.rename(out)  # the artifact appears whole or not at all
+    return out
+
+
+def _weight_dtypes(index: list[dict[str, Any]]) -> dict[str, int]:
+    """Bytes per stored element type (bfloat16 weights are stored as uint16 bit patterns)."""
+    out: dict[str, int] = {}
+    for w in index:
+        dtype = "bfloat16" if w["dtype"] == "uint16" and w["name"].endswith("_bf16") else w["dtype"]
+        out[dtype] = out.get(dtype, 0) + int(w["nbytes"])
     return out
 
 

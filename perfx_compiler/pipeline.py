@@ -61,6 +61,7 @@ class CompileOptions:
     verbose: bool = False  # show TVM's native log lines (hidden by default: they are not user errors)
     batching: bool = True  # also export the paged, batched functions used for serving
     activations: str = "auto"  # quantized linears' inputs: auto | f32 | int8 (resolve_activations)
+    precision: str = "f32"  # matmul inputs: f32 | bf16 | f16 | fp8 (passes/precision.py; checked per target)
 
 
 @dataclass
@@ -150,7 +151,10 @@ def resolve_activations(activations: str | None, quantization: str, target: Targ
 
 def phase_passes(state: CompileState) -> None:
     from perfx_compiler.passes import run_passes
+    from perfx_compiler.passes.precision import resolve_precision
 
+    opts = state.options
+    opts.precision, opts.quantization = resolve_precision(opts.precision, opts.quantization, state.target)
     state.options.quantization = resolve_quantization(state.options.quantization, state.desc, state.target)
 
     from perfx_compiler.passes._qlinear import use_activations
@@ -336,6 +340,9 @@ def compile_model(
         spec = model
         desc = load_model(model, max_context=opts.max_context)
     desc.validate()
+    from perfx_compiler.passes.precision import resolve_precision
+
+    opts.precision, opts.quantization = resolve_precision(opts.precision, opts.quantization, tdesc)
     opts.quantization = resolve_quantization(opts.quantization, desc, tdesc)  # the manifest records this name
     opts.activations = resolve_activations(opts.activations, opts.quantization, tdesc)
     opts.output_dir = Path(output_dir) if output_dir is not None else default_output_dir(str(spec), target)

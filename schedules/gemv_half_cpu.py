@@ -79,7 +79,7 @@ def _gemv(N: int, K: int, family: str, act: str, L: int, tasks: int, R: int, A: 
         X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
         W = T.match_buffer(w_h, (T.int64(N), T.int64(K)), WT)
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-        XS = T.decl_buffer((K,), "float32")
+        XS = T.alloc_buffer((K,), "float32")
         for bm in T.serial(b * m):
             for c in T.serial(K // L):
                 for lane in T.vectorized(L):
@@ -114,16 +114,19 @@ def _dequant(N: int, K: int, family: str, L: int, tasks: int) -> Any:
     WT = "uint16" if family == "bf16" else "float16"
     PER = N // tasks
 
-    @T.prim_func(private=True)
+    # one input and one output of equal size: Relax's RewriteDataflowReshape asks whether this is a
+    # reshape, which needs a root block (hence the block, and no well-formedness check of it)
+    @T.prim_func(private=True, check_well_formed=False)
     def half_dequant(w_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         W = T.match_buffer(w_h, (T.int64(N), T.int64(K)), WT)
         Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
-        for t in T.parallel(tasks):
-            for nj in T.serial(PER):
-                for v in T.serial(K // L):
-                    for lane in T.vectorized(L):
-                        Out[t * PER + nj, v * L + lane] = _widen(T, W[t * PER + nj, v * L + lane], family)
+        with T.sblock("root"):
+            for t in T.parallel(tasks):
+                for nj in T.serial(PER):
+                    for v in T.serial(K // L):
+                        for lane in T.vectorized(L):
+                            Out[t * PER + nj, v * L + lane] = _widen(T, W[t * PER + nj, v * L + lane], family)
 
     return half_dequant
 
@@ -154,17 +157,18 @@ def _take(N: int, K: int, family: str, L: int, ids_dtype: str) -> Any:
 def _round(K: int, L: int) -> Any:
     from tvm.script import tirx as T
 
-    @T.prim_func(private=True)
+    @T.prim_func(private=True, check_well_formed=False)  # root block: see _dequant
     def round_bf16(x_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         b = T.int64()
         m = T.int64()
         X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
         Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
-        for bm in T.parallel(b * m):
-            for v in T.serial(K // L):
-                for lane in T.vectorized(L):
-                    Out[bm // m, bm % m, v * L + lane] = _round_bf16(T, X[bm // m, bm % m, v * L + lane])
+        with T.sblock("root"):
+            for bm in T.parallel(b * m):
+                for v in T.serial(K // L):
+                    for lane in T.vectorized(L):
+                        Out[bm // m, bm % m, v * L + lane] = _round_bf16(T, X[bm // m, bm % m, v * L + lane])
 
     return round_bf16
 

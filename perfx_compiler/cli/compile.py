@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
              "q8, q8_g64, q8_g128, q4_g128/g64/g32, q4_sym_g*, q4_awq_g128/g64/g32",
     )
     p.add_argument(
+        "--precision", default="f32", choices=["f32", "bf16", "f16", "fp8"],
+        help="matmul inputs (and weights): bf16 on x86-avx512 (avx512bf16), f16 on GPU targets; norms, softmax, "
+             "RoPE and accumulations stay f32 (default f32)",
+    )
+    p.add_argument(
         "--activations", default="auto", choices=["auto", "f32", "int8"],
         help="inputs of quantized linears: int8 (quantized per group, integer dot products; x86 AVX-512 VNNI), "
              "f32, or auto (int8 where the target has VNNI and the weights are quantized)",
@@ -89,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         schedule=args.schedule,
         quantization=args.quantization,
         activations=args.activations,
+        precision=args.precision,
         progress=not args.quiet,
         verbose=args.debug,
         **({} if args.batching is None else {"batching": args.batching}),
