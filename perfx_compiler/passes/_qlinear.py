@@ -71,6 +71,7 @@ class Packed:
     k: int
     arrays: list[tuple[str, np.ndarray]]  # (parameter-name suffix, array), kernel-argument order
     compute: Callable[..., Any]  # (kind, rows, ids_dtype="int64") -> PrimFunc
+    vnni: Callable[[], Packed] | None = None  # the same weight in the int8-activation (VNNI) layout
 
     @property
     def nbytes(self) -> int:

@@ -128,6 +128,7 @@ def int4_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: In
     arrays = [("_q4", pack_int4(codes, lanes)), ("_q4_scale", np.ascontiguousarray(scale, dtype=np.float16)),
               ("_q4_min", np.ascontiguousarray(third, dtype=np.float16)) if fmt.offset
               else ("_q4_zero", np.ascontiguousarray(third, dtype=np.uint8))]
+
     def vnni() -> Any:
         from perfx_compiler.passes._qvnni import q4_vnni_packed
 

@@ -115,6 +115,7 @@ def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = 
         q = q.view(np.uint32)
     arrays = [("_q8", q),
               ("_q8_scale", np.ascontiguousarray(scale, dtype=np.float16))]
+
     def vnni() -> Any:
         from perfx_compiler.passes._qvnni import q8_vnni_packed
 

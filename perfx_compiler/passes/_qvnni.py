@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from perfx_compiler.errors import PerfXError
+
 QUANT_ATTR = "perfx.quant"
 STEP = 64  # columns per vpdpbusd step
 CHUNK = 16  # groups per scale vector
@@ -95,8 +97,8 @@ def q4_vnni_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt:
               ("_q4_min", pad_groups(np.asarray(third, dtype=np.float16), k, fmt.group, n2)) if fmt.offset
               else ("_q4_zero", pad_groups(np.asarray(third, dtype=np.uint8), k, fmt.group, n2))]
 
-    def compute(kind: str, rows: tuple[int | None, int | None]) -> Any:
-        return vnni_compute(n, k, fmt.group, 4, fmt.symmetric, fmt.offset, kind, rows)
+    def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
+        return vnni_compute(n, k, fmt.group, 4, fmt.symmetric, fmt.offset, kind, rows, ids_dtype)
 
     return Packed("q4", f"{fmt.tag}v", n, k, arrays, compute)
 
@@ -108,8 +110,8 @@ def q8_vnni_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
     arrays = [("_q8", pack_q8_offset(np.asarray(codes, dtype=np.int8))),
               ("_q8_scale", pad_groups(np.asarray(scale, dtype=np.float16), k, group, n))]
 
-    def compute(kind: str, rows: tuple[int | None, int | None]) -> Any:
-        return vnni_compute(n, k, group, 8, True, False, kind, rows)
+    def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
+        return vnni_compute(n, k, group, 8, True, False, kind, rows, ids_dtype)
 
     return Packed("q8", f"g{group}v", n, k, arrays, compute)
 
@@ -134,7 +136,7 @@ def quantize_activations(x: np.ndarray, k: int, group: int) -> np.ndarray:
 
 def vnni_compute(
     n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str = "matmul",
-    rows: tuple[int | None, int | None] = (1, None),
+    rows: tuple[int | None, int | None] = (1, None), ids_dtype: str = "int64",
 ) -> Any:
     """Reference PrimFunc over the VNNI layouts (float x: the exact linear; the scheduled kernel
     multiplies with int8-quantized x), tagged ``perfx.quant`` with ``layout: vnni``."""
@@ -170,6 +172,8 @@ def vnni_compute(
         out = te.compute((n, k), lambda row, col: w(row, col), name="dequant_vnni")
         func = te.create_prim_func([*ins, out])
     elif kind == "take":
+        if ids_dtype != "int64":  # the VNNI targets (x86) index in int64; the kernels read int64 ids
+            raise PerfXError(f"internal: VNNI gather with {ids_dtype} ids")
         ids = te.placeholder((b, m), "int64", name="ids")
         out = te.compute((b, m, k), lambda bi, i, c: w(ids[bi, i], c), name="take_vnni")
         func = te.create_prim_func([*ins, ids, out])

@@ -1,0 +1,210 @@
+"""The VNNI (int8-activation) kernels of ``schedules/gemv_qvnni_cpu.py`` on fresh random weights.
+
+Each GEMV runs against two numpy references:
+
+* the same int8 activation quantization (``_qvnni.quantize_activations``) times the float64
+  dequantized weights: the kernel's integer dots are exact, only float32 sums differ -> 1e-5
+  of max |y|;
+* the float activations: the error is bounded by |w| . |x - xq| <= sum_k |w_k| amax_g(k) / 254
+  (rounding to nearest moves each x by at most half a step dx = amax/127), checked per output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from perfx_compiler.passes._gguf_blocks import Q4_0, Q4_1
+from perfx_compiler.passes._quant import Int4Format, dequantize_int4, quantize_int4
+from perfx_compiler.passes._quant8 import dequantize_int8, quantize_int8
+from perfx_compiler.passes._qvnni import (
+    pack_q4_pairs,
+    pack_q8_offset,
+    q4_vnni_packed,
+    q8_vnni_packed,
+    quantize_activations,
+    unpack_q4_pairs,
+    unpack_q8_offset,
+)
+from perfx_compiler.schedule_template import ScheduleConfigError
+from perfx_compiler.targets import load_target
+from perfx_compiler.tune.measure import build_func
+
+
+def _has_vnni() -> bool:
+    try:
+        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+needs_vnni = pytest.mark.skipif(not _has_vnni(), reason="this CPU has no AVX-512 VNNI")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("x86-avx512")
+
+
+@pytest.fixture(scope="module")
+def template():
+    from schedules.gemv_qvnni_cpu import TEMPLATE
+
+    return TEMPLATE
+
+
+def _weights(fmt: str, n: int, k: int, rng: np.random.Generator):
+    """(Packed in the VNNI layout, float64 dequantized W) for a format name."""
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    if fmt == "q8":
+        codes, scale = quantize_int8(w, 32)
+        return q8_vnni_packed(codes, scale, 32), dequantize_int8(codes, scale, 32).astype(np.float64)
+    if fmt == "Q4_1":  # GGUF offset format: w = q * d + m, random mins
+        f = Q4_1
+        codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+        d = (rng.random((n, k // 32)) * 0.01).astype(np.float16)
+        m = (-rng.random((n, k // 32)) * 0.08).astype(np.float16)
+        idx = np.arange(k) // 32
+        wd = codes * d.astype(np.float64)[:, idx] + m.astype(np.float64)[:, idx]
+        return q4_vnni_packed(codes, d, m, f), wd
+    f = {"Q4_0": Q4_0, "g128": Int4Format(128, False), "g64s": Int4Format(64, True),
+         "g32": Int4Format(32, False)}[fmt]
+    codes, scale, zero = quantize_int4(w, f)
+    return q4_vnni_packed(codes, scale, zero, f), dequantize_int4(codes, scale, zero, f.group).astype(np.float64)
+
+
+def _run(template, target, packed, wd, rows, config, rng, group):
+    func = packed.compute("matmul", rows)
+    wl = template.match(func, target)
+    assert wl is not None
+    sched = template.apply(func, wl, config, target)
+    rt = build_func(sched, target)
+    import tvm
+
+    dev = tvm.cpu()
+    x = rng.standard_normal((*rows, packed.k)).astype(np.float32)
+    x[..., :32] *= 20.0  # one loud group: per-group scales must not leak across groups
+    y = tvm.runtime.tensor(np.zeros((*rows, packed.n), np.float32), dev)
+    rt["main"](tvm.runtime.tensor(x, dev), *[tvm.runtime.tensor(a, dev) for _, a in packed.arrays], y)
+    got = y.numpy().astype(np.float64)
+    ref_q = quantize_activations(x, packed.k, group) @ wd.T
+    assert np.abs(got - ref_q).max() <= 1e-5 * np.abs(ref_q).max(), config
+    # float activations: the rigorous bound of the module docstring (+ float32 slack)
+    xp = np.abs(x.astype(np.float64))
+    ng = -(-packed.k // group)
+    pad = np.zeros((*rows, ng * group))
+    pad[..., : packed.k] = xp
+    amax = pad.reshape(*rows, ng, group).max(-1)
+    step = np.repeat(amax, group, axis=-1)[..., : packed.k] / 254.0
+    bound = step @ np.abs(wd).T
+    ref_f = x.astype(np.float64) @ wd.T
+    assert np.all(np.abs(got - ref_f) <= bound * 1.001 + 1e-5 * np.abs(ref_f).max()), config
+    assert np.abs(got - ref_f).max() > 0  # int8 activations really are in use
+    return sched
+
+
+CASES = [
+    ("Q4_1", 96, 576), ("Q4_0", 70, 1536), ("q8", 50, 576), ("g128", 64, 576), ("g64s", 33, 1536),
+    ("g32", 130, 4096),
+]
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt,n,k", CASES)
+def test_gemv_matches_int8_reference_over_configs(template, target, fmt, n, k):
+    rng = np.random.default_rng()  # fresh weights and inputs every run
+    packed, wd = _weights(fmt, n, k, rng)
+    group = {"q8": 32, "Q4_1": 32, "Q4_0": 32, "g128": 128, "g64s": 64, "g32": 32}[fmt]
+    wl = template.match(packed.compute("matmul", (1, 1)), target)
+    space = template.space(wl, target)
+    assert len(space["units"]) > 1 and len(space["tasks"]) > 1 and len(space["unroll"]) > 1
+    configs = [template.default_config(wl, target), {"units": 1, "tasks": 3, "unroll": max(1, group // 64)},
+               {"units": 4, "tasks": 16, "unroll": 8 if group <= 64 else 2}]
+    for config in configs:
+        if template.is_valid(wl, config, target):
+            _run(template, target, packed, wd, (1, 1), config, rng, group)
+    # batched decode rows (1 x 3) share the weight loads
+    _run(template, target, packed, wd, (1, 3), {"units": 1, "tasks": 4, "unroll": max(1, group // 64)}, rng, group)
+
+
+@needs_vnni
+def test_generated_code_uses_vpdpbusd(template, target):
+    import tvm
+
+    packed, _ = _weights("Q4_1", 64, 576, np.random.default_rng(0))
+    func = packed.compute("matmul", (1, 1))
+    wl = template.match(func, target)
+    sched = template.apply(func, wl, template.default_config(wl, target), target)
+    ex = tvm.compile(tvm.IRModule({"main": sched.with_attr("global_symbol", "main")}), target.tvm())
+    asm = ex.mod.inspect_source("asm")
+    assert "vpdpbusd" in asm and "vpermps" in asm
+
+
+def test_invalid_configs_are_rejected(template, target):
+    packed, _ = _weights("g128", 64, 576, np.random.default_rng(0))
+    func = packed.compute("matmul", (1, 1))
+    wl = template.match(func, target)
+    for bad in ({"units": 2, "tasks": 2, "unroll": 1},  # half a group of 128 per inner loop
+                {"units": 64, "tasks": 2, "unroll": 2},  # more row pairs than the weight has
+                {"units": 2, "tasks": 2, "unroll": 3}):
+        assert not template.is_valid(wl, bad, target)
+        with pytest.raises(ScheduleConfigError):
+            template.apply(func, wl, bad, target)
+    rows8 = packed.compute("matmul", (1, 8))
+    wl8 = template.match(rows8, target)
+    with pytest.raises(ScheduleConfigError, match="accumulators"):
+        template.apply(rows8, wl8, {"units": 2, "tasks": 2, "unroll": 2}, target)
+
+
+def test_match_declines_targets_without_vnni(template):
+    packed, _ = _weights("Q4_1", 64, 576, np.random.default_rng(0))
+    func = packed.compute("matmul", (1, 1))
+    for name in ("x86-avx2", "arm64-neon", "riscv64-rvv", "cuda-sm80"):
+        assert template.match(func, load_target(name)) is None
+    # and the fp32 int4 template declines the VNNI layout everywhere
+    from schedules.gemv_int4_cpu import TEMPLATE as OLD
+
+    assert OLD.match(func, load_target("x86-avx512")) is None
+
+
+def test_layouts_round_trip_bit_exact():
+    rng = np.random.default_rng()
+    for n, k in ((7, 96), (8, 64), (5, 576)):
+        codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+        packed = pack_q4_pairs(codes)
+        assert packed.shape == ((n + 1) // 2, -(-k // 64) * 64)
+        assert np.array_equal(unpack_q4_pairs(packed, n, k), codes)
+        c8 = rng.integers(-127, 128, (n, k)).astype(np.int8)
+        assert np.array_equal(unpack_q8_offset(pack_q8_offset(c8), k), c8)
+    codes = rng.integers(0, 16, (6, 576)).astype(np.uint8)
+    d = rng.random((6, 18)).astype(np.float16)
+    pk = q4_vnni_packed(codes, d, d, Q4_1)
+    arrays = dict(pk.arrays)
+    assert np.array_equal(arrays["_q4_scale"][:, :18].view(np.uint16), d.view(np.uint16))
+    assert not arrays["_q4_scale"][:, 18:].any()
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["Q4_1", "g128", "q8"])
+def test_dequant_and_take_read_the_layout(template, target, fmt):
+    import tvm
+
+    rng = np.random.default_rng()
+    packed, wd = _weights(fmt, 37, 576, rng)
+    dev = tvm.cpu()
+    args = [tvm.runtime.tensor(a, dev) for _, a in packed.arrays]
+    for kind in ("dequant", "take"):
+        func = packed.compute(kind, (None, None))
+        wl = template.match(func, target)
+        rt = build_func(template.apply(func, wl, template.default_config(wl, target), target), target)
+        if kind == "dequant":
+            out = tvm.runtime.tensor(np.zeros((37, 576), np.float32), dev)
+            rt["main"](*args, out)
+            np.testing.assert_allclose(out.numpy(), wd, rtol=1e-6, atol=1e-7)
+        else:
+            ids = np.array([[36, 0, 5]], dtype=np.int64)
+            out = tvm.runtime.tensor(np.zeros((1, 3, 576), np.float32), dev)
+            rt["main"](*args, tvm.runtime.tensor(ids, dev), out)
+            np.testing.assert_allclose(out.numpy()[0], wd[ids[0]], rtol=1e-6, atol=1e-7)
