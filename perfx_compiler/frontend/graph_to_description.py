@@ -253,6 +253,11 @@ def _fit_rope(inv: np.ndarray) -> tuple[float, float]:
     i = np.arange(len(inv), dtype=np.float64)
     slope, intercept = np.polyfit(2 * i / d, np.log(inv.astype(np.float64)), 1)
     theta, factor = float(np.exp(-slope)), float(np.exp(-intercept))
+    # A round theta that explains the table to float16 precision (an fp16 export rounds inv_freq): take it.
+    for digits in (1, 2, 3):
+        nice = float(f"{theta:.{digits}g}")
+        if np.max(np.abs(nice ** (-2 * i / d) - inv) / inv) <= 2.0 ** -10:
+            return nice, 1.0
     for digits in (0, 1, 2):
         if abs(round(theta, digits) - theta) < 1e-4 * theta:
             theta = round(theta, digits)
@@ -288,7 +293,32 @@ def _rope_inv_freq(g: OnnxGraph, source: str) -> tuple[np.ndarray, bool]:
         c = g.const(name)
         if c is not None and c.size > 1:
             return c.reshape(-1).astype(np.float64), False
+    found = _inv_freq_before_cos(g)
+    if found is not None:
+        return found, False
     raise UnsupportedModelError(f"{source}: no RoPE found (no inv_freq constant, no rotary cos/sin caches)")
+
+
+def _inv_freq_before_cos(g: OnnxGraph) -> np.ndarray | None:
+    """An anonymous inverse-frequency constant (an fp16 export keeps it as ``_to_copy_N``): the
+    positive, decreasing float vector starting at 1 a few nodes upstream of a Cos."""
+    for cos in (n for n in g.nodes if n.op_type == "Cos"):
+        seen, todo = set(), list(cos.input)
+        while todo and len(seen) < 32:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            c = g.const(name)
+            if c is not None:
+                v = c.reshape(-1).astype(np.float64)
+                if (c.dtype.kind == "f" and v.size > 1 and abs(v[0] - 1.0) < 1e-6 and np.all(v > 0)
+                        and np.all(np.diff(v) < 0)):
+                    return v
+                continue
+            if name in g.producer:
+                todo.extend(i for i in g.producer[name].input if i)
+    return None
 
 
 def _folder_config(folder: Path) -> dict[str, Any]:

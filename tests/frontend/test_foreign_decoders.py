@@ -6,6 +6,8 @@ MatMulNBits + GroupQueryAttention, fp32) from the same kind of HF folder. PerfX 
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 import subprocess
 import sys
 import warnings
@@ -17,6 +19,7 @@ import pytest
 
 from perfx_compiler.cli.compile import main as compile_main
 from perfx_compiler.cli.run import main as run_main
+from perfx_compiler.errors import UnsupportedModelError
 from perfx_compiler.frontend.decoder_io import OrtDecoder
 from perfx_compiler.model.onnx_read import load_onnx
 from perfx_compiler.model.reference import ReferenceModel
@@ -26,6 +29,7 @@ from perfx_compiler.runtime.engine import Engine
 pytest.importorskip("onnxruntime")
 PROMPT = [5, 17, 33, 9, 100, 61, 7]
 DECODE_STEPS = 16
+MISTRAL_WINDOW = 200
 
 
 def _need(module: str, why: str) -> None:
@@ -46,15 +50,27 @@ def hf_folders(tmp_path_factory) -> dict[str, Path]:
         path, _ = write_tiny_gguf(root / f"{arch}.gguf", arch=arch, with_bias=bias, tied=False, hidden=64, heads=4,
                                   kv_heads=2, ffn=96, context_length=256, seed=3)
         out[arch] = write_hf_folder(load_gguf(path), root / f"hf_{arch}")
+    # Mistral: Llama's weights under MistralForCausalLM, with a sliding window (200) larger than the
+    # tokens the checks use (23) but smaller than max_position_embeddings (256).
+    mistral = root / "hf_mistral"
+    shutil.copytree(out["llama"], mistral)
+    cfg = json.loads((mistral / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=MISTRAL_WINDOW)
+    (mistral / "config.json").write_text(json.dumps(cfg))
+    out["mistral"] = mistral
     return out
 
 
-def torch_export(folder: Path, out: Path) -> Path:
-    """transformers model + DynamicCache, exported with torch.onnx dynamo: seq and past axes dynamic."""
+def torch_export(folder: Path, out: Path, dtype: str = "float32", with_config: bool = False) -> Path:
+    """transformers model + DynamicCache, exported with torch.onnx dynamo: seq and past axes dynamic.
+    ``dtype="float16"``: model.half() (weights, activations and KV in fp16). ``with_config``: the
+    model's config.json goes next to the graph too (architecture name, sliding window)."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if dtype == "float16":
+        model = model.half()
     cfg = model.config
     n = cfg.num_hidden_layers
 
@@ -73,7 +89,7 @@ def torch_export(folder: Path, out: Path) -> Path:
             return (o.logits, *flat)
 
     s, p = 3, 4
-    past = [torch.randn(1, cfg.num_key_value_heads, p, cfg.head_dim) for _ in range(2 * n)]
+    past = [torch.randn(1, cfg.num_key_value_heads, p, cfg.head_dim, dtype=getattr(torch, dtype)) for _ in range(2 * n)]
     args = (torch.randint(0, cfg.vocab_size, (1, s)), torch.ones(1, s + p, dtype=torch.int64),
             torch.arange(p, p + s)[None], *past)
     seq, pl, tot = (torch.export.Dim(k, min=lo, max=2048) for k, lo in (("seq", 1), ("past", 1), ("total", 2)))
@@ -89,7 +105,7 @@ def torch_export(folder: Path, out: Path) -> Path:
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     prog.save(str(out))
-    for f in ("tokenizer.json", "tokenizer_config.json"):  # the tokenizer lives with the model
+    for f in ("tokenizer.json", "tokenizer_config.json", *(["config.json"] if with_config else [])):
         (out.parent / f).write_bytes((folder / f).read_bytes())
     return out
 
@@ -100,6 +116,21 @@ def torch_graphs(hf_folders, tmp_path_factory) -> dict[str, Path]:
     _need("transformers", "torch.onnx export tests")
     root = tmp_path_factory.mktemp("torch_onnx")
     return {arch: torch_export(folder, root / arch / "model.onnx") for arch, folder in hf_folders.items()}
+
+
+@pytest.fixture(scope="session")
+def mistral_graph(hf_folders, tmp_path_factory) -> Path:
+    _need("torch", "torch.onnx export tests")
+    _need("transformers", "torch.onnx export tests")
+    return torch_export(hf_folders["mistral"], tmp_path_factory.mktemp("torch_mistral") / "model.onnx",
+                        with_config=True)
+
+
+@pytest.fixture(scope="session")
+def fp16_graph(hf_folders, tmp_path_factory) -> Path:
+    _need("torch", "torch.onnx export tests")
+    _need("transformers", "torch.onnx export tests")
+    return torch_export(hf_folders["llama"], tmp_path_factory.mktemp("torch_fp16") / "model.onnx", dtype="float16")
 
 
 def genai_build(folder: Path, out: Path, precision: str, *extra: str) -> Path:
@@ -129,17 +160,23 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def compare_engine(artifact: Path, graph: Path) -> float:
-    """Max relative logits error of PerfX vs onnxruntime over prefill + 16 greedy decode steps."""
+def compare_engine(artifact: Path, graph: Path, reference: ReferenceModel | None = None) -> float | tuple[float, float]:
+    """Max relative logits error of PerfX vs onnxruntime over prefill + 16 greedy decode steps
+    (and vs ``reference``, the float64 model, when given)."""
     eng, ref = Engine(artifact), OrtDecoder(graph)
     want = ref.step(PROMPT)[-1]
-    errs = [_rel(eng.prefill(PROMPT)[0], want)]
+    got = eng.prefill(PROMPT)[0]
+    errs = [_rel(got, want)]
+    ref_errs = [] if reference is None else [_rel(got, reference.forward(PROMPT)[-1])]
     tok = int(np.argmax(want))
     for _ in range(DECODE_STEPS):
         want = ref.step([tok])[-1]
-        errs.append(_rel(eng.decode(tok), want))
+        got = eng.decode(tok)
+        errs.append(_rel(got, want))
+        if reference is not None:
+            ref_errs.append(_rel(got, reference.forward([tok])[-1]))
         tok = int(np.argmax(want))
-    return max(errs)
+    return max(errs) if reference is None else (max(errs), max(ref_errs))
 
 
 def test_torch_llama_gqa_compiles_and_matches_onnxruntime(torch_graphs, tmp_path):
@@ -170,6 +207,12 @@ def test_genai_int4_cli_compile_and_run(genai_graphs, tmp_path, capsys):
     err = compare_engine(out, graph)
     print(f"genai int4 (symmetric): max rel err {err:.2e}")
     assert err < 1e-3
+    # auto -> the file's own int4 blocks on PerfX's int4 kernels (passes/onnx_int4_passthrough.py)
+    manifest = json.loads((out / "perfx-config.json").read_text())
+    names = {w["name"] for w in manifest["weights"]}
+    assert manifest["quantization"] == "onnx"
+    assert "model_layers_0_self_attn_qkv_proj_weight_q4" in names and "lm_head_weight_q4" in names
+    assert not [n for n in names if n.endswith(("_proj_weight", "lm_head_weight"))]
     assert run_main([str(out), "--prompt", "Once upon a time", "--max-tokens", "4", "--json"]) == 0
     assert '"token_ids"' in capsys.readouterr().out
 
@@ -201,3 +244,36 @@ def test_unsupported_ops_one_line_error_no_output(genai_graphs, tmp_path, capsys
     assert "com.example::FancyGate (opset 3" in err and "FancyGate2 (opset 22" in err
     assert nodes[0].name in err and nodes[1].name in err
     assert not out.exists()
+
+
+def test_torch_mistral_sliding_window(mistral_graph, tmp_path, capsys):
+    desc = load_onnx(mistral_graph)
+    # the window caps the context: PerfX attention has no sliding-window mask, exact up to the window
+    assert (desc.config.architecture, desc.config.max_context) == ("mistral", MISTRAL_WINDOW)
+    art = compile_model(desc, "host", tmp_path / "art", progress=False, batching=False)
+    err = compare_engine(art, mistral_graph)
+    print(f"torch.onnx mistral: max rel err {err:.2e}")
+    assert err < 1e-3
+    with pytest.raises(UnsupportedModelError, match=f"sliding window of {MISTRAL_WINDOW}"):
+        load_onnx(mistral_graph, max_context=2 * MISTRAL_WINDOW)
+    out = tmp_path / "too_long"
+    argv = [str(mistral_graph), "--target", "host", "-o", str(out), "--quiet", "--max-context", str(2 * MISTRAL_WINDOW)]
+    assert compile_main(argv) == 2
+    err_line = capsys.readouterr().err.strip()
+    assert len(err_line.splitlines()) == 1 and f"--max-context {MISTRAL_WINDOW} or less" in err_line
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+
+
+def test_torch_fp16_export_matches_onnxruntime(fp16_graph, tmp_path):
+    m = onnx.load(str(fp16_graph))
+    assert sum(t.data_type == onnx.TensorProto.FLOAT16 for t in m.graph.initializer) >= 10  # fp16 weights
+    desc = load_onnx(fp16_graph)  # weights upcast to float32 (exactly: every fp16 is a float32)
+    assert desc.config.rope_theta == 10000.0  # fitted from the fp16-rounded inv_freq
+    art = compile_model(desc, "host", tmp_path / "art", progress=False, batching=False)
+    err, ref_err = compare_engine(art, fp16_graph, ReferenceModel(desc))
+    print(f"torch.onnx llama fp16: vs onnxruntime {err:.2e}, vs fp64 reference {ref_err:.2e}")
+    # PerfX computes in fp32 on the fp16 weights: it must match the float64 model tightly. onnxruntime
+    # keeps activations and the KV cache in fp16 (unit roundoff 2^-11 = 4.9e-4, one rounding per op and
+    # a few dozen ops per layer, partly cancelling): allow 8 units.
+    assert ref_err < 1e-4
+    assert err < 8 * 2.0 ** -11

@@ -325,7 +325,7 @@ def test_external_data_model(llama_onnx, tmp_path):
     assert (ext_dir / "weights.bin").stat().st_size > 100_000
     got = import_onnx(ext_dir / "model.onnx")["main"].attrs["params"]
     assert len(got) == len(ref)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
     # A proto whose external tensors were never loaded cannot be imported without its directory.
     unloaded = onnx.load(str(ext_dir / "model.onnx"), load_external_data=False)
