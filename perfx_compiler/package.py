@@ -52,13 +52,21 @@ def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> list[dict[str,
 
 def write_artifact(state: Any) -> Path:
     """Write ``state`` (a pipeline CompileState after build) to ``state.options.output_dir``."""
-    from perfx_compiler import __version__
-
     out = Path(state.options.output_dir)
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
+    try:
+        return _write_into(state, tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves no partial artifact behind
+        raise
+
+
+def _write_into(state: Any, tmp: Path, out: Path) -> Path:
+    from perfx_compiler import __version__
+
     desc, target = state.desc, state.target
     state.executable.export_library(str(tmp / "model.so"), **_export_kwargs(target))
     weight_index = _write_weights(tmp / "weights.bin", state.weights)

@@ -101,8 +101,9 @@ def _unsupported_message(found: list[tuple[str, str, int]], source: str) -> str:
         parts.append(f"+{len(by_type) - _MAX_LISTED_TYPES} more op types")
     return (
         f"{source} uses {len(by_type)} unsupported ONNX operator type(s): {'; '.join(parts)}. "
-        "Re-export with standard ai.onnx ops (e.g. torch.onnx.export without contrib fusions or "
-        "int4 MatMulNBits), or register converters for them via extra_converters."
+        "Re-export with standard ai.onnx ops (torch.onnx.export) or the com.microsoft ops onnxruntime-genai "
+        "writes (MatMulNBits, GroupQueryAttention, RotaryEmbedding, (Skip)SimplifiedLayerNormalization), "
+        "or register converters for them via extra_converters."
     )
 
 
