@@ -1,0 +1,215 @@
+"""Half-precision weights (``--quantization f16|bf16``) and matmul-input precision (``--precision``):
+conversions, target/combination checks, tiny models and SmolLM2 against float64 references that
+apply the same rounding (tight) and the unrounded model (loose: the rounding is what differs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from perfx_compiler.errors import PerfXError
+from perfx_compiler.model.reference import ReferenceModel
+from perfx_compiler.passes._half import bf16_bits, bf16_to_f32, from_half, round_act, to_half
+from perfx_compiler.passes.precision import resolve_precision
+from perfx_compiler.targets import load_target
+from tests.passes.conftest import tiny_desc
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+# ------------------------------------------------------------------------------ conversions
+
+
+def test_bf16_bits_round_to_nearest_even_like_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng()
+    x = np.concatenate([
+        rng.standard_normal(20000).astype(np.float32) * np.float32(10.0) ** rng.integers(-30, 30, 20000),
+        # ties (lower 16 bits exactly 0x8000, even and odd upper halves), the largest finite, infinities
+        np.array([0x3F808000, 0x3F818000, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x00008000, 0x00018000],
+                 dtype=np.uint32).view(np.float32),
+    ])
+    want = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(bf16_bits(x), want)
+    assert np.isnan(bf16_to_f32(bf16_bits(np.array([np.nan], np.float32))))[0]
+
+
+def test_bf16_relative_rounding_error_is_at_most_half_an_ulp():
+    x = np.random.default_rng().standard_normal(100000).astype(np.float32)
+    err = np.abs(bf16_to_f32(bf16_bits(x)).astype(np.float64) - x) / np.abs(x)
+    assert err.max() <= 2.0 ** -8 and err.max() > 2.0 ** -10  # 8 significant bits, not more, not fewer
+
+
+def test_f16_weights_out_of_range_are_refused():
+    with pytest.raises(PerfXError, match="float16's range"):
+        to_half(np.array([[1e5]], np.float32), "f16")
+
+
+# ------------------------------------------------------------------------------ targets and combinations
+
+
+@pytest.mark.parametrize(
+    "target, precision, quantization, message",
+    [
+        ("x86-avx512", "fp8", "auto", "needs a target with fp8"),
+        ("cuda-sm80", "fp8", "auto", "needs a target with fp8"),
+        ("cuda-sm90", "fp8", "auto", "not implemented yet"),
+        ("x86-avx2", "bf16", "auto", "no avx512bf16"),
+        ("arm64-neon", "bf16", "auto", "no avx512bf16"),
+        ("x86-avx512", "f16", "auto", "no avx512fp16"),
+        ("x86-avx512", "bf16", "q4_g128", "use --quantization bf16"),
+        ("cuda-sm80", "f16", "bf16", "use --quantization f16"),
+        ("x86-avx512", "int8", "auto", "unknown precision"),
+    ],
+)
+def test_bad_precision_combinations_are_one_line_errors(target, precision, quantization, message):
+    with pytest.raises(PerfXError, match=message) as err:
+        resolve_precision(precision, quantization, load_target(target))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "target, precision, quantization, want",
+    [
+        ("x86-avx512", "bf16", "auto", ("bf16", "bf16")),
+        ("x86-avx512", "bf16", "bf16", ("bf16", "bf16")),
+        ("x86-avx512", "f32", "q4_g128", ("f32", "q4_g128")),
+        ("cuda-sm80", "f16", "auto", ("f16", "f16")),
+        ("cuda-sm90", "bf16", "auto", ("bf16", "bf16")),
+        ("rocm-gfx942", "f16", "f16", ("f16", "f16")),
+    ],
+)
+def test_good_precision_combinations(target, precision, quantization, want):
+    assert resolve_precision(precision, quantization, load_target(target)) == want
+
+
+def test_cli_bad_precision_prints_one_line(tmp_path):
+    cmd = [sys.executable, "-m", "perfx_compiler.cli.compile", "smollm2-135m", "--target", "x86-avx2",
+           "--precision", "bf16", "-o", str(tmp_path / "out"), "--quiet"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if "error" in ln]
+    assert len(lines) == 1 and "avx512bf16" in lines[0] and "Traceback" not in res.stderr
+
+
+def test_precision_f16_compiles_for_cuda_sm80(tmp_path):
+    """fp16 activations on a GPU target: the module builds (CUDA C; cannot run here)."""
+    from perfx_compiler.pipeline import compile_model
+
+    desc = tiny_desc(tied=True)
+    out = compile_model(desc, "cuda-sm80", tmp_path / "art", progress=False, precision="f16", batching=False)
+    manifest = json.loads((out / "perfx-config.json").read_text())
+    assert manifest["precision"] == "f16" and manifest["quantization"] == "f16"
+    assert "float16" in manifest["weight_dtypes"]
+
+
+# ------------------------------------------------------------------------------ tiny models
+
+
+def rounded_desc(desc, family: str):
+    """The description with every 2-D weight (linears, embedding) rounded as the artifact stores it."""
+    w = {n: from_half(to_half(a, family), family) if a.ndim == 2 else a for n, a in desc.weights.items()}
+    return dataclasses.replace(desc, weights=w)
+
+
+class _RoundedInput:
+    """A weight whose matmul input is rounded to ``act`` first (what ``--precision`` does)."""
+
+    __array_ufunc__ = None  # make ``h @ self`` call __rmatmul__
+
+    def __init__(self, a: np.ndarray, act: str) -> None:
+        self.a, self.act = a, act
+
+    def __rmatmul__(self, h: np.ndarray) -> np.ndarray:
+        return round_act(h.astype(np.float32), self.act).astype(np.float64) @ self.a
+
+
+def precision_reference(desc, act: str) -> ReferenceModel:
+    ref = ReferenceModel(desc)
+    for layer in ref.layers:
+        for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+            setattr(layer, name, _RoundedInput(getattr(layer, name), act))
+    ref.lm_head = _RoundedInput(ref.lm_head, act)
+    return ref
+
+
+def logits_run(engine, ref, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Prefill 8 tokens (all logits), then 4 decode steps: (got, reference)."""
+    ids = rng.integers(0, 96, size=12).tolist()
+    ref.reset()
+    want = ref.forward(ids)
+    engine.reset()
+    got = np.concatenate([engine.prefill_all(ids[:8]), np.stack([engine.decode(t) for t in ids[8:]])])
+    return got, want
+
+
+@pytest.mark.parametrize("family, precision", [("bf16", "f32"), ("f16", "f32"), ("bf16", "bf16")])
+def test_tiny_half_model_matches_rounded_reference(family, precision, tmp_path):
+    from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.runtime.engine import Engine
+
+    desc = tiny_desc(tied=False)  # untied: the embedding is only gathered, from the half table
+    art = compile_model(desc, "host", tmp_path / "art", progress=False, quantization=family,
+                        precision=precision, batching=False)
+    manifest = json.loads((art / "perfx-config.json").read_text())
+    assert manifest["precision"] == precision and manifest["quantization"] == family
+    stored = {w["name"]: w["dtype"] for w in manifest["weights"]}
+    assert stored["model_embed_tokens_weight_" + family] == ("uint16" if family == "bf16" else "float16")
+    assert "model_embed_tokens_weight" not in stored  # no float copy left
+    engine = Engine(art)
+    rng = np.random.default_rng()
+    act = precision if precision != "f32" else "f32"
+    got, want = logits_run(engine, precision_reference(rounded_desc(desc, family), act), rng)
+    tight = rel(got, want)
+    assert tight < 2e-5, tight  # same rounding: only fp32 vs fp64 arithmetic differs
+    if precision != "f32":  # without the input rounding the reference is visibly further away
+        got2, plain = logits_run(engine, ReferenceModel(rounded_desc(desc, family)), rng)
+        assert rel(got2, plain) > 10 * tight
+
+
+# ------------------------------------------------------------------------------ SmolLM2
+
+
+@pytest.fixture(scope="module")
+def smol_half(smol_desc, tmp_path_factory):
+    """SmolLM2 compiled once per weight format in this module."""
+    from perfx_compiler.pipeline import compile_model
+
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            out = tmp_path_factory.mktemp(f"smol_{family}") / "artifact"
+            cache[family] = compile_model(smol_desc, "host", out, progress=False, quantization=family,
+                                          batching=False)
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["bf16", "f16"])
+def test_smollm2_half_weights_match_rounded_reference(smol_half, smol_desc, family):
+    from perfx_compiler.runtime.engine import Engine
+
+    art = smol_half(family)
+    manifest = json.loads((art / "perfx-config.json").read_text())
+    per_param = manifest["weight_bytes"] / manifest["parameters"]
+    assert 1.99 < per_param < 2.01, per_param  # norms stay f32: a few kB over 2 bytes/param
+    assert manifest["quantization"] == family and manifest["precision"] == "f32"
+    assert manifest["weight_dtypes"]["bfloat16" if family == "bf16" else "float16"] > 0.99 * manifest["weight_bytes"]
+    engine = Engine(art)
+    ids = np.random.default_rng().integers(0, smol_desc.config.vocab_size, size=24).tolist()
+    engine.reset()
+    got = np.concatenate([engine.prefill_all(ids[:16]), np.stack([engine.decode(t) for t in ids[16:]])])
+    tight = rel(got, ReferenceModel(rounded_desc(smol_desc, family)).forward(ids))
+    loose = rel(got, ReferenceModel(smol_desc).forward(ids))
+    assert tight < 1e-3, tight  # the f32 artifact's bound: fp32 arithmetic on the same weights
+    assert loose > 3 * tight, (loose, tight)  # the weight rounding is what moves the logits
