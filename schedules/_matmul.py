@@ -15,6 +15,28 @@ from typing import Any
 from perfx_compiler.schedule_template import ScheduleConfigError
 
 
+def vector_registers(target: Any) -> int:
+    """Architectural SIMD registers: 32 on AVX-512, AArch64 (NEON) and RISC-V V; 16 on AVX2/SSE."""
+    triple = str(target.tvm_target.get("mtriple") or getattr(target, "host_triple", "") or "")
+    if triple.startswith(("aarch64", "arm64", "riscv")):
+        return 32
+    return 32 if (target.vector_bits or 128) >= 512 else 16
+
+
+def panel_width(target: Any) -> int:
+    """Width nb of the weight panels [N / nb, K, nb] the weight_layout pass packs for ``target``
+    and the GEMM/GEMV templates read: the widest micro-tile that leaves room for >= 4 rows of
+    accumulators (4 vectors with 32 registers, 2 with 16). A target file may fix it
+    (``"packed_panel": nb``, a multiple of the vector lanes)."""
+    lanes = max(1, (target.vector_bits or 128) // 32)
+    fixed = (getattr(target, "raw", None) or {}).get("packed_panel")
+    if fixed:
+        if int(fixed) % lanes:
+            raise ScheduleConfigError(f"target {target.name}: packed_panel {fixed} is not a multiple of {lanes} lanes")
+        return int(fixed)
+    return (4 if vector_registers(target) >= 32 else 2) * lanes
+
+
 def _name(node: Any) -> str:
     src = getattr(node, "source", None)
     if src is None:
@@ -31,6 +53,26 @@ def _var_positions(indices: Any, iter_vars: list) -> list[int] | None:
             return None
         out.append(pos)
     return out
+
+
+def _packed_positions(indices: Any, iter_vars: list) -> tuple[list[int], int] | None:
+    """B read as ``W[n // nb, k, n % nb]`` (weights pre-packed into nb-wide panels by the
+    weight_layout pass): the positions of (n, k) and the panel width nb; None otherwise."""
+    if len(indices) != 3:
+        return None
+    div, mid, mod = indices
+    if _as_int(div) == 0:  # a single panel (N == nb): TVM folded n // nb to 0 and n % nb to n
+        pos = _var_positions([mod, mid], iter_vars)
+        return None if pos is None else (pos, -1)
+    if type(div).__name__ != "FloorDiv" or type(mod).__name__ != "FloorMod":
+        return None
+    nb, nb2 = _as_int(div.b), _as_int(mod.b)
+    if nb is None or nb != nb2:
+        return None
+    pos = _var_positions([div.a, mid], iter_vars)
+    if pos is None or _var_positions([mod.a], iter_vars) != pos[:1]:
+        return None
+    return pos, nb
 
 
 def _as_int(expr: Any) -> int | None:
@@ -59,13 +101,17 @@ class MatmulFacts:
     m_var: str | None
     N: int
     K: int
-    layout: str  # "NN": B[K, N]; "NT": B[N, K]
+    layout: str  # "NN": B[K, N]; "NT": B[N, K]; "P": B[N / nb, K, nb] (pre-packed panels)
     b_read_index: int  # which read of the block is B (for cache_read)
     epilogue: list[str]
     dtype: str
+    nb: int = 0  # panel width of a pre-packed B (layout "P"), 0 otherwise
 
     def info(self) -> dict[str, Any]:
-        return {"layout": self.layout, "block": self.block, "epilogue": list(self.epilogue)}
+        out = {"layout": self.layout, "block": self.block, "epilogue": list(self.epilogue)}
+        if self.nb:
+            out["nb"] = self.nb
+        return out
 
 
 def _is_spatial_block(blk: Any) -> bool:
@@ -101,6 +147,11 @@ def analyze_matmul(func: Any) -> MatmulFacts | None:
     c_pos = _var_positions(store.indices, ivs)
     a_pos = _var_positions(lhs.indices, ivs)
     b_pos = _var_positions(rhs.indices, ivs)
+    nb = 0
+    if b_pos is None:
+        packed = _packed_positions(rhs.indices, ivs)
+        if packed is not None:
+            b_pos, nb = packed  # [n, k]: the panel index and lane both come from n
     if c_pos is None or a_pos is None or b_pos is None or len(b_pos) != 2:
         return None
     loops = sch.get_loops(blocks[0])
@@ -152,7 +203,11 @@ def analyze_matmul(func: Any) -> MatmulFacts | None:
     dtype = str(store.value.dtype if hasattr(store.value, "dtype") else "float32")
     if "float32" not in dtype:
         return None
-    layout = "NN" if b_pos.index(roles.index("k")) == 0 else "NT"
+    if nb == -1:
+        nb = N
+    layout = "P" if nb else "NN" if b_pos.index(roles.index("k")) == 0 else "NT"
+    if nb and N % nb:
+        return None
     b_name = _name(rhs)
     reads = [_name(r) for r in first.reads]
     if b_name not in reads:
@@ -174,6 +229,7 @@ def analyze_matmul(func: Any) -> MatmulFacts | None:
         b_read_index=reads.index(b_name),
         epilogue=epilogue,
         dtype="float32",
+        nb=nb,
     )
 
 
@@ -214,6 +270,7 @@ def schedule_register_tiled(
     pack_x: bool,
     pack_b: bool,
     k_outer: bool = False,
+    k_unroll: int = 1,
 ) -> Any:
     """Register-tiled outer-product kernel: an mr x nr accumulator tile lives in registers while k
     runs over the whole reduction; an nc-wide panel of B stays in L2 across the M tiles.
@@ -227,6 +284,11 @@ def schedule_register_tiled(
     N = facts.N
     if mr < 1 or nr % lanes or nc % nr or N % nc:
         raise ScheduleConfigError(f"bad tiles mr={mr} nr={nr} nc={nc} for N={N}, lanes={lanes}")
+    if facts.layout == "P" and (facts.nb % nr or (nc % facts.nb and facts.nb % nc)):
+        # The weights were packed at compile time: a micro-tile must lie inside one panel.
+        raise ScheduleConfigError(f"tiles nr={nr} nc={nc} do not fit the packed panel width nb={facts.nb}")
+    if k_unroll < 1 or facts.K % k_unroll:
+        raise ScheduleConfigError(f"k_unroll={k_unroll} does not divide K={facts.K}")
     if parallel not in ("n", "nm"):
         raise ScheduleConfigError(f"parallel must be 'n' or 'nm', not {parallel!r}")
     sch = s_tir.Schedule(func)
@@ -238,7 +300,14 @@ def schedule_register_tiled(
 
     pad = mr > 1 and (facts.M is None or facts.M % mr != 0)
     if pad:
+        if facts.layout == "P":
+            # pad_einsum wants plain indices: view the packed weights as [N, K] around it (the
+            # parameter keeps its packed shape: the two layout maps are inverses).
+            nb = facts.nb
+            sch.transform_layout(mm, ("read", facts.b_read_index), lambda p, k, q: (p * nb + q, k))
         sch.pad_einsum(mm, [mr if r == "m" else 1 for r in facts.roles])
+        if facts.layout == "P":
+            sch.transform_layout(mm, ("read", facts.b_read_index), lambda n, k: (n // nb, k, n % nb))
         producers = sch.get_producers(mm)
         xpad = next(b for b in producers if sch.get(b).name_hint.endswith("_pad"))
         copy_out = sch.get_consumers(mm)[0]
@@ -252,7 +321,7 @@ def schedule_register_tiled(
         last = copy_out
 
     bpack = None
-    if facts.layout == "NT" or pack_b:
+    if facts.layout == "NT" or (facts.layout == "NN" and pack_b):
         bpack = sch.cache_read(mm, facts.b_read_index, "global")
         if facts.layout == "NT":
             sch.transform_layout(bpack, ("write", 0), lambda n, k: (n // nr, k, n % nr))
@@ -267,7 +336,12 @@ def schedule_register_tiled(
         sch.reorder(no, mo, k, nj, mi, nv, nl)
         sch.reverse_compute_at(last, mo)
     else:
-        sch.reorder(no, mo, nj, k, mi, nv, nl)
+        if k_unroll > 1:
+            k, ku = sch.split(k, [None, k_unroll])
+            sch.reorder(no, mo, nj, k, ku, mi, nv, nl)
+            sch.unroll(ku)
+        else:
+            sch.reorder(no, mo, nj, k, mi, nv, nl)
         sch.reverse_compute_at(last, nj)
     if xpad is not None:
         if pack_x:

@@ -10,6 +10,10 @@ all cores. Two kernels, chosen by the weight layout:
   M rows in registers, vectorized along N, panels of ``nc`` columns in parallel; or "splitk",
   contiguous blocks of K rows streamed per core into private partial sums (for weights that
   come from DRAM, e.g. lm_head).
+* weights pre-packed into [N / nb, K, nb] panels (layout "P", the weight_layout pass on CPU
+  targets; the GEMM reads the same panels, so there is one copy of each weight): the panel
+  kernel, each panel one contiguous stream, ``nc`` columns (a multiple or divisor of nb) per
+  parallel task, optional ``k_unroll``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,13 @@ from perfx_compiler.schedule_template import (
 )
 from perfx_compiler.targets import TargetDescription
 from schedules._fastmath import fast_sigmoid
-from schedules._matmul import analyze_matmul, schedule_dot_rows, schedule_register_tiled, schedule_split_k
+from schedules._matmul import (
+    analyze_matmul,
+    schedule_dot_rows,
+    schedule_register_tiled,
+    schedule_split_k,
+    vector_registers,
+)
 
 PRIORITY = 10
 MAX_M = 8
@@ -39,8 +49,8 @@ def _divisors(n: int, candidates: tuple[int, ...]) -> list[int]:
 class GemvCPU(ScheduleTemplate):
     name = "gemv_cpu"
     # v2: split-K kernel for [K, N] weights; v3 (retired: never released) and v4: [N, K] partial sums lanes-innermost in registers,
-    # vector-add tree for the final sum, rows=8 for DRAM-resident weights
-    version = 4
+    # vector-add tree for the final sum, rows=8 for DRAM-resident weights; v5: pre-packed panels ("P")
+    version = 5
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         if not is_cpu_target(target):
@@ -62,6 +72,11 @@ class GemvCPU(ScheduleTemplate):
         lanes = vector_lanes(target)
         N, K = workload.dims["N"], workload.dims["K"]
         cores = max(1, target.cores or 1)
+        nb = int(workload.info.get("nb", 0))
+        if nb:
+            nrs = [v * lanes for v in range(1, nb // lanes + 1) if nb % (v * lanes) == 0]
+            ncs = sorted({c for c in nrs} | {nb * f for f in (1, 2, 3, 4, 6, 8, 12, 16) if (N // nb) % f == 0})
+            return {"nr": nrs, "nc": ncs, "k_outer": [False, True], "k_unroll": [1, 2, 4]}
         if workload.info.get("layout") == "NT":
             rows = _divisors(N, (1, 2, 3, 4, 6, 8))
             accum = [a for a in (1, 2, 4) if K % (a * lanes) == 0]
@@ -84,7 +99,15 @@ class GemvCPU(ScheduleTemplate):
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         lanes = vector_lanes(target)
         N, K, M = workload.dims["N"], workload.dims["K"], workload.dims["M"]
-        regs = 32 if lanes >= 16 else 16
+        regs = vector_registers(target)
+        nb = int(workload.info.get("nb", 0))
+        if nb:
+            nr, nc, ku = config.get("nr", 0), config.get("nc", 0), config.get("k_unroll", 1)
+            if nr < lanes or nr % lanes or nb % nr or nc % nr or N % nc or (nc % nb and nb % nc):
+                return False  # tiles must lie inside the nb-wide panels packed at compile time
+            if ku < 1 or K % ku or (config.get("k_outer", False) and ku != 1):
+                return False  # k_unroll applies to the k-inner order only (one canonical value)
+            return M * (nr // lanes) + nr // lanes + 1 <= regs
         if workload.info.get("layout") == "NT":
             rows, accum, tasks = config.get("rows", 0), config.get("accum", 0), config.get("tasks", 0)
             if rows < 1 or accum < 1 or tasks < 1 or N % rows or K % (accum * lanes):
@@ -107,6 +130,14 @@ class GemvCPU(ScheduleTemplate):
         lanes = vector_lanes(target)
         N, K, M = workload.dims["N"], workload.dims["K"], workload.dims["M"]
         cores = max(1, target.cores or 1)
+        regs = vector_registers(target)
+        nb = int(workload.info.get("nb", 0))
+        if nb:
+            # One panel per task step: a contiguous K x nb stream with nb / lanes accumulators per row.
+            nv = nb // lanes
+            while nv > 1 and (nb % (nv * lanes) or M * nv + nv + 1 > regs):
+                nv -= 1
+            return {"nr": nv * lanes, "nc": nb, "k_outer": False, "k_unroll": 1}
         if workload.info.get("layout") == "NT":
             # DRAM-resident weights (lm_head): 8 rows in flight (8 streams) with one accumulator
             # each measured at numpy's bandwidth on one core; 4 rows x 2 accumulators at 0.6x.
@@ -145,6 +176,20 @@ class GemvCPU(ScheduleTemplate):
         lanes = vector_lanes(target)
         if config.get("fast_sigmoid", True):
             func = fast_sigmoid(func)  # vector polynomial instead of per-lane libm exp
+        if facts.layout == "P":
+            return schedule_register_tiled(
+                func,
+                facts,
+                mr=int(facts.M),
+                nr=int(config["nr"]),
+                nc=int(config["nc"]),
+                lanes=lanes,
+                parallel="n",
+                pack_x=False,
+                pack_b=False,
+                k_outer=bool(config.get("k_outer", False)),
+                k_unroll=int(config.get("k_unroll", 1)),
+            )
         if facts.layout == "NT":
             return schedule_dot_rows(
                 func,

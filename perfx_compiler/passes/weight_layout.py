@@ -1,21 +1,197 @@
-"""Read linear weights as stored ([out, in]) instead of transposing them per call.
+"""Weight layout: read linear weights without a per-call transpose, and on CPU targets pre-pack
+them at compile time into the panels the GEMM/GEMV micro-kernels read.
 
-The emitted graph computes ``x @ transpose(W)``; fusing the transpose into the
-matmul lets the kernel read ``W`` row by row (the layout GEMV templates want)
-and removes a transpose kernel per weight per step.
+1. ``FuseTransposeMatmul``: ``x @ transpose(W)`` becomes one ``NT_matmul`` that reads W [N, K]
+   as stored (no transpose kernel per weight per step).
+2. CPU (llvm) targets: every float weight parameter that only feeds NT matmuls (and, for a tied
+   embedding, ``take(W, ids, axis=0)``) is packed here, once, into ``[N / nb, K, nb]`` panels
+   (nb = ``schedules._matmul.panel_width(target)``, a multiple of the SIMD width), and the
+   matmuls read ``W[n // nb, k, n % nb]``: each micro-tile's weights are one contiguous stream
+   and no call repacks them (the in-call packing cost as much as the FLOPs at short prompts).
+   The gather of a tied embedding reads the same panels, so no second copy is kept. The
+   templates take nb from the function itself, so a tuning record made for another nb belongs
+   to another workload and a config whose tiles do not fit nb is rejected.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import tvm
-from tvm import relax
+from tvm import relax, te, tirx
+
+from perfx_compiler.passes._relax_util import FuncInfo, exported, replace_weight_params
 
 NAME = "weight_layout"
 ORDER = 90  # after fusions and quantization, right before lowering
 DEFAULT = True
+PACKED_SUFFIX = "_packed"
+
+
+def pack_weight(w: np.ndarray, nb: int) -> np.ndarray:
+    """[N, K] -> [N / nb, K, nb]: panel p holds rows p*nb .. p*nb+nb-1, k-major inside."""
+    n, k = w.shape
+    return np.ascontiguousarray(w.reshape(n // nb, nb, k).transpose(0, 2, 1))
+
+
+def unpack_weight(wp: np.ndarray) -> np.ndarray:
+    """Inverse of ``pack_weight``."""
+    p, k, nb = wp.shape
+    return np.ascontiguousarray(wp.transpose(0, 2, 1).reshape(p * nb, k))
+
+
+def _nt_weight_arg(func: Any) -> int | None:
+    """Position of the [N, K] weight among ``func``'s parameters when it is an NT matmul."""
+    from schedules._matmul import _name, analyze_matmul
+
+    facts = analyze_matmul(func)
+    if facts is None or facts.layout != "NT":
+        return None
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    block = sch.get(sch.get_sblock(facts.block))
+    b_name = _name(block.reads[facts.b_read_index])
+    names = [str(p.name) for p in func.params]
+    return names.index(b_name) if names.count(b_name) == 1 else None
+
+
+def packed_variant(func: Any, arg: int, nb: int) -> Any:
+    """The same PrimFunc reading its weight parameter ``arg`` as [N / nb, K, nb] panels."""
+    from tvm import s_tir
+
+    from schedules._matmul import analyze_matmul
+
+    facts = analyze_matmul(func)
+    sch = s_tir.Schedule(func)
+    block = sch.get_sblock(facts.block)
+    # Rewrites the parameter buffer and every access: w[n, k] -> w[n // nb, k, n % nb].
+    sch.transform_layout(block, ("read", facts.b_read_index), lambda n, k: (n // nb, k, n % nb))
+    return sch.mod["main"]
+
+
+def _packed_take(nb: int):  # noqa: ANN202 - a TE compute builder
+    def take(w: te.Tensor, ids: te.Tensor) -> te.Tensor:
+        k = w.shape[1]
+
+        def row(*idx: Any) -> Any:
+            i = ids[idx[:-1]].astype("int64")
+            return w[i // nb, idx[-1], i % nb]
+
+        return te.compute((*ids.shape, k), row, name="take_packed")
+
+    return take
+
+
+def _plan(mod: tvm.IRModule, weights: dict[str, Any], nb: int) -> tuple[dict[str, int], set[str]]:
+    """Which PrimFuncs are NT matmuls (name -> weight arg) and which weights can be packed: every
+    use in every exported function is such a matmul's weight or a row gather (take axis 0)."""
+    matmuls: dict[str, int] = {}
+    for gv, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc):
+            arg = _nt_weight_arg(func)
+            if arg is not None:
+                matmuls[gv.name_hint] = arg
+    ok: dict[str, bool] = {}
+    for fn in exported(mod):
+        func = mod[fn]
+        info = FuncInfo.of(func)
+        params = {p.name: p for p in func.params[int(func.attrs["num_input"]) :]}
+        good: dict[Any, int] = {}
+        for value in info.values.values():
+            if isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.call_tir")):
+                name = value.args[0].name_hint
+                targs = list(value.args[1].fields)
+                if name in matmuls and matmuls[name] < len(targs):
+                    w = targs[matmuls[name]]
+                    good[w] = good.get(w, 0) + 1
+            elif (
+                isinstance(value, relax.Call)
+                and value.op.same_as(tvm.ir.Op.get("relax.take"))
+                and int(value.attrs.axis) == 0
+            ) or (isinstance(value, relax.Call) and value.op.same_as(tvm.ir.Op.get("relax.shape_of"))):
+                # a row gather, or the [N, K] shape (negative ids wrap around the vocabulary)
+                good[value.args[0]] = good.get(value.args[0], 0) + 1
+        for name, var in params.items():
+            arr = weights.get(name)
+            if arr is None or arr.ndim != 2 or arr.dtype != np.float32 or arr.shape[0] % nb:
+                continue
+            uses = info.uses.get(var, 0)
+            if uses == 0:
+                continue
+            ok[name] = ok.get(name, True) and good.get(var, 0) == uses
+    return matmuls, {n for n, v in ok.items() if v}
+
+
+def pack_linear_weights(
+    mod: tvm.IRModule, weights: dict[str, Any], nb: int
+) -> tuple[tvm.IRModule, dict[str, Any]]:
+    """Pack every packable linear weight (see module doc); returns the new module and weights."""
+    matmuls, packable = _plan(mod, weights, nb)
+    # Only matmuls that read a packable weight somewhere get a packed variant.
+    if not packable:
+        return mod, weights
+    new_weights = {n: (pack_weight(np.asarray(a), nb) if n in packable else a) for n, a in weights.items()}
+    mod, new_weights, params_by_fn = replace_weight_params(mod, weights, new_weights)
+    variants: dict[str, Any] = {}
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    take_op = tvm.ir.Op.get("relax.take")
+    shape_op = tvm.ir.Op.get("relax.shape_of")
+
+    @relax.expr_functor.mutator
+    class Rewriter(relax.PyExprMutator):
+        def __init__(self, mod: tvm.IRModule, old_params: dict[Any, str], new_params: dict[str, relax.Var]) -> None:
+            super().__init__(mod)
+            self.old = old_params  # original weight Var -> name
+            self.new = new_params
+
+        def _packed(self, e: Any) -> relax.Var | None:
+            name = self.old.get(e) if isinstance(e, relax.Var) else None
+            return self.new[name] if name in packable else None
+
+        def visit_call_(self, call: relax.Call) -> Any:
+            if call.op.same_as(call_tir) and call.args[0].name_hint in matmuls:
+                name = call.args[0].name_hint
+                args = list(call.args[1].fields)
+                wp = self._packed(args[matmuls[name]])
+                if wp is not None:
+                    if name not in variants:
+                        pf = packed_variant(mod[name], matmuls[name], nb)
+                        variants[name] = self.builder_.add_func(pf, name + PACKED_SUFFIX)
+                    new_args = [self.visit_expr(a) for a in args]
+                    new_args[matmuls[name]] = wp
+                    return relax.call_tir(variants[name], new_args, call.ty)
+            if call.op.same_as(shape_op) and self._packed(call.args[0]) is not None:
+                return relax.ShapeExpr(list(weights[self.old[call.args[0]]].shape))  # the logical shape
+            if call.op.same_as(take_op) and int(call.attrs.axis) == 0:
+                wp = self._packed(call.args[0])
+                if wp is not None:
+                    ids = self.visit_expr(call.args[1])
+                    return self.builder_.emit_te(_packed_take(nb), wp, ids, primfunc_name_hint="take_packed")
+            return super().visit_call_(call)
+
+    rewriter = Rewriter(mod, {}, {})
+    for fn in exported(mod):
+        func = mod[fn]
+        # The body still reads the weight Vars the function had before replace_weight_params
+        # gave packed weights fresh ones: map those (now free) vars to their names.
+        rewriter.old = {v: v.name for v in relax.analysis.free_vars(func.body) if v.name in packable}
+        rewriter.new = params_by_fn[fn]
+        new_func = rewriter.visit_expr(func)
+        rewriter.builder_.update_func(rewriter.builder_.get().get_global_var(fn), new_func)
+    out = rewriter.builder_.get()
+    return relax.transform.DeadCodeElimination(exported(out))(out), new_weights
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
-    return relax.transform.FuseTransposeMatmul()(mod), weights
+    mod = relax.transform.FuseTransposeMatmul()(mod)
+    target = getattr(ctx, "target", None)
+    if target is None:
+        return mod, weights
+    from perfx_compiler.schedule_template import is_cpu_target
+    from schedules._matmul import panel_width
+
+    if not is_cpu_target(target):
+        return mod, weights  # GPU rules (dlight, ours) read NT weights
+    return pack_linear_weights(mod, weights, panel_width(target))

@@ -121,6 +121,18 @@ def linear_module(
     return tvm.transform.Sequential(passes)(bb.get())
 
 
+def packed_linear_func(M: int | None, K: int, N: int, nb: int, epilogue: str | None = None) -> Any:
+    """The matmul PrimFunc of ``linear_module`` with its weight read as pre-packed [N / nb, K, nb]
+    panels, as the weight_layout pass leaves it on CPU targets."""
+    from perfx_compiler.passes.weight_layout import _nt_weight_arg, packed_variant
+
+    func = matmul_func(linear_module(M, K, N, epilogue, True))
+    arg = _nt_weight_arg(func)
+    if arg is None:
+        raise ValueError("linear_module gave no NT matmul")
+    return packed_variant(func, arg, nb)
+
+
 def matmul_func(mod: Any) -> Any:
     """The (fused) matmul PrimFunc of a ``linear_module``."""
     from tvm import tirx
