@@ -1,0 +1,209 @@
+"""Int4 decode GEMV (one row of x) on CPU: GB/s of the weight stream against the machine's read bandwidth.
+
+Variants, timed in alternating rounds in one run (the machine is shared: medians of each round's
+best are reported, and the read bandwidth is probed in every round too):
+
+  vnni      schedules/gemv_qvnni_cpu.py: int8 activations, vpdpbusd (default config)
+  fp32      schedules/gemv_int4_cpu.py: fp32 activations, unpack + convert + FMA (default config)
+  numpy     numpy reference: dequantize the int4 codes, then matvec (OpenBLAS)
+  numpy_f32 numpy matvec on the already dequantized float32 W (4x the bytes; GB/s on its own bytes)
+
+GB/s = bytes of the packed weight arrays (codes + scales + mins) / seconds. Weights bigger than
+the last-level cache are read from DRAM: each call takes the next of several weight copies (at
+least 3x the L3 size in all), so no call finds its weights cached. The bandwidth probe is
+``perfx_compiler.bench.machine.read_bandwidth`` (a multi-threaded sum over 1 GiB).
+
+Writes benchmarks/results/gemv_int4.csv and gemv_int4.png.
+
+    python benchmarks/bench_gemv_int4.py [--format Q4_1|Q4_0] [--rounds 5] [--threads 2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from perfx_compiler.bench.machine import read_bandwidth  # noqa: E402
+from perfx_compiler.passes._gguf_blocks import Q4_0, Q4_1  # noqa: E402
+from perfx_compiler.passes._quant import int4_packed  # noqa: E402
+from perfx_compiler.schedule_template import find_template  # noqa: E402
+from perfx_compiler.targets import load_target  # noqa: E402
+from perfx_compiler.tune.measure import build_func  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+BIG = [(11008, 4096), (4096, 11008), (4096, 4096)]
+SMOL = [(3072, 576), (576, 1536), (960, 576), (576, 576), (49152, 576)]
+L3_BYTES = 32 << 20
+VARIANTS = ("vnni", "fp32", "numpy", "numpy_f32")
+
+
+def _weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> tuple[Any, np.ndarray]:
+    f = Q4_1 if fmt == "Q4_1" else Q4_0
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    d = (rng.random((n, k // 32)) * 0.01).astype(np.float16)
+    third = (-rng.random((n, k // 32)) * 0.08).astype(np.float16) if f.offset else np.full((n, k // 32), 8, np.uint8)
+    return int4_packed(codes, d, third, f), codes
+
+
+def _kernel(packed: Any, target: Any) -> tuple[Any, str]:
+    func = packed.compute("matmul", (1, 1))
+    template, wl = find_template(func, target)
+    config = template.default_config(wl, target)
+    return build_func(template.apply(func, wl, config, target), target), f"{template.name} {config}"
+
+
+def _timer(rt: Any, copies: list[list[Any]], x: Any, y: Any) -> Any:
+    def run(calls: int) -> float:
+        t0 = time.perf_counter()
+        for i in range(calls):
+            rt["main"](x, *copies[i % len(copies)], y)
+        return (time.perf_counter() - t0) / calls
+    return run
+
+
+def _numpy_timer(codes: np.ndarray, d: np.ndarray, third: np.ndarray, offset: bool, x: np.ndarray) -> Any:
+    idx = np.arange(codes.shape[1]) // 32
+
+    def run(calls: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            s = d.astype(np.float32)[:, idx]
+            t = third.astype(np.float32)[:, idx]
+            w = codes * s + t if offset else (codes - t) * s
+            _ = w @ x
+        return (time.perf_counter() - t0) / calls
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--format", default="Q4_1", choices=["Q4_1", "Q4_0"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2, help="threads of the bandwidth probe (the kernels use all cores)")
+    ap.add_argument("--quick", action="store_true", help="3 rounds, no numpy dequant on the big shapes")
+    ap.add_argument("--out", default=str(RESULTS / "gemv_int4"))
+    args = ap.parse_args(argv)
+    rounds = 3 if args.quick else args.rounds
+    import tvm
+
+    target = load_target("host")
+    dev = tvm.cpu()
+    rng = np.random.default_rng(0)
+    shapes = BIG + SMOL
+    setups = {}
+    for n, k in shapes:
+        packed, codes = _weights(args.format, n, k, rng)
+        vpacked = packed.vnni()  # the same weights in the VNNI layout
+        x = rng.standard_normal(k).astype(np.float32)
+        xt = tvm.runtime.tensor(x.reshape(1, 1, k), dev)
+        yt = tvm.runtime.tensor(np.zeros((1, 1, n), np.float32), dev)
+        ncopies = max(1, -(-3 * L3_BYTES // packed.nbytes)) if packed.nbytes > L3_BYTES // 4 else 1
+        timers, labels, nbytes = {}, {}, {}
+        for name, pk in (("vnni", vpacked), ("fp32", packed)):
+            rt, labels[name] = _kernel(pk, target)
+            copies = [[tvm.runtime.tensor(a.copy(), dev) for _, a in pk.arrays] for _ in range(ncopies)]
+            timers[name] = _timer(rt, copies, xt, yt)
+            nbytes[name] = pk.nbytes
+        arrays = dict(packed.arrays)
+        d = arrays["_q4_scale"]
+        third = arrays.get("_q4_min", arrays.get("_q4_zero"))
+        if not (args.quick and (n, k) in BIG):
+            timers["numpy"] = _numpy_timer(codes, d, third, args.format == "Q4_1", x)
+            nbytes["numpy"] = packed.nbytes
+        idx = np.arange(k) // 32
+        wf = (codes * d.astype(np.float32)[:, idx] + third.astype(np.float32)[:, idx]) if args.format == "Q4_1" \
+            else ((codes - third.astype(np.float32)[:, idx]) * d.astype(np.float32)[:, idx])
+        wf = np.ascontiguousarray(wf, dtype=np.float32)
+        wcopies = [wf] + [wf.copy() for _ in range(max(0, -(-3 * L3_BYTES // wf.nbytes) - 1))] \
+            if wf.nbytes > L3_BYTES // 4 else [wf]
+
+        def f32(calls: int, wcopies: list[np.ndarray] = wcopies, x: np.ndarray = x) -> float:
+            t0 = time.perf_counter()
+            for i in range(calls):
+                _ = wcopies[i % len(wcopies)] @ x
+            return (time.perf_counter() - t0) / calls
+
+        timers["numpy_f32"], nbytes["numpy_f32"] = f32, wf.nbytes
+        # check the two TVM kernels once (against numpy on float64)
+        for name in ("vnni", "fp32"):
+            timers[name](1)
+            ref = wf.astype(np.float64) @ x.astype(np.float64)
+            err = np.abs(yt.numpy().ravel() - ref).max() / np.abs(ref).max()
+            assert err < (2e-2 if name == "vnni" else 1e-4), (name, n, k, err)
+        setups[(n, k)] = (timers, labels, nbytes)
+        print(f"built {n}x{k}: {labels}", flush=True)
+
+    samples: dict[tuple[int, int, str], list[float]] = {}
+    bw: list[float] = []
+    for r in range(rounds):
+        bw.append(read_bandwidth(args.threads, 1 << 30, reps=3))
+        for (n, k), (timers, _, _) in setups.items():
+            order = list(timers) if r % 2 == 0 else list(reversed(list(timers)))
+            for name in order:
+                t = timers[name]
+                single = t(1)
+                calls = max(3, min(400, int(0.25 / max(single, 1e-7))))
+                samples.setdefault((n, k, name), []).append(t(calls))
+        print(f"round {r + 1}/{rounds}: read bandwidth {bw[-1]:.1f} GB/s", flush=True)
+    bandwidth = statistics.median(bw)
+
+    rows = []
+    for (n, k), (_, labels, nbytes) in setups.items():
+        for name in VARIANTS:
+            if (n, k, name) not in samples:
+                continue
+            sec = statistics.median(samples[(n, k, name)])
+            gbs = nbytes[name] / sec / 1e9
+            rows.append({"N": n, "K": k, "variant": name, "format": args.format, "us": round(sec * 1e6, 2),
+                         "GBps": round(gbs, 2), "read_bw_GBps": round(bandwidth, 2),
+                         "frac_of_bw": round(gbs / bandwidth, 3), "bytes": nbytes[name],
+                         "dram": nbytes[name] > L3_BYTES // 4, "config": labels.get(name, "")})
+            print(f"{n:>6}x{k:<6} {name:>9}: {sec * 1e6:9.1f} us {gbs:6.1f} GB/s ({gbs / bandwidth:.0%} of {bandwidth:.1f})")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    _plot(rows, bandwidth, out.with_suffix(".png"), args.format)
+    print(f"wrote {out.with_suffix('.csv')} and {out.with_suffix('.png')}")
+    return 0
+
+
+def _plot(rows: list[dict[str, Any]], bandwidth: float, path: Path, fmt: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    width = 0.2
+    for i, name in enumerate(VARIANTS):
+        vals = [next((r["GBps"] for r in rows if (r["N"], r["K"]) == s and r["variant"] == name), 0) for s in shapes]
+        ax.bar(np.arange(len(shapes)) + (i - 1.5) * width, vals, width, label=name)
+    ax.axhline(bandwidth, color="k", ls="--", lw=1, label=f"read bandwidth {bandwidth:.1f} GB/s")
+    ax.axhline(0.7 * bandwidth, color="gray", ls=":", lw=1, label="70%")
+    ax.set_xticks(np.arange(len(shapes)))
+    ax.set_xticklabels([f"{n}x{k}" + ("\n(DRAM)" if s in BIG or s == (49152, 576) else "")
+                        for s in shapes for n, k in [s]], fontsize=8)
+    ax.set_ylabel("GB/s of packed weights")
+    ax.set_title(f"int4 ({fmt}) GEMV, 1 row, all cores: VNNI int8 activations vs fp32 kernel vs numpy")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
