@@ -1,0 +1,132 @@
+"""Decode and prefill speed of half-precision weights (``--quantization f16 | bf16``) and bf16
+matmul inputs (``--precision bf16``) against f32, for one model on this CPU.
+
+    python benchmarks/half_precision.py [--model smollm2-135m] [--rounds 5] [--steps 64]
+
+Each variant is compiled once (artifacts cached under --work). Rounds are interleaved (A B C D A B
+...) so background load on a shared machine hits every variant alike; the table reports the median
+and best round, with the 1-minute load average next to each round (rounds are kept, not filtered).
+Results: benchmarks/results/half_precision.csv (summary), half_precision_rounds.csv, half_precision.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+RESULTS = REPO / "benchmarks" / "results"
+
+PROMPT_IDS = [9, 1432, 2115, 253, 655, 28, 665, 436, 253, 1347, 2214, 30, 4, 17, 1, 900] * 4  # 64 ids
+VARIANTS: dict[str, dict[str, str]] = {
+    "f32": {"quantization": "f32"},
+    "bf16": {"quantization": "bf16"},
+    "f16": {"quantization": "f16"},
+    "bf16_act": {"quantization": "bf16", "precision": "bf16"},
+}
+
+
+def compile_if_needed(model: str, name: str, work: Path) -> Path:
+    from perfx_compiler.pipeline import compile_model
+
+    out = work / f"{Path(model).name}-{name}"
+    if not (out / "perfx-config.json").is_file():
+        compile_model(model, "host", out, progress=False, batching=False, **VARIANTS[name])
+    return out
+
+
+def one_round(engine: object, steps: int) -> tuple[float, float]:
+    """(prefill tok/s for 64 tokens, decode tok/s over ``steps`` greedy tokens)."""
+    import numpy as np
+
+    engine.reset()  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
+    logits = engine.prefill(PROMPT_IDS)  # type: ignore[attr-defined]
+    t1 = time.perf_counter()
+    tok = int(np.argmax(logits))
+    for _ in range(steps):
+        tok = int(np.argmax(engine.decode(tok)))  # type: ignore[attr-defined]
+    t2 = time.perf_counter()
+    return len(PROMPT_IDS) / (t1 - t0), steps / (t2 - t1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/perfx-bench-half"))
+    args = ap.parse_args()
+
+    import tvm  # noqa: F401 - the full library first: the engine alone would load only the runtime
+
+    from perfx_compiler.runtime.engine import Engine
+
+    arts = {v: compile_if_needed(args.model, v, args.work) for v in args.variants}
+    engines = {v: Engine(a) for v, a in arts.items()}
+    for e in engines.values():
+        one_round(e, 4)  # warm up (thread pool, page cache)
+    rounds = []
+    for r in range(args.rounds):
+        for v, e in engines.items():
+            load = os.getloadavg()[0]
+            pre, dec = one_round(e, args.steps)
+            rounds.append({"round": r, "variant": v, "prefill_tok_s": round(pre, 1), "decode_tok_s": round(dec, 1),
+                           "load1": round(load, 2)})
+            print(rounds[-1], flush=True)
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / "half_precision_rounds.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rounds[0]))
+        w.writeheader()
+        w.writerows(rounds)
+    summary = []
+    for v, a in arts.items():
+        m = json.loads((a / "perfx-config.json").read_text())
+        mine = [x for x in rounds if x["variant"] == v]
+        dec = [x["decode_tok_s"] for x in mine]
+        pre = [x["prefill_tok_s"] for x in mine]
+        summary.append({
+            "model": args.model, "variant": v, "quantization": m["quantization"], "precision": m.get("precision", "f32"),
+            "weight_bytes": m["weight_bytes"], "bytes_per_param": round(m["weight_bytes"] / m["parameters"], 4),
+            "decode_tok_s_median": round(statistics.median(dec), 1), "decode_tok_s_best": max(dec),
+            "prefill64_tok_s_median": round(statistics.median(pre), 1), "prefill64_tok_s_best": max(pre),
+            "rounds": len(mine), "load1_median": round(statistics.median(x["load1"] for x in mine), 2),
+            "cpu_cores": os.cpu_count(),
+        })
+    with open(RESULTS / "half_precision.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(summary[0]))
+        w.writeheader()
+        w.writerows(summary)
+    for s in summary:
+        print(s)
+    _plot(summary)
+
+
+def _plot(summary: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = [s["variant"] for s in summary]
+    ax[0].bar(names, [s["decode_tok_s_median"] for s in summary], color="tab:blue")
+    ax[0].set_title("decode tok/s (median of rounds)")
+    ax[1].bar(names, [s["weight_bytes"] / 1e6 for s in summary], color="tab:gray")
+    ax[1].set_title("weight MB")
+    fig.suptitle(f"{summary[0]['model']}: half-precision weights (load avg {summary[0]['load1_median']})")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "half_precision.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
