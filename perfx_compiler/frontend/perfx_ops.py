@@ -11,7 +11,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
-from perfx_compiler.kernels.attention import cached_attention_kernel
+from perfx_compiler.kernels.attention import attention_decode_kernel, attention_prefill_kernel
 from perfx_compiler.kernels.attention_gpu import cached_attention_kernel_gpu
 from perfx_compiler.kernels.paged_attention import paged_attention_kernel
 
@@ -83,8 +83,13 @@ class CachedAttention(OnnxOpConverter):
             gv = kernel_global_var(
                 "cached_attention_gpu", cached_attention_kernel_gpu, heads, kvh, d, maxc, q.ty.dtype, *idx
             )
+        elif getattr(q.ty.shape[1], "value", None) == 1:
+            # the decode function (one token): its own kernel, so the template gives it decode knobs
+            gv = kernel_global_var(
+                "cached_attention_decode", attention_decode_kernel, heads, kvh, d, maxc, q.ty.dtype, *idx
+            )
         else:
-            gv = kernel_global_var("cached_attention", cached_attention_kernel, heads, kvh, d, maxc, q.ty.dtype, *idx)
+            gv = kernel_global_var("cached_attention", attention_prefill_kernel, heads, kvh, d, maxc, q.ty.dtype, *idx)
         out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kc.ty, vc.ty]
         call = relax.call_tir_inplace(gv, [q, k, v, kc, vc, past, cos, sin], [-1, 3, 4], out_ty)
         return bb.emit(call)

@@ -1,17 +1,54 @@
-"""Fused attention with RoPE and an in-place KV-cache append (one TIR kernel).
+"""Fused attention with RoPE and an in-place KV-cache append (one TIR kernel), for CPUs.
 
-One kernel does, for a chunk of ``seq`` new tokens starting at ``past_len``:
-RoPE on q and k (rotate-half, table lookup), k/v written into the caches at
-their positions, then causal GQA attention of each query over cache positions
-``0 .. past_len + i`` with a two-pass softmax. The caches are updated in place:
-the compiler calls it with ``call_tir_inplace`` so no per-token copy exists.
+One kernel does, for a chunk of ``seq`` new tokens starting at ``past_len``: RoPE on q and k
+(rotate-half, table lookup), k/v written into the caches at their positions (in place: the
+compiler calls it with ``call_tir_inplace``), then causal GQA attention of each query over cache
+positions ``0 .. past_len + i`` with an online softmax over tiles of keys. Three bodies:
+
+* ``rows`` (the untuned default and the tuner's reference): one task per (kv head, query); the
+  task's rows are the query heads sharing that kv head, so each key/value row is loaded once.
+* ``tiled`` (prefill): one task per (kv head, head group, tile of ``q_tile`` queries). The rotated
+  queries are stored transposed, so scores, masks and the softmax run vectorised over the
+  task's rows; key tiles past the tile's last query are skipped (causal), and only the diagonal
+  tiles are masked.
+* ``split`` (decode, ``seq == 1``): the cache is cut into ``splits`` chunks per kv head, one task
+  each; the partial (max, sum, output) of each chunk are merged afterwards (log-sum-exp).
+
+Per-task buffers are declared inside the parallel loop but outside every per-query/per-key loop:
+each is one allocation per task. ``schedules/attention_cpu.py`` chooses the body and its knobs.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from tvm.script import tirx as T
+
+from perfx_compiler.kernels._attention_common import (
+    NEG,
+    copy_row,
+    fast_exp,
+    lanes_for,
+    rope_store,
+    softmax_init,
+    tile_pv,
+    tile_scores,
+    tile_softmax,
+)
+
+ATTR = "perfx.attention"  # JSON facts on the untuned kernels, read by the template
+
+
+def _kb(ctx: Any, j: Any) -> Any:
+    """Flat offset of key j's row in a [KVH, MAXC, D] cache: ctx = (kh * MAXC, D)."""
+    return (ctx[0] + j) * ctx[1]
+
+
+def _zigzag(i: Any, n: Any) -> Any:
+    """0, n-1, 1, n-2, ...: causal rows get dearer with their index, and the thread pool hands
+    each thread a contiguous range of tasks; in this order every range costs about the same."""
+    return T.if_then_else(i % 2 == 0, i // 2, n - 1 - i // 2)
 
 
 def cached_attention_kernel(
@@ -21,15 +58,202 @@ def cached_attention_kernel(
     max_context: int,
     dtype: str = "float32",
     index_dtype: str = "int64",
-):
+    config: dict[str, Any] | None = None,
+) -> Any:
     """Build the PrimFunc for one attention configuration (shape constants baked in).
 
-    ``index_dtype`` is the element type of ``past_len`` (the graph's integer inputs)."""
+    ``index_dtype`` is the element type of ``past_len`` (the graph's integer inputs).
+    ``config``: ``{"body": "rows" | "tiled", "k_tile", "q_tile", "heads_per_task", "lanes"}`` for
+    any ``seq``, or ``{"body": "split", "k_tile", "splits", "lanes"}`` (seq == 1 takes the split
+    body, other lengths the rows body). None: the rows body with defaults."""
+    cfg = dict(config or {})
     H, KVH, D, MAXC = num_heads, num_kv_heads, head_dim, max_context
     G = H // KVH
     HALF = D // 2
-    LANES = next(w for w in (16, 8, 4, 2, 1) if D % w == 0)  # f32 lanes of one AVX-512 register
+    L = int(cfg.get("lanes", lanes_for(D)))
+    KT = int(cfg.get("k_tile", 32))
+    body = cfg.get("body", "rows")
     scale = 1.0 / math.sqrt(D)
+    if H % KVH or D % 2 or D % L or KT < 1:
+        raise ValueError(f"attention: bad shape/config H={H} KVH={KVH} D={D} {cfg}")
+    exp = fast_exp
+
+    @T.macro
+    def append_kv(Q, K, V, KF, VF, COS, SIN, past, seq):
+        for t in T.parallel(KVH * seq):
+            kh = t // seq
+            s = t % seq
+            if past + s < MAXC:  # a chunk past the cache's end writes nothing (memory-safe for any input)
+                rope_store(KF, (kh * MAXC + past + s) * D, 1, K, 0, s, kh * D, COS, SIN, past + s, HALF, T.float32(1))
+                copy_row(VF, (kh * MAXC + past + s) * D, V, 0, s, kh * D, D)
+
+    @T.macro
+    def rows_body(Q, KF, VF, COS, SIN, OUT, past, seq):
+        for t in T.parallel(KVH * seq):
+            kh = t % KVH
+            s = _zigzag(t // KVH, seq)
+            pos = T.min(past + s, MAXC - 1)
+            qr = T.decl_buffer((G * D,), "float32", scope="local")
+            sc = T.decl_buffer((G * KT,), "float32", scope="local")
+            acc = T.decl_buffer((G * D,), "float32", scope="local")
+            part = T.decl_buffer((G * L,), "float32", scope="local")
+            st = T.decl_buffer((3 * G,), "float32", scope="local")  # running max | sum | rescale
+            for g in T.serial(G):
+                rope_store(qr, g * D, 1, Q, 0, s, (kh * G + g) * D, COS, SIN, pos, HALF, T.float32(scale))
+            softmax_init(st, acc, G, D)
+            for kt in T.serial(pos // KT + 1):
+                tile_scores(sc, qr, KF, _kb, (kh * MAXC, D), kt * KT, T.min(KT, pos + 1 - kt * KT), G, D, KT, L, part)
+                tile_softmax(sc, st, T.min(KT, pos + 1 - kt * KT), G, KT, exp)
+                tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), kt * KT, T.min(KT, pos + 1 - kt * KT), G, D, KT, L)
+            for g in T.serial(G):
+                for d in T.vectorized(D):
+                    OUT[0, s, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
+
+    if body == "tiled":
+        QT = int(cfg.get("q_tile", 8))
+        HPT = int(cfg.get("heads_per_task", G))
+        if G % HPT or QT < 1:
+            raise ValueError(f"attention: heads_per_task {HPT} must divide {G}")
+        HG = G // HPT
+        R = HPT * QT  # rows of a task: query r // HPT of the tile, head r % HPT of the group
+        RP = -(-R // L) * L
+        RV = RP // L
+
+        @T.macro
+        def main_body(Q, KF, VF, COS, SIN, OUT, past, seq):
+            nq = (seq + QT - 1) // QT
+            for t in T.parallel(KVH * HG * nq):
+                kh = t % (KVH * HG) // HG
+                h0 = kh * G + t % HG * HPT
+                q0 = _zigzag(t // (KVH * HG), nq) * QT
+                last = T.min(past + T.min(q0 + QT, seq) - 1, MAXC - 1)  # position of the tile's last query
+                qt_ = T.decl_buffer((D * RP,), "float32", scope="local")  # rotated q, transposed
+                st_ = T.decl_buffer((KT * RP,), "float32", scope="local")  # scores, then weights
+                acc = T.decl_buffer((R * D,), "float32", scope="local")
+                ar = T.decl_buffer((D,), "float32", scope="local")
+                sacc = T.decl_buffer((RP,), "float32", scope="local")
+                mx = T.decl_buffer((RP,), "float32", scope="local")
+                rs = T.decl_buffer((3 * RP,), "float32", scope="local")  # running max | sum | rescale
+                lim = T.decl_buffer((RP,), "int64", scope="local")  # each row's query position
+                for r in T.serial(RP):
+                    rope_store(qt_, r, RP, Q, 0, T.min(q0 + r // HPT, seq - 1), (h0 + r % HPT) * D, COS, SIN,
+                               T.min(past + T.min(q0 + r // HPT, seq - 1), MAXC - 1), HALF, T.float32(scale))
+                    lim[r] = T.min(past + T.min(q0 + r // HPT, seq - 1), MAXC - 1)
+                    rs[r] = T.float32(NEG)
+                    rs[RP + r] = T.float32(0)
+                for i in T.vectorized(R * D):
+                    acc[i] = T.float32(0)
+                for kt in T.serial(last // KT + 1):
+                    # scores of the tile's keys (only keys <= last: causal skip), masked per row
+                    for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
+                        for rv in T.unroll(RV):
+                            for lane in T.vectorized(L):
+                                sacc[rv * L + lane] = T.float32(0)
+                        for d in T.serial(D):
+                            for rv in T.unroll(RV):
+                                for lane in T.vectorized(L):
+                                    sacc[rv * L + lane] = sacc[rv * L + lane] + qt_[d * RP + rv * L + lane] * KF[
+                                        (kh * MAXC + kt * KT + jj) * D + d
+                                    ]
+                        for rv in T.unroll(RV):
+                            for lane in T.vectorized(L):
+                                st_[jj * RP + rv * L + lane] = T.if_then_else(
+                                    kt * KT + jj <= lim[rv * L + lane], sacc[rv * L + lane], T.float32(NEG)
+                                )
+                    # online softmax, vectorised over rows
+                    for rv in T.serial(RV):
+                        for lane in T.vectorized(L):
+                            mx[rv * L + lane] = rs[rv * L + lane]
+                        for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
+                            for lane in T.vectorized(L):
+                                mx[rv * L + lane] = T.max(mx[rv * L + lane], st_[jj * RP + rv * L + lane])
+                        for lane in T.vectorized(L):
+                            rs[2 * RP + rv * L + lane] = exp(rs[rv * L + lane] - mx[rv * L + lane])
+                            rs[RP + rv * L + lane] = rs[RP + rv * L + lane] * rs[2 * RP + rv * L + lane]
+                            rs[rv * L + lane] = mx[rv * L + lane]
+                        for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
+                            for lane in T.vectorized(L):
+                                st_[jj * RP + rv * L + lane] = T.if_then_else(
+                                    kt * KT + jj <= lim[rv * L + lane],
+                                    exp(st_[jj * RP + rv * L + lane] - mx[rv * L + lane]),
+                                    T.float32(0),
+                                )
+                                rs[RP + rv * L + lane] = rs[RP + rv * L + lane] + st_[jj * RP + rv * L + lane]
+                    # output rows: rescale, add p @ V (the row stays in registers over the tile)
+                    for r in T.serial(R):
+                        for d in T.vectorized(D):
+                            ar[d] = acc[r * D + d] * rs[2 * RP + r]
+                        for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
+                            for c in T.unroll(D // L):
+                                for lane in T.vectorized(L):
+                                    ar[c * L + lane] = ar[c * L + lane] + st_[jj * RP + r] * VF[
+                                        (kh * MAXC + kt * KT + jj) * D + c * L + lane
+                                    ]
+                        for d in T.vectorized(D):
+                            acc[r * D + d] = ar[d]
+                for r in T.serial(R):
+                    if q0 + r // HPT < seq:
+                        for d in T.vectorized(D):
+                            OUT[0, q0 + r // HPT, (h0 + r % HPT) * D + d] = acc[r * D + d] / rs[RP + r]
+
+    elif body == "split":
+        SPL = int(cfg.get("splits", 2))
+        if SPL < 1:
+            raise ValueError(f"attention: splits {SPL} must be >= 1")
+        W = D + 2  # one partial: output row, max, sum
+
+        @T.macro
+        def main_body(Q, KF, VF, COS, SIN, OUT, past, seq):
+            if seq == 1 and past < MAXC:
+                ws = T.decl_buffer((KVH * SPL * G * W,), "float32")
+                ch = ((past + SPL) // SPL + KT - 1) // KT * KT  # chunk: ceil(ctx / SPL) in whole tiles
+                for t in T.parallel(KVH * SPL):
+                    kh = t // SPL
+                    lo = t % SPL * ch
+                    hi = T.min(past + 1, lo + ch)
+                    qr = T.decl_buffer((G * D,), "float32", scope="local")
+                    sc = T.decl_buffer((G * KT,), "float32", scope="local")
+                    acc = T.decl_buffer((G * D,), "float32", scope="local")
+                    part = T.decl_buffer((G * L,), "float32", scope="local")
+                    st = T.decl_buffer((3 * G,), "float32", scope="local")
+                    for g in T.serial(G):
+                        rope_store(qr, g * D, 1, Q, 0, 0, (kh * G + g) * D, COS, SIN, past, HALF, T.float32(scale))
+                    softmax_init(st, acc, G, D)
+                    for kt in T.serial((T.max(hi - lo, 0) + KT - 1) // KT):
+                        tile_scores(sc, qr, KF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
+                                    G, D, KT, L, part)
+                        tile_softmax(sc, st, T.min(KT, hi - lo - kt * KT), G, KT, exp)
+                        tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
+                                T.min(KT, hi - lo - kt * KT), G, D, KT, L)
+                    for g in T.serial(G):
+                        for d in T.vectorized(D):
+                            ws[(t * G + g) * W + d] = acc[g * D + d]
+                        ws[(t * G + g) * W + D] = st[g]
+                        ws[(t * G + g) * W + D + 1] = st[G + g]
+                # merge the chunks: weights exp(m_c - M) (an empty chunk has m = NEG, l = 0: weight 0)
+                for h in T.serial(H):
+                    cm = T.decl_buffer((2,), "float32", scope="local")
+                    ao = T.decl_buffer((D,), "float32", scope="local")
+                    cm[0] = T.float32(NEG)
+                    for sp in T.serial(SPL):
+                        cm[0] = T.max(cm[0], ws[((h // G * SPL + sp) * G + h % G) * W + D])
+                    cm[1] = T.float32(0)
+                    for d in T.vectorized(D):
+                        ao[d] = T.float32(0)
+                    for sp in T.serial(SPL):
+                        cw = T.exp(ws[((h // G * SPL + sp) * G + h % G) * W + D] - cm[0])
+                        cm[1] = cm[1] + cw * ws[((h // G * SPL + sp) * G + h % G) * W + D + 1]
+                        for d in T.vectorized(D):
+                            ao[d] = ao[d] + cw * ws[((h // G * SPL + sp) * G + h % G) * W + d]
+                    for d in T.vectorized(D):
+                        OUT[0, 0, h * D + d] = ao[d] / cm[1]
+            else:
+                rows_body(Q, KF, VF, COS, SIN, OUT, past, seq)
+
+    elif body == "rows":
+        main_body = rows_body
+    else:
+        raise ValueError(f"attention: unknown body {body!r}")
 
     @T.prim_func(private=True)
     def cached_attention(
@@ -47,59 +271,40 @@ def cached_attention_kernel(
         COS = T.match_buffer(cos_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         SIN = T.match_buffer(sin_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         OUT = T.match_buffer(out_h, (T.int64(1), seq, T.int64(H * D)), dtype)
-        past: T.int64 = T.Cast("int64", PAST[0])
-        # 1) rotate k, append k and v to the caches
-        for kvs in T.parallel(KVH * seq):
-            kh = kvs // seq
-            s = kvs % seq
-            for d in T.serial(HALF):
-                x1 = K[0, s, kh * D + d]
-                x2 = K[0, s, kh * D + d + HALF]
-                c = COS[past + s, d]
-                sn = SIN[past + s, d]
-                KC[0, kh, past + s, d] = x1 * c - x2 * sn
-                KC[0, kh, past + s, d + HALF] = x2 * c + x1 * sn
-            for d in T.serial(D):
-                VC[0, kh, past + s, d] = V[0, s, kh * D + d]
-        # 2) attention for every (head, query)
-        for hs in T.parallel(H * seq):
-            h = hs // seq
-            s = hs % seq
-            kh = h // G
-            qr = T.decl_buffer((D,), dtype, scope="local")
-            score = T.decl_buffer((MAXC,), dtype, scope="local")
-            acc = T.decl_buffer((D,), dtype, scope="local")
-            stat = T.decl_buffer((2,), dtype, scope="local")
-            part = T.decl_buffer((LANES,), dtype, scope="local")
-            for d in T.serial(HALF):
-                x1 = Q[0, s, h * D + d]
-                x2 = Q[0, s, h * D + d + HALF]
-                c = COS[past + s, d]
-                sn = SIN[past + s, d]
-                qr[d] = (x1 * c - x2 * sn) * T.float32(scale)
-                qr[d + HALF] = (x2 * c + x1 * sn) * T.float32(scale)
-            stat[0] = T.float32(-3.0e38)
-            for j in T.serial(past + s + 1):
-                # q.k with LANES-wide partial sums: a vector FMA per chunk, one horizontal sum per key
-                for lane in T.vectorized(LANES):
-                    part[lane] = T.float32(0)
-                for c in T.serial(D // LANES):
-                    for lane in T.vectorized(LANES):
-                        part[lane] = part[lane] + qr[c * LANES + lane] * KC[0, kh, j, c * LANES + lane]
-                score[j] = T.float32(0)
-                for lane in T.serial(LANES):
-                    score[j] = score[j] + part[lane]
-                stat[0] = T.max(stat[0], score[j])
-            stat[1] = T.float32(0)
-            for d in T.serial(D):
-                acc[d] = T.float32(0)
-            for j in T.serial(past + s + 1):
-                p = T.exp(score[j] - stat[0])
-                stat[1] = stat[1] + p
-                for c in T.serial(D // LANES):
-                    for lane in T.vectorized(LANES):
-                        acc[c * LANES + lane] = acc[c * LANES + lane] + p * VC[0, kh, j, c * LANES + lane]
-            for d in T.serial(D):
-                OUT[0, s, h * D + d] = acc[d] / stat[1]
+        KF = T.decl_buffer((T.int64(KVH * MAXC * D),), dtype, data=KC.data)
+        VF = T.decl_buffer((T.int64(KVH * MAXC * D),), dtype, data=VC.data)
+        past: T.int64 = T.Cast("int64", PAST[0])  # the runtime keeps past + seq <= MAXC; reads clamp anyway
+        append_kv(Q, K, V, KF, VF, COS, SIN, past, seq)
+        main_body(Q, KF, VF, COS, SIN, OUT, past, seq)
 
     return cached_attention
+
+
+def untuned_attention_kernel(
+    kind: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_context: int,
+    dtype: str = "float32",
+    index_dtype: str = "int64",
+) -> Any:
+    """The kernel the import phase emits: the default (rows) body, not marked scheduled and
+    tagged ``perfx.attention`` so ``schedules/attention_cpu.py`` rebuilds it for a tuned
+    configuration. ``kind``: "prefill" (any length) or "decode" (the decode function's call)."""
+    import json
+
+    func = cached_attention_kernel(num_heads, num_kv_heads, head_dim, max_context, dtype, index_dtype)
+    info = {"kind": kind, "heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim,
+            "max_context": max_context, "dtype": str(dtype), "index_dtype": str(index_dtype)}
+    return func.without_attr("tirx.is_scheduled").with_attr(ATTR, json.dumps(info, sort_keys=True))
+
+
+def attention_prefill_kernel(*args: Any) -> Any:
+    """:func:`untuned_attention_kernel` for the prefill functions (symbolic length)."""
+    return untuned_attention_kernel("prefill", *args)
+
+
+def attention_decode_kernel(*args: Any) -> Any:
+    """:func:`untuned_attention_kernel` for the decode function (one token per call)."""
+    return untuned_attention_kernel("decode", *args)

@@ -1,0 +1,123 @@
+"""TIR pieces shared by the attention kernels (contiguous, paged; the GPU kernel may import them).
+
+Every kernel does the same four things: rotate q and k with rotate-half RoPE from cos/sin tables,
+append the rotated k and v to a cache, score q against cached keys, and keep an online softmax
+(running max ``m``, running sum ``l``, unnormalised output ``acc``) over tiles of keys. What
+differs is where a cached key lives (contiguous [KVH, MAXC, D] rows or (page, slot) rows) and how
+the work is split over threads; those stay in each kernel file. The pieces here are TVMScript
+macros, expanded inline where they are called; a key's place in the cache is given by a Python
+callable ``key_base(j)`` returning the flat offset of key ``j``'s row in a flat view of the cache.
+
+Softmax exponentials use :func:`fast_exp` (a polynomial, FMAs only): LLVM lowers ``exp`` on a
+vector to one libm call per lane.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tvm.script import tirx as T
+
+NEG = -3.0e38  # "minus infinity" of the running max: finite, so exp(NEG - m) is 0, never NaN
+
+
+def fast_exp(x: Any) -> Any:
+    """Vectorizable exp for softmax weights (x <= 0): the polynomial exp (relative error ~1e-7),
+    flushed to 0 below e^-60. Without the flush, weights near e^-87 are denormal and every
+    product with them costs ~100x a normal FMA (a 512-token prefill ran 3x slower)."""
+    from tvm import tirx
+
+    from schedules._fastmath import fast_exp as _fast_exp
+
+    return tirx.Select(x < tirx.const(-60.0, "float32"), tirx.const(0.0, "float32"), _fast_exp(x))
+
+
+def lanes_for(head_dim: int, max_lanes: int = 16) -> int:
+    """Widest f32 vector (<= max_lanes) that divides head_dim."""
+    return next(w for w in (16, 8, 4, 2, 1) if w <= max_lanes and head_dim % w == 0)
+
+
+def rope_pair(x1: Any, x2: Any, c: Any, s: Any) -> tuple[Any, Any]:
+    """Rotate-half RoPE of the pair (x[d], x[d + D/2]) at one position: (low, high) halves."""
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@T.macro
+def rope_store(dst, dst_off, stride, src, b, s, col, COS, SIN, pos, half, scale):
+    """dst[dst_off + d * stride] = scale * RoPE(src[b, s, col : col + 2 * half])[d]."""
+    for d in T.vectorized(half):
+        dst[dst_off + d * stride] = (src[b, s, col + d] * COS[pos, d] - src[b, s, col + d + half] * SIN[pos, d]) * scale
+        dst[dst_off + (d + half) * stride] = (
+            src[b, s, col + d + half] * COS[pos, d] + src[b, s, col + d] * SIN[pos, d]
+        ) * scale
+
+
+@T.macro
+def copy_row(dst, dst_off, src, b, s, col, n):
+    """dst[dst_off : dst_off + n] = src[b, s, col : col + n] (a v row into the cache)."""
+    for d in T.vectorized(n):
+        dst[dst_off + d] = src[b, s, col + d]
+
+
+@T.macro
+def softmax_init(st, acc, rows, D):
+    """st = [running max | running sum | rescale factor] per row; acc = 0."""
+    for r in T.serial(rows):
+        st[r] = T.float32(NEG)
+        st[rows + r] = T.float32(0)
+    for i in T.vectorized(rows * D):
+        acc[i] = T.float32(0)
+
+
+@T.macro
+def tile_scores(sc, qr, KF, key_base, ctx, j0, n, rows, D, KT, L, part):
+    """sc[r * KT + jj] = q_r . k_{j0 + jj} for jj < n: each key row is loaded once for all rows
+    (the query heads sharing this kv head); LANES-wide partial sums, one horizontal sum per score.
+    ``key_base(ctx, j)``: flat offset of key j's row in KF."""
+    for jj in T.serial(n):
+        for r in T.serial(rows):
+            for lane in T.vectorized(L):
+                part[r * L + lane] = T.float32(0)
+        for c in T.serial(D // L):
+            for r in T.serial(rows):
+                for lane in T.vectorized(L):
+                    part[r * L + lane] = part[r * L + lane] + qr[r * D + c * L + lane] * KF[
+                        key_base(ctx, j0 + jj) + c * L + lane
+                    ]
+        for r in T.serial(rows):
+            sc[r * KT + jj] = T.float32(0)
+            for lane in T.serial(L):
+                sc[r * KT + jj] = sc[r * KT + jj] + part[r * L + lane]
+
+
+@T.macro
+def tile_softmax(sc, st, n, rows, KT, exp):
+    """Online-softmax update for one tile of n scores per row: new running max, the factor that
+    rescales the old sum/output (st[2 * rows + r]), and sc overwritten by the tile's weights."""
+    for r in T.serial(rows):
+        st[2 * rows + r] = st[r]
+        for jj in T.serial(n):
+            st[2 * rows + r] = T.max(st[2 * rows + r], sc[r * KT + jj])
+        mx = st[2 * rows + r]  # the new running max (a let-bound snapshot)
+        for jj in T.vectorized(KT):
+            sc[r * KT + jj] = T.if_then_else(T.Cast("int64", jj) < T.Cast("int64", n), exp(sc[r * KT + jj] - mx), T.float32(0))
+        st[2 * rows + r] = exp(st[r] - mx)
+        st[r] = mx
+        st[rows + r] = st[rows + r] * st[2 * rows + r]
+        for jj in T.serial(n):
+            st[rows + r] = st[rows + r] + sc[r * KT + jj]
+
+
+@T.macro
+def tile_pv(acc, sc, st, VF, key_base, ctx, j0, n, rows, D, KT, L):
+    """acc_r = rescale_r * acc_r + sum_jj p[r, jj] * v_{j0 + jj} (each v row loaded once for all rows)."""
+    for r in T.serial(rows):
+        for i in T.vectorized(D):
+            acc[r * D + i] = acc[r * D + i] * st[2 * rows + r]
+    for jj in T.serial(n):
+        for r in T.serial(rows):
+            for c in T.serial(D // L):
+                for lane in T.vectorized(L):
+                    acc[r * D + c * L + lane] = acc[r * D + c * L + lane] + sc[r * KT + jj] * VF[
+                        key_base(ctx, j0 + jj) + c * L + lane
+                    ]

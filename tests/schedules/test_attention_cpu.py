@@ -1,0 +1,165 @@
+"""schedules/attention_cpu.py: every configuration drawn from the template's space computes RoPE +
+causal GQA attention as a float64 numpy reference does, writes the new k/v into the caches it is
+given (in place), for prefill from position 0 and from a non-zero cache position and for decode
+at positions 1, 37 and 1000; fresh random inputs on every run."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+H, KVH, D, MAXC = 9, 3, 64, 1024  # SmolLM2-135M's attention
+TOL = 2e-5  # fp32 kernel vs float64 reference, relative to the largest |value|
+
+
+def rope_tables(maxc: int, d: int, theta: float = 10000.0) -> tuple[np.ndarray, np.ndarray]:
+    ang = np.arange(maxc)[:, None] / theta ** (np.arange(0, d, 2) / d)[None]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def attention_reference(q, k, v, kc, vc, past, cos, sin, heads, kv_heads):
+    """float64: (out [1, seq, H*D], k cache, v cache) after appending the rotated k and v."""
+    seq, d = q.shape[1], kc.shape[-1]
+    half, group = d // 2, heads // kv_heads
+    c = cos[past : past + seq].astype(np.float64)[:, None]
+    s = sin[past : past + seq].astype(np.float64)[:, None]
+
+    def rot(x: np.ndarray) -> np.ndarray:
+        x1, x2 = x[..., :half], x[..., half:]
+        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+
+    kc, vc = kc.astype(np.float64), vc.astype(np.float64)
+    kc[0, :, past : past + seq] = rot(k[0].astype(np.float64).reshape(seq, kv_heads, d)).transpose(1, 0, 2)
+    vc[0, :, past : past + seq] = v[0].astype(np.float64).reshape(seq, kv_heads, d).transpose(1, 0, 2)
+    qr = rot(q[0].astype(np.float64).reshape(seq, heads, d))
+    n = past + seq
+    mask = np.arange(n)[None] > (past + np.arange(seq))[:, None]
+    out = np.zeros((seq, heads, d))
+    for h in range(heads):
+        sc = qr[:, h] @ kc[0, h // group, :n].T / np.sqrt(d)
+        sc[mask] = -np.inf
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        out[:, h] = (p / p.sum(-1, keepdims=True)) @ vc[0, h // group, :n]
+    return out.reshape(1, seq, heads * d), kc, vc
+
+
+def run_case(lib: Any, seq: int, past: int, rng: np.random.Generator, qkv: bool = False, shift: int = 0) -> float:
+    """Run the kernel on fresh inputs; max relative error of out and both caches (caches passed
+    as tensors and read back from the same objects: the in-place contract). ``shift`` feeds the
+    kernel a wrong position (negative control)."""
+    import tvm
+
+    cos, sin = rope_tables(MAXC, D)
+    q = rng.standard_normal((1, seq, H * D)).astype(np.float32)
+    k = rng.standard_normal((1, seq, KVH * D)).astype(np.float32)
+    v = rng.standard_normal((1, seq, KVH * D)).astype(np.float32)
+    kc = rng.standard_normal((1, KVH, MAXC, D)).astype(np.float32)
+    vc = rng.standard_normal((1, KVH, MAXC, D)).astype(np.float32)
+    want, wk, wv = attention_reference(q, k, v, kc, vc, past, cos, sin, H, KVH)
+    dev = tvm.cpu()
+    kct, vct = tvm.runtime.tensor(kc, dev), tvm.runtime.tensor(vc, dev)
+    out = tvm.runtime.tensor(np.zeros_like(q), dev)
+    pt = tvm.runtime.tensor(np.array([past + shift], np.int64), dev)
+    tabs = [tvm.runtime.tensor(cos, dev), tvm.runtime.tensor(sin, dev)]
+    inputs = [np.concatenate([q, k, v], -1)] if qkv else [q, k, v]
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in inputs], kct, vct, pt, *tabs, out)
+    err = 0.0
+    for got, ref in ((out.numpy(), want), (kct.numpy(), wk), (vct.numpy(), wv)):
+        err = max(err, float(np.abs(got - ref).max() / max(1.0, np.abs(ref).max())))
+    return err
+
+
+def build(func: Any, target: Any) -> Any:
+    import tvm
+
+    return tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target.tvm())
+
+
+def untuned(kind: str, qkv: bool = False) -> Any:
+    from perfx_compiler.kernels.attention import untuned_attention_kernel
+    from perfx_compiler.passes._kernels import attention_over_qkv
+
+    func = untuned_attention_kernel(kind, H, KVH, D, MAXC)
+    return attention_over_qkv(func) if qkv else func
+
+
+def draw(space: dict[str, list], n: int, seed: int) -> list[dict[str, Any]]:
+    """n distinct configurations drawn at random from the space (the corners included)."""
+    rnd = random.Random(seed)
+    out = [{k: v[0] for k, v in space.items()}, {k: v[-1] for k, v in space.items()}]
+    while len(out) < n:
+        cfg = {k: rnd.choice(v) for k, v in space.items()}
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+PREFILL_CASES = [(1, 0), (7, 0), (40, 0), (33, 19), (5, 700)]  # (seq, past)
+DECODE_CASES = [(1, 1), (1, 37), (1, 1000), (3, 37)]  # seq 3 on the decode kernel: the general body
+
+
+@pytest.fixture(scope="module")
+def template():
+    from perfx_compiler.schedule_template import template_by_name
+
+    return template_by_name("attention_cpu")
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_template_matches_tagged_kernels_only(template, cpu_target, kind) -> None:
+    from perfx_compiler.kernels.attention import cached_attention_kernel
+    from perfx_compiler.schedule_template import find_template
+
+    func = untuned(kind)
+    wl = template.match(func, cpu_target)
+    assert wl is not None and wl.info["kind"] == kind
+    assert (wl.symbolic is None) == (kind == "decode")
+    assert find_template(func, cpu_target)[0] is template  # first by priority
+    assert template.match(cached_attention_kernel(H, KVH, D, MAXC), cpu_target) is None  # untagged
+    space = template.space(wl, cpu_target)
+    assert template.is_valid(wl, template.builtin_default(wl, cpu_target), cpu_target)
+    assert ("splits" in space) == (kind == "decode") and ("q_tile" in space) == (kind == "prefill")
+    assert not template.is_valid(wl, {**template.builtin_default(wl, cpu_target), "lanes": 3}, cpu_target)
+
+
+@pytest.mark.parametrize("kind,n", [("prefill", 8), ("decode", 6)])
+def test_configs_from_the_space_match_numpy(template, cpu_target, kind, n) -> None:
+    func = untuned(kind)
+    wl = template.match(func, cpu_target)
+    rng = np.random.default_rng()
+    configs = [template.builtin_default(wl, cpu_target)] + draw(template.space(wl, cpu_target), n, int(rng.integers(1 << 30)))
+    cases = PREFILL_CASES if kind == "prefill" else DECODE_CASES
+    for cfg in configs:
+        lib = build(template.apply(func, wl, cfg, cpu_target), cpu_target)
+        for seq, past in cases:
+            err = run_case(lib, seq, past, rng)
+            assert err < TOL, f"{kind} {cfg} seq={seq} past={past}: max relative error {err:.2e}"
+
+
+def test_check_fails_on_a_wrong_kernel(template, cpu_target) -> None:
+    """Negative control: the same check rejects a kernel fed the wrong position, and the
+    untuned (reference) kernel passes it."""
+    rng = np.random.default_rng()
+    func = untuned("prefill")
+    lib = build(func, cpu_target)
+    assert run_case(lib, 9, 20, rng) < TOL
+    assert run_case(lib, 9, 20, rng, shift=1) > 100 * TOL
+    wl = template.match(func, cpu_target)
+    tuned = build(template.apply(func, wl, template.builtin_default(wl, cpu_target), cpu_target), cpu_target)
+    assert run_case(tuned, 9, 20, rng, shift=1) > 100 * TOL
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_fused_qkv_signature_is_kept(template, cpu_target, kind) -> None:
+    """After merge_projections the kernel reads one [1, seq, q+k+v] tensor; the template's kernel
+    keeps that signature."""
+    func = untuned(kind, qkv=True)
+    wl = template.match(func, cpu_target)
+    assert wl.info["qkv"]
+    lib = build(template.apply(func, wl, template.builtin_default(wl, cpu_target), cpu_target), cpu_target)
+    rng = np.random.default_rng()
+    for seq, past in ((1, 37), (6, 0), (12, 50)):
+        assert run_case(lib, seq, past, rng, qkv=True) < TOL
