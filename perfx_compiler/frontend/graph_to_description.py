@@ -489,7 +489,7 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
     k_rows = weights["model.layers.0.self_attn.k_proj.weight"].shape[0]
     if q_rows % head_dim or k_rows % head_dim:
         raise UnsupportedModelError(f"{source}: q/k rows {q_rows}/{k_rows} are not multiples of the RoPE head dim {head_dim}")
-    window = _sliding_window(hf, gqa)
+    window = _sliding_window(hf, gqa, genai)
     cfg = _config(genai, hf, source, vocab=vocab, hidden=hidden, ffn=weights["model.layers.0.mlp.up_proj.weight"].shape[0],
                   layers=n_layers, heads=q_rows // head_dim, kv_heads=k_rows // head_dim, head_dim=head_dim,
                   eps=max(eps_seen), bias=has_bias, tied=tied, inv=inv)
@@ -520,10 +520,14 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
     return desc
 
 
-def _sliding_window(hf: dict[str, Any], gqa: onnx.NodeProto | None) -> int | None:
+def _sliding_window(hf: dict[str, Any], gqa: onnx.NodeProto | None, genai: dict[str, Any] | None) -> int | None:
     """The attention window in tokens (Mistral's ``sliding_window``, Qwen2's when
-    ``use_sliding_window``, GroupQueryAttention's ``local_window_size``), or None."""
+    ``use_sliding_window``, GroupQueryAttention's ``local_window_size``, genai_config's
+    ``decoder.sliding_window.window_size``), or None."""
     windows = []
+    gw = ((genai or {}).get("model", {}).get("decoder", {}).get("sliding_window") or {})
+    if isinstance(gw, dict) and isinstance(gw.get("window_size"), int) and gw["window_size"] > 0:
+        windows.append(int(gw["window_size"]))
     if gqa is not None and int(_attr(gqa, "local_window_size", -1)) > 0:
         windows.append(int(_attr(gqa, "local_window_size")))
     w = hf.get("sliding_window")

@@ -245,7 +245,7 @@ def test_unsupported_ops_one_line_error_no_output(genai_graphs, tmp_path, capsys
     assert len(err.splitlines()) == 1
     assert "com.example::FancyGate (opset 3" in err and "FancyGate2 (opset 22" in err
     assert nodes[0].name in err and nodes[1].name in err
-    assert not out.exists()
+    assert not out.exists() and not out.with_name(out.name + ".partial").exists()
 
 
 def test_torch_mistral_sliding_window(mistral_graph, tmp_path, capsys):
@@ -279,3 +279,22 @@ def test_torch_fp16_export_matches_onnxruntime(fp16_graph, tmp_path):
     # a few dozen ops per layer, partly cancelling): allow 8 units.
     assert ref_err < 1e-4
     assert err < 8 * 2.0 ** -11
+
+
+@pytest.fixture(scope="session")
+def genai_mistral(hf_folders, tmp_path_factory) -> Path:
+    _need("onnxruntime_genai", "onnxruntime-genai format tests")
+    return genai_build(hf_folders["mistral"], tmp_path_factory.mktemp("genai_mistral") / "int4", "int4",
+                       "accuracy_level=1")
+
+
+def test_genai_mistral_int4_sliding_window(genai_mistral, tmp_path):
+    desc = load_onnx(genai_mistral)  # genai_config.json: type mistral, decoder.sliding_window.window_size
+    assert (desc.config.architecture, desc.config.max_context) == ("mistral", MISTRAL_WINDOW)
+    art = compile_model(desc, "host", tmp_path / "art", progress=False, batching=False)
+    assert json.loads((art / "perfx-config.json").read_text())["quantization"] == "onnx"
+    err = compare_engine(art, genai_mistral)
+    print(f"genai mistral int4: max rel err {err:.2e}")
+    assert err < 1e-3
+    with pytest.raises(UnsupportedModelError, match=f"sliding window of {MISTRAL_WINDOW}"):
+        load_onnx(genai_mistral, max_context=MISTRAL_WINDOW + 1)

@@ -184,3 +184,19 @@ def test_onnx_quantization_needs_int4_tables(tmp_path):
     with pytest.raises(PerfXError, match="quantization 'onnx' needs an ONNX model with int4 MatMulNBits"):
         compile_model(desc, "host", tmp_path / "art", progress=False, batching=False, quantization="onnx")
     assert not (tmp_path / "art").exists()
+
+
+def test_failed_package_leaves_no_partial_artifact(tmp_path, monkeypatch):
+    import perfx_compiler.package as package
+
+    path, _ = build_genai_model(tmp_path / "m", GenaiSpec(layers=1))
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(package, "_write_weights", disk_full)
+    out = tmp_path / "art"
+    with pytest.raises(PerfXError, match="No space left on device"):
+        compile_model(str(path), "host", out, progress=False, batching=False)
+    assert not out.exists() and not out.with_name("art.partial").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
