@@ -184,12 +184,13 @@ def smol_half(smol_desc, tmp_path_factory):
 
     cache = {}
 
-    def get(family: str):
-        if family not in cache:
-            out = tmp_path_factory.mktemp(f"smol_{family}") / "artifact"
-            cache[family] = compile_model(smol_desc, "host", out, progress=False, quantization=family,
-                                          batching=False)
-        return cache[family]
+    def get(family: str, precision: str = "f32"):
+        key = f"{family}_{precision}"
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"smol_{key}") / "artifact"
+            cache[key] = compile_model(smol_desc, "host", out, progress=False, quantization=family,
+                                       precision=precision, batching=False)
+        return cache[key]
 
     return get
 
@@ -213,3 +214,20 @@ def test_smollm2_half_weights_match_rounded_reference(smol_half, smol_desc, fami
     loose = rel(got, ReferenceModel(smol_desc).forward(ids))
     assert tight < 1e-3, tight  # the f32 artifact's bound: fp32 arithmetic on the same weights
     assert loose > 3 * tight, (loose, tight)  # the weight rounding is what moves the logits
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_activations_match_reference_with_same_rounding(smol_half, smol_desc):
+    from perfx_compiler.runtime.engine import Engine
+
+    art = smol_half("bf16", "bf16")
+    assert json.loads((art / "perfx-config.json").read_text())["precision"] == "bf16"
+    engine = Engine(art)
+    ids = np.random.default_rng().integers(0, smol_desc.config.vocab_size, size=20).tolist()
+    engine.reset()
+    got = np.concatenate([engine.prefill_all(ids[:14]), np.stack([engine.decode(t) for t in ids[14:]])])
+    weights_only = rounded_desc(smol_desc, "bf16")
+    tight = rel(got, precision_reference(weights_only, "bf16").forward(ids))
+    loose = rel(got, ReferenceModel(weights_only).forward(ids))
+    assert tight < 1e-3, tight
+    assert loose > 3 * tight, (loose, tight)  # the inputs really are rounded to bf16
