@@ -297,7 +297,10 @@ def untuned_attention_kernel(
     func = cached_attention_kernel(num_heads, num_kv_heads, head_dim, max_context, dtype, index_dtype)
     info = {"kind": kind, "heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim,
             "max_context": max_context, "dtype": str(dtype), "index_dtype": str(index_dtype)}
-    return func.without_attr("tirx.is_scheduled").with_attr(ATTR, json.dumps(info, sort_keys=True))
+    func = func.without_attr("tirx.is_scheduled").with_attr(ATTR, json.dumps(info, sort_keys=True))
+    if kind == "decode":  # the tuner times decode over a half-full cache, not a random few tokens
+        func = func.with_attr("perfx.tune_inputs", json.dumps({"PAST": max_context // 2}))
+    return func
 
 
 def attention_prefill_kernel(*args: Any) -> Any:

@@ -10,8 +10,28 @@ Pools are [pages, PS, KVH, D] so one token's heads are contiguous.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from tvm.script import tirx as T
+
+from perfx_compiler.kernels._attention_common import (
+    copy_row,
+    fast_exp,
+    lanes_for,
+    rope_store,
+    softmax_init,
+    tile_pv,
+    tile_scores,
+    tile_softmax,
+)
+
+KEY_TILE = 32  # keys per online-softmax step
+
+
+def _kb(ctx: Any, j: Any) -> Any:
+    """Flat offset of key j's row in a [pages, PS, KVH, D] pool: ctx = (page table, b, kh, PS, KVH, D)."""
+    pt, b, kh, ps, kvh, d = ctx
+    return ((T.Cast("int64", pt[b, j // ps]) * ps + j % ps) * kvh + kh) * d
 
 
 def paged_attention_kernel(
@@ -23,12 +43,19 @@ def paged_attention_kernel(
     dtype: str = "float32",
     index_dtype: str = "int64",
 ):
-    """``index_dtype``: element type of ``positions`` and ``page_table`` (the graph's integer inputs)."""
+    """``index_dtype``: element type of ``positions`` and ``page_table`` (the graph's integer inputs).
+
+    One task per (sequence, kv head, query): its rows are the query heads sharing the kv head (each
+    key/value row is read once for all of them), keys in tiles with an online softmax; the task's
+    buffers are allocated once per task, none is max_context long."""
     H, KVH, D, MAXC, PS = num_heads, num_kv_heads, head_dim, max_context, page_size
     NPP = -(-MAXC // PS)  # pages per sequence
     G = H // KVH
     HALF = D // 2
+    L = lanes_for(D)
+    KT = KEY_TILE
     scale = 1.0 / math.sqrt(D)
+    exp = fast_exp
 
     @T.prim_func(private=True)
     def paged_attention(
@@ -49,52 +76,39 @@ def paged_attention_kernel(
         COS = T.match_buffer(cos_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         SIN = T.match_buffer(sin_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         OUT = T.match_buffer(out_h, (batch, seq, T.int64(H * D)), dtype)
+        KF = T.decl_buffer((pages * T.int64(PS * KVH * D),), dtype, data=KP.data)
+        VF = T.decl_buffer((pages * T.int64(PS * KVH * D),), dtype, data=VP.data)
         # 1) rotate k, append k and v at each token's (page, slot)
         for bks in T.parallel(batch * KVH * seq):
             b = bks // (KVH * seq)
             kh = bks // seq % KVH
             s = bks % seq
             p = T.Cast("int64", POS[b]) + s
-            page = T.Cast("int64", PT[b, p // PS])
-            slot = p % PS
-            for d in T.serial(HALF):
-                x1 = K[b, s, kh * D + d]
-                x2 = K[b, s, kh * D + d + HALF]
-                KP[page, slot, kh, d] = x1 * COS[p, d] - x2 * SIN[p, d]
-                KP[page, slot, kh, d + HALF] = x2 * COS[p, d] + x1 * SIN[p, d]
-            for d in T.serial(D):
-                VP[page, slot, kh, d] = V[b, s, kh * D + d]
-        # 2) attention for every (sequence, head, query)
-        for bhs in T.parallel(batch * H * seq):
-            b = bhs // (H * seq)
-            h = bhs // seq % H
-            s = bhs % seq
-            kh = h // G
+            base = ((T.Cast("int64", PT[b, p // PS]) * PS + p % PS) * KVH + kh) * D
+            rope_store(KF, base, 1, K, b, s, kh * D, COS, SIN, p, HALF, T.float32(1))
+            copy_row(VF, base, V, b, s, kh * D, D)
+        # 2) attention for every (sequence, kv head, query), the kv head's query heads together
+        for bks in T.parallel(batch * KVH * seq):
+            b = bks // (KVH * seq)
+            kh = bks // seq % KVH
+            s = bks % seq
             p = T.Cast("int64", POS[b]) + s
-            qr = T.decl_buffer((D,), dtype, scope="local")
-            score = T.decl_buffer((MAXC,), dtype, scope="local")
-            acc = T.decl_buffer((D,), dtype, scope="local")
-            stat = T.decl_buffer((2,), dtype, scope="local")
-            for d in T.serial(HALF):
-                x1 = Q[b, s, h * D + d]
-                x2 = Q[b, s, h * D + d + HALF]
-                qr[d] = (x1 * COS[p, d] - x2 * SIN[p, d]) * T.float32(scale)
-                qr[d + HALF] = (x2 * COS[p, d] + x1 * SIN[p, d]) * T.float32(scale)
-            stat[0] = T.float32(-3.0e38)
-            for j in T.serial(p + 1):
-                score[j] = T.float32(0)
-                for d in T.serial(D):
-                    score[j] = score[j] + qr[d] * KP[T.Cast("int64", PT[b, j // PS]), j % PS, kh, d]
-                stat[0] = T.max(stat[0], score[j])
-            stat[1] = T.float32(0)
-            for d in T.serial(D):
-                acc[d] = T.float32(0)
-            for j in T.serial(p + 1):
-                w = T.exp(score[j] - stat[0])
-                stat[1] = stat[1] + w
-                for d in T.serial(D):
-                    acc[d] = acc[d] + w * VP[T.Cast("int64", PT[b, j // PS]), j % PS, kh, d]
-            for d in T.serial(D):
-                OUT[b, s, h * D + d] = acc[d] / stat[1]
+            qr = T.decl_buffer((G * D,), "float32", scope="local")
+            sc = T.decl_buffer((G * KT,), "float32", scope="local")
+            acc = T.decl_buffer((G * D,), "float32", scope="local")
+            part = T.decl_buffer((G * L,), "float32", scope="local")
+            st = T.decl_buffer((3 * G,), "float32", scope="local")  # running max | sum | rescale
+            for g in T.serial(G):
+                rope_store(qr, g * D, 1, Q, b, s, (kh * G + g) * D, COS, SIN, p, HALF, T.float32(scale))
+            softmax_init(st, acc, G, D)
+            for kt in T.serial(p // KT + 1):
+                tile_scores(sc, qr, KF, _kb, (PT, b, kh, PS, KVH, D), kt * KT, T.min(KT, p + 1 - kt * KT),
+                            G, D, KT, L, part)
+                tile_softmax(sc, st, T.min(KT, p + 1 - kt * KT), G, KT, exp)
+                tile_pv(acc, sc, st, VF, _kb, (PT, b, kh, PS, KVH, D), kt * KT, T.min(KT, p + 1 - kt * KT),
+                        G, D, KT, L)
+            for g in T.serial(G):
+                for d in T.vectorized(D):
+                    OUT[b, s, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
 
     return paged_attention

@@ -82,7 +82,11 @@ def output_names(func: Any) -> set[str]:
     from tvm import s_tir
 
     params = {str(p.name) for p in func.params}
-    sch = s_tir.Schedule(func)
+    try:
+        sch = s_tir.Schedule(func)
+        sch.get_sblock("root")
+    except Exception:  # noqa: BLE001 - a loop-only kernel (no blocks): its last parameter is the output
+        return {str(func.params[-1].name)}
     written: set[str] = set()
 
     def visit(block: Any) -> None:
@@ -99,15 +103,33 @@ def output_names(func: Any) -> set[str]:
     return outs or {str(func.params[-1].name)}
 
 
+PINNED_ATTR = "perfx.tune_inputs"  # JSON {param or buffer name: value} a kernel is measured at
+
+
+def pinned_inputs(func: Any) -> dict[str, int]:
+    """Integer inputs a kernel asks to be measured at (e.g. the decode attention's cache length:
+    timed on a 10-token cache, its split count would tune nothing), by parameter name."""
+    import json
+
+    attrs = func.attrs
+    if attrs is None or PINNED_ATTR not in attrs:
+        return {}
+    pins = json.loads(str(attrs[PINNED_ATTR]))
+    return {str(p.name): int(pins[str(p.name)]) for p in func.params if str(p.name) in pins}
+
+
 def random_inputs(func: Any, m_value: int, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     outs = output_names(func)
+    pinned = pinned_inputs(func)
     arrays = []
     for name, shape, dtype in param_specs(func, m_value):
         if shape is None:
             arrays.append(np.dtype(dtype).type(m_value))  # scalar shape var: a numpy scalar, not a 0-d tensor
         elif name in outs:
             arrays.append(np.zeros(shape, dtype=dtype))
+        elif name in pinned:
+            arrays.append(np.full(shape, pinned[name], dtype=dtype))
         elif dtype.startswith(("int", "uint")):
             arrays.append(rng.integers(0, 16, size=shape).astype(dtype))  # valid gather indices
         else:

@@ -163,3 +163,18 @@ def test_fused_qkv_signature_is_kept(template, cpu_target, kind) -> None:
     rng = np.random.default_rng()
     for seq, past in ((1, 37), (6, 0), (12, 50)):
         assert run_case(lib, seq, past, rng, qkv=True) < TOL
+
+
+def test_tuner_measures_attention_configs(template, cpu_target) -> None:
+    """perfx-tune's measurer builds, verifies (against the untuned kernel) and times configurations
+    of the decode kernel over a half-full cache; an invalid configuration is recorded as failed."""
+    from perfx_compiler.tune.measure import LocalMeasurer, pinned_inputs
+
+    func = untuned("decode")
+    assert pinned_inputs(func) == {"PAST": MAXC // 2}
+    wl = template.match(func, cpu_target)
+    good = [{"k_tile": 32, "splits": 1, "lanes": 16}, {"k_tile": 64, "splits": 4, "lanes": 8}]
+    with LocalMeasurer(cpu_target, workers=1, repeat=2, min_repeat_ms=1) as measurer:
+        results = measurer.measure(func, template.name, wl.key, [*good, {"k_tile": 32, "splits": 2, "lanes": 3}], 1)
+    assert [r.ok for r in results] == [True, True, False], [r.error for r in results]
+    assert all(0 < r.mean_s < 0.1 and r.extra["max_rel_error"] < 1e-4 for r in results[:2])
