@@ -12,6 +12,7 @@ points (an ``NBitsTable``), which the graph recogniser records for the int4 pass
 * ``SimplifiedLayerNormalization`` / ``SkipSimplifiedLayerNormalization``: RMSNorm (computed in
   float32), the skip variant also returns ``input + skip (+ bias)`` as its 4th output;
 * ``RotaryEmbedding``: rotate-half or interleaved RoPE from cos/sin caches and position ids;
+* ``MultiHeadAttention``: K/V already per head (genai's fp16 CPU builds), attention_bias, causal;
 * ``GroupQueryAttention``: optional packed QKV, RoPE inside (``do_rotary``), GQA head sharing,
   causal attention over ``past ++ new``; ``present = concat(past, new)`` along the sequence
   (batch 1 / no left padding: positions are ``past_len + i``; a past buffer is taken as
@@ -342,6 +343,53 @@ class GroupQueryAttention(OnnxOpConverter):
         return relax.Tuple([out, present_k, present_v])
 
 
+class MultiHeadAttention(OnnxOpConverter):
+    """(query, key, value, bias, key_padding_mask, attention_bias, past_key, past_value) ->
+    (out, present_key, present_value): softmax(q k^T * scale + attention_bias [+ causal]) v.
+
+    What onnxruntime-genai's fp16 CPU builds write (K/V already repeated to every head, the
+    causal mask as ``attention_bias``). key/value are [B, L, H*D] or [B, H, L, D]; past K/V
+    [B, H, P, D] are prepended."""
+
+    @classmethod
+    def _impl_v1(cls, bb: relax.BlockBuilder, inputs: list, attr: dict, params: Any) -> relax.Expr:
+        q_in, k_in, v_in = inputs[:3]
+        bias, pad_mask, attn_bias = (inputs[i] if len(inputs) > i else None for i in (3, 4, 5))
+        past_k, past_v = (inputs[i] if len(inputs) > i else None for i in (6, 7))
+        if k_in is None or v_in is None or bias is not None or pad_mask is not None:
+            raise UnsupportedModelError("MultiHeadAttention with packed QKV, a bias or key_padding_mask is not supported")
+        heads = int(attr["num_heads"])
+        dtype = str(q_in.ty.dtype)
+        b, s, width = _shape(q_in)
+        d = int(width) // heads
+
+        def split(t: relax.Expr) -> relax.Expr:
+            if len(_shape(t)) == 4:
+                return t
+            bt, lt, _ = _shape(t)
+            return bb.emit(relax.op.permute_dims(relax.op.reshape(t, [bt, lt, heads, d]), [0, 2, 1, 3]))
+
+        q, k, v = split(q_in), split(k_in), split(v_in)
+        if past_k is not None:
+            k = bb.emit(relax.op.concat([past_k, k], axis=2))
+            v = bb.emit(relax.op.concat([past_v, v], axis=2))
+        total = _shape(k)[2]
+        scale = float(attr.get("scale", 0.0)) or 1.0 / float(np.sqrt(d))
+        scores = relax.op.multiply(relax.op.einsum([q, k], "bhqd,bhkd->bhqk"), relax.const(scale, dtype))
+        if attn_bias is not None:
+            scores = relax.op.add(scores, attn_bias)
+        if int(attr.get("unidirectional", 0)):
+            qpos = relax.op.reshape(relax.op.arange(total - s, total, 1, "int64"), [s, 1])  # absolute positions
+            kj = relax.op.reshape(relax.op.arange(0, total, 1, "int64"), [1, total])
+            allowed = relax.op.less_equal(kj, qpos)
+            scores = relax.op.where(allowed, scores, relax.const(float(np.finfo(np.float16 if dtype == "float16"
+                                                                                  else np.float32).min), dtype))
+        probs = relax.op.nn.softmax(bb.emit(scores), axis=-1)
+        out = relax.op.matmul(probs, v)
+        out = bb.emit(relax.op.reshape(relax.op.permute_dims(out, [0, 2, 1, 3]), [b, s, heads * d]))
+        return relax.Tuple([out, k, v])
+
+
 #: op_type -> converter, for import_onnx(extra_converters=...).
 CONTRIB_CONVERTERS: dict[str, type] = {
     "MatMulNBits": MatMulNBits,
@@ -349,4 +397,5 @@ CONTRIB_CONVERTERS: dict[str, type] = {
     "SkipSimplifiedLayerNormalization": SkipSimplifiedLayerNormalization,
     "RotaryEmbedding": RotaryEmbedding,
     "GroupQueryAttention": GroupQueryAttention,
+    "MultiHeadAttention": MultiHeadAttention,
 }

@@ -141,3 +141,26 @@ def test_group_query_attention(past, seq, interleaved):
     got, want = run_both(m, feeds)
     for g, t in zip(got, want, strict=True):
         close(g, t)
+
+
+@pytest.mark.parametrize("past,seq,causal,with_bias", [(0, 4, 1, 0), (3, 2, 0, 1), (5, 1, 1, 1)])
+def test_multi_head_attention(past, seq, causal, with_bias):
+    rng = np.random.default_rng(past * 10 + seq)
+    heads, d = 4, 8
+    total = past + seq
+    ins = ["Q", "K", "V", "", "", "AB" if with_bias else "", "PK", "PV"]
+    node = oh.make_node("MultiHeadAttention", ins, ["O", "PKo", "PVo"], domain=MS, num_heads=heads,
+                        unidirectional=causal, scale=0.3)
+    inputs = [vi("Q", TP.FLOAT, [1, seq, heads * d]), vi("K", TP.FLOAT, [1, seq, heads * d]),
+              vi("V", TP.FLOAT, [1, seq, heads * d]), vi("PK", TP.FLOAT, [1, heads, past, d]),
+              vi("PV", TP.FLOAT, [1, heads, past, d])]
+    feeds = {n: rng.standard_normal((1, seq, heads * d)).astype(np.float32) for n in "QKV"}
+    feeds |= {n: rng.standard_normal((1, heads, past, d)).astype(np.float32) for n in ("PK", "PV")}
+    if with_bias:
+        inputs.append(vi("AB", TP.FLOAT, [1, heads, seq, total]))
+        feeds["AB"] = rng.standard_normal((1, heads, seq, total)).astype(np.float32)
+    m = model([node], inputs, [vi("O", TP.FLOAT, [1, seq, heads * d]), vi("PKo", TP.FLOAT, [1, heads, total, d]),
+                               vi("PVo", TP.FLOAT, [1, heads, total, d])])
+    got, want = run_both(m, feeds)
+    for g, t in zip(got, want, strict=True):
+        close(g, t)

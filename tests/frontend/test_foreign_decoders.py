@@ -160,10 +160,12 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def compare_engine(artifact: Path, graph: Path, reference: ReferenceModel | None = None) -> float | tuple[float, float]:
+def compare_engine(artifact: Path, graph: Path, reference: ReferenceModel | None = None,
+                   ort_model: onnx.ModelProto | None = None) -> float | tuple[float, float]:
     """Max relative logits error of PerfX vs onnxruntime over prefill + 16 greedy decode steps
-    (and vs ``reference``, the float64 model, when given)."""
-    eng, ref = Engine(artifact), OrtDecoder(graph)
+    (and vs ``reference``, the float64 model, when given). ``ort_model``: the graph onnxruntime runs
+    (default: the file)."""
+    eng, ref = Engine(artifact), OrtDecoder(graph, model=ort_model)
     want = ref.step(PROMPT)[-1]
     got = eng.prefill(PROMPT)[0]
     errs = [_rel(got, want)]
@@ -298,3 +300,27 @@ def test_genai_mistral_int4_sliding_window(genai_mistral, tmp_path):
     assert err < 1e-3
     with pytest.raises(UnsupportedModelError, match=f"sliding window of {MISTRAL_WINDOW}"):
         load_onnx(genai_mistral, max_context=MISTRAL_WINDOW + 1)
+
+
+@pytest.fixture(scope="session")
+def genai_fp16(hf_folders, tmp_path_factory) -> Path:
+    _need("onnxruntime_genai", "onnxruntime-genai format tests")
+    return genai_build(hf_folders["llama"], tmp_path_factory.mktemp("genai_fp16") / "fp16", "fp16")
+
+
+def test_genai_fp16_multi_head_attention(genai_fp16, tmp_path):
+    m = onnx.load(str(genai_fp16))
+    # the fp16 CPU build: MatMul + RotaryEmbedding + MultiHeadAttention (K/V repeated per head), fp16 weights
+    assert {"MultiHeadAttention", "RotaryEmbedding"} <= {n.op_type for n in m.graph.node}
+    assert all(t.data_type == onnx.TensorProto.FLOAT16 for t in m.graph.initializer if len(t.dims) == 2)
+    desc = load_onnx(genai_fp16)
+    assert (desc.config.num_heads, desc.config.num_kv_heads, desc.config.rope_theta) == (4, 2, 10000.0)
+    art = compile_model(desc, "host", tmp_path / "art", progress=False, batching=False)
+    # onnxruntime cannot run this file unshared (past/present as separate buffers) with the builder's
+    # value_info: its shape annotations make the memory planner reuse a [1, seq, .] buffer for
+    # [1, total, .]. Without them the same nodes and weights run.
+    del m.graph.value_info[:]
+    err, ref_err = compare_engine(art, genai_fp16, ReferenceModel(desc), ort_model=m)
+    print(f"genai fp16: vs onnxruntime {err:.2e}, vs fp64 reference {ref_err:.2e}")
+    assert ref_err < 1e-4
+    assert err < 8 * 2.0 ** -11  # onnxruntime computes in fp16 (see test_torch_fp16_export_matches_onnxruntime)
