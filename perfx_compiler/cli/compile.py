@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=None,
                    help="also export the paged, batched functions perfx-serve uses")
     p.add_argument("--emit-onnx", default=None, metavar="FILE", help="also write the model as a runnable ONNX graph")
+    p.add_argument("--report", action="store_true",
+                   help="print kernel launches per decode step before/after each fusion pass and the decode time")
     p.add_argument("--list-targets", action="store_true", help="list the known targets and exit")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -100,6 +102,11 @@ def _run(args: argparse.Namespace) -> int:
         **({} if args.batching is None else {"batching": args.batching}),
     )
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
+    if args.report:
+        from perfx_compiler.passes.report import compile_report
+
+        print(compile_report(args.model, args.target, out, max_context=args.max_context, schedule=args.schedule,
+                             quantization=args.quantization, activations=args.activations, precision=args.precision))
     return 0
 
 

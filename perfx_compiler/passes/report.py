@@ -59,3 +59,90 @@ def matmul_count(mod: tvm.IRModule, fn: str = "decode") -> int:
 def summary(mod: tvm.IRModule) -> dict[str, Any]:
     """Everything above for ``decode``, as one JSON-friendly dict."""
     return {"kernels": kernel_counts(mod), "decode_matmuls": matmul_count(mod), "decode": kernel_breakdown(mod)}
+
+
+# --- fusion variants (``perfx-compile --report``, ``benchmarks/fusion_report.py``) -------------------
+FUSION_PREFIXES = ("fuse_", "merge_")  # graph fusions; every other pass (formats, layout) stays on
+
+
+def fusion_variants() -> list[tuple[str, list[str]]]:
+    """(label, pass list) from no fusion pass to all of them, adding one fusion at a time in ORDER;
+    the non-fusion default passes (quantization, precision, weight layout) are in every variant."""
+    from perfx_compiler.passes import discover
+
+    default = [m.NAME for m in discover() if m.DEFAULT]
+    fusions = [n for n in default if n.startswith(FUSION_PREFIXES)]
+    on: set[str] = set()
+    out = [("unfused", [n for n in default if n not in fusions])]
+    for f in fusions:
+        on.add(f)
+        out.append((f"+ {f}", [n for n in default if n not in fusions or n in on]))
+    return out
+
+
+def variant_counts(desc: Any, target: str = "host", **options: Any) -> list[dict[str, Any]]:
+    """Kernel launches per call of decode / prefill for each fusion variant, counted in the module
+    after phase 2 (lower: legalized and fused, every launch a call_tir) of a real compile."""
+    from perfx_compiler.pipeline import lower_model
+
+    rows = []
+    for label, passes in fusion_variants():
+        mod, _ = lower_model(desc, target, passes=passes, **{"batching": False, **options})
+        counts = kernel_counts(mod)
+        rows.append({"variant": label, "passes": passes, "decode": counts["decode"], "prefill": counts["prefill"]})
+    return rows
+
+
+def format_counts(rows: list[dict[str, Any]], title: str) -> str:
+    lines = [title, f"  {'variant':<28} {'decode':>7} {'prefill':>8} {'change':>7}"]
+    prev = None
+    for i, r in enumerate(rows):
+        label = r["variant"] + ("  (= default)" if i == len(rows) - 1 else "")
+        change = "" if prev is None else f"{r['decode'] - prev:+d}"
+        lines.append(f"  {label:<28} {r['decode']:>7} {r['prefill']:>8} {change:>7}")
+        prev = r["decode"]
+    first, last = rows[0]["decode"], rows[-1]["decode"]
+    lines.append(f"  decode kernels: {first} -> {last} ({100 * (last - first) / max(first, 1):+.0f}%) with all fusions")
+    return "\n".join(lines)
+
+
+def decode_ms(artifact: Any, steps: int = 32) -> float:
+    """Median wall time of one decode step of a compiled artifact on this machine (after a 16-token
+    prefill and 4 warm-up steps)."""
+    import time
+
+    import numpy as np
+
+    from perfx_compiler.runtime.engine import Engine
+
+    eng = Engine(artifact)
+    logits = eng.prefill([i % eng.vocab_size for i in range(1, 17)])
+    times = []
+    for i in range(steps + 4):
+        tok = int(np.argmax(logits))
+        t = time.perf_counter()
+        logits = eng.decode(tok)
+        if i >= 4:
+            times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+def compile_report(model: str, target: str, artifact: Any, **options: Any) -> str:
+    """What ``perfx-compile --report`` prints: decode/prefill kernel launches per fusion variant
+    (each lowered for real), this artifact's decode step time when it runs here, and where the
+    per-variant decode times are measured."""
+    from perfx_compiler.model.loader import load_model
+    from perfx_compiler.targets import load_target
+
+    desc = load_model(model, max_context=options.get("max_context"))
+    rows = variant_counts(desc, target, **options)
+    q = options.get("quantization", "auto")
+    text = [format_counts(rows, f"kernel launches per decode step / prefill call ({model}, target {target}, "
+                                f"quantization {q}; counted in the lowered Relax module of each variant):")]
+    if load_target(target).name == load_target("host").name:
+        text.append(f"decode step of {artifact} (all fusions): {decode_ms(artifact):.2f} ms (median of 32 steps)")
+    else:
+        text.append(f"decode step of {artifact}: not timed (target {target} does not run on this machine)")
+    text.append("decode time of each variant: python benchmarks/fusion_report.py "
+                "(benchmarks/results/fusion_report.csv + .png)")
+    return "\n".join(text)
