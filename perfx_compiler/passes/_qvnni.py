@@ -134,12 +134,35 @@ def quantize_activations(x: np.ndarray, k: int, group: int) -> np.ndarray:
     return (q.astype(np.float64) * dx.astype(np.float64)).reshape(*lead, ng * group)[..., :k]
 
 
+def _int8_activations(x: Any, b: Any, m: Any, k: int, group: int) -> Any:
+    """x rounded to int8 per group (dx = amax / 127, q = round(x * (127 / amax))), scaled back."""
+    from tvm import te, tirx
+
+    ng = -(-k // group)
+    r = te.reduce_axis((0, group), name="r")
+    amax = te.compute(
+        (b, m, ng),
+        lambda bi, i, g: te.max(
+            tirx.Select(g * group + r < k, tirx.abs(x[bi, i, tirx.min(g * group + r, k - 1)]), tirx.const(0.0, "float32")),
+            axis=r),
+        name="amax")
+
+    def dq(bi: Any, i: Any, c: Any) -> Any:
+        a = amax[bi, i, c // group]
+        inv = tirx.Select(a > tirx.const(0.0, "float32"), tirx.const(127.0, "float32") / a, tirx.const(0.0, "float32"))
+        return tirx.round(x[bi, i, c] * inv) * (a / tirx.const(127.0, "float32"))
+
+    return te.compute((b, m, k), dq, name="x_int8")
+
+
 def vnni_compute(
     n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str = "matmul",
     rows: tuple[int | None, int | None] = (1, None), ids_dtype: str = "int64",
 ) -> Any:
-    """Reference PrimFunc over the VNNI layouts (float x: the exact linear; the scheduled kernel
-    multiplies with int8-quantized x), tagged ``perfx.quant`` with ``layout: vnni``."""
+    """Reference PrimFunc over the VNNI layouts, tagged ``perfx.quant`` with ``layout: vnni``. The
+    matmul multiplies with x quantized to int8 per group exactly as the kernel does
+    (:func:`quantize_activations`), so the tuner's check of a candidate against this function holds
+    the kernel to its own semantics."""
     from tvm import te, tirx
 
     kp = padded_k(k)
@@ -179,8 +202,9 @@ def vnni_compute(
         func = te.create_prim_func([*ins, ids, out])
     else:
         x = te.placeholder((b, m, k), "float32", name="x")
+        xq = _int8_activations(x, b, m, k, group)
         r = te.reduce_axis((0, k), name="k")
-        out = te.compute((b, m, n), lambda bi, i, j: te.sum(x[bi, i, r] * w(j, r), axis=r), name="matmul_vnni")
+        out = te.compute((b, m, n), lambda bi, i, j: te.sum(xq[bi, i, r] * w(j, r), axis=r), name="matmul_vnni")
         func = te.create_prim_func([x, *ins, out])
     return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind))
 
