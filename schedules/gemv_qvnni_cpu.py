@@ -94,7 +94,9 @@ class GemvQVnniCPU(ScheduleTemplate):
         d = workload.dims
         if workload.info.get("kind") != "matmul":
             return {"tasks": 16 if d["N"] >= 64 else 2}
-        units = 2 if d["bits"] == 4 else 4
+        # Long rows: one unit per iteration (fewer concurrent streams of codes + scales for the
+        # prefetchers; measured 6.6 vs 4.1 GB/s single-threaded at 4096x11008); short rows: two.
+        units = (1 if vk.plan(d["K"], d["G"])["KP"] > 4096 else 2) if d["bits"] == 4 else 4
         m = max(1, d["B"] * d["MM"])
         while units > 1 and (units * (2 if d["bits"] == 4 else 1) * m > MAX_ACC or units > self._units(d)):
             units //= 2
