@@ -90,7 +90,8 @@ def x86_logits(args: argparse.Namespace, quant: str) -> np.ndarray:
     if out is None or not (out / "perfx-config.json").exists():
         out = out or Path(tempfile.mkdtemp(prefix="perfx-x86-"))
         start = time.perf_counter()
-        compile_model(args.model, "host", out, progress=False, max_context=args.max_context, quantization=quant)
+        compile_model(args.model, "host", out, progress=False, max_context=args.max_context, quantization=quant,
+                      activations="f32")  # fmt: skip  # float activations, as the WGSL kernels compute
         print(f"x86 build ({quant}): {time.perf_counter() - start:.1f} s -> {out}")
     engine = Engine(out)
     return np.stack([engine.decode(t) for t in args.tokens])
