@@ -15,7 +15,12 @@ least 3x the L3 size in all), so no call finds its weights cached. The bandwidth
 
 Writes benchmarks/results/gemv_int4.csv and gemv_int4.png.
 
+``--decode``: instead, SmolLM2-135M (GGUF) compiled twice for this CPU, ``--activations f32`` (the fp32
+int4 kernels) and ``int8`` (VNNI), decode tokens/s of each in alternating rounds (64 greedy tokens after
+an 8-token prefill, median of the rounds) -> benchmarks/results/gemv_int4_decode.csv.
+
     python benchmarks/bench_gemv_int4.py [--format Q4_1|Q4_0] [--rounds 5] [--threads 2] [--quick]
+    python benchmarks/bench_gemv_int4.py --decode [--rounds 7] [--artifacts F32_DIR INT8_DIR]
 """
 
 from __future__ import annotations
@@ -93,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads of the bandwidth probe (the kernels use all cores)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, no numpy dequant on the big shapes")
     ap.add_argument("--out", default=str(RESULTS / "gemv_int4"))
+    ap.add_argument("--decode", action="store_true", help="SmolLM2 decode tokens/s, activations f32 vs int8")
+    ap.add_argument("--artifacts", nargs=2, default=None, metavar=("F32_DIR", "INT8_DIR"),
+                    help="with --decode: already compiled artifacts (else compiled into a temp dir)")
     args = ap.parse_args(argv)
+    if args.decode:
+        return decode_main(args)
     rounds = 3 if args.quick else args.rounds
     import tvm
 
@@ -152,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             order = list(timers) if r % 2 == 0 else list(reversed(list(timers)))
             for name in order:
                 t = timers[name]
+                if name.startswith("numpy"):
+                    time.sleep(0.1)  # TVM's pool threads spin a while after a call: let them idle first
                 single = t(1)
                 calls = max(3, min(400, int(0.25 / max(single, 1e-7))))
                 samples.setdefault((n, k, name), []).append(t(calls))
@@ -178,6 +190,55 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     _plot(rows, bandwidth, out.with_suffix(".png"), args.format)
     print(f"wrote {out.with_suffix('.csv')} and {out.with_suffix('.png')}")
+    return 0
+
+
+def decode_main(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from perfx_compiler.bench.machine import cpu_model
+    from perfx_compiler.runtime.engine import Engine
+
+    if args.artifacts:
+        arts = {"f32": Path(args.artifacts[0]), "int8": Path(args.artifacts[1])}
+    else:
+        from perfx_compiler.pipeline import compile_model
+
+        tmp = Path(tempfile.mkdtemp(prefix="perfx-act-"))
+        arts = {a: Path(compile_model("smollm2-135m", "host", tmp / a, progress=False, activations=a))
+                for a in ("f32", "int8")}
+    import json
+
+    for a, path in arts.items():
+        got = json.loads((path / "perfx-config.json").read_text()).get("activations", "f32")
+        if got != a:
+            raise SystemExit(f"{path} was compiled with activations {got}, not {a}")
+    engines = {a: Engine(p) for a, p in arts.items()}
+    tps: dict[str, list[float]] = {a: [] for a in arts}
+    bw: list[float] = []
+    for r in range(args.rounds):
+        bw.append(read_bandwidth(args.threads, 1 << 28, reps=3))
+        for a in (list(arts) if r % 2 == 0 else list(reversed(list(arts)))):
+            eng = engines[a]
+            eng.reset()
+            tok = int(np.argmax(eng.prefill([1, 2, 3, 4, 5, 6, 7, 8])[0]))
+            t0 = time.perf_counter()
+            for _ in range(64):
+                tok = int(np.argmax(eng.decode(tok)))
+            tps[a].append(64 / (time.perf_counter() - t0))
+        print(f"round {r + 1}: " + ", ".join(f"{a} {tps[a][-1]:.1f} tok/s" for a in arts), flush=True)
+    out = Path(args.out).with_name(Path(args.out).name + "_decode.csv")
+    rows = [{"activations": a, "decode_tok_s_median": round(statistics.median(v), 1),
+             "rounds": " ".join(f"{x:.1f}" for x in v), "read_bw_GBps_median": round(statistics.median(bw), 1),
+             "speedup_vs_f32": round(statistics.median(v) / statistics.median(tps["f32"]), 3), "cpu": cpu_model()}
+            for a, v in tps.items()]
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    for row in rows:
+        print(row)
+    print(f"wrote {out}")
     return 0
 
 
