@@ -293,7 +293,8 @@ def genai_mistral(hf_folders, tmp_path_factory) -> Path:
 def test_genai_mistral_int4_sliding_window(genai_mistral, tmp_path):
     desc = load_onnx(genai_mistral)  # genai_config.json: type mistral, decoder.sliding_window.window_size
     assert (desc.config.architecture, desc.config.max_context) == ("mistral", MISTRAL_WINDOW)
-    art = compile_model(desc, "host", tmp_path / "art", progress=False, batching=False)
+    # float activations: compared with onnxruntime (accuracy_level=1) at 1e-3
+    art = compile_model(desc, "host", tmp_path / "art", progress=False, batching=False, activations="f32")
     assert json.loads((art / "perfx-config.json").read_text())["quantization"] == "onnx"
     err = compare_engine(art, genai_mistral)
     print(f"genai mistral int4: max rel err {err:.2e}")
