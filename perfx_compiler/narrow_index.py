@@ -177,7 +177,7 @@ def narrow_to_int32(mod: Any) -> Any:
             raise PerfXError(
                 f"kernel {gv.name_hint} takes 64-bit integer tensor(s) {', '.join(wide)}, which this target cannot "
                 "hold (index_dtype int32: WGSL has no 64-bit integers); the pass that made it must follow the "
-                "graph's index dtype (for GGUF-quantized models try --quantization f32)"
+                "graph's index dtype"
             )
         narrow = [p.name for p in func.params if _is_buffer(p) and _dtype(p) in ("int8", "uint8", "int16", "uint16")]
         if narrow:
