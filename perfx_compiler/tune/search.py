@@ -9,19 +9,24 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 from perfx_compiler.targets import TargetDescription
-from perfx_compiler.tune.cost_model import CostModel
+from perfx_compiler.tune.cost_model import CostModel, _work
 from perfx_compiler.tune.measure import MeasureResult
 from perfx_compiler.tune.records import TuningDatabase, TuningRecord, config_key
 from perfx_compiler.tune.workloads import TuningTask, extract_tasks
 
 log = logging.getLogger(__name__)
 MAX_ENUMERATE = 20000
+EARLY_STOP_AFTER = 8  # measured candidates before the cost model may end a task
+EARLY_STOP_GAIN = 0.03  # ... when it predicts no remaining candidate 3% faster than the best
 
 
 class Measurer(Protocol):
@@ -45,6 +50,7 @@ class TaskResult:
     best: TuningRecord | None = None
     default_s: float | None = None
     history: list[float] = field(default_factory=list)
+    stopped_early: bool = False  # the cost model predicted no further gain
 
 
 def enumerate_space(task: TuningTask, target: TargetDescription, rng: random.Random) -> list[dict[str, Any]]:
@@ -82,7 +88,13 @@ def tune_task(
     explore: float = 0.25,
     seed: int = 0,
     progress: Any = None,
+    early_stop: float | None = EARLY_STOP_GAIN,
 ) -> TaskResult:
+    """Measure up to ``trials`` candidates of ``task`` (default first, then cost-model picks).
+
+    ``early_stop``: after ``EARLY_STOP_AFTER`` measured candidates, stop as soon as the trained
+    cost model predicts no remaining candidate faster than the best so far by that fraction
+    (the budget then goes to other kernels)."""
     rng = random.Random(seed)
     wl = task.workload
     bucket = task.bucket
@@ -102,6 +114,9 @@ def tune_task(
     first = True
     while candidates and result.measured < trials:
         if time_budget_s is not None and time.perf_counter() - start > time_budget_s:
+            break
+        if early_stop is not None and _no_predicted_gain(model, task, candidates, result, early_stop):
+            result.stopped_early = True  # also on resume: a task that had converged stays closed
             break
         n = min(batch, trials - result.measured, len(candidates))
         if first and config_key(candidates[0]) == config_key(default):
@@ -154,6 +169,18 @@ def tune_task(
                     progress.set_postfix_str(f"{task.name}@M={task.m_value}: best {result.best.mean_s * 1e6:.1f} us")
         model.fit()
     return result
+
+
+def _no_predicted_gain(model: CostModel, task: TuningTask, candidates: list[dict[str, Any]], result: TaskResult,
+                       gain: float) -> bool:
+    if result.measured + result.skipped_known < EARLY_STOP_AFTER or result.best is None or not candidates or not model.trained:
+        return False
+    scores = model.predict(task.workload.template, task.workload.dims, candidates, task.m_value)
+    if scores is None:
+        return False
+    # Scores are log(seconds / work) (cost_model.add): back to seconds for this task.
+    predicted = math.exp(float(np.min(scores))) * _work(task.workload.dims, task.m_value)
+    return predicted > result.best.mean_s * (1.0 - gain)
 
 
 def tune_module(
