@@ -1,5 +1,23 @@
 """Kernel benchmark on SmolLM2-135M shapes (CPU): our templates vs TVM dlight vs numpy/OpenBLAS.
 
+Default mode (``--prefill``, issue #3's target): the prefill GEMMs of the default model as the
+compiler builds them (weights pre-packed into [N / nb, K, nb] panels by the weight_layout pass,
+symbolic M), at M = 16, 64, 128, 512 rows, for qkv (576 -> 960), o_proj (576 -> 576), gate_up
+(576 -> 3072), down_proj (1536 -> 576) and the full-sequence lm_head (576 -> 49152):
+  ours_tuned    PerfX gemm_cpu, best of a small search per case (records in
+                tuning_logs/<target>/kernels_cpu.jsonl; a rerun reuses them)
+  ours_default  gemm_cpu's default configuration
+  numpy         x @ W.T, OpenBLAS with 2 threads (OPENBLAS_NUM_THREADS / TVM_NUM_THREADS = 2;
+                OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE are dropped for this process so that
+                OpenBLAS picks its kernel for this CPU: the strongest baseline; the CSV names it),
+                and pinned to 1 thread; ratios use the faster of the two (on a shared host
+                OpenBLAS's 2 threads can stall on preemption)
+  dlight        TVM dlight's CPU rules on the unpacked NT matmul, as ``--schedule dlight`` builds
+                it (no CPU GEMM rule exists: "unscheduled"; cases above 2 GFLOP are not timed)
+Every variant is timed in alternated rounds (one burst of each per round, the burst's median),
+and the reported time is the median over rounds. Writes benchmarks/results/kernels_cpu_prefill.csv
+and .png. ``--decode``: the older per-kernel table (decode GEMVs, norms) -> kernels_cpu.csv.
+
 For each linear layer (M = 1 decode, static; M = 128 / 512 prefill, symbolic ``seq``) and for
 RMSNorm / SiLU*mul, time:
   ours_default  the template's default configuration
@@ -12,7 +30,8 @@ Variants are timed in interleaved rounds and the minimum kept (the machine is sh
 variant, TVM or numpy, is timed by its fastest single call (min over up to 200 calls / 0.2 s).
 Writes benchmarks/results/kernels_cpu.csv and kernels_cpu.png.
 
-    python benchmarks/bench_kernels_cpu.py [--trials 16] [--layout nt|nn] [--quick]
+    python benchmarks/bench_kernels_cpu.py [--trials 8] [--rounds 5] [--ms 16,64,128,512]
+    python benchmarks/bench_kernels_cpu.py --decode [--trials 16] [--layout nt|nn] [--quick]
 """
 
 from __future__ import annotations
@@ -26,7 +45,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+# Before numpy loads OpenBLAS: 2 threads on both sides, and OpenBLAS's own kernel choice.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "2")
+os.environ.setdefault("TVM_NUM_THREADS", "2")
+if "--keep-openblas-env" not in sys.argv:
+    os.environ.pop("OPENBLAS_CORETYPE", None)
+    os.environ.pop("OPENBLAS_L2_SIZE", None)
+
+import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -171,14 +197,28 @@ def make_case(case: dict[str, Any]) -> tuple[Any, Any, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="host")
-    parser.add_argument("--trials", type=int, default=16, help="search trials per kernel (0: no tuning)")
+    parser.add_argument("--decode", action="store_true", help="the older per-kernel table (decode GEMVs, norms)")
+    parser.add_argument("--trials", type=int, default=None, help="search trials per kernel (0: no tuning; default 8, 16 with --decode)")
     parser.add_argument("--layout", choices=["nn", "nt"], default="nt",
-                        help="nt: weights [N, K] as the compile pipeline produces them (FuseTransposeMatmul); nn: w^T [K, N]")
+                        help="--decode: nt: weights [N, K] (FuseTransposeMatmul); nn: w^T [K, N]")
     parser.add_argument("--quick", action="store_true",
                         help="fewer shapes: q_proj, gate_up, down_proj at M 1/128, lm_head at M 1, norms")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (min is kept)")
-    parser.add_argument("--out", default=str(RESULTS / "kernels_cpu.csv"))
+    parser.add_argument("--rounds", type=int, default=None, help="alternated timing rounds (default 5; 3 with --decode)")
+    parser.add_argument("--ms", default="16,64,128,512", help="prefill rows (M) to time")
+    parser.add_argument("--kernels", default=None, help="prefill: comma-separated subset of qkv,o_proj,gate_up,down_proj,lm_head")
+    parser.add_argument("--keep-openblas-env", action="store_true", help="keep OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if not args.decode:
+        from bench_kernels_prefill import run_prefill
+
+        args.trials = 8 if args.trials is None else args.trials
+        args.rounds = args.rounds or 5
+        run_prefill(args)
+        return
+    args.trials = 16 if args.trials is None else args.trials
+    args.rounds = args.rounds or 3
+    args.out = args.out or str(RESULTS / "kernels_cpu.csv")
 
     from perfx_compiler.tune.measure import LocalMeasurer
     from perfx_compiler.tune.records import TuningDatabase
