@@ -66,3 +66,66 @@ def test_unknown_cpu_kernel_still_falls_back() -> None:
 
     mod, adapted = bind_host_kernels(tvm.IRModule({"scale_rows": scale_rows}), load_target("mali"))
     assert adapted == ["scale_rows"] and has_device_launch(mod["scale_rows"])
+
+
+@pytest.fixture(scope="module")
+def wgpu_launcher():
+    from perfx_compiler.targets_exec.webgpu import WebGPULauncher, webgpu_available
+
+    why = webgpu_available()
+    if why is not None:
+        pytest.skip(why)
+    return WebGPULauncher()
+
+
+@pytest.mark.parametrize(
+    "bits,kind,rows", [(4, "matmul", (1, 1)), (4, "take", (1, None)), (4, "dequant", (None, None)),
+                       (8, "matmul", (1, 1)), (8, "take", (1, None))],
+)  # fmt: skip
+def test_quantized_kernels_gpu_scheduled_on_lavapipe(bits: int, kind: str, rows: tuple, wgpu_launcher) -> None:
+    """GGUF-style int4 (Q4_1: scale + min, groups of 32) and int8 (Q8_0, as uint32 words) kernels as the
+    GPU templates schedule them for vulkan (the GEMV: rows over threadIdx.y, K over lanes, cross-lane
+    reduction; int32 ids), on lavapipe vs the int64/int8 reference PrimFunc on the host. (PoCL cannot
+    run them: the fp16 scales need cl_khr_fp16, which PoCL 3.1 lacks.)"""
+    import tvm
+
+    from perfx_compiler.gpu_adapt import bind_host_kernels, has_device_launch
+    from perfx_compiler.narrow_index import narrow_to_int32
+    from perfx_compiler.passes._quant import int4_matmul_compute
+    from perfx_compiler.passes._quant8 import int8_matmul_compute
+    from perfx_compiler.schedule import apply_schedules
+    from perfx_compiler.targets import load_target
+    from perfx_compiler.targets_exec.kernels import compile_primfunc, random_inputs
+    from perfx_compiler.targets_exec.reference import host_reference
+
+    n, k = 192, 576
+    if bits == 4:
+        gpu = int4_matmul_compute(n, k, 32, 1, False, kind=kind, rows=rows, offset=True, ids_dtype="int32")
+        ref = int4_matmul_compute(n, k, 32, 1, False, kind=kind, rows=rows, offset=True)
+    else:
+        gpu = int8_matmul_compute(n, k, 32, kind=kind, rows=rows, ids_dtype="int32", words=True)
+        ref = int8_matmul_compute(n, k, 32, kind=kind, rows=rows)
+    target = load_target("vulkan")
+    mod = apply_schedules(tvm.IRModule({"q": gpu}), target, None)
+    mod, adapted = bind_host_kernels(mod, target)
+    mod = narrow_to_int32(mod)
+    assert has_device_launch(mod["q"]) and not adapted, f"q{bits} {kind}: no GPU schedule"
+    cf = compile_primfunc("q", mod["q"], target.tvm())
+    ins = random_inputs(cf, {"m": 3, "b": 1}, seed=bits * 10 + len(kind))
+    rng = np.random.default_rng(bits)
+    ref_ins = []
+    for i, (pname, _, _) in enumerate(cf.param_info()):
+        if pname == "ids":
+            ins[i][:] = np.array([[0, n - 1, 77]])[:, : ins[i].shape[1]]
+        if pname == "q":  # every nibble / byte value, not random_inputs' small integers
+            ins[i][:] = rng.integers(0, 2**32, size=ins[i].shape, dtype=np.uint64).astype(np.uint32)
+        a = ins[i]
+        if pname == "ids":
+            a = a.astype(np.int64)
+        elif pname == "q" and bits == 8:
+            a = a.view(np.int8)  # the same bytes as the int8 codes of the reference
+        ref_ins.append(a.copy() if isinstance(a, np.ndarray) else a)
+    got = wgpu_launcher.run_numpy(cf, [a.copy() if isinstance(a, np.ndarray) else a for a in ins])
+    want = host_reference(ref, ref_ins)
+    scale = max(1.0, float(np.abs(want[-1]).max()))
+    assert np.isfinite(want[-1]).all() and np.abs(got[-1].astype(np.float64) - want[-1]).max() <= 1e-5 * scale

@@ -141,7 +141,8 @@ def test_gguf_int4_decode_on_lavapipe_matches_x86(tiny_q4_gguf: Path, launcher, 
     host = compile_model(  # float activations, as on vulkan (VNNI hosts would default to int8)
         str(tiny_q4_gguf), "host", tmp_path / "x86", progress=False, max_context=MAX_CONTEXT, activations="f32"
     )
-    want = np.stack([Engine(host).decode(t) for t in TOKENS])
+    engine = Engine(host)
+    want = np.stack([engine.decode(t) for t in TOKENS])
     err = np.abs(got - want).max()
     assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"vulkan gguf: decode logits differ from x86 by {err}"
     assert (got.argmax(-1) == want.argmax(-1)).all()
