@@ -7,6 +7,12 @@ Each variant is compiled once (artifacts cached under --work). Rounds are interl
 ...) so background load on a shared machine hits every variant alike; the table reports the median
 and best round, with the 1-minute load average next to each round (rounds are kept, not filtered).
 Results: benchmarks/results/half_precision.csv (summary), half_precision_rounds.csv, half_precision.png.
+
+    python benchmarks/half_precision.py --kernels
+
+times the decode GEMVs alone (SmolLM2's linear shapes, f32 ``gemv_cpu`` vs ``gemv_half_cpu`` with
+its default configs), fastest single call over interleaved passes: less sensitive to a loaded
+machine than whole-model rounds. Results: benchmarks/results/half_precision_kernels.csv.
 """
 
 from __future__ import annotations
@@ -64,7 +70,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--work", type=Path, default=Path("/tmp/perfx-bench-half"))
+    ap.add_argument("--kernels", action="store_true", help="time the decode GEMVs alone instead")
     args = ap.parse_args()
+    if args.kernels:
+        kernels(args.rounds)
+        return
 
     import tvm  # noqa: F401 - the full library first: the engine alone would load only the runtime
 
@@ -109,6 +119,66 @@ def main() -> None:
     for s in summary:
         print(s)
     _plot(summary)
+
+
+KERNEL_SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+                 "lm_head": (49152, 576)}
+
+
+def kernels(passes: int) -> None:
+    import numpy as np
+    import tvm
+
+    from perfx_compiler.passes._half import half_compute, to_half
+    from perfx_compiler.targets import load_target
+    from perfx_compiler.tune.measure import build_func, configure_threads
+    from schedules.gemv_cpu import TEMPLATE as F32
+    from schedules.gemv_half_cpu import TEMPLATE as HALF
+
+    tgt = load_target("host")
+    configure_threads(max(1, tgt.cores or 1))
+    dev = tvm.cpu()
+    rows = []
+    for label, (n, k) in KERNEL_SHAPES.items():
+        f32 = _f32_gemv(n, k)
+        wl = F32.match(f32, tgt)
+        ws = np.random.default_rng().standard_normal((n, k)).astype(np.float32)
+        xs = tvm.runtime.tensor(np.random.default_rng().standard_normal((1, 1, k)).astype(np.float32), dev)
+        out = tvm.runtime.tensor(np.zeros((1, 1, n), np.float32), dev)
+        runs = {"f32": (build_func(F32.apply(f32, wl, F32.default_config(wl, tgt), tgt), tgt),
+                        tvm.runtime.tensor(ws, dev), 4)}
+        for fam, act in (("bf16", "f32"), ("f16", "f32"), ("bf16", "bf16")):
+            hf = half_compute(n, k, fam, "matmul", (1, 1), act)
+            hw = HALF.match(hf, tgt)
+            runs[f"{fam}_w" + ("" if act == "f32" else "_act")] = (
+                build_func(HALF.apply(hf, hw, HALF.default_config(hw, tgt), tgt), tgt),
+                tvm.runtime.tensor(to_half(ws, fam), dev), 2)
+        best = {v: float("inf") for v in runs}
+        for _ in range(passes):  # interleaved: A B C D A B C D ...
+            for v, (rt, wt, _) in runs.items():
+                timer = rt.time_evaluator("main", dev, number=1, repeat=20)
+                best[v] = min(best[v], min(timer(xs, wt, out).results))
+        for v, (_, _, nbytes) in runs.items():
+            rows.append({"linear": label, "N": n, "K": k, "variant": v, "best_us": round(best[v] * 1e6, 1),
+                         "weight_GB_s": round(n * k * nbytes / best[v] / 1e9, 1),
+                         "speedup_vs_f32": round(best["f32"] / best[v], 2), "load1": round(os.getloadavg()[0], 2)})
+            print(rows[-1], flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with open(RESULTS / "half_precision_kernels.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _f32_gemv(n: int, k: int) -> object:
+    """The float linear as the pipeline lowers it: y[0, 0, n] = sum_k x[0, 0, k] * W[n, k]."""
+    from tvm import te
+
+    x = te.placeholder((1, 1, k), "float32", name="x")
+    w = te.placeholder((n, k), "float32", name="w")
+    r = te.reduce_axis((0, k), "k")
+    y = te.compute((1, 1, n), lambda b, i, j: te.sum(x[b, i, r] * w[j, r], axis=r), name="NT_matmul")
+    return te.create_prim_func([x, w, y])
 
 
 def _plot(summary: list[dict]) -> None:
