@@ -172,7 +172,10 @@ def model_rows(model: str, target: str, work: Path, dry: bool, steps: int) -> No
         out = work / f"model-{tgt_name}"
         if (out / "perfx-config.json").exists():  # a rerun in the same session reuses the bundle
             return out
-        return compile_model(model, tgt_name, out, progress=False)
+        # float activations on the CPU too: on an AVX-512 VNNI host "auto" would pick int8 activations,
+        # which the CUDA build does not use, and the comparison would measure that, not the GPU
+        extra = {"activations": "f32"} if tgt_name == "host" else {}
+        return compile_model(model, tgt_name, out, progress=False, **extra)
 
     t0 = time.perf_counter()
     gpu_dir = build(target)
