@@ -7,7 +7,8 @@ kernel built for one configuration:
 
 * prefill: ``q_tile`` queries x ``heads_per_task`` query heads of one kv head per task (rows
   vectorised over the task's queries; ``q_tile`` 1 = one query per task, rows = its heads),
-  ``k_tile`` keys per online-softmax step (fully-masked key tiles skipped), ``lanes`` vector width;
+  ``k_tile`` keys per online-softmax step (fully-masked key tiles skipped), ``key_block`` keys
+  scored per register block, ``lanes`` vector width;
 * decode: the cache split into ``splits`` chunks per kv head across threads, merged by
   log-sum-exp; ``k_tile`` and ``lanes`` as above.
 
@@ -81,6 +82,7 @@ class AttentionCPU(ScheduleTemplate):
             "q_tile": [1, 4, 8, 16, 32],
             "k_tile": tiles,
             "heads_per_task": [g for g in range(1, G + 1) if G % g == 0],
+            "key_block": [1, 2, 4],
             "lanes": _lanes(workload, target),
         }
 
@@ -93,7 +95,7 @@ class AttentionCPU(ScheduleTemplate):
             cores = max(1, int(target.cores or 2))
             return {"k_tile": tile, "splits": 2 if cores <= 2 else 4, "lanes": lanes}
         G = d["H"] // d["KVH"]
-        return {"q_tile": 16, "k_tile": tile, "heads_per_task": G, "lanes": lanes}
+        return {"q_tile": 16, "k_tile": tile, "heads_per_task": G, "key_block": 4, "lanes": lanes}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         try:
@@ -120,7 +122,11 @@ class AttentionCPU(ScheduleTemplate):
             raise ScheduleConfigError(f"attention_cpu: bad q_tile/heads_per_task in {config} for {d}")
         if q_tile == 1:
             return {"body": "rows", "k_tile": k_tile, "lanes": lanes}
-        return {"body": "tiled", "k_tile": k_tile, "q_tile": q_tile, "heads_per_task": hpt, "lanes": lanes}
+        key_block = int(config.get("key_block", 4))
+        if key_block < 1 or k_tile % key_block:
+            raise ScheduleConfigError(f"attention_cpu: key_block must divide k_tile in {config}")
+        return {"body": "tiled", "k_tile": k_tile, "q_tile": q_tile, "heads_per_task": hpt, "key_block": key_block,
+                "lanes": lanes}
 
     def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
         from perfx_compiler.kernels.attention import cached_attention_kernel

@@ -63,7 +63,7 @@ def cached_attention_kernel(
     """Build the PrimFunc for one attention configuration (shape constants baked in).
 
     ``index_dtype`` is the element type of ``past_len`` (the graph's integer inputs).
-    ``config``: ``{"body": "rows" | "tiled", "k_tile", "q_tile", "heads_per_task", "lanes"}`` for
+    ``config``: ``{"body": "rows" | "tiled", "k_tile", "q_tile", "heads_per_task", "key_block", "lanes"}`` for
     any ``seq``, or ``{"body": "split", "k_tile", "splits", "lanes"}`` (seq == 1 takes the split
     body, other lengths the rows body). None: the rows body with defaults."""
     cfg = dict(config or {})
@@ -118,6 +118,10 @@ def cached_attention_kernel(
         R = HPT * QT  # rows of a task: query r // HPT of the tile, head r % HPT of the group
         RP = -(-R // L) * L
         RV = RP // L
+        JB = int(cfg.get("key_block", 4))  # keys per register block of the score loop
+        RB = next(b for b in (4, 3, 2, 1) if R % b == 0 and b * D // L <= 16)  # rows per block of p @ V
+        if JB < 1 or KT % JB:
+            raise ValueError(f"attention: key_block {JB} must divide k_tile {KT}")
 
         @T.macro
         def main_body(Q, KF, VF, COS, SIN, OUT, past, seq):
@@ -130,8 +134,8 @@ def cached_attention_kernel(
                 qt_ = T.decl_buffer((D * RP,), "float32", scope="local")  # rotated q, transposed
                 st_ = T.decl_buffer((KT * RP,), "float32", scope="local")  # scores, then weights
                 acc = T.decl_buffer((R * D,), "float32", scope="local")
-                ar = T.decl_buffer((D,), "float32", scope="local")
-                sacc = T.decl_buffer((RP,), "float32", scope="local")
+                ar = T.decl_buffer((RB * D,), "float32", scope="local")
+                sacc = T.decl_buffer((JB * RP,), "float32", scope="local")
                 mx = T.decl_buffer((RP,), "float32", scope="local")
                 rs = T.decl_buffer((3 * RP,), "float32", scope="local")  # running max | sum | rescale
                 lim = T.decl_buffer((RP,), "int64", scope="local")  # each row's query position
@@ -145,21 +149,27 @@ def cached_attention_kernel(
                     acc[i] = T.float32(0)
                 for kt in T.serial(last // KT + 1):
                     # scores of the tile's keys (only keys <= last: causal skip), masked per row
-                    for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
-                        for rv in T.unroll(RV):
-                            for lane in T.vectorized(L):
-                                sacc[rv * L + lane] = T.float32(0)
-                        for d in T.serial(D):
+                    # JB keys at a time share each load of the transposed queries (register block);
+                    # key rows past ``last`` are read clamped and masked
+                    for jb in T.serial((T.min(KT, last + 1 - kt * KT) + JB - 1) // JB):
+                        for u in T.unroll(JB):
                             for rv in T.unroll(RV):
                                 for lane in T.vectorized(L):
-                                    sacc[rv * L + lane] = sacc[rv * L + lane] + qt_[d * RP + rv * L + lane] * KF[
-                                        (kh * MAXC + kt * KT + jj) * D + d
-                                    ]
-                        for rv in T.unroll(RV):
-                            for lane in T.vectorized(L):
-                                st_[jj * RP + rv * L + lane] = T.if_then_else(
-                                    kt * KT + jj <= lim[rv * L + lane], sacc[rv * L + lane], T.float32(NEG)
-                                )
+                                    sacc[(u * RV + rv) * L + lane] = T.float32(0)
+                        for d in T.serial(D):
+                            for u in T.unroll(JB):
+                                for rv in T.unroll(RV):
+                                    for lane in T.vectorized(L):
+                                        sacc[(u * RV + rv) * L + lane] = sacc[(u * RV + rv) * L + lane] + qt_[
+                                            d * RP + rv * L + lane
+                                        ] * KF[(kh * MAXC + T.min(kt * KT + jb * JB + u, last)) * D + d]
+                        for u in T.unroll(JB):
+                            for rv in T.unroll(RV):
+                                for lane in T.vectorized(L):
+                                    st_[(jb * JB + u) * RP + rv * L + lane] = T.if_then_else(
+                                        kt * KT + jb * JB + u <= lim[rv * L + lane], sacc[(u * RV + rv) * L + lane],
+                                        T.float32(NEG),
+                                    )
                     # online softmax, vectorised over rows
                     for rv in T.serial(RV):
                         for lane in T.vectorized(L):
@@ -179,18 +189,22 @@ def cached_attention_kernel(
                                     T.float32(0),
                                 )
                                 rs[RP + rv * L + lane] = rs[RP + rv * L + lane] + st_[jj * RP + rv * L + lane]
-                    # output rows: rescale, add p @ V (the row stays in registers over the tile)
-                    for r in T.serial(R):
-                        for d in T.vectorized(D):
-                            ar[d] = acc[r * D + d] * rs[2 * RP + r]
+                    # output rows, RB at a time: rescale, add p @ V (each v row loaded once per block;
+                    # the block's rows stay in registers over the tile)
+                    for rb in T.serial(R // RB):
+                        for u in T.unroll(RB):
+                            for d in T.vectorized(D):
+                                ar[u * D + d] = acc[(rb * RB + u) * D + d] * rs[2 * RP + rb * RB + u]
                         for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
                             for c in T.unroll(D // L):
-                                for lane in T.vectorized(L):
-                                    ar[c * L + lane] = ar[c * L + lane] + st_[jj * RP + r] * VF[
-                                        (kh * MAXC + kt * KT + jj) * D + c * L + lane
-                                    ]
-                        for d in T.vectorized(D):
-                            acc[r * D + d] = ar[d]
+                                for u in T.unroll(RB):
+                                    for lane in T.vectorized(L):
+                                        ar[u * D + c * L + lane] = ar[u * D + c * L + lane] + st_[
+                                            jj * RP + rb * RB + u
+                                        ] * VF[(kh * MAXC + kt * KT + jj) * D + c * L + lane]
+                        for u in T.unroll(RB):
+                            for d in T.vectorized(D):
+                                acc[(rb * RB + u) * D + d] = ar[u * D + d]
                 for r in T.serial(R):
                     if q0 + r // HPT < seq:
                         for d in T.vectorized(D):
