@@ -200,7 +200,7 @@ class GemvHalfCPU(ScheduleTemplate):
         if kind == "matmul" and (rows is None or rows > GEMV_MAX_ROWS):
             return None  # the pass emits dequantize + float GEMM for many rows
         dims = {"N": N, "K": K, "L": _lanes(K, target), "M": rows or 0}
-        symbolic = "M" if kind in ("dequant", "take", "round") and rows is None else None
+        symbolic = "M" if kind in ("take", "round") and rows is None else None  # dequant: no rows at all
         return make_workload(self.name, func, target, dims, symbolic=symbolic,
                              info={"kind": kind, "dtype": info["dtype"], "act": info.get("act", "f32")},
                              version=self.version)
