@@ -116,7 +116,7 @@ class GemmCPU(ScheduleTemplate):
             while nv > 1 and (nb % (nv * lanes) or 2 * nv + nv + 1 > regs):
                 nv -= 1
             mr = max(1, min(8, (regs - nv - 1) // nv))
-            return {"mr": mr, "nr": nv * lanes, "nc": nb, "parallel": "nm", "pack_x": True, "pack_b": False, "k_unroll": 1}
+            return {"mr": mr, "nr": nv * lanes, "nc": nb, "parallel": "nm", "pack_x": True, "k_unroll": 1}
         # Widest micro-tile that fits the register file: 4x4 zmm (AVX-512) or 3x2 ymm (AVX2).
         nv = 4 if lanes >= 16 else 2
         while nv > 1 and N % (nv * lanes):
