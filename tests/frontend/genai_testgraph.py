@@ -10,7 +10,7 @@ Knobs the builder does not expose: block size, zero points, a (trivial) ``g_idx`
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +18,8 @@ import onnx
 from onnx import TensorProto as TP
 from onnx import helper as oh
 from onnx import numpy_helper as onh
+
+from perfx_compiler.model.description import ModelDescription
 
 MS = "com.microsoft"
 
@@ -193,3 +195,13 @@ def _genai_config(s: GenaiSpec, d: int) -> dict:
         },
         "search": {"max_length": s.context, "past_present_share_buffer": False},
     }
+
+
+def kernel_weights_desc(desc: ModelDescription) -> ModelDescription:
+    """The description with each int4 weight as the kernels hold it (float16 scales)."""
+    weights = dict(desc.weights)
+    for name, (_, t, _) in desc.quantized.items():
+        idx = np.arange(t.shape[1]) // t.block
+        s16 = t.scales.astype(np.float16).astype(np.float32)[:, idx]
+        weights[name] = (t.codes.astype(np.float32) - t.zero_points().astype(np.float32)[:, idx]) * s16
+    return replace(desc, weights=weights, quantized={})

@@ -15,13 +15,12 @@ import and packed by ``passes/onnx_int4_passthrough`` (quantization ``auto`` -> 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tvm
-from genai_testgraph import GenaiSpec, build_genai_model
+from genai_testgraph import GenaiSpec, build_genai_model, kernel_weights_desc
 
 from perfx_compiler.errors import PerfXError, UnsupportedModelError
 from perfx_compiler.frontend.decoder_io import OrtDecoder
@@ -108,19 +107,9 @@ def test_tables_hold_the_files_codes(key, tmp_path):
         assert np.all(np.abs(got - exact) <= bound), name
 
 
-def _kernel_weights_desc(desc: ModelDescription) -> ModelDescription:
-    """The description with each int4 weight as the kernels hold it (float16 scales)."""
-    weights = dict(desc.weights)
-    for name, (_, t, _) in desc.quantized.items():
-        idx = np.arange(t.shape[1]) // t.block
-        s16 = t.scales.astype(np.float16).astype(np.float32)[:, idx]
-        weights[name] = (t.codes.astype(np.float32) - t.zero_points().astype(np.float32)[:, idx]) * s16
-    return replace(desc, weights=weights, quantized={})
-
-
 def check_against_onnxruntime(path: Path, art: Path, desc: ModelDescription) -> tuple[float, float]:
     """(max rel error vs onnxruntime, vs the float64 reference on the kernels' weights), prefill + decode."""
-    eng, ort_dec, ref = Engine(art), OrtDecoder(path), ReferenceModel(_kernel_weights_desc(desc))
+    eng, ort_dec, ref = Engine(art), OrtDecoder(path), ReferenceModel(kernel_weights_desc(desc))
     want = ort_dec.step(PROMPT)[-1]
     got = eng.prefill(PROMPT)[0]
     errs, ref_errs = [_rel(got, want)], [_rel(got, ref.forward(PROMPT)[-1])]
