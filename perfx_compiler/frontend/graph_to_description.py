@@ -5,7 +5,8 @@ every linear weight into an anonymous pre-transposed initializer):
 
 * embedding: ``Gather(table, input_ids)``;
 * linears: ``MatMul(x, W)``, ``MatMul(x, Transpose(W))``, ``Gemm``, or com.microsoft
-  ``MatMulNBits`` (int4/int8 blocks dequantized exactly, see ``contrib_ops``), each with an
+  ``MatMulNBits`` (blocks dequantized exactly, see ``contrib_ops``; int4 ones are also kept as
+  ``NBitsTable``s in ``ModelDescription.quantized`` for ``passes/onnx_int4_passthrough``), each with an
   optional bias ``Add``; linears sharing one input form a group, and a layer is four groups
   in graph order: q/k/v (or one packed qkv) -> o -> gate/up -> down; the last linear is lm_head;
 * q vs k vs v: which KV output (``present.N.key`` / ``.value``) or attention-op input a
@@ -15,7 +16,10 @@ every linear weight into an anonymous pre-transposed initializer):
   chain (its weight and epsilon);
 * RoPE: the ``inv_freq`` constant (torch) or the cos/sin caches of ``GroupQueryAttention`` /
   ``RotaryEmbedding`` (genai), fitted to ``theta^(-2i/d)`` (optionally / a linear factor);
-  interleaved rotary is turned into rotate-half by permuting Q/K rows.
+  interleaved rotary is turned into rotate-half by permuting Q/K rows (and their int4 tables' rows);
+* sliding window (Mistral ``sliding_window``, genai ``decoder.sliding_window``, GQA
+  ``local_window_size``): PerfX attention has none, so the context is capped at the window and a
+  longer ``max_context`` is refused.
 
 Config values the graph cannot give (context length, BOS/EOS, architecture name) come from
 ``genai_config.json`` or ``config.json`` in the model's folder; the tokenizer from its
