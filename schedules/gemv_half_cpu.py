@@ -209,7 +209,9 @@ class GemvHalfCPU(ScheduleTemplate):
         N, K, L = workload.dims["N"], workload.dims["K"], workload.dims["L"]
         cores = max(1, target.cores or 1)
         tasks = sorted({t for t in (1, cores, 2 * cores, 4 * cores, 8 * cores, 16 * cores) if N % t == 0})
-        if workload.info.get("kind") != "matmul":
+        if workload.info.get("kind") in ("take", "round"):
+            return {"tasks": [1]}  # no knob: one kernel (the rounding loop is parallel over rows by itself)
+        if workload.info.get("kind") == "dequant":
             return {"tasks": tasks}
         return {"tasks": tasks, "rows": [r for r in (1, 2, 4, 8) if N % r == 0],
                 "accum": [a for a in (1, 2, 4) if K % (a * L) == 0]}
@@ -219,20 +221,24 @@ class GemvHalfCPU(ScheduleTemplate):
         tasks = int(config.get("tasks", 0))
         if tasks < 1 or N % tasks:
             return False
-        if workload.info.get("kind") != "matmul":
+        if workload.info.get("kind") in ("take", "round"):
+            return tasks == 1
+        if workload.info.get("kind") == "dequant":
             return True
         R, A = int(config.get("rows", 0)), int(config.get("accum", 0))
         if R < 1 or A < 1 or (N // tasks) % R or K % (A * L):
             return False
-        M = max(1, workload.dims["M"])
-        return R * A + R + 1 <= 32 and M >= 1  # accumulators + x + widened w fit the zmm file
+        regs = 32 if vector_lanes(target) >= 16 else 16
+        return R * A + R + 1 <= regs  # accumulators + widened w per row + x fit the register file
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
         N, K, L = workload.dims["N"], workload.dims["K"], workload.dims["L"]
         cores = max(1, target.cores or 1)
         small = N * K * 2 < (1 << 20)  # L2-resident weights: one core (waking another costs more)
         tasks = 1 if small else next((t for t in (8 * cores, 4 * cores, 2 * cores, cores) if N % t == 0), 1)
-        if workload.info.get("kind") != "matmul":
+        if workload.info.get("kind") in ("take", "round"):
+            return {"tasks": 1}
+        if workload.info.get("kind") == "dequant":
             return {"tasks": next((t for t in (8 * cores, 4 * cores, cores, 1) if N % t == 0), 1)}
         per = N // tasks
         rows = next(r for r in (4, 2, 1) if per % r == 0)
