@@ -59,6 +59,9 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
             "quantization 'gguf' needs a GGUF model with Q4_0, Q4_1 or Q8_0 weights; this model has none "
             "(use f32, q8 or q4_g128)"
         )
+    if any(v[0] == "MatMulNBits" for v in desc.quantized.values()):
+        raise PerfXError("quantization 'gguf' reads GGUF blocks; this ONNX model's int4 MatMulNBits blocks "
+                         "run as quantization 'onnx' (the default)")
     quant, uses = linear_weights(mod, weights)
     # An untied embedding is only gathered: its rows come from the blocks too (no float copy).
     quant |= {n for n, u in uses.items() if "take" in u and "other" not in u}

@@ -189,3 +189,10 @@ def test_failed_package_leaves_no_partial_artifact(tmp_path, monkeypatch):
         compile_model(str(path), "host", out, progress=False, batching=False)
     assert not out.exists() and not out.with_name("art.partial").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+
+
+def test_gguf_quantization_on_onnx_int4_is_one_line_error(tmp_path):
+    path, _ = build_genai_model(tmp_path / "m", GenaiSpec(layers=1))
+    with pytest.raises(PerfXError, match="run as quantization 'onnx'"):
+        compile_model(str(path), "host", tmp_path / "art", progress=False, batching=False, quantization="gguf")
+    assert not (tmp_path / "art").exists()
