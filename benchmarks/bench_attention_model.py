@@ -10,7 +10,9 @@ same random prompt on each, medians over rounds. Wall time and process CPU time 
 a loaded shared host the wall time of a long call grows with the load; see bench_attention_cpu.py).
 
     python benchmarks/bench_attention_model.py [--rounds 7] [--new REV]
-writes benchmarks/results/attention_model_prefill.csv and .png.
+writes benchmarks/results/attention_model_prefill.csv and .png. With TVM_NUM_THREADS=1 and
+``--out benchmarks/results/attention_model_prefill_1t`` the process CPU time is the work done (no
+spinning worker threads), the figure to compare on a loaded host.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def main() -> None:
                 logits = eng.prefill(ids)
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
                 rows.append({"variant": name, "rev": new_rev, "attention": "old" if name == "before" else "new",
-                             "tokens": n,
+                             "threads": int(os.environ["TVM_NUM_THREADS"]), "tokens": n,
                              "round": r, "wall_s": round(wall, 4), "cpu_s": round(cpu, 4),
                              "tok_s": round(n / wall, 1), "argmax": int(np.argmax(logits)),
                              "loadavg1": round(os.getloadavg()[0], 2), "time": time.strftime("%H:%M:%S")})
@@ -129,7 +131,7 @@ def plot(summary: list[dict], path: Path) -> None:
         ax.text(i + 0.2, s["after_tok_s"], f"{s['speedup_wall']}x", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(x, [f"prefill {s['tokens']}" for s in summary])
     ax.set_ylabel("tokens/s (median of rounds)")
-    ax.set_title("SmolLM2-135M prefill, 2 threads, shared host")
+    ax.set_title(f"SmolLM2-135M prefill, {os.environ['TVM_NUM_THREADS']} thread(s), shared host")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
