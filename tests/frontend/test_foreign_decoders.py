@@ -341,3 +341,29 @@ def test_genai_fp16_multi_head_attention(genai_fp16, tmp_path):
     print(f"genai fp16: vs onnxruntime {err:.2e}, vs fp64 reference {ref_err:.2e}")
     assert ref_err < 1e-4
     assert err < 8 * 2.0 ** -11  # onnxruntime computes in fp16 (see test_torch_fp16_export_matches_onnxruntime)
+
+
+@pytest.fixture(scope="session")
+def genai_int4_fp16(hf_folders, tmp_path_factory) -> Path:
+    _need("onnxruntime_genai", "onnxruntime-genai format tests")
+    # the builder's fp16 int4 form is its CUDA one (fp16 activations, fp16 MatMulNBits scales);
+    # building needs no GPU, and onnxruntime's CPU kernels run it
+    root = tmp_path_factory.mktemp("genai_int4_fp16")
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-m", str(hf_folders["llama"]),
+           "-o", str(root / "out"), "-p", "int4", "-e", "cuda", "-c", str(root / "cache")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return root / "out" / "model.onnx"
+
+
+def test_genai_int4_fp16_scales_exact_on_int4_kernels(genai_int4_fp16, tmp_path):
+    desc = load_onnx(genai_int4_fp16)
+    tables = [t for _, t, _ in desc.quantized.values()]
+    assert len(tables) == 15 and all(t.scales.dtype == np.float16 for t in tables)  # q/k/v/o/gate/up/down x2 + head
+    art = compile_model(desc, "host", tmp_path / "art", progress=False, batching=False, activations="f32")
+    assert json.loads((art / "perfx-config.json").read_text())["quantization"] == "onnx"
+    # fp16 scales: the kernels hold exactly the file's weights, so the reference is the file's model
+    err, ref_err = compare_engine(art, genai_int4_fp16, ReferenceModel(desc))
+    print(f"genai int4 fp16: vs onnxruntime {err:.2e}, vs fp64 reference {ref_err:.2e}")
+    assert ref_err < 1e-4
+    assert err < 8 * 2.0 ** -11  # onnxruntime computes in fp16 (see test_torch_fp16_export_matches_onnxruntime)
