@@ -56,8 +56,6 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     NIT = -(-NU // units)
     IPT = -(-NIT // tasks)
     N2 = NU * RPU
-    GPS = STEP // G if G <= STEP else 0  # groups per step (G = 32: 2)
-    SPG = G // STEP if G >= STEP else 0  # steps per group (G = 128: 2)
     UG = unroll * STEP // G  # groups advanced per unrolled inner loop (>= 1 by validity)
     ZT = "float16" if offset else "uint8"
     QW = (N2 // 2) if pair else N
@@ -82,8 +80,6 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     def perm(v: Any, idx: Any) -> Any:
         return T.call_llvm_pure_intrin(
             T.llvm_lookup_intrinsic_id("llvm.x86.avx512.permvar.sf.512"), v, idx, dtype="float32x16")
-
-    del GPS, SPG
 
     @T.macro
     def body(X, Q, Sc, Z, Y):
