@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import sys
 import time
@@ -169,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 samples.setdefault((n, k, name), []).append(t(calls))
         print(f"round {r + 1}/{rounds}: read bandwidth {bw[-1]:.1f} GB/s", flush=True)
     bandwidth = statistics.median(bw)
+    load = os.getloadavg()[0]  # the machine is shared: how busy it was at the end of the rounds
 
     rows = []
     for (n, k), (_, labels, nbytes) in setups.items():
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"N": n, "K": k, "variant": name, "format": args.format, "us": round(sec * 1e6, 2),
                          "GBps": round(gbs, 2), "read_bw_GBps": round(bandwidth, 2),
                          "frac_of_bw": round(gbs / bandwidth, 3), "bytes": nbytes[name],
-                         "dram": nbytes[name] > L3_BYTES // 4, "config": labels.get(name, "")})
+                         "dram": nbytes[name] > L3_BYTES // 4, "config": labels.get(name, ""),
+                         "load_avg_1m": round(load, 1)})
             print(f"{n:>6}x{k:<6} {name:>9}: {sec * 1e6:9.1f} us {gbs:6.1f} GB/s ({gbs / bandwidth:.0%} of {bandwidth:.1f})")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -230,7 +233,8 @@ def decode_main(args: argparse.Namespace) -> int:
     out = Path(args.out).with_name(Path(args.out).name + "_decode.csv")
     rows = [{"activations": a, "decode_tok_s_median": round(statistics.median(v), 1),
              "rounds": " ".join(f"{x:.1f}" for x in v), "read_bw_GBps_median": round(statistics.median(bw), 1),
-             "speedup_vs_f32": round(statistics.median(v) / statistics.median(tps["f32"]), 3), "cpu": cpu_model()}
+             "speedup_vs_f32": round(statistics.median(v) / statistics.median(tps["f32"]), 3), "cpu": cpu_model(),
+             "load_avg_1m": round(os.getloadavg()[0], 1)}
             for a, v in tps.items()]
     with open(out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
