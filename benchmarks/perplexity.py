@@ -19,7 +19,10 @@ Rows:
   * ``gguf`` (passthrough of the file's Q4_1/Q8_0 blocks), ``q4_g128`` (round-to-nearest), ``q4_awq_g128``,
     ``q8``, ``bf16`` (bf16 weights and bf16 matmul inputs, ``--precision bf16``; needs AVX-512 BF16) and
     ``gguf_a8`` (the passthrough weights with int8 activations, ``--activations int8``; needs VNNI):
-    compiled PerfX artifacts, each compiled once. Weight-only rows use fp32 activations.
+    compiled PerfX artifacts, each compiled once. Weight-only rows use fp32 activations. int8
+    activations are used only by decode's GEMVs (prefill multiplies float GEMMs), so ``gguf_a8`` is
+    scored through ``decode``, one token at a time, over the first ``--decode-windows`` windows, and
+    compared with ``gguf`` on the same tokens.
 
 Checks the issue asks for (printed, and written to ``perplexity_checks.csv``): AWQ beats
 round-to-nearest at group 128; q8 and bf16 within 1% of the baseline; passthrough equal to the
@@ -63,6 +66,9 @@ CONFIGS: dict[str, dict] = {
     "bf16": {"quantization": "bf16", "precision": "bf16", "activations": "f32"},
     "gguf_a8": {"quantization": "gguf", "activations": "int8"},
 }
+# int8 activations exist only in the decode GEMVs (<= 8 static rows); prefill runs float GEMMs. So this
+# row is scored token by token through ``decode`` (over the first --decode-windows windows: ~30x slower).
+DECODE_PATH = {"gguf_a8"}
 
 
 def eval_ids(desc: object) -> list[int]:
@@ -146,6 +152,10 @@ def checks(rows: dict[str, dict], logp: dict[str, np.ndarray]) -> list[dict]:
         if name in rows:
             d = rows[name]["perplexity"] / base - 1
             add(f"{name}_within_1pct_of_baseline", abs(d) < 0.01, f"{100 * d:+.4f}% vs {BASELINE} {base:.4f}")
+    if "gguf_a8" in rows and "gguf" in rows:
+        n = len(logp["gguf_a8"])
+        d = float(np.exp(-logp["gguf_a8"].mean()) / np.exp(-logp["gguf"][:n].mean()) - 1)
+        add("gguf_a8_within_1pct_of_gguf", abs(d) < 0.01, f"{n} tokens (decode path vs gguf prefill): {100 * d:+.4f}%")
     for name, ref in (("gguf", BASELINE), (BASELINE, REFERENCE)):
         if name in rows and ref in rows:
             n = min(len(logp[name]), len(logp[ref]))  # the reference covers the first windows only
@@ -164,6 +174,7 @@ def main() -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--stride", type=int, default=384)
     p.add_argument("--reference-windows", type=int, default=6, help="windows the numpy reference runs")
+    p.add_argument("--decode-windows", type=int, default=3, help="windows the decode-path rows run")
     p.add_argument("--min-tokens", type=int, default=20000)
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens (quick tries)")
     p.add_argument("--work", type=Path, default=Path("/tmp/perfx-perplexity"))
@@ -189,7 +200,8 @@ def main() -> int:
     logp: dict[str, np.ndarray] = {}
 
     def cached(name: str) -> Path:
-        part = f"-r{args.reference_windows}" if name == REFERENCE else ""
+        part = (f"-r{args.reference_windows}" if name == REFERENCE else
+                f"-d{args.decode_windows}" if name in DECODE_PATH else "")
         return args.work / f"logp-{args.model}-{name}{part}-w{args.window}-s{args.stride}-n{len(ids)}.npz"
 
     def load(name: str) -> bool:
@@ -236,10 +248,17 @@ def main() -> int:
             continue
         eng = Engine(art)
         t = time.perf_counter()
-        lp = token_logprobs(eng.prefill_all, eng.reset, ids, args.window, args.stride)
+        if name in DECODE_PATH:
+            def by_decode(chunk: list[int], eng: Engine = eng) -> np.ndarray:
+                return np.stack([np.asarray(eng.decode(tok), dtype=np.float32).reshape(-1) for tok in chunk])
+
+            lp = token_logprobs(by_decode, eng.reset, ids, args.window, args.stride, args.decode_windows)
+        else:
+            lp = token_logprobs(eng.prefill_all, eng.reset, ids, args.window, args.stride)
         manifest = json.loads((art / "perfx-config.json").read_text())
+        how = f", scored through decode over the first {args.decode_windows} windows" if name in DECODE_PATH else ""
         record(name, lp, time.perf_counter() - t, manifest["weight_bytes"],
-               "compiled PerfX artifact, " + ", ".join(f"{k}={v}" for k, v in CONFIGS[name].items()))
+               "compiled PerfX artifact, " + ", ".join(f"{k}={v}" for k, v in CONFIGS[name].items()) + how)
 
     if BASELINE not in rows:
         p.error(f"the baseline config {BASELINE} must be among --configs")
