@@ -41,8 +41,9 @@ def plan(K: int, G: int) -> dict[str, int]:
 
 
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
-         units: int, tasks: int, unroll: int) -> Any:
-    """The GEMV PrimFunc (x, q, scale[, zero|min], y) for one configuration."""
+         units: int, tasks: int, unroll: int, prefetch: int = 0) -> Any:
+    """The GEMV PrimFunc (x, q, scale[, zero|min], y) for one configuration; ``prefetch``: software
+    prefetch of each unit's codes that many 64-byte steps ahead (0: none)."""
     from tvm.script import tirx as T
 
     p = plan(K, G)
@@ -176,6 +177,13 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                             for so in T.serial(SPC // unroll):
                                 for si in T.unroll(unroll):
                                     for u in T.unroll(units):
+                                        if prefetch > 0:
+                                            T.evaluate(T.call_llvm_intrin(
+                                                "void", "llvm.prefetch.p0",
+                                                T.address_of(Q[T.min((t * IPT + it) * units, NU - units) + u,
+                                                               T.min((c * SPC + so * unroll + si + prefetch) * STEP,
+                                                                     KP - STEP)]),
+                                                T.int32(0), T.int32(3), T.int32(1)))
                                         for bm in T.unroll(M):
                                             for h in T.unroll(RPU):
                                                 acc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = acc.vload(

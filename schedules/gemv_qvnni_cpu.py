@@ -6,7 +6,8 @@ q8 — the ``--activations int8`` path).
   ``vpdpbusd`` (64 u8 x s8 MACs per instruction) per 64-column step and unit (a row pair for
   int4, a row for int8); per-group float scales through one ``vpermps`` per step, zero point /
   min once per 16 groups (see ``_vnni_kernels``). Knobs: ``units`` per iteration (rows sharing
-  each activation load), ``tasks`` (parallel chunks of rows), ``unroll`` (steps per inner loop).
+  each activation load), ``tasks`` (parallel chunks of rows), ``unroll`` (steps per inner loop),
+  ``prefetch`` (software prefetch distance of the codes; 0 = hardware prefetch only).
 * Dequantize (prefill) and the embedding gather read the same layout.
 
 ``match`` declines targets without AVX-512 VNNI (their passes never produce this layout: the
@@ -88,6 +89,7 @@ class GemvQVnniCPU(ScheduleTemplate):
             "units": [1, 2, 4] if d["bits"] == 4 else [1, 2, 4, 8],
             "tasks": tasks,
             "unroll": [1, 2, 4, 8],
+            "prefetch": [0, 16],  # software prefetch of the codes, in 64-byte steps ahead (0: off)
         }
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
@@ -101,7 +103,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         while units > 1 and (units * (2 if d["bits"] == 4 else 1) * m > MAX_ACC or units > self._units(d)):
             units //= 2
         unroll = max(4, d["G"] // vk.STEP)
-        return {"units": units, "tasks": 16, "unroll": unroll}
+        return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         return self._why_invalid(workload, config) is None
@@ -116,6 +118,8 @@ class GemvQVnniCPU(ScheduleTemplate):
         if workload.symbolic is not None or d["B"] * d["MM"] > GEMV_MAX_ROWS:
             return "the VNNI GEMV takes static rows <= 8 (the pass emits dequantize + GEMM for more)"
         units, unroll = int(config.get("units", 1)), int(config.get("unroll", 1))
+        if int(config.get("prefetch", 0)) < 0:
+            return "prefetch distance must be >= 0"
         spc = vk.plan(d["K"], d["G"])["SPC"]
         if units < 1 or units > self._units(d):
             return f"units={units} exceeds the {self._units(d)} row units"
@@ -138,7 +142,7 @@ class GemvQVnniCPU(ScheduleTemplate):
             kernel = vk.dequant(*args, int(config["tasks"]))
         else:
             kernel = vk.gemv(*args, (d["B"], d["MM"]), int(config["units"]), int(config["tasks"]),
-                             int(config["unroll"]))
+                             int(config["unroll"]), int(config.get("prefetch", 0)))
         return _like(kernel, func)
 
 

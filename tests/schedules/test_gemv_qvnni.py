@@ -119,9 +119,9 @@ def test_gemv_matches_int8_reference_over_configs(template, target, fmt, n, k):
     group = {"q8": 32, "Q4_1": 32, "Q4_0": 32, "g128": 128, "g64s": 64, "g32": 32}[fmt]
     wl = template.match(packed.compute("matmul", (1, 1)), target)
     space = template.space(wl, target)
-    assert len(space["units"]) > 1 and len(space["tasks"]) > 1 and len(space["unroll"]) > 1
+    assert all(len(space[k]) > 1 for k in ("units", "tasks", "unroll", "prefetch"))
     configs = [template.default_config(wl, target), {"units": 1, "tasks": 3, "unroll": max(1, group // 64)},
-               {"units": 4, "tasks": 16, "unroll": 8 if group <= 64 else 2}]
+               {"units": 4, "tasks": 16, "unroll": 8 if group <= 64 else 2, "prefetch": 16}]
     for config in configs:
         if template.is_valid(wl, config, target):
             _run(template, target, packed, wd, (1, 1), config, rng, group)
