@@ -17,7 +17,8 @@ Writes benchmarks/results/gemv_int4.csv and gemv_int4.png.
 
 ``--decode``: instead, SmolLM2-135M (GGUF) compiled twice for this CPU, ``--activations f32`` (the fp32
 int4 kernels) and ``int8`` (VNNI), decode tokens/s of each in alternating rounds (64 greedy tokens after
-an 8-token prefill, median of the rounds) -> benchmarks/results/gemv_int4_decode.csv.
+an 8-token prefill, median of the rounds; and a 128-token prefill, which reads the weights through the
+dequantize kernels) -> benchmarks/results/gemv_int4_decode.csv.
 
     python benchmarks/bench_gemv_int4.py [--format Q4_1|Q4_0] [--rounds 5] [--threads 2] [--quick]
     python benchmarks/bench_gemv_int4.py --decode [--rounds 7] [--artifacts F32_DIR INT8_DIR]
@@ -218,6 +219,7 @@ def decode_main(args: argparse.Namespace) -> int:
             raise SystemExit(f"{path} was compiled with activations {got}, not {a}")
     engines = {a: Engine(p) for a, p in arts.items()}
     tps: dict[str, list[float]] = {a: [] for a in arts}
+    pre: dict[str, list[float]] = {a: [] for a in arts}
     bw: list[float] = []
     for r in range(args.rounds):
         bw.append(read_bandwidth(args.threads, 1 << 28, reps=3))
@@ -229,11 +231,16 @@ def decode_main(args: argparse.Namespace) -> int:
             for _ in range(64):
                 tok = int(np.argmax(eng.decode(tok)))
             tps[a].append(64 / (time.perf_counter() - t0))
+            eng.reset()  # prefill reads the same weights through the dequantize kernels (layouts differ)
+            t0 = time.perf_counter()
+            eng.prefill(list(range(1, 129)))
+            pre[a].append(128 / (time.perf_counter() - t0))
         print(f"round {r + 1}: " + ", ".join(f"{a} {tps[a][-1]:.1f} tok/s" for a in arts), flush=True)
     out = Path(args.out).with_name(Path(args.out).name + "_decode.csv")
     rows = [{"activations": a, "decode_tok_s_median": round(statistics.median(v), 1),
              "rounds": " ".join(f"{x:.1f}" for x in v), "read_bw_GBps_median": round(statistics.median(bw), 1),
-             "speedup_vs_f32": round(statistics.median(v) / statistics.median(tps["f32"]), 3), "cpu": cpu_model(),
+             "speedup_vs_f32": round(statistics.median(v) / statistics.median(tps["f32"]), 3),
+             "prefill128_tok_s_median": round(statistics.median(pre[a]), 1), "cpu": cpu_model(),
              "load_avg_1m": round(os.getloadavg()[0], 1)}
             for a, v in tps.items()]
     with open(out, "w", newline="") as f:
