@@ -126,18 +126,23 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    names = [r["config"] for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    full = max(int(r["tokens"]) for r in rows)
+    names = [r["config"] + ("" if int(r["tokens"]) == full else f"\n({r['tokens']} tok)") for r in rows]
     vals = [float(r["perplexity"]) for r in rows]
-    colors = ["#777" if n in (REFERENCE, BASELINE) else "#3a7" for n in names]
+    colors = ["#777" if r["config"] in (REFERENCE, BASELINE) else "#3a7" for r in rows]
     bars = ax.bar(names, vals, color=colors)
+    for b, r in zip(bars, rows, strict=True):
+        if int(r["tokens"]) != full:  # first windows only: compare with the baseline's same-token value
+            b.set_hatch("//")
+            ax.plot([b.get_x(), b.get_x() + b.get_width()], [r["baseline_same_tokens"]] * 2, "k--", lw=1)
     for b, v in zip(bars, vals, strict=True):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
     ax.set_ylim(min(vals) * 0.95, max(vals) * 1.04)
     ax.set_ylabel("perplexity (lower is better)")
     r0 = rows[0]
-    ax.set_title(f"{r0['model']}: {r0['tokens']} tokens of KJV Mark+Ruth, window {r0['window']} stride {r0['stride']}",
-                 fontsize=10)
+    ax.set_title(f"{r0['model']}: {full} tokens of KJV Mark+Ruth, window {r0['window']} stride {r0['stride']} "
+                 "(hatched: first windows only; dashed: f32 on those tokens)", fontsize=9)
     ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -268,9 +273,11 @@ def main() -> int:
 
     if BASELINE not in rows:
         p.error(f"the baseline config {BASELINE} must be among --configs")
-    base = rows[BASELINE]["perplexity"]
-    for r in rows.values():
-        r["delta_vs_baseline_pct"] = round(100 * (r["perplexity"] / base - 1), 4)
+    for name, r in rows.items():
+        # rows over the first windows only are compared with the baseline on the same tokens
+        base = float(np.exp(-logp[BASELINE][: len(logp[name])].mean()))
+        r["baseline_same_tokens"] = round(base, 4)
+        r["delta_vs_baseline_pct"] = round(100 * (float(np.exp(-logp[name].mean())) / base - 1), 4)
         r["method"] = method
     table = list(rows.values())
     args.out.parent.mkdir(parents=True, exist_ok=True)
