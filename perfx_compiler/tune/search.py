@@ -88,11 +88,12 @@ def tune_task(
     explore: float = 0.25,
     seed: int = 0,
     progress: Any = None,
-    early_stop: float | None = EARLY_STOP_GAIN,
+    early_stop: float | None = None,
 ) -> TaskResult:
     """Measure up to ``trials`` candidates of ``task`` (default first, then cost-model picks).
 
-    ``early_stop``: after ``EARLY_STOP_AFTER`` measured candidates, stop as soon as the trained
+    ``early_stop`` (perfx-tune's sessions pass ``EARLY_STOP_GAIN``; None measures all ``trials``):
+    after ``EARLY_STOP_AFTER`` measured candidates, stop as soon as the trained
     cost model predicts no remaining candidate faster than the best so far by that fraction
     (the budget then goes to other kernels)."""
     rng = random.Random(seed)

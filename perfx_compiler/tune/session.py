@@ -32,7 +32,7 @@ from perfx_compiler.schedule_template import target_key
 from perfx_compiler.targets import TargetDescription
 from perfx_compiler.tune.cost_model import MIN_TRAIN, CostModel, _work
 from perfx_compiler.tune.records import TuningDatabase, TuningRecord, config_key, read_records
-from perfx_compiler.tune.search import Measurer, enumerate_space, tune_task
+from perfx_compiler.tune.search import EARLY_STOP_GAIN, Measurer, enumerate_space, tune_task
 from perfx_compiler.tune.workloads import TuningTask
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ def tune_groups(
                 continue
             res = _guarded(g, lambda g=g, todo=todo, share=share, i=i: tune_task(
                 g.rep, target, db, measurer, model, trials=todo, batch=batch, time_budget_s=share,
-                seed=seed + 1000 + i, progress=bar))
+                seed=seed + 1000 + i, progress=bar, early_stop=EARLY_STOP_GAIN))
             if res is None:
                 summary.failed.append(g.label)
                 broken.add(id(g))
