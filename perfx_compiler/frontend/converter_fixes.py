@@ -96,7 +96,7 @@ class Expand(_of.Expand):
         target = [1] * (rank - len(target)) + target
         dims = [tirx.IntImm("int64", 1)] * (rank - len(dims)) + dims
         out = []
-        for i, (t, d) in enumerate(zip(target, dims)):
+        for i, (t, d) in enumerate(zip(target, dims, strict=True)):
             if t in (1, -1):
                 out.append(d)  # broadcast(d, 1) == d, whatever d is
             elif isinstance(d, tirx.IntImm) and int(d.value) not in (1, t):
@@ -106,7 +106,7 @@ class Expand(_of.Expand):
                 out.append(tirx.IntImm("int64", t))
         if rank == len(ty.shape.values) and all(
             isinstance(o, tirx.IntImm) and isinstance(d, tirx.IntImm) and o.value == d.value or o.same_as(d)
-            for o, d in zip(out, dims)
+            for o, d in zip(out, dims, strict=True)
         ):
             return data
         return relax.op.broadcast_to(data, relax.ShapeExpr(out))

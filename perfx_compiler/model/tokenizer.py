@@ -76,7 +76,7 @@ def _add_added_tokens(tok: Any, tokens: Sequence[str], types: Sequence[int], ski
     from tokenizers import AddedToken
 
     special, plain = [], []
-    for i, (t, ty) in enumerate(zip(tokens, types)):
+    for i, (t, ty) in enumerate(zip(tokens, types, strict=False)):
         if i in skip or ty not in (_CONTROL, _USER_DEFINED) or not t:
             continue
         added = AddedToken(t, special=ty == _CONTROL, normalized=False, single_word=False, lstrip=False, rstrip=False)

@@ -287,7 +287,7 @@ class LLM:
         items = self._normalize_prompts(prompts)
         params = self._normalize_params(sampling_params, len(items))
         outputs = []
-        for i, ((text, ids), sp) in enumerate(zip(items, params)):
+        for i, ((text, ids), sp) in enumerate(zip(items, params, strict=True)):
             outputs.append(self._run_request(text, ids, sp))
             if use_tqdm:
                 _progress(i + 1, len(items))

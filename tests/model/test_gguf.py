@@ -86,8 +86,8 @@ def ref_q5_k(b: np.ndarray) -> list[np.float32]:
         d1, mm1, d2, mm2 = d * np.float32(sc1), dmin * np.float32(m1), d * np.float32(sc2), dmin * np.float32(m2)
         u1, u2 = 1 << (2 * j), 2 << (2 * j)
         qq = ql[32 * j:32 * j + 32]
-        out += [d1 * np.float32((qq[l] & 0xF) + (16 if qh[l] & u1 else 0)) - mm1 for l in range(32)]
-        out += [d2 * np.float32((qq[l] >> 4) + (16 if qh[l] & u2 else 0)) - mm2 for l in range(32)]
+        out += [d1 * np.float32((qq[e] & 0xF) + (16 if qh[e] & u1 else 0)) - mm1 for e in range(32)]
+        out += [d2 * np.float32((qq[e] >> 4) + (16 if qh[e] & u2 else 0)) - mm2 for e in range(32)]
     return out
 
 
@@ -96,14 +96,14 @@ def ref_q6_k(b: np.ndarray) -> list[np.float32]:
     y = [np.float32(0)] * 256
     for n in range(2):  # two halves of 128 values
         L, H, S = ql[64 * n:], qh[32 * n:], sc[8 * n:]
-        for l in range(32):
-            i = l // 16
-            q1 = int((L[l] & 0xF) | (((H[l] >> 0) & 3) << 4)) - 32
-            q2 = int((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4)) - 32
-            q3 = int((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32
-            q4 = int((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32
+        for e in range(32):
+            i = e // 16
+            q1 = int((L[e] & 0xF) | (((H[e] >> 0) & 3) << 4)) - 32
+            q2 = int((L[e + 32] & 0xF) | (((H[e] >> 2) & 3) << 4)) - 32
+            q3 = int((L[e] >> 4) | (((H[e] >> 4) & 3) << 4)) - 32
+            q4 = int((L[e + 32] >> 4) | (((H[e] >> 6) & 3) << 4)) - 32
             for k, q in ((0, q1), (2, q2), (4, q3), (6, q4)):
-                y[128 * n + l + 16 * k] = d * np.float32(S[i + k]) * np.float32(q)
+                y[128 * n + e + 16 * k] = d * np.float32(S[i + k]) * np.float32(q)
     return y
 
 

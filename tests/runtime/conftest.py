@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run from anywhere, without an install
     sys.path.insert(0, str(REPO))
 
-from perfx_compiler.errors import ContextLengthError
+from perfx_compiler.errors import ContextLengthError  # noqa: E402  (after the sys.path insert above)
 
 BOS, EOS = "<s>", "</s>"
 
@@ -35,7 +35,7 @@ def bytes_to_unicode() -> dict[int, str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
 def build_tokenizer() -> Any:

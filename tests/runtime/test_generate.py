@@ -182,9 +182,9 @@ def test_n_completions_share_one_generator(make_engine, tokenizer) -> None:
 def test_logprobs_and_cumulative(make_engine, tokenizer) -> None:
     g = run(make_engine(SCRIPT), tokenizer, temperature=0.0, max_tokens=4, logprobs=2)
     assert len(g.logprobs) == 4
-    chosen = [step[t].logprob for step, t in zip(g.logprobs, g.token_ids)]
+    chosen = [step[t].logprob for step, t in zip(g.logprobs, g.token_ids, strict=True)]
     assert g.cumulative_logprob == pytest.approx(sum(chosen))
-    assert all(step[t].rank == 1 for step, t in zip(g.logprobs, g.token_ids))
+    assert all(step[t].rank == 1 for step, t in zip(g.logprobs, g.token_ids, strict=True))
     assert g.logprobs[0][g.token_ids[0]].decoded_token == "he"
     assert run(make_engine(), tokenizer, max_tokens=2).cumulative_logprob is None
 
