@@ -257,8 +257,9 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     return qv_gemv8
 
 
-def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: int) -> Any:
-    """W [N, K] in float32 from the VNNI layout (prefill: the float GEMM follows)."""
+def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: int, nb: int = 0) -> Any:
+    """W [N, K] in float32 from the VNNI layout (prefill: the float GEMM follows), or with
+    ``nb`` as [N / nb, K, nb] panels, the packed GEMM's layout (see weight_layout)."""
     from tvm.script import tirx as T
 
     p = plan(K, G)
@@ -273,8 +274,19 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
     def _w(Q: Any, Sc: Any, Z: Any, row: Any, col: Any, g: Any) -> Any:
         return weight_expr(bits, sym, offset, Q, Sc, Z, row, col, g)
 
+    if nb and N % nb:
+        raise ValueError(f"panel width {nb} does not divide N={N}")
+    OUT = (N // nb, K, nb) if nb else (N, K)
+
     @T.macro
-    def body(Q, Sc, Z, Out):
+    def panels(Q, Sc, Z, Out):
+        for pn in T.parallel(N // nb):
+            for k in T.serial(K):
+                for j in T.vectorized(nb):
+                    Out[pn, k, j] = _w(Q, Sc, Z, pn * nb + j, k, k // G)
+
+    @T.macro
+    def rows(Q, Sc, Z, Out):
         for t in T.parallel(tasks):
             for j in T.serial(PER):
                 if t * PER + j < N:
@@ -282,6 +294,8 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
                         for lane in T.vectorized(16):
                             Out[t * PER + j, v * 16 + lane] = _w(
                                 Q, Sc, Z, t * PER + j, v * 16 + lane, (v * 16) // G)
+
+    body = panels if nb else rows
 
     if pair:
 
@@ -291,7 +305,7 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
             Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
-            Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
+            Out = T.match_buffer(o_h, [T.int64(d) for d in OUT], "float32")
             body(Q, Sc, Z, Out)
 
         return qv_dequant4
@@ -301,7 +315,7 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
         Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-        Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
+        Out = T.match_buffer(o_h, [T.int64(d) for d in OUT], "float32")
         body(Q, Sc, Sc, Out)
 
     return qv_dequant8

@@ -29,6 +29,7 @@ from perfx_compiler.schedule_template import (
     vector_lanes,
 )
 from perfx_compiler.targets import TargetDescription
+from schedules.gemv_int4_cpu import panel_of
 
 PRIORITY = 5  # before the float templates
 QUANT_ATTR = "perfx.quant"
@@ -131,6 +132,26 @@ def _dequant(N: int, K: int, family: str, L: int, tasks: int) -> Any:
     return half_dequant
 
 
+def _dequant_panels(N: int, K: int, family: str, nb: int) -> Any:
+    """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout)."""
+    from tvm.script import tirx as T
+
+    WT = "uint16" if family == "bf16" else "float16"
+
+    @T.prim_func(private=True, check_well_formed=False)  # root block: see _dequant
+    def half_dequant_panels(w_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        W = T.match_buffer(w_h, (T.int64(N), T.int64(K)), WT)
+        Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
+        with T.sblock("root"):
+            for p in T.parallel(N // nb):
+                for k in T.serial(K):
+                    for j in T.vectorized(nb):
+                        Out[p, k, j] = _widen(T, W[p * nb + j, k], family)
+
+    return half_dequant_panels
+
+
 def _take(N: int, K: int, family: str, L: int, ids_dtype: str) -> Any:
     from tvm.script import tirx as T
 
@@ -202,7 +223,8 @@ class GemvHalfCPU(ScheduleTemplate):
         dims = {"N": N, "K": K, "L": _lanes(K, target), "M": rows or 0}
         symbolic = "M" if kind in ("take", "round") and rows is None else None  # dequant: no rows at all
         return make_workload(self.name, func, target, dims, symbolic=symbolic,
-                             info={"kind": kind, "dtype": info["dtype"], "act": info.get("act", "f32")},
+                             info={"kind": kind, "dtype": info["dtype"], "act": info.get("act", "f32"),
+                                   "nb": panel_of(func)},
                              version=self.version)
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
@@ -257,6 +279,10 @@ class GemvHalfCPU(ScheduleTemplate):
         if kind == "take":
             ids_dtype = str(func.params[1].dtype)
             kernel = _take(N, K, family, L, ids_dtype)
+        elif kind == "dequant" and info.get("nb"):
+            if N % int(info["nb"]):
+                raise ScheduleConfigError(f"panel width {info['nb']} does not divide N={N}")
+            kernel = _dequant_panels(N, K, family, int(info["nb"]))
         elif kind == "dequant":
             kernel = _dequant(N, K, family, L, tasks)
         elif kind == "round":

@@ -195,6 +195,37 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False) -
     return q4_dequant
 
 
+def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = False) -> Any:
+    """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout): per
+    panel, 8 columns share one gathered word per row and each store is nb contiguous floats."""
+    from tvm.script import tirx as T
+
+    NG = -(-K // G)
+    ZT = "float16" if offset else "uint8"
+
+    def w(Q: Any, S: Any, Z: Any, row: Any, word: Any, i: Any, col: Any) -> Any:
+        q = T.Cast("float32", T.Cast("int32", T.bitwise_and(T.shift_right(Q[row, word], T.Cast("uint32", i * 4)), T.uint32(15))))
+        if offset:
+            return q * T.Cast("float32", S[row, col // G]) + T.Cast("float32", Z[row, col // G])
+        return (q - T.Cast("float32", Z[row, col // G])) * T.Cast("float32", S[row, col // G])
+
+    @T.prim_func(private=True)
+    def q4_dequant_panels(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
+        Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
+        for p in T.parallel(N // nb):
+            for kv in T.serial(K // (8 * L)):
+                for lane in T.serial(L):
+                    for i in T.unroll(8):
+                        for j in T.vectorized(nb):
+                            Out[p, (kv * 8 + i) * L + lane, j] = w(Q, S, Z, p * nb + j, kv * L + lane, i, (kv * 8 + i) * L + lane)
+
+    return q4_dequant_panels
+
+
 def _take(N: int, K: int, G: int, L: int, offset: bool = False) -> Any:
     from tvm.script import tirx as T
 
@@ -263,7 +294,7 @@ class GemvInt4CPU(ScheduleTemplate):
                 "M": rows or 0}
         return make_workload(
             self.name, func, target, dims, symbolic="M" if rows is None else None,
-            info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset"))},
+            info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "nb": panel_of(func)},
             version=self.version,
         )
 
@@ -285,6 +316,11 @@ class GemvInt4CPU(ScheduleTemplate):
         offset = bool(workload.info.get("offset"))
         if kind == "take":
             kernel = _take(N, K, G, L, offset)
+        elif kind == "dequant" and workload.info.get("nb"):
+            nb = int(workload.info["nb"])
+            if N % nb:
+                raise ScheduleConfigError(f"panel width {nb} does not divide N={N}")
+            kernel = _dequant_panels(N, K, G, L, nb, offset)
         elif kind == "dequant":
             kernel = _dequant(N, K, G, L, tasks, offset)
         elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
@@ -292,6 +328,13 @@ class GemvInt4CPU(ScheduleTemplate):
         else:
             raise ScheduleConfigError("int4 matmul with many rows: the pass emits dequantize + float GEMM")
         return _like(kernel, func)
+
+
+def panel_of(func: Any) -> int:
+    """nb when ``func`` (a dequantize) writes W as [N / nb, K, nb] panels (weight_layout chose
+    them for the target), else 0: the kernels take the layout from the function they replace."""
+    out = func.params[-1]  # tirx PrimFunc params are the buffers
+    return int(out.shape[2]) if len(out.shape) == 3 else 0
 
 
 def _like(kernel: Any, func: Any) -> Any:

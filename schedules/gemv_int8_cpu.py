@@ -22,6 +22,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
+from schedules.gemv_int4_cpu import panel_of
 
 PRIORITY = 5
 QUANT_ATTR = "perfx.quant"
@@ -111,6 +112,26 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int) -> Any:
     return q8_dequant
 
 
+def _dequant_panels(N: int, K: int, G: int, nb: int) -> Any:
+    """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout)."""
+    from tvm.script import tirx as T
+
+    NG = K // G
+
+    @T.prim_func(private=True)
+    def q8_dequant_panels(q_h: T.handle, s_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+        Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
+        for p in T.parallel(N // nb):
+            for k in T.serial(K):
+                for j in T.vectorized(nb):
+                    Out[p, k, j] = T.Cast("float32", Q[p * nb + j, k]) * T.Cast("float32", S[p * nb + j, k // G])
+
+    return q8_dequant_panels
+
+
 def _take(N: int, K: int, G: int, L: int) -> Any:
     from tvm.script import tirx as T
 
@@ -168,7 +189,7 @@ class GemvInt8CPU(ScheduleTemplate):
         dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "L": int(info["lanes"]),
                 "M": rows or 0}
         return make_workload(self.name, func, target, dims, symbolic="M" if rows is None else None,
-                             info={"kind": kind}, version=self.version)
+                             info={"kind": kind, "nb": panel_of(func)}, version=self.version)
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
         N = workload.dims["N"]
@@ -188,6 +209,11 @@ class GemvInt8CPU(ScheduleTemplate):
         kind = workload.info.get("kind", "matmul")
         if kind == "take":
             kernel = _take(N, K, G, L)
+        elif kind == "dequant" and workload.info.get("nb"):
+            nb = int(workload.info["nb"])
+            if N % nb:
+                raise ScheduleConfigError(f"panel width {nb} does not divide N={N}")
+            kernel = _dequant_panels(N, K, G, nb)
         elif kind == "dequant":
             kernel = _dequant(N, K, G, L, tasks)
         elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:

@@ -29,7 +29,7 @@ from perfx_compiler.schedule_template import (
 )
 from perfx_compiler.targets import TargetDescription
 from schedules import _vnni_kernels as vk
-from schedules.gemv_int4_cpu import _like
+from schedules.gemv_int4_cpu import _like, panel_of
 
 PRIORITY = 4  # before gemv_int4_cpu / gemv_int8_cpu (which decline this layout anyway)
 QUANT_ATTR = "perfx.quant"
@@ -72,7 +72,7 @@ class GemvQVnniCPU(ScheduleTemplate):
                 "B": rows[0] if rows else 0, "MM": rows[1] if rows else 0}
         return make_workload(
             self.name, func, target, dims, symbolic=None if rows or kind != "matmul" else "M",
-            info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset"))},
+            info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "nb": panel_of(func)},
             version=self.version,
         )
 
@@ -139,7 +139,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         if kind == "take":
             kernel = vk.take(*args)
         elif kind == "dequant":
-            kernel = vk.dequant(*args, int(config["tasks"]))
+            kernel = vk.dequant(*args, int(config["tasks"]), int(info.get("nb", 0)))
         else:
             kernel = vk.gemv(*args, (d["B"], d["MM"]), int(config["units"]), int(config["tasks"]),
                              int(config["unroll"]), int(config.get("prefetch", 0)))

@@ -11,6 +11,11 @@ them at compile time into the panels the GEMM/GEMV micro-kernels read.
    The gather of a tied embedding reads the same panels, so no second copy is kept. The
    templates take nb from the function itself, so a tuning record made for another nb belongs
    to another workload and a config whose tiles do not fit nb is rejected.
+3. CPU targets, quantized prefill: a weight dequantized at run time (a ``perfx.quant``
+   ``dequant`` PrimFunc, see ``_qlinear``) whose result only feeds NT matmuls is written
+   straight into the same panels (its output buffer is re-laid out ``[N / nb, K, nb]``; the
+   dequant templates take nb from that buffer) and the matmuls become the same packed variants
+   as for a compile-time packed weight: the GEMM never repacks a runtime weight.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ NAME = "weight_layout"
 ORDER = 90  # after fusions and quantization, right before lowering
 DEFAULT = True
 PACKED_SUFFIX = "_packed"
+QUANT_ATTR = "perfx.quant"
 
 
 def pack_weight(w: np.ndarray, nb: int) -> np.ndarray:
@@ -69,6 +75,54 @@ def packed_variant(func: Any, arg: int, nb: int) -> Any:
     # Rewrites the parameter buffer and every access: w[n, k] -> w[n // nb, k, n % nb].
     sch.transform_layout(block, ("read", facts.b_read_index), lambda n, k: (n // nb, k, n % nb))
     return sch.mod["main"]
+
+
+def is_dequant(func: Any) -> bool:
+    """A quantized weight's reference dequantize PrimFunc (W as float [N, K])."""
+    import json
+
+    attrs = getattr(func, "attrs", None)
+    if not isinstance(func, tirx.PrimFunc) or attrs is None or QUANT_ATTR not in attrs:
+        return False
+    try:
+        return json.loads(str(attrs[QUANT_ATTR])).get("kind") == "dequant"
+    except ValueError:
+        return False
+
+
+def packed_dequant(func: Any, nb: int) -> Any:
+    """The dequantize PrimFunc writing its [N, K] output as [N / nb, K, nb] panels."""
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(func)
+    out = func.params[-1]  # tirx PrimFunc params are the buffers
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        if any(r.source.same_as(out) for r in sch.get(block).writes):
+            sch.transform_layout(block, ("write", 0), lambda n, k: (n // nb, k, n % nb))
+            return sch.mod["main"]
+    raise ValueError("internal: no block writes the dequantized weight")
+
+
+def _runtime_plan(mod: tvm.IRModule, fn: str, matmuls: dict[str, int], nb: int) -> set[Any]:
+    """Vars of ``fn`` bound to a dequantize call whose every use is an NT matmul's weight."""
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    info = FuncInfo.of(mod[fn])
+    good: dict[Any, int] = {}
+    deq: list[Any] = []
+    for var, value in info.values.items():
+        if not (isinstance(value, relax.Call) and value.op.same_as(call_tir)):
+            continue
+        name = value.args[0].name_hint
+        if name in matmuls:
+            targs = list(value.args[1].fields)
+            if matmuls[name] < len(targs) and isinstance(targs[matmuls[name]], relax.Var):
+                w = targs[matmuls[name]]
+                good[w] = good.get(w, 0) + 1
+        elif is_dequant(mod[name]) and isinstance(var, relax.DataflowVar):
+            shape = [int(d) for d in var.ty.shape.values]
+            if len(shape) == 2 and shape[0] % nb == 0:
+                deq.append(var)
+    return {v for v in deq if info.uses.get(v, 0) > 0 and good.get(v, 0) == info.uses[v]}
 
 
 def _packed_take(nb: int):  # noqa: ANN202 - a TE compute builder
@@ -129,11 +183,15 @@ def pack_linear_weights(
 ) -> tuple[tvm.IRModule, dict[str, Any]]:
     """Pack every packable linear weight (see module doc); returns the new module and weights."""
     matmuls, packable = _plan(mod, weights, nb)
+    runtime = {fn: _runtime_plan(mod, fn, matmuls, nb) for fn in exported(mod)}
     # Only matmuls that read a packable weight somewhere get a packed variant.
-    if not packable:
+    if not packable and not any(runtime.values()):
         return mod, weights
-    new_weights = {n: (pack_weight(np.asarray(a), nb) if n in packable else a) for n, a in weights.items()}
-    mod, new_weights, params_by_fn = replace_weight_params(mod, weights, new_weights)
+    if packable:
+        new_weights = {n: (pack_weight(np.asarray(a), nb) if n in packable else a) for n, a in weights.items()}
+        mod, new_weights, params_by_fn = replace_weight_params(mod, weights, new_weights)
+    else:
+        new_weights, params_by_fn = weights, {fn: {} for fn in exported(mod)}
     variants: dict[str, Any] = {}
     call_tir = tvm.ir.Op.get("relax.call_tir")
     take_op = tvm.ir.Op.get("relax.take")
@@ -145,6 +203,20 @@ def pack_linear_weights(
             super().__init__(mod)
             self.old = old_params  # original weight Var -> name
             self.new = new_params
+            self.runtime: set[Any] = set()  # dequantized weights to write as panels
+
+        def visit_var_binding_(self, binding: Any) -> None:
+            if binding.var not in self.runtime:
+                return super().visit_var_binding_(binding)
+            value = binding.value
+            name = value.args[0].name_hint
+            if name + PACKED_SUFFIX not in variants:
+                variants[name + PACKED_SUFFIX] = self.builder_.add_func(packed_dequant(mod[name], nb), name + PACKED_SUFFIX)
+            n, k = (int(d) for d in binding.var.ty.shape.values)
+            args = [self.visit_expr(a) for a in value.args[1].fields]
+            call = relax.call_tir(variants[name + PACKED_SUFFIX], args, relax.TensorType([n // nb, k, nb], "float32"))
+            self.set_var_remap(binding.var, self.builder_.emit(call, binding.var.name))
+            return None
 
         def _packed(self, e: Any) -> relax.Var | None:
             name = self.old.get(e) if isinstance(e, relax.Var) else None
@@ -155,6 +227,8 @@ def pack_linear_weights(
                 name = call.args[0].name_hint
                 args = list(call.args[1].fields)
                 wp = self._packed(args[matmuls[name]])
+                if wp is None and args[matmuls[name]] in self.runtime:
+                    wp = self.visit_expr(args[matmuls[name]])  # the panels its dequantize now writes
                 if wp is not None:
                     if name not in variants:
                         pf = packed_variant(mod[name], matmuls[name], nb)
@@ -178,10 +252,30 @@ def pack_linear_weights(
         # gave packed weights fresh ones: map those (now free) vars to their names.
         rewriter.old = {v: v.name for v in relax.analysis.free_vars(func.body) if v.name in packable}
         rewriter.new = params_by_fn[fn]
+        rewriter.runtime = runtime[fn]
         new_func = rewriter.visit_expr(func)
         rewriter.builder_.update_func(rewriter.builder_.get().get_global_var(fn), new_func)
-    out = rewriter.builder_.get()
-    return relax.transform.DeadCodeElimination(exported(out))(out), new_weights
+    out = relax.transform.DeadCodeElimination(exported(rewriter.builder_.get()))(rewriter.builder_.get())
+    # A dequantize whose every call now writes panels is dead: drop it (DCE keeps PrimFuncs).
+    called = {str(e.args[0].name_hint) for fn in exported(out) for e in _calls(out[fn])}
+    for gv, func in list(out.functions_items()):
+        if is_dequant(func) and gv.name_hint + PACKED_SUFFIX in variants and gv.name_hint not in called:
+            out = _without(out, gv)
+    return out, new_weights
+
+
+def _calls(func: relax.Function) -> list[Any]:
+    found: list[Any] = []
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    relax.analysis.post_order_visit(
+        func, lambda e: found.append(e) if isinstance(e, relax.Call) and e.op.same_as(call_tir) else None
+    )
+    return found
+
+
+def _without(mod: tvm.IRModule, gv: Any) -> tvm.IRModule:
+    funcs = {g: f for g, f in mod.functions_items() if not g.same_as(gv)}
+    return tvm.IRModule(funcs, attrs=mod.attrs)
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
