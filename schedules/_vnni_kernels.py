@@ -257,6 +257,28 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     return qv_gemv8
 
 
+def transpose_tile(rows: list[Any]) -> list[Any]:
+    """Columns of an n x n tile (n a power of two) given as n row vectors: log2(n) stages of
+    2-input shuffles, each swapping the off-diagonal b x b blocks of every 2b x 2b block (one
+    instruction per shuffle, n log2(n) in all; an n-way gather per column costs n moves)."""
+    from tvm import tirx
+
+    n = len(rows)
+    m = list(rows)
+    b = n // 2
+    while b:
+        nxt = list(m)
+        for r in range(n):
+            if not r & b:
+                lo = [c if not c & b else n + c - b for c in range(n)]
+                hi = [c + b if not c & b else n + c for c in range(n)]
+                nxt[r] = tirx.Shuffle([m[r], m[r + b]], lo)
+                nxt[r + b] = tirx.Shuffle([m[r], m[r + b]], hi)
+        m = nxt
+        b //= 2
+    return m
+
+
 def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: int, nb: int = 0) -> Any:
     """W [N, K] in float32 from the VNNI layout (prefill: the float GEMM follows), or with
     ``nb`` as [N / nb, K, nb] panels, the packed GEMM's layout (see weight_layout)."""
@@ -274,16 +296,25 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
     def _w(Q: Any, Sc: Any, Z: Any, row: Any, col: Any, g: Any) -> Any:
         return weight_expr(bits, sym, offset, Q, Sc, Z, row, col, g)
 
-    if nb and N % nb:
-        raise ValueError(f"panel width {nb} does not divide N={N}")
+    if nb and (N % nb or nb % 16):
+        raise ValueError(f"panel width {nb} must be a multiple of 16 dividing N={N}")
     OUT = (N // nb, K, nb) if nb else (N, K)
 
+    # Panels: a 16 x 16 tile (16 rows, 16 columns) is widened with row-contiguous loads as in
+    # the row kernel, then stored transposed (16 columns of 16 rows each, contiguous in Out):
+    # transpose_tile's shuffles, then column c picked from them (constant after unrolling).
     @T.macro
     def panels(Q, Sc, Z, Out):
         for pn in T.parallel(N // nb):
-            for k in T.serial(K):
-                for j in T.vectorized(nb):
-                    Out[pn, k, j] = _w(Q, Sc, Z, pn * nb + j, k, k // G)
+            for kb in T.serial(K // 16):
+                for jb in T.serial(nb // 16):
+                    tile = T.decl_buffer((256,), "float32", scope="local")
+                    for j in T.unroll(16):
+                        for lane in T.vectorized(16):
+                            tile[j * 16 + lane] = _w(Q, Sc, Z, pn * nb + jb * 16 + j, kb * 16 + lane, (kb * 16) // G)
+                    for c in T.unroll(16):
+                        Out[pn, kb * 16 + c, T.Ramp(jb * 16, 1, 16)] = T.Shuffle(
+                            transpose_tile([tile[T.Ramp(r * 16, 1, 16)] for r in range(16)]), [c * 16 + r for r in range(16)])
 
     @T.macro
     def rows(Q, Sc, Z, Out):

@@ -196,15 +196,23 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False) -
 
 
 def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = False) -> Any:
-    """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout): per
-    panel, 8 columns share one gathered word per row and each store is nb contiguous floats."""
+    """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout): an
+    L x L tile is widened with the row kernel's contiguous loads, then stored transposed (L
+    columns of L contiguous rows) through ``transpose_tile``'s shuffles."""
     from tvm.script import tirx as T
+
+    from schedules._vnni_kernels import transpose_tile
 
     NG = -(-K // G)
     ZT = "float16" if offset else "uint8"
+    TR = L
+    if nb % L or L & (L - 1):
+        raise ScheduleConfigError(f"panel width {nb} is not a multiple of the {L}-lane tile")
 
-    def w(Q: Any, S: Any, Z: Any, row: Any, word: Any, i: Any, col: Any) -> Any:
-        q = T.Cast("float32", T.Cast("int32", T.bitwise_and(T.shift_right(Q[row, word], T.Cast("uint32", i * 4)), T.uint32(15))))
+    def w(Q: Any, S: Any, Z: Any, row: Any, col: Any) -> Any:
+        word = (col // L // 8) * L + col % L
+        shift = T.Cast("uint32", (col // L) % 8 * 4)
+        q = T.Cast("float32", T.Cast("int32", T.bitwise_and(T.shift_right(Q[row, word], shift), T.uint32(15))))
         if offset:
             return q * T.Cast("float32", S[row, col // G]) + T.Cast("float32", Z[row, col // G])
         return (q - T.Cast("float32", Z[row, col // G])) * T.Cast("float32", S[row, col // G])
@@ -217,11 +225,15 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
         Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
         for p in T.parallel(N // nb):
-            for kv in T.serial(K // (8 * L)):
-                for lane in T.serial(L):
-                    for i in T.unroll(8):
-                        for j in T.vectorized(nb):
-                            Out[p, (kv * 8 + i) * L + lane, j] = w(Q, S, Z, p * nb + j, kv * L + lane, i, (kv * 8 + i) * L + lane)
+            for v in T.serial(K // L):
+                for jb in T.serial(nb // TR):
+                    tile = T.decl_buffer((TR * L,), "float32", scope="local")
+                    for j in T.unroll(TR):
+                        for lane in T.vectorized(L):
+                            tile[j * L + lane] = w(Q, S, Z, p * nb + jb * TR + j, v * L + lane)
+                    for c in T.unroll(L):
+                        Out[p, v * L + c, T.Ramp(jb * TR, 1, TR)] = T.Shuffle(
+                            transpose_tile([tile[T.Ramp(r * L, 1, L)] for r in range(TR)]), [c * TR + r for r in range(TR)])
 
     return q4_dequant_panels
 
