@@ -132,11 +132,16 @@ def _dequant(N: int, K: int, family: str, L: int, tasks: int) -> Any:
     return half_dequant
 
 
-def _dequant_panels(N: int, K: int, family: str, nb: int) -> Any:
-    """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout)."""
+def _dequant_panels(N: int, K: int, family: str, L: int, nb: int) -> Any:
+    """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout): an
+    L x L tile widened with contiguous loads, stored transposed through ``transpose_tile``."""
     from tvm.script import tirx as T
 
+    from schedules._vnni_kernels import transpose_tile
+
     WT = "uint16" if family == "bf16" else "float16"
+    if nb % L or L & (L - 1) or K % L:
+        raise ScheduleConfigError(f"panel width {nb} / K={K} is not a multiple of the {L}-lane tile")
 
     @T.prim_func(private=True, check_well_formed=False)  # root block: see _dequant
     def half_dequant_panels(w_h: T.handle, o_h: T.handle):
@@ -145,9 +150,15 @@ def _dequant_panels(N: int, K: int, family: str, nb: int) -> Any:
         Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
         with T.sblock("root"):
             for p in T.parallel(N // nb):
-                for k in T.serial(K):
-                    for j in T.vectorized(nb):
-                        Out[p, k, j] = _widen(T, W[p * nb + j, k], family)
+                for v in T.serial(K // L):
+                    for jb in T.serial(nb // L):
+                        tile = T.decl_buffer((L * L,), "float32", scope="local")
+                        for j in T.unroll(L):
+                            for lane in T.vectorized(L):
+                                tile[j * L + lane] = _widen(T, W[p * nb + jb * L + j, v * L + lane], family)
+                        for c in T.unroll(L):
+                            Out[p, v * L + c, T.Ramp(jb * L, 1, L)] = T.Shuffle(
+                                transpose_tile([tile[T.Ramp(r * L, 1, L)] for r in range(L)]), [c * L + r for r in range(L)])
 
     return half_dequant_panels
 
@@ -282,7 +293,7 @@ class GemvHalfCPU(ScheduleTemplate):
         elif kind == "dequant" and info.get("nb"):
             if N % int(info["nb"]):
                 raise ScheduleConfigError(f"panel width {info['nb']} does not divide N={N}")
-            kernel = _dequant_panels(N, K, family, int(info["nb"]))
+            kernel = _dequant_panels(N, K, family, L, int(info["nb"]))
         elif kind == "dequant":
             kernel = _dequant(N, K, family, L, tasks)
         elif kind == "round":

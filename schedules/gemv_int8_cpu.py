@@ -112,11 +112,16 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int) -> Any:
     return q8_dequant
 
 
-def _dequant_panels(N: int, K: int, G: int, nb: int) -> Any:
-    """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout)."""
+def _dequant_panels(N: int, K: int, G: int, L: int, nb: int) -> Any:
+    """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout): an
+    L x L tile widened with contiguous loads, stored transposed through ``transpose_tile``."""
     from tvm.script import tirx as T
 
+    from schedules._vnni_kernels import transpose_tile
+
     NG = K // G
+    if nb % L or L & (L - 1) or K % L:
+        raise ScheduleConfigError(f"panel width {nb} / K={K} is not a multiple of the {L}-lane tile")
 
     @T.prim_func(private=True)
     def q8_dequant_panels(q_h: T.handle, s_h: T.handle, o_h: T.handle):
@@ -125,9 +130,16 @@ def _dequant_panels(N: int, K: int, G: int, nb: int) -> Any:
         S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
         Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
         for p in T.parallel(N // nb):
-            for k in T.serial(K):
-                for j in T.vectorized(nb):
-                    Out[p, k, j] = T.Cast("float32", Q[p * nb + j, k]) * T.Cast("float32", S[p * nb + j, k // G])
+            for v in T.serial(K // L):
+                for jb in T.serial(nb // L):
+                    tile = T.decl_buffer((L * L,), "float32", scope="local")
+                    for j in T.unroll(L):
+                        for lane in T.vectorized(L):
+                            tile[j * L + lane] = T.Cast("float32", Q[p * nb + jb * L + j, v * L + lane]) * T.Cast(
+                                "float32", S[p * nb + jb * L + j, (v * L + lane) // G])
+                    for c in T.unroll(L):
+                        Out[p, v * L + c, T.Ramp(jb * L, 1, L)] = T.Shuffle(
+                            transpose_tile([tile[T.Ramp(r * L, 1, L)] for r in range(L)]), [c * L + r for r in range(L)])
 
     return q8_dequant_panels
 
@@ -213,7 +225,7 @@ class GemvInt8CPU(ScheduleTemplate):
             nb = int(workload.info["nb"])
             if N % nb:
                 raise ScheduleConfigError(f"panel width {nb} does not divide N={N}")
-            kernel = _dequant_panels(N, K, G, nb)
+            kernel = _dequant_panels(N, K, G, L, nb)
         elif kind == "dequant":
             kernel = _dequant(N, K, G, L, tasks)
         elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
