@@ -8,8 +8,9 @@ regions of the same space (narrow mr / wide nc versus tall mr).
 
 Weights pre-packed by the weight_layout pass (layout "P", ``W[n // nb, k, n % nb]``) are read
 as they are: nr must divide the panel width nb (taken from the function, so a record tuned for
-another nb is another workload) and nc must be a multiple or a divisor of nb. Weights in [N, K]
-(a dequantized int4 weight, a GPU-less fallback) are still packed per call ("NT").
+another nb is another workload) and nc must be a multiple or a divisor of nb; a quantized
+weight dequantized at prefill is written in those panels too (weight_layout). Weights in [N, K]
+(one whose N is not a multiple of nb, a GPU-less fallback) are still packed per call ("NT").
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ replace W in the weight table (in kernel-argument order, named ``<W><suffix>``) 
 reference PrimFuncs tagged ``perfx.quant`` (a schedule template swaps each for its kernel):
 
 * ``matmul`` (static rows <= GEMV_MAX_ROWS, decode): ``y = x @ dequant(W)^T`` in one call;
-* ``dequant`` (prefill, rows symbolic): the float W [N, K], followed by the float GEMM;
+* ``dequant`` (prefill, rows symbolic): the float W [N, K], followed by the float GEMM (on CPU
+  targets ``weight_layout`` then has the kernel write W as the [N / nb, K, nb] panels the GEMM
+  reads, as for a compile-time packed weight: no per-call repack);
 * ``take``: the embedding gather straight from the packed table (a tied embedding keeps no
   float copy).
 
