@@ -96,9 +96,10 @@ class GemvQVnniCPU(ScheduleTemplate):
         d = workload.dims
         if workload.info.get("kind") != "matmul":
             return {"tasks": 16 if d["N"] >= 64 else 2}
-        # Long rows: one unit per iteration (fewer concurrent streams of codes + scales for the
-        # prefetchers; measured 6.6 vs 4.1 GB/s single-threaded at 4096x11008); short rows: two.
-        units = (1 if vk.plan(d["K"], d["G"])["KP"] > 4096 else 2) if d["bits"] == 4 else 4
+        # Rows of >= 2048 bytes: one unit per iteration. Two units read two code streams whose
+        # distance is a multiple of 1 KiB (K=2048: 2.4x slower at 11264x2048 and 2048x2048, 2 threads),
+        # and fewer streams suit the prefetchers; short rows (SmolLM2's K=576/1536): two.
+        units = (1 if vk.plan(d["K"], d["G"])["KP"] >= 2048 else 2) if d["bits"] == 4 else 4
         m = max(1, d["B"] * d["MM"])
         while units > 1 and (units * (2 if d["bits"] == 4 else 1) * m > MAX_ACC or units > self._units(d)):
             units //= 2
