@@ -102,16 +102,20 @@ def _check(label: str, value: float | None, goal: float, unit: str = "x") -> str
     return f"| {label} | {shown} | >= {goal_s} | {'yes' if value >= goal else '**no**'} |"
 
 
-def _overhead(name: str, px: dict[str, str], results: Path) -> float | None:
-    """Share of a generated token's time that no kernel accounts for (VM dispatch, Python, sampling):
-    1 - (kernel time per decode step in the profile) / (1 / decode tok/s of the timed run)."""
+def _overhead(name: str, px: dict[str, str], results: Path) -> tuple[float, float] | None:
+    """Upper bounds on a decode token's time outside kernels: (VM builtins' share of the plain VM step,
+    share of the timed token outside the VM call: Python, sampling). The builtins are timed under the
+    profile's instrumentation hook, which inflates them, hence upper bounds."""
     prof = results / f"profile_{name}.csv"
     if not prof.is_file() or not px.get("decode_tok_s"):
         return None
-    kern_us = sum(float(r["us_per_step"]) for r in _read(prof)
-                  if r["phase"] == "decode" and not r["kernel"].startswith("vm.builtin"))
-    step_us = 1e6 / float(px["decode_tok_s"])
-    return max(0.0, 1.0 - kern_us / step_us)
+    rows = [r for r in _read(prof) if r["phase"] == "decode"]
+    if not rows:
+        return None
+    plain_us = float(rows[0]["plain_step_ms"]) * 1e3
+    builtin_us = sum(float(r["us_per_step"]) for r in rows if r["kernel"].startswith("vm.builtin"))
+    token_us = 1e6 / float(px["decode_tok_s"])
+    return min(1.0, builtin_us / plain_us), max(0.0, 1.0 - plain_us / token_us)
 
 
 def targets_section(names: list[str], results: Path) -> list[str]:
@@ -147,8 +151,10 @@ def targets_section(names: list[str], results: Path) -> list[str]:
             out.append(_check(f"{name}: decode vs onnxruntime fp32", _ratio(px, rows["ort"], "decode_tok_s"), 2.0))
         ovh = _overhead(name, px, results)
         if ovh is not None:
-            out.append(f"| {name}: runtime overhead (not in any kernel) | {ovh * 100:.0f}% | < 10% | "
-                       f"{'yes' if ovh < 0.10 else '**no**'} |")
+            total = ovh[0] + ovh[1]
+            out.append(f"| {name}: runtime overhead (not in any kernel), upper bound | <= {total * 100:.0f}% "
+                       f"(VM builtins <= {ovh[0] * 100:.0f}%, outside the VM {ovh[1] * 100:.0f}%) | < 10% | "
+                       f"{'yes' if total < 0.10 else '**not shown**'} |")
     if four_bit:
         best_name, best = max(four_bit, key=lambda nr: float(nr[1]["decode_tok_s"]))
         px_best = max(
@@ -160,9 +166,10 @@ def targets_section(names: list[str], results: Path) -> list[str]:
         out.append(_check(f"SmolLM2 4-bit: best PerfX decode vs fastest 4-bit peer ({best['engine']}, {best_name})",
                           ratio, 1.2))
     out += ["", "Ratios are medians of per-round ratios where the bench records them (same round, same machine "
-            "state), else ratios of the medians. Runtime overhead = 1 - (sum of kernel times of a decode step in "
-            "the profile) / (time per token of the timed decode run); kernel times taken under instrumentation include "
-            "a few us of hook per call, so this is a lower bound.", ""]
+            "state), else ratios of the medians. Runtime overhead: the VM builtins' time per decode step in the "
+            "profile over the plain (uninstrumented) step, plus the share of a timed token spent outside the VM call "
+            "(Python, sampling); the builtins are timed under the instrumentation hook, which inflates them, so "
+            "this is an upper bound.", ""]
     return out
 
 
