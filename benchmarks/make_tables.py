@@ -290,6 +290,15 @@ def main(argv: list[str] | None = None) -> int:
         readme = readme.rstrip("\n") + "\n\n" + text
     README.write_text(readme)
     print(f"wrote {README}")
+    # The project README carries the summary table, between the same markers (numbers from the CSVs only).
+    main_readme = HERE.parent / "README.md"
+    text = main_readme.read_text()
+    if BEGIN in text and END in text:
+        names = _models(Path(args.results))
+        summary = "\n".join([BEGIN, "", *targets_section(names, Path(args.results)), END]) + "\n"
+        head, rest = text.split(BEGIN, 1)
+        main_readme.write_text(head + summary + rest.split(END, 1)[1].lstrip("\n"))
+        print(f"wrote {main_readme}")
     return 0
 
 
