@@ -258,9 +258,12 @@ def pack_linear_weights(
     out = relax.transform.DeadCodeElimination(exported(rewriter.builder_.get()))(rewriter.builder_.get())
     # A dequantize whose every call now writes panels is dead: drop it (DCE keeps PrimFuncs).
     called = {str(e.args[0].name_hint) for fn in exported(out) for e in _calls(out[fn])}
-    for gv, func in list(out.functions_items()):
-        if is_dequant(func) and gv.name_hint + PACKED_SUFFIX in variants and gv.name_hint not in called:
-            out = _without(out, gv)
+    dead = [gv for gv, func in out.functions_items()
+            if is_dequant(func) and gv.name_hint + PACKED_SUFFIX in variants and gv.name_hint not in called]
+    if dead:
+        out = out.clone()
+        for gv in dead:
+            del out[gv]
     return out, new_weights
 
 
@@ -271,11 +274,6 @@ def _calls(func: relax.Function) -> list[Any]:
         func, lambda e: found.append(e) if isinstance(e, relax.Call) and e.op.same_as(call_tir) else None
     )
     return found
-
-
-def _without(mod: tvm.IRModule, gv: Any) -> tvm.IRModule:
-    funcs = {g: f for g, f in mod.functions_items() if not g.same_as(gv)}
-    return tvm.IRModule(funcs, attrs=mod.attrs)
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
