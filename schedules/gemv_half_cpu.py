@@ -29,7 +29,7 @@ from perfx_compiler.schedule_template import (
     vector_lanes,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules.gemv_int4_cpu import panel_of
+from schedules.gemv_int4_cpu import panel_of, static_rows_of
 
 PRIORITY = 5  # before the float templates
 QUANT_ATTR = "perfx.quant"
@@ -228,7 +228,7 @@ class GemvHalfCPU(ScheduleTemplate):
         rows = None
         if kind in ("matmul", "round"):
             buf = func.params[0]
-            rows = _static_rows_of(buf)
+            rows = static_rows_of(buf)
         if kind == "matmul" and (rows is None or rows > GEMV_MAX_ROWS):
             return None  # the pass emits dequantize + float GEMM for many rows
         dims = {"N": N, "K": K, "L": _lanes(K, target), "M": rows or 0}
@@ -301,16 +301,6 @@ class GemvHalfCPU(ScheduleTemplate):
         else:
             kernel = _gemv(N, K, family, info["act"], L, tasks, int(config["rows"]), int(config["accum"]))
         return _like(kernel, func)
-
-
-def _static_rows_of(buf: Any) -> int | None:
-    rows = 1
-    for dim in list(buf.shape)[:2]:
-        v = getattr(dim, "value", None)
-        if not isinstance(v, int):
-            return None
-        rows *= v
-    return rows
 
 
 TEMPLATE = GemvHalfCPU()

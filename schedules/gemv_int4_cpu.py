@@ -47,9 +47,8 @@ def _info(func: Any) -> dict[str, Any] | None:
     return info if info.get("bits") == 4 and info.get("layout") is None else None
 
 
-def _static_rows(func: Any, kind: str) -> int | None:
-    """Product of the two leading dims of x (matmul) / ids (take) when static."""
-    buf = func.params[0] if kind == "matmul" else func.params[3]
+def static_rows_of(buf: Any) -> int | None:
+    """Product of a buffer's two leading dims when static (rows of a decode GEMV / gather), else None."""
     rows = 1
     for d in list(buf.shape)[:2]:
         v = getattr(d, "value", None)
@@ -57,6 +56,11 @@ def _static_rows(func: Any, kind: str) -> int | None:
             return None
         rows *= v
     return rows
+
+
+def _static_rows(func: Any, kind: str) -> int | None:
+    """Rows of x (matmul) / ids (take, after the three packed arrays) when static."""
+    return static_rows_of(func.params[0] if kind == "matmul" else func.params[3])
 
 
 def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool = False) -> Any:
@@ -284,7 +288,7 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False) -> Any:
     return q4_take
 
 
-def _rows_divisor(n: int, want: int) -> int:
+def rows_divisor(n: int, want: int) -> int:
     for r in (want, 16, 8, 4, 2, 1):
         if r <= want and n % r == 0:
             return r
@@ -316,7 +320,7 @@ class GemvInt4CPU(ScheduleTemplate):
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
         # A few tasks per core balance the rows; each task allocates its accumulators once.
-        return {"tasks": _rows_divisor(workload.dims["N"], 16)}
+        return {"tasks": rows_divisor(workload.dims["N"], 16)}
 
     def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
         d = workload.dims
@@ -324,7 +328,7 @@ class GemvInt4CPU(ScheduleTemplate):
         if N % int(config.get("tasks", 1)) or K % (8 * L) or G % L:
             raise ScheduleConfigError(f"invalid int4 config {config} for {d}")
         kind = workload.info.get("kind", "matmul")
-        tasks = int(config.get("tasks", _rows_divisor(N, 16)))
+        tasks = int(config.get("tasks", rows_divisor(N, 16)))
         offset = bool(workload.info.get("offset"))
         if kind == "take":
             kernel = _take(N, K, G, L, offset)

@@ -22,7 +22,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules.gemv_int4_cpu import panel_of
+from schedules.gemv_int4_cpu import panel_of, rows_divisor, static_rows_of
 
 PRIORITY = 5
 QUANT_ATTR = "perfx.quant"
@@ -169,22 +169,9 @@ def _take(N: int, K: int, G: int, L: int) -> Any:
     return q8_take
 
 
-def _rows_divisor(n: int, want: int) -> int:
-    for r in (want, 16, 8, 4, 2, 1):
-        if r <= want and n % r == 0:
-            return r
-    return 1
-
-
 def _static_rows(func: Any, kind: str) -> int | None:
-    buf = func.params[0] if kind == "matmul" else func.params[2]
-    rows = 1
-    for d in list(buf.shape)[:2]:
-        v = getattr(d, "value", None)
-        if not isinstance(v, int):
-            return None
-        rows *= v
-    return rows
+    """Rows of x (matmul) / ids (take, after the two packed arrays) when static."""
+    return static_rows_of(func.params[0] if kind == "matmul" else func.params[2])
 
 
 class GemvInt8CPU(ScheduleTemplate):
@@ -208,14 +195,14 @@ class GemvInt8CPU(ScheduleTemplate):
         return {"tasks": [t for t in (2, 4, 8, 16, 32, 64) if N % t == 0]}
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
-        return {"tasks": _rows_divisor(workload.dims["N"], 16)}
+        return {"tasks": rows_divisor(workload.dims["N"], 16)}
 
     def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
         from schedules.gemv_int4_cpu import _like
 
         d = workload.dims
         N, K, G, L = d["N"], d["K"], d["G"], d["L"]
-        tasks = int(config.get("tasks", _rows_divisor(N, 16)))
+        tasks = int(config.get("tasks", rows_divisor(N, 16)))
         if N % tasks or K % G or G % L:
             raise ScheduleConfigError(f"invalid int8 config {config} for {d}")
         kind = workload.info.get("kind", "matmul")
