@@ -234,5 +234,7 @@ def test_smollm2_bf16_activations_match_reference_with_same_rounding(smol_half, 
     ref64 = precision_reference(weights_only, "bf16").forward(ids)
     ref32 = precision_reference(weights_only, "bf16", np.float32).forward(ids).astype(np.float64)
     flips = rel(ref32, ref64)
-    assert 1e-4 < flips < 3e-2, flips  # fp32 vs fp64 rounding flips: far above fp32 noise (1e-6)
+    # fp32 vs fp64 rounding flips: far above fp32 noise (1e-6). Heavy-tailed over random prompts
+    # (12 seeds: 0.007-0.013, one at 0.044), so the upper bound only catches a broken reference.
+    assert 1e-4 < flips < 0.1, flips
     assert rel(got, ref64) < 4 * flips, (rel(got, ref64), flips)
