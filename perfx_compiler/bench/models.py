@@ -16,10 +16,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from perfx_compiler.errors import PerfXError
 
 # Random-weight TinyLlama-1.1B dimensions (untied output, as in the real model).
 TINYLLAMA_DIMS = dict(hidden=2048, layers=22, heads=32, kv_heads=4, ffn=5632, vocab=32000, tied=False)
+# Random-weight Llama-2-7B dimensions (multi-head attention, untied output).
+LLAMA2_7B_DIMS = dict(hidden=4096, layers=32, heads=32, kv_heads=32, ffn=11008, vocab=32000, tied=False)
 
 
 def resolve_model(spec: str) -> Path:
@@ -95,6 +99,82 @@ def write_random_tinyllama(path: str | Path, qtype: str = "F16", seed: int = 0) 
         context_length=2048,
     )
     return Path(out)
+
+
+def write_random_q4_0(path: str | Path, dims: dict[str, Any], seed: int = 0, log: Any = print) -> Path:
+    """A "pure" Q4_0 random-weight GGUF (every matrix Q4_0, norms F32) written block by block.
+
+    Random Q4_0 blocks (small f16 scale, uniform codes) go straight to the file one tensor at a
+    time, so a 7B file (3.6 GiB) is written without a float copy (an F16 file + llama.cpp's
+    quantizer would need 13 GB of disk and as much memory to write). Speed does not depend on the
+    weight values; the metadata and vocabulary are the tiny test model's (byte-level BPE)."""
+    import gguf
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from perfx_compiler.model.description import ModelConfig, expected_weight_shapes
+    from perfx_compiler.model.testing import CHATML_TEMPLATE, _gguf_name, tiny_vocab
+
+    d = dims
+    tokens, types, merges = tiny_vocab(d["vocab"])
+    cfg = ModelConfig(
+        architecture="llama", vocab_size=len(tokens), hidden_size=d["hidden"], intermediate_size=d["ffn"],
+        num_layers=d["layers"], num_heads=d["heads"], num_kv_heads=d["kv_heads"],
+        head_dim=d["hidden"] // d["heads"], tie_word_embeddings=d["tied"],
+    )
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name("random-llama")
+    w.add_context_length(4096)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(len(tokens))
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_0))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+    q4 = GGMLQuantizationType.Q4_0
+    block, size = GGML_QUANT_SIZES[q4]
+    shapes = expected_weight_shapes(cfg)
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            w.add_tensor_info(_gguf_name(name), shape, np.dtype(np.float32), 4 * shape[0])
+        else:
+            nbytes = shape[0] * shape[1] // block * size
+            w.add_tensor_info(_gguf_name(name), (shape[0], shape[1] // block * size), np.dtype(np.uint8), nbytes, q4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(seed)
+    from tqdm import tqdm
+
+    for shape in tqdm(shapes.values(), desc="write random Q4_0", unit="tensor", disable=log is None):
+        if len(shape) == 1:
+            w.write_tensor_data((1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+            continue
+        nb = shape[0] * shape[1] // block
+        raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
+        # scale ~ 0.05 / sqrt(K) * N(0,1)-ish: activations stay finite through 32 layers
+        d16 = (rng.random(nb, dtype=np.float32) * (0.2 / np.sqrt(shape[1]))).astype(np.float16)
+        raw[:, :2] = d16.view(np.uint8).reshape(nb, 2)
+        w.write_tensor_data(raw.reshape(shape[0], -1))
+        del raw
+    w.close()
+    tmp.rename(path)
+    return path
 
 
 # ----------------------------------------------------------------------------------------- PerfX
