@@ -1,0 +1,388 @@
+"""x86 AVX-512 VNNI GEMM for quantized linears with int8 activations and many rows (prefill
+chunks): functions tagged ``perfx.quant`` with ``layout: vnni``, ``kind: matmul`` and symbolic
+rows (or static rows > 8; the GEMV template ``gemv_qvnni_cpu`` takes decode's <= 8). Formats:
+GGUF Q4_0 / Q4_1 / Q8_0 and PerfX's q4_g32/64/128 (sym and asym) and q8, in the weight layout of
+``perfx_compiler/passes/_qvnni.py`` (the decode GEMV's: one copy of the weights serves both).
+
+One call (``y = dequant(W) @ xq``, xq = x quantized to int8 per row and weight group):
+
+1. Activations, once per GEMM (parallel over rows): per row and group ``dx = amax/127``,
+   ``q = round(x * 127/amax)`` (int8), ``sum(q)``; exactly ``_qvnni.quantize_activations``.
+2. Parallel over blocks of ``nr`` column tiles (16 output columns each). A block first repacks
+   its weights from the row layout into a thread-local panel in the layout ``vpdpbusd`` wants
+   for a GEMM: per 4 (int8) / 8 (int4) columns of K, one 64-byte vector holding 16 output
+   columns x 4 consecutive k (int4: k..k+3 in the low nibbles, k+4..k+7 in the high ones), and
+   the block's scales as float32 vectors of 16 columns. The panel (K * nr * 8 bytes for int4)
+   stays in L2 while every row tile reuses it.
+3. Row tiles of ``mr`` rows: per weight group, ``mr x nr`` int32 accumulators start at the
+   format's offset term (``-8 sum(q)`` Q4_0, ``-128 sum(q)`` int8, ``-z sum(q)`` asym int4) and
+   take ``G/4`` ``vpdpbusd`` each (a 64-byte weight vector times a broadcast dword of 4 int8
+   activations: 16 columns x 4 k per instruction, no horizontal sums); then one int->float
+   conversion and one FMA with ``s_w * dx`` (Q4_1 adds ``min * dx * sum(q)``).
+
+``prepacked=True`` builds the same GEMM reading panels made at compile time (``prepack``) instead
+of repacking per call: the benchmark compares the two (the model uses the in-call repack, which
+keeps one copy of the weights).
+
+Knobs: ``mr`` (rows per tile), ``nr`` (16-column tiles per block; ``2 mr nr`` accumulators must
+fit the 32 zmm registers with the weight vectors), ``tasks`` (parallel chunks of blocks).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from perfx_compiler.passes._qvnni import has_avx512_vnni
+from perfx_compiler.schedule_template import (
+    ScheduleConfigError,
+    ScheduleTemplate,
+    Workload,
+    is_cpu_target,
+    make_workload,
+)
+from perfx_compiler.targets import TargetDescription
+from schedules._vnni_kernels import plan
+from schedules.gemv_int4_cpu import _like
+
+PRIORITY = 3  # before gemv_qvnni_cpu, which rejects rows it cannot hold
+QUANT_ATTR = "perfx.quant"
+GEMV_MAX_ROWS = 8
+MAX_ZMM = 28  # 2 mr nr accumulators + the weight vectors of one step (32 zmm, some left to LLVM)
+
+
+def _info(func: Any) -> dict[str, Any] | None:
+    attrs = func.attrs
+    if attrs is None or QUANT_ATTR not in attrs:
+        return None
+    try:
+        info = json.loads(str(attrs[QUANT_ATTR]))
+    except ValueError:
+        return None
+    ok = info.get("layout") == "vnni" and info.get("bits") in (4, 8) and info.get("kind", "matmul") == "matmul"
+    return info if ok else None
+
+
+def _static_rows(func: Any) -> int | None:
+    dims = [getattr(d, "value", None) for d in list(func.params[0].shape)[:2]]
+    return dims[0] * dims[1] if all(isinstance(d, int) for d in dims) else None
+
+
+def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, nr: int, tasks: int,
+           prepacked: bool = False) -> Any:
+    """The GEMM PrimFunc (x, q, scale[, zero|min], y) for one configuration; with ``prepacked``
+    (x, panels, panel_scales[, panel_zero|panel_min], y) over ``prepack``'s arrays."""
+    from tvm.script import tirx as T
+
+    KP = plan(K, G)["KP"]
+    NGP = plan(K, G)["NGP"]
+    NG = -(-KP // G)  # groups over the padded row (the last may be short when G > 64)
+    pair = bits == 4
+    KS = 8 if pair else 4  # k per 64-byte panel vector (per tile)
+    S = KP // KS  # panel steps per row
+    NT = N // 16  # column tiles
+    NB = -(-NT // nr)  # blocks
+    BPT = -(-NB // tasks)
+    N2 = N + N % 2 if pair else N
+    QW = N2 // 2 if pair else N
+    ZT = "float16" if offset else "uint8"
+    zconst = 8 if bits == 4 else 128
+    asym = pair and not sym and not offset
+    GV = G // 16
+
+    def steps(g: int) -> int:
+        return (min(KP, (g + 1) * G) - g * G) // KS
+
+    def vdot(acc: Any, w: Any, x: Any) -> Any:
+        return T.call_llvm_pure_intrin(
+            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"), acc, w, x, dtype="int32x16")
+
+    @T.macro
+    def quantize(X, XQ, DX, SQ, MM, M):
+        # 1. int8 activations per row and group (x beyond K counts as 0), once per call
+        for bm in T.parallel(M):
+            mx = T.decl_buffer((16,), "float32", scope="local")
+            sm = T.decl_buffer((16,), "int32", scope="local")
+            inv = T.decl_buffer((1,), "float32", scope="local")
+            for g in T.serial(NG):
+                for ln in T.vectorized(16):
+                    mx[ln] = T.float32(0)
+                    sm[ln] = 0
+                for c in T.serial(GV):
+                    if g * G + c * 16 < K:
+                        for ln in T.vectorized(16):
+                            mx[ln] = T.max(mx[ln], T.fabs(X[bm // MM, bm % MM, g * G + c * 16 + ln]))
+                for ln in T.serial(15):
+                    mx[0] = T.max(mx[0], mx[ln + 1])
+                DX[bm * NG + g] = mx[0] / T.float32(127)
+                inv[0] = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
+                for c in T.serial(GV):
+                    if g * G + c * 16 < KP:
+                        if g * G + c * 16 < K:
+                            for ln in T.vectorized(16):
+                                XQ[bm * KP + g * G + c * 16 + ln] = T.Cast(
+                                    "int8", T.round(X[bm // MM, bm % MM, g * G + c * 16 + ln] * inv[0]))
+                                sm[ln] = sm[ln] + T.Cast("int32", XQ[bm * KP + g * G + c * 16 + ln])
+                        else:
+                            for ln in T.vectorized(16):
+                                XQ[bm * KP + g * G + c * 16 + ln] = T.int8(0)
+                for ln in T.serial(15):
+                    sm[0] = sm[0] + sm[ln + 1]
+                SQ[bm * NG + g] = sm[0]
+
+    @T.macro
+    def repack(Q32, Sc, Z, PK, SP, ZP, n0):
+        # 2. this block's weights as panel vectors: word (s, t, c) = 4 codes of column n0+16t+c
+        for s in T.serial(S):
+            for t in T.unroll(nr):
+                for c in T.unroll(16):
+                    if pair:
+                        PK[(s * nr + t) * 16 + c] = (
+                            T.shift_right(Q32[(n0 + t * 16 + c) // 2, 2 * s], T.uint32((c % 2) * 4))
+                            & T.uint32(0x0F0F0F0F)) | T.shift_left(
+                            T.shift_right(Q32[(n0 + t * 16 + c) // 2, 2 * s + 1], T.uint32((c % 2) * 4))
+                            & T.uint32(0x0F0F0F0F), T.uint32(4))
+                    else:
+                        PK[(s * nr + t) * 16 + c] = Q32[n0 + t * 16 + c, s]
+        for g in T.serial(NG):
+            for t in T.unroll(nr):
+                for c in T.serial(16):
+                    SP[(g * nr + t) * 16 + c] = T.Cast("float32", Sc[n0 + t * 16 + c, g])
+                    if offset:
+                        ZP[(g * nr + t) * 16 + c] = T.reinterpret("int32", T.Cast("float32", Z[n0 + t * 16 + c, g]))
+                    elif asym:
+                        ZP[(g * nr + t) * 16 + c] = T.Cast("int32", Z[n0 + t * 16 + c, g])
+
+    @T.macro
+    def tiles(XQ32, DX, SQ, PKB, SPB, ZPB, Y, MM, M, n0, wbase, sbase):
+        # 3. mr x nr register tiles over the block's panel: word (s, t, c) at wbase + (s nr + t) 16 + c,
+        # scales of group g at sbase + (g nr + t) 16 + c
+        acc = T.decl_buffer((mr * nr * 16,), "float32", scope="local")
+        ia = T.decl_buffer((mr * nr * 16,), "int32", scope="local")
+        for mt in T.serial((M + mr - 1) // mr):
+            for j in T.unroll(mr * nr):
+                acc[T.Ramp(j * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for g in T.serial(NG):
+                for i in T.unroll(mr):
+                    for t in T.unroll(nr):
+                        if offset:
+                            ia[T.Ramp((i * nr + t) * 16, 1, 16)] = T.Broadcast(T.int32(0), 16)
+                        elif asym:
+                            ia[T.Ramp((i * nr + t) * 16, 1, 16)] = T.Broadcast(T.int32(0), 16) - ZPB.vload(
+                                [sbase + g * nr * 16 + t * 16], "int32x16") * T.Broadcast(
+                                SQ[T.min(mt * mr + i, M - 1) * NG + g], 16)
+                        else:
+                            ia[T.Ramp((i * nr + t) * 16, 1, 16)] = T.Broadcast(
+                                SQ[T.min(mt * mr + i, M - 1) * NG + g] * T.int32(-zconst), 16)
+                if g * G + G <= KP:
+                    for s in T.unroll(G // KS):
+                        for t in T.unroll(nr):
+                            for h in T.unroll(2 if pair else 1):
+                                for i in T.unroll(mr):
+                                    ia[T.Ramp((i * nr + t) * 16, 1, 16)] = vdot(
+                                        ia.vload([(i * nr + t) * 16], "int32x16"),
+                                        T.shift_right(
+                                            T.reinterpret("uint8x64", PKB.vload(
+                                                [wbase + (g * (G // KS) + s) * nr * 16 + t * 16], "uint32x16")),
+                                            T.Broadcast(T.uint8(4 * h), 64)) & T.Broadcast(
+                                            T.uint8(15 if pair else 255), 64),
+                                        T.reinterpret("int8x64", T.Broadcast(
+                                            XQ32[T.min(mt * mr + i, M - 1) * (KP // 4) + (g * G + s * KS) // 4 + h],
+                                            16)))
+                else:
+                    for s in T.unroll(steps(NG - 1)):
+                        for t in T.unroll(nr):
+                            for h in T.unroll(2 if pair else 1):
+                                for i in T.unroll(mr):
+                                    ia[T.Ramp((i * nr + t) * 16, 1, 16)] = vdot(
+                                        ia.vload([(i * nr + t) * 16], "int32x16"),
+                                        T.shift_right(
+                                            T.reinterpret("uint8x64", PKB.vload(
+                                                [wbase + ((NG - 1) * (G // KS) + s) * nr * 16 + t * 16], "uint32x16")),
+                                            T.Broadcast(T.uint8(4 * h), 64)) & T.Broadcast(
+                                            T.uint8(15 if pair else 255), 64),
+                                        T.reinterpret("int8x64", T.Broadcast(
+                                            XQ32[T.min(mt * mr + i, M - 1) * (KP // 4) + ((NG - 1) * G + s * KS) // 4 + h],
+                                            16)))
+                for i in T.unroll(mr):
+                    for t in T.unroll(nr):
+                        acc[T.Ramp((i * nr + t) * 16, 1, 16)] = acc.vload([(i * nr + t) * 16], "float32x16") + T.Cast(
+                            "float32x16", ia.vload([(i * nr + t) * 16], "int32x16")) * (
+                            SPB.vload([sbase + g * nr * 16 + t * 16], "float32x16")
+                            * T.Broadcast(DX[T.min(mt * mr + i, M - 1) * NG + g], 16))
+                        if offset:
+                            acc[T.Ramp((i * nr + t) * 16, 1, 16)] = acc.vload(
+                                [(i * nr + t) * 16], "float32x16") + T.reinterpret(
+                                "float32x16", ZPB.vload([sbase + g * nr * 16 + t * 16], "int32x16")) * T.Broadcast(
+                                DX[T.min(mt * mr + i, M - 1) * NG + g]
+                                * T.Cast("float32", SQ[T.min(mt * mr + i, M - 1) * NG + g]), 16)
+            for i in T.unroll(mr):
+                for t in T.unroll(nr):
+                    Y[T.min(mt * mr + i, M - 1) // MM, T.min(mt * mr + i, M - 1) % MM,
+                      T.Ramp(n0 + t * 16, 1, 16)] = acc.vload([(i * nr + t) * 16], "float32x16")
+
+    @T.macro
+    def body(X, Q, Sc, Z, Y, B, MM):
+        XQ = T.decl_buffer((B * MM * KP,), "int8")
+        XQ32 = T.decl_buffer((B * MM * (KP // 4),), "int32", data=XQ.data)
+        DX = T.decl_buffer((B * MM * NG,), "float32")
+        SQ = T.decl_buffer((B * MM * NG,), "int32")
+        quantize(X, XQ, DX, SQ, MM, B * MM)
+        Q32 = T.decl_buffer((QW, KP // 4), "uint32", data=Q.data)
+        for tk in T.parallel(tasks):
+            PK = T.decl_buffer((S * nr * 16,), "uint32")
+            SP = T.decl_buffer((NG * nr * 16,), "float32")
+            ZP = T.decl_buffer((NG * nr * 16,), "int32")
+            for bb in T.serial(BPT):
+                if tk * BPT + bb < NB:
+                    repack(Q32, Sc, Z, PK, SP, ZP, T.min((tk * BPT + bb) * nr, NT - nr) * 16)
+                    tiles(XQ32, DX, SQ, PK, SP, ZP, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16, 0, 0)
+
+    @T.macro
+    def body_pre(X, P, SPg, ZPg, Y, B, MM):
+        XQ = T.decl_buffer((B * MM * KP,), "int8")
+        XQ32 = T.decl_buffer((B * MM * (KP // 4),), "int32", data=XQ.data)
+        DX = T.decl_buffer((B * MM * NG,), "float32")
+        SQ = T.decl_buffer((B * MM * NG,), "int32")
+        quantize(X, XQ, DX, SQ, MM, B * MM)
+        # panels [NB, S, nr, 16] words and scales [NB, NG, nr, 16] (``prepack``)
+        for tk in T.parallel(tasks):
+            for bb in T.serial(BPT):
+                if tk * BPT + bb < NB:
+                    tiles(XQ32, DX, SQ, P, SPg, ZPg, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
+                          (tk * BPT + bb) * (S * nr * 16), (tk * BPT + bb) * (NG * nr * 16))
+
+    if prepacked:
+
+        @T.prim_func(private=True)
+        def qv_gemm_pre(x_h: T.handle, p_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            B = T.int64()
+            MM = T.int64()
+            X = T.match_buffer(x_h, (B, MM, T.int64(K)), "float32")
+            P = T.match_buffer(p_h, (T.int64(NB * S * nr * 16),), "uint32")
+            SPg = T.match_buffer(s_h, (T.int64(NB * NG * nr * 16),), "float32")
+            ZPg = T.match_buffer(z_h, (T.int64(NB * NG * nr * 16),), "int32")
+            Y = T.match_buffer(y_h, (B, MM, T.int64(N)), "float32")
+            body_pre(X, P, SPg, ZPg, Y, B, MM)
+
+        return qv_gemm_pre
+
+    if pair:
+
+        @T.prim_func(private=True)
+        def qv_gemm4(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            B = T.int64()
+            MM = T.int64()
+            X = T.match_buffer(x_h, (B, MM, T.int64(K)), "float32")
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            Y = T.match_buffer(y_h, (B, MM, T.int64(N)), "float32")
+            body(X, Q, Sc, Z, Y, B, MM)
+
+        return qv_gemm4
+
+    @T.prim_func(private=True)
+    def qv_gemm8(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        B = T.int64()
+        MM = T.int64()
+        X = T.match_buffer(x_h, (B, MM, T.int64(K)), "float32")
+        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+        Y = T.match_buffer(y_h, (B, MM, T.int64(N)), "float32")
+        body(X, Q, Sc, Sc, Y, B, MM)
+
+    return qv_gemm8
+
+
+def prepack(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, arrays: list[np.ndarray],
+            nr: int) -> list[np.ndarray]:
+    """The ``prepacked`` kernel's arrays (panels, scales, zero|min) from the row layout's ones:
+    what the in-call repack writes per block, made once (a compile-time repack)."""
+    from perfx_compiler.passes._qvnni import unpack_q4_pairs
+
+    p = plan(K, G)
+    KP = p["KP"]
+    NG = -(-KP // G)
+    NT = N // 16
+    NB = -(-NT // nr)
+    if bits == 4:
+        c = unpack_q4_pairs(arrays[0], N, KP).reshape(N, KP // 8, 2, 4)
+        words = np.ascontiguousarray(c[:, :, 0, :] | (c[:, :, 1, :] << np.uint8(4))).view(np.uint32)[..., 0]
+    else:
+        words = np.ascontiguousarray(arrays[0][:N]).view(np.uint32)
+    sc = arrays[1][:N, :NG].astype(np.float32)
+    if offset:
+        zp = arrays[2][:N, :NG].astype(np.float32).view(np.int32)
+    elif bits == 4 and not sym:
+        zp = arrays[2][:N, :NG].astype(np.int32)
+    else:
+        zp = np.zeros((N, NG), np.int32)
+    starts = [min(b * nr, NT - nr) * 16 for b in range(NB)]
+
+    def blocks(a: np.ndarray) -> np.ndarray:  # [N, X] -> [NB, X, nr, 16]
+        out = np.stack([a[s: s + nr * 16].reshape(nr, 16, -1).transpose(2, 0, 1) for s in starts])
+        return np.ascontiguousarray(out).reshape(-1)
+
+    return [blocks(words), blocks(sc), blocks(zp)]
+
+
+class GemmQVnniCPU(ScheduleTemplate):
+    name = "gemm_qvnni_cpu"
+    version = 1
+
+    def match(self, func: Any, target: TargetDescription) -> Workload | None:
+        if not is_cpu_target(target) or not has_avx512_vnni(target):
+            return None
+        info = _info(func)
+        if info is None or int(info["N"]) % 16:
+            return None
+        rows = _static_rows(func)
+        if rows is not None and rows <= GEMV_MAX_ROWS:
+            return None  # decode: the GEMV template's
+        dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "bits": int(info["bits"])}
+        return make_workload(self.name, func, target, dims, symbolic=None if rows else "M",
+                             info={"sym": bool(info.get("sym")), "offset": bool(info.get("offset"))},
+                             version=self.version)
+
+    def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
+        nt = workload.dims["N"] // 16
+        return {"mr": [1, 2, 4, 6, 8], "nr": [n for n in (1, 2, 3, 4) if n <= nt],
+                "tasks": [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= nt]}
+
+    def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
+        nt = workload.dims["N"] // 16
+        nr = 2 if nt >= 2 else 1
+        return {"mr": 4, "nr": nr, "tasks": min(32, -(-nt // nr))}
+
+    def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
+        return self._why_invalid(workload, config) is None
+
+    def _why_invalid(self, workload: Workload, config: dict[str, Any]) -> str | None:
+        d = workload.dims
+        mr, nr, tasks = (int(config.get(k, 0)) for k in ("mr", "nr", "tasks"))
+        if mr < 1 or nr < 1 or tasks < 1:
+            return "mr, nr and tasks must be >= 1"
+        if nr > d["N"] // 16:
+            return f"nr={nr} tiles of 16 columns exceed N={d['N']}"
+        wv = 2 * nr if d["bits"] == 4 else nr
+        if 2 * mr * nr + wv > MAX_ZMM:
+            return f"mr={mr} x nr={nr} needs {2 * mr * nr + wv} zmm registers (> {MAX_ZMM})"
+        return None
+
+    def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
+        why = self._why_invalid(workload, config)
+        if why is not None:
+            raise ScheduleConfigError(f"invalid VNNI GEMM config {config} for {workload.dims}: {why}")
+        d, info = workload.dims, workload.info
+        k = kernel(d["bits"], d["N"], d["K"], d["G"], info["sym"], info["offset"], int(config["mr"]),
+                   int(config["nr"]), int(config["tasks"]))
+        return _like(k, func)
+
+
+TEMPLATE = GemmQVnniCPU()
