@@ -16,6 +16,8 @@ from typing import Any
 
 from tvm.script import tirx as T
 
+from perfx_compiler.passes._kernels import norm_rows_func
+
 
 def rms_norm_threads(hidden: int, max_threads: int = 256) -> int:
     """Power-of-two block size: enough threads for about 4 columns each, at most ``max_threads``."""
@@ -34,52 +36,8 @@ def rms_norm_kernel_gpu(hidden: int, eps: float, residual: bool, threads: int = 
     PER = -(-H // TX)  # columns per thread (the last pass is guarded)
     inv_h = 1.0 / H
 
-    if residual:
-
-        @T.prim_func(private=True)
-        def add_rms_norm_gpu(a_h: T.handle, b_h: T.handle, w_h: T.handle, s_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            bsz = T.int64()
-            n = T.int64()
-            A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
-            B = T.match_buffer(b_h, (bsz, n, T.int64(H)), "float32")
-            W = T.match_buffer(w_h, (T.int64(H),), "float32")
-            S = T.match_buffer(s_h, (bsz, n, T.int64(H)), "float32")
-            Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
-            for r in T.thread_binding(n, thread="blockIdx.x"):
-                for b in T.thread_binding(bsz, thread="blockIdx.y"):
-                    for tx in T.thread_binding(T.int64(TX), thread="threadIdx.x"):
-                        red = T.decl_buffer((TX,), "float32", scope="shared")
-                        acc = T.decl_buffer((1,), "float32", scope="local")
-                        acc[0] = T.float32(0)
-                        for i in T.serial(PER):
-                            c: T.let[T.int64] = T.int64(i * TX) + tx
-                            if c < T.int64(H):
-                                S[b, r, c] = A[b, r, c] + B[b, r, c]
-                                acc[0] = acc[0] + S[b, r, c] * S[b, r, c]
-                        red[tx] = acc[0]
-                        T.tvm_storage_sync("shared")
-                        for k in T.serial(STEPS):
-                            stride: T.let[T.int64] = T.shift_right(T.int64(TX // 2), T.Cast("int64", k))
-                            if tx < stride:
-                                red[tx] = red[tx] + red[tx + stride]
-                            T.tvm_storage_sync("shared")
-                        rs: T.let[T.float32] = T.sqrt(red[0] * T.float32(inv_h) + T.float32(eps))
-                        for i in T.serial(PER):
-                            c: T.let[T.int64] = T.int64(i * TX) + tx
-                            if c < T.int64(H):
-                                Out[b, r, c] = S[b, r, c] / rs * W[c]
-
-        return add_rms_norm_gpu
-
-    @T.prim_func(private=True)
-    def rms_norm_gpu(a_h: T.handle, w_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        bsz = T.int64()
-        n = T.int64()
-        A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
-        W = T.match_buffer(w_h, (T.int64(H),), "float32")
-        Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
+    @T.macro
+    def rows(A, B, S, W, G, Out, bsz, n):  # noqa: ANN001, ARG001 - TVMScript macro; S is the row (A without residual)
         for r in T.thread_binding(n, thread="blockIdx.x"):
             for b in T.thread_binding(bsz, thread="blockIdx.y"):
                 for tx in T.thread_binding(T.int64(TX), thread="threadIdx.x"):
@@ -89,7 +47,9 @@ def rms_norm_kernel_gpu(hidden: int, eps: float, residual: bool, threads: int = 
                     for i in T.serial(PER):
                         c: T.let[T.int64] = T.int64(i * TX) + tx
                         if c < T.int64(H):
-                            acc[0] = acc[0] + A[b, r, c] * A[b, r, c]
+                            if residual:
+                                S[b, r, c] = A[b, r, c] + B[b, r, c]
+                            acc[0] = acc[0] + S[b, r, c] * S[b, r, c]
                     red[tx] = acc[0]
                     T.tvm_storage_sync("shared")
                     for k in T.serial(STEPS):
@@ -101,6 +61,6 @@ def rms_norm_kernel_gpu(hidden: int, eps: float, residual: bool, threads: int = 
                     for i in T.serial(PER):
                         c: T.let[T.int64] = T.int64(i * TX) + tx
                         if c < T.int64(H):
-                            Out[b, r, c] = A[b, r, c] / rs * W[c]
+                            Out[b, r, c] = S[b, r, c] / rs * W[c]
 
-    return rms_norm_gpu
+    return norm_rows_func(H, residual, rows)

@@ -22,17 +22,43 @@ def vector_width(n: int, lanes: int = 16) -> int:
     return 1
 
 
-def rms_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) -> Any:
-    """``(a [+ b]) / sqrt(mean(x^2) + eps) * w`` over rows of [batch, n, hidden].
-
-    With ``residual`` the kernel takes (a, b, w) and returns (a + b, normalized): the residual
-    stream is written once and reused for the sum of squares while still in cache.
-    """
+def norm_rows_func(hidden: int, residual: bool, body: Any, bias: bool = False) -> Any:
+    """The PrimFunc of a row normalization over [batch, n, hidden] whose loop nest is the TVMScript
+    macro ``body(A, B, S, W, G, Out, bsz, n)``: one signature for every norm kernel (CPU and GPU,
+    RMSNorm and LayerNorm). Arguments are ``(a, [b,] w, [beta,] [s,] out)``: with ``residual`` the
+    sum ``a + b`` is written to ``s``; without it ``body`` gets ``A`` for ``B`` and ``S`` (it must
+    not read them then), and ``W`` for ``G`` when there is no ``bias``."""
     H = hidden
-    L = vector_width(H, lanes)
-    C = H // L
-    inv_h = 1.0 / H
+    if residual and bias:
 
+        @T.prim_func(private=True)
+        def add_layer_norm(a_h: T.handle, b_h: T.handle, w_h: T.handle, g_h: T.handle, s_h: T.handle, o_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            bsz = T.int64()
+            n = T.int64()
+            A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
+            B = T.match_buffer(b_h, (bsz, n, T.int64(H)), "float32")
+            W = T.match_buffer(w_h, (T.int64(H),), "float32")
+            G = T.match_buffer(g_h, (T.int64(H),), "float32")
+            S = T.match_buffer(s_h, (bsz, n, T.int64(H)), "float32")
+            Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
+            body(A, B, S, W, G, Out, bsz, n)
+
+        return add_layer_norm
+    if bias:
+
+        @T.prim_func(private=True)
+        def layer_norm(a_h: T.handle, w_h: T.handle, g_h: T.handle, o_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            bsz = T.int64()
+            n = T.int64()
+            A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
+            W = T.match_buffer(w_h, (T.int64(H),), "float32")
+            G = T.match_buffer(g_h, (T.int64(H),), "float32")
+            Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
+            body(A, A, A, W, G, Out, bsz, n)
+
+        return layer_norm
     if residual:
 
         @T.prim_func(private=True)
@@ -45,24 +71,7 @@ def rms_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) ->
             W = T.match_buffer(w_h, (T.int64(H),), "float32")
             S = T.match_buffer(s_h, (bsz, n, T.int64(H)), "float32")
             Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
-            for b in T.serial(bsz):
-                for r in T.serial(n):
-                    acc = T.decl_buffer((L,), "float32", scope="local")
-                    tot = T.decl_buffer((1,), "float32", scope="local")
-                    for lane in T.vectorized(L):
-                        acc[lane] = T.float32(0)
-                    for c in T.serial(C):
-                        for lane in T.vectorized(L):
-                            S[b, r, c * L + lane] = A[b, r, c * L + lane] + B[b, r, c * L + lane]
-                        for lane in T.vectorized(L):
-                            acc[lane] = acc[lane] + S[b, r, c * L + lane] * S[b, r, c * L + lane]
-                    tot[0] = T.float32(0)
-                    for lane in T.serial(L):
-                        tot[0] = tot[0] + acc[lane]
-                    tot[0] = T.sqrt(tot[0] * T.float32(inv_h) + T.float32(eps))
-                    for c in T.serial(C):
-                        for lane in T.vectorized(L):
-                            Out[b, r, c * L + lane] = S[b, r, c * L + lane] / tot[0] * W[c * L + lane]
+            body(A, B, S, W, W, Out, bsz, n)
 
         return add_rms_norm
 
@@ -74,6 +83,24 @@ def rms_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) ->
         A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
         W = T.match_buffer(w_h, (T.int64(H),), "float32")
         Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
+        body(A, A, A, W, W, Out, bsz, n)
+
+    return rms_norm
+
+
+def rms_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) -> Any:
+    """``(a [+ b]) / sqrt(mean(x^2) + eps) * w`` over rows of [batch, n, hidden].
+
+    With ``residual`` the kernel takes (a, b, w) and returns (a + b, normalized): the residual
+    stream is written once and reused for the sum of squares while still in cache.
+    """
+    H = hidden
+    L = vector_width(H, lanes)
+    C = H // L
+    inv_h = 1.0 / H
+
+    @T.macro
+    def rows(A, B, S, W, G, Out, bsz, n):  # noqa: ANN001, ARG001 - TVMScript macro; S is the row (A without residual)
         for b in T.serial(bsz):
             for r in T.serial(n):
                 acc = T.decl_buffer((L,), "float32", scope="local")
@@ -81,17 +108,20 @@ def rms_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) ->
                 for lane in T.vectorized(L):
                     acc[lane] = T.float32(0)
                 for c in T.serial(C):
+                    if residual:
+                        for lane in T.vectorized(L):
+                            S[b, r, c * L + lane] = A[b, r, c * L + lane] + B[b, r, c * L + lane]
                     for lane in T.vectorized(L):
-                        acc[lane] = acc[lane] + A[b, r, c * L + lane] * A[b, r, c * L + lane]
+                        acc[lane] = acc[lane] + S[b, r, c * L + lane] * S[b, r, c * L + lane]
                 tot[0] = T.float32(0)
                 for lane in T.serial(L):
                     tot[0] = tot[0] + acc[lane]
                 tot[0] = T.sqrt(tot[0] * T.float32(inv_h) + T.float32(eps))
                 for c in T.serial(C):
                     for lane in T.vectorized(L):
-                        Out[b, r, c * L + lane] = A[b, r, c * L + lane] / tot[0] * W[c * L + lane]
+                        Out[b, r, c * L + lane] = S[b, r, c * L + lane] / tot[0] * W[c * L + lane]
 
-    return rms_norm
+    return norm_rows_func(H, residual, rows)
 
 
 def swiglu_kernel(ffn: int) -> Any:

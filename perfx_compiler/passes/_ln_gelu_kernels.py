@@ -15,7 +15,7 @@ from typing import Any
 from tvm import te, tirx
 from tvm.script import tirx as T
 
-from perfx_compiler.passes._kernels import vector_width
+from perfx_compiler.passes._kernels import norm_rows_func, vector_width
 
 SQRT1_2 = 1.0 / math.sqrt(2.0)
 SQRT2_PI = math.sqrt(2.0 / math.pi)
@@ -33,69 +33,20 @@ def layer_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) 
     C = H // L
     inv_h = 1.0 / H
 
-    if residual:
-
-        @T.prim_func(private=True)
-        def add_layer_norm(a_h: T.handle, b_h: T.handle, w_h: T.handle, g_h: T.handle, s_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            bsz = T.int64()
-            n = T.int64()
-            A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
-            B = T.match_buffer(b_h, (bsz, n, T.int64(H)), "float32")
-            W = T.match_buffer(w_h, (T.int64(H),), "float32")
-            G = T.match_buffer(g_h, (T.int64(H),), "float32")
-            S = T.match_buffer(s_h, (bsz, n, T.int64(H)), "float32")
-            Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
-            for b in T.serial(bsz):
-                for r in T.serial(n):
-                    acc = T.decl_buffer((L,), "float32", scope="local")
-                    st = T.decl_buffer((2,), "float32", scope="local")  # mean, 1/std
-                    for lane in T.vectorized(L):
-                        acc[lane] = T.float32(0)
-                    for c in T.serial(C):
-                        for lane in T.vectorized(L):
-                            S[b, r, c * L + lane] = A[b, r, c * L + lane] + B[b, r, c * L + lane]
-                        for lane in T.vectorized(L):
-                            acc[lane] = acc[lane] + S[b, r, c * L + lane]
-                    st[0] = T.float32(0)
-                    for lane in T.serial(L):
-                        st[0] = st[0] + acc[lane]
-                    st[0] = st[0] * T.float32(inv_h)
-                    for lane in T.vectorized(L):
-                        acc[lane] = T.float32(0)
-                    for c in T.serial(C):
-                        for lane in T.vectorized(L):
-                            acc[lane] = acc[lane] + (S[b, r, c * L + lane] - st[0]) * (S[b, r, c * L + lane] - st[0])
-                    st[1] = T.float32(0)
-                    for lane in T.serial(L):
-                        st[1] = st[1] + acc[lane]
-                    st[1] = T.float32(1) / T.sqrt(st[1] * T.float32(inv_h) + T.float32(eps))
-                    for c in T.serial(C):
-                        for lane in T.vectorized(L):
-                            Out[b, r, c * L + lane] = (
-                                (S[b, r, c * L + lane] - st[0]) * st[1] * W[c * L + lane] + G[c * L + lane]
-                            )
-
-        return add_layer_norm
-
-    @T.prim_func(private=True)
-    def layer_norm(a_h: T.handle, w_h: T.handle, g_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        bsz = T.int64()
-        n = T.int64()
-        A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
-        W = T.match_buffer(w_h, (T.int64(H),), "float32")
-        G = T.match_buffer(g_h, (T.int64(H),), "float32")
-        Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
+    @T.macro
+    def rows(A, B, S, W, G, Out, bsz, n):  # noqa: ANN001 - TVMScript macro; S is the row (A without residual)
         for b in T.serial(bsz):
             for r in T.serial(n):
                 acc = T.decl_buffer((L,), "float32", scope="local")
-                st = T.decl_buffer((2,), "float32", scope="local")
+                st = T.decl_buffer((2,), "float32", scope="local")  # mean, 1/std
                 for lane in T.vectorized(L):
                     acc[lane] = T.float32(0)
                 for c in T.serial(C):
+                    if residual:
+                        for lane in T.vectorized(L):
+                            S[b, r, c * L + lane] = A[b, r, c * L + lane] + B[b, r, c * L + lane]
                     for lane in T.vectorized(L):
-                        acc[lane] = acc[lane] + A[b, r, c * L + lane]
+                        acc[lane] = acc[lane] + S[b, r, c * L + lane]
                 st[0] = T.float32(0)
                 for lane in T.serial(L):
                     st[0] = st[0] + acc[lane]
@@ -104,16 +55,18 @@ def layer_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) 
                     acc[lane] = T.float32(0)
                 for c in T.serial(C):
                     for lane in T.vectorized(L):
-                        acc[lane] = acc[lane] + (A[b, r, c * L + lane] - st[0]) * (A[b, r, c * L + lane] - st[0])
+                        acc[lane] = acc[lane] + (S[b, r, c * L + lane] - st[0]) * (S[b, r, c * L + lane] - st[0])
                 st[1] = T.float32(0)
                 for lane in T.serial(L):
                     st[1] = st[1] + acc[lane]
                 st[1] = T.float32(1) / T.sqrt(st[1] * T.float32(inv_h) + T.float32(eps))
                 for c in T.serial(C):
                     for lane in T.vectorized(L):
-                        Out[b, r, c * L + lane] = (A[b, r, c * L + lane] - st[0]) * st[1] * W[c * L + lane] + G[c * L + lane]
+                        Out[b, r, c * L + lane] = (
+                            (S[b, r, c * L + lane] - st[0]) * st[1] * W[c * L + lane] + G[c * L + lane]
+                        )
 
-    return layer_norm
+    return norm_rows_func(H, residual, rows, bias=True)
 
 
 def gelu_value(v: Any, kind: str) -> Any:
