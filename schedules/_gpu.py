@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfx_compiler.gpu_adapt import has_device_launch
 from perfx_compiler.schedule_template import ScheduleConfigError, ScheduleTemplate, Workload, make_workload
 from perfx_compiler.targets import TargetDescription
 
@@ -42,27 +43,6 @@ def tvm_target_with_threads(target: TargetDescription, threads: int | None):  # 
     if target.host is not None:
         return tvm.target.Target(tt, host=target.host)
     return tvm.target.Target(tt)
-
-
-def has_thread_binding(func: Any) -> bool:
-    """True when ``func`` launches device threads (a thread-bound loop or a thread_extent attr)."""
-    import tvm_ffi
-    from tvm import tirx
-
-    found = False
-
-    def visit_attr(node: Any) -> None:
-        nonlocal found
-        if node.attr_key == "thread_extent":
-            found = True
-
-    def visit_for(node: Any) -> None:
-        nonlocal found
-        if node.kind == tirx.ForKind.THREAD_BINDING:
-            found = True
-
-    tvm_ffi.structural_walk(func.body, [(tirx.AttrStmt, visit_attr), (tirx.For, visit_for)], order="post")
-    return found
 
 
 class DlightTemplate(ScheduleTemplate):
@@ -93,7 +73,7 @@ class DlightTemplate(ScheduleTemplate):
             scheduled = self._run(func, target, {"max_threads": max_threads(target)})
         except Exception:  # noqa: BLE001 - the rule does not apply to this function
             return None
-        if scheduled is None or not has_thread_binding(scheduled):
+        if scheduled is None or not has_device_launch(scheduled):
             return None
         return make_workload(self.name, func, target, {}, version=self.version)
 
@@ -112,6 +92,6 @@ class DlightTemplate(ScheduleTemplate):
         if not self.is_valid(workload, config, target):
             raise ScheduleConfigError(f"{self.name}: max_threads {config.get('max_threads')} out of range")
         scheduled = self._run(func, target, config)
-        if scheduled is None or not has_thread_binding(scheduled):
+        if scheduled is None or not has_device_launch(scheduled):
             raise ScheduleConfigError(f"{self.name}: the rule declined config {config}")
         return scheduled
