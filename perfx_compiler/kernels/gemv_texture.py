@@ -1,28 +1,45 @@
-"""GEMV with the weight read through an OpenCL image (Adreno's texture path), and the Adreno TIR pipeline.
+"""GEMV with the weight read through OpenCL images (Adreno's texture path), the packing of weights
+into images, and the Adreno TIR pipeline.
 
-Adreno GPUs read weights fastest through the texture units (L1 texture cache, 4-channel texels). The
-weight ``W [N, K]`` is laid out as an RGBA float texture ``[N, K/4, 4]`` (texel ``(k4, n)`` holds
-``W[n, 4*k4 : 4*k4+4]``), declared in scope ``global.texture``: TVM's ``TextureFlatten`` turns its loads
-into ``texture2d_load`` and the OpenCL codegen into ``READ_IMAGEF`` on an ``image2d_array_t``.
+Adreno GPUs read weights fastest through the texture units (L1 texture cache, 4-channel texels). A
+weight matrix becomes an ``image2d_array_t`` of RGBA texels: row ``n`` of the matrix is texel row
+``n % height`` of layer ``n // height`` (rows past the image height limit fold into further layers),
+texel ``t`` of a row holds the row's 4 consecutive 32-bit words ``4t .. 4t+3``:
+
+* ``f32``: the float weights (RGBA32F); texel t = ``W[n, 4t:4t+4]``.
+* ``q4`` (int4 codes, ``passes/_quant.py`` layout): the uint32 code words (RGBA32UI), 32 codes a texel;
+  scales and zeros/mins go to a second RGBA32F image, texel i = (scale, zero|min) of groups 2i, 2i+1.
+* ``q8`` (int8 codes, ``passes/_quant8.py``): the codes' bytes as uint32 words (RGBA32UI), 16 codes a
+  texel; scales to an RGBA32F image, texel i = the scales of groups 4i .. 4i+3.
+
+The buffers are declared in scope ``global.texture``: TVM's ``TextureFlatten`` turns their loads into
+``texture2d_load`` and the OpenCL codegen into image reads. For uint32 images TVM 0.27 prints
+``as_uint4(READ_IMAGEF(...))`` (a float read of an integer image is undefined in OpenCL, and a
+bit-cast through float may flush denormal patterns): :func:`register_opencl_postproc` rewrites it to
+``read_imageui`` through TVM's ``tvm_callback_opencl_postproc`` hook, for every OpenCL build.
 
 :func:`adreno_tir_pipeline` assembles the lowering TVM 0.27 registers for Adreno but cannot be used as
 registered (``get_tir_pipeline("adreno")`` returns one Pass where every caller unpacks a
-(pipeline, finalize_host, finalize_device) triple): the Adreno pipeline (TextureFlatten first,
-InjectTextureAlloc after LowerOpaqueBlock) with the generic s_tir finalize passes.
+(pipeline, finalize_host, finalize_device) triple); it is registered as ``perfx_adreno`` for
+``tvm.compile(..., tir_pipeline="perfx_adreno")``.
 
-One thread per output row, ``threads`` rows per block; the K loop reads one texel (4 weights) per step,
-two steps unrolled. The unroll is also a workaround: in TVM 0.27 the OpenCL codegen prints a serial loop
-whose body starts with a texel read as an empty loop; with the read in an unrolled inner loop it prints
-correctly (checked on PoCL against numpy).
+One thread per output row, ``threads`` rows per block; the loop over texels is unrolled by two. The
+unroll is also a workaround: in TVM 0.27 the OpenCL codegen prints a serial loop whose body starts with
+a texel read as an empty loop; with the read in an unrolled inner loop it prints correctly (checked on
+PoCL against numpy). So the texels per row must be even.
 """
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from tvm.script import tirx as T
 
-TEXEL = 4  # RGBA float channels per texel
+TEXEL = 4  # RGBA channels (32-bit words) per texel
+PIPELINE_NAME = "perfx_adreno"
 
 
 def adreno_tir_pipeline() -> tuple[Any, Any, Any]:
@@ -30,41 +47,230 @@ def adreno_tir_pipeline() -> tuple[Any, Any, Any]:
     from tvm.s_tir.backend.adreno.pipeline import default_tir_pipeline
     from tvm.tirx import compilation_pipeline
 
+    register_opencl_postproc()
     _, finalize_host, finalize_device = compilation_pipeline.get_tir_pipeline("s_tir")
     return default_tir_pipeline(), finalize_host, finalize_device
 
 
-def texture_gemv_kernel(n: int, k: int, threads: int = 64, dtype: str = "float32") -> Any:
-    """y[n] = sum_k x[k] * W[n, k] with W as an RGBA texture [n, k/4, 4]; ``k`` a multiple of 8."""
-    if k % (2 * TEXEL):
-        raise ValueError(f"texture GEMV needs K divisible by {2 * TEXEL}, got {k}")
-    N, K, TH = n, k, threads
+def register_pipeline() -> str:
+    """Register :func:`adreno_tir_pipeline` as a named TIR pipeline; return its name."""
+    from tvm.tirx import compilation_pipeline
+
+    compilation_pipeline.register_tir_pipeline(PIPELINE_NAME, adreno_tir_pipeline)
+    register_opencl_postproc()
+    return PIPELINE_NAME
+
+
+_UINT_READ = re.compile(r"as_uint4\(READ_IMAGEF\(")
+
+
+def fix_uint_image_reads(code: str) -> str:
+    """``as_uint4(READ_IMAGEF(img, s, c))`` -> ``read_imageui(img, s, c)`` (same parentheses)."""
+    return _UINT_READ.sub("(read_imageui(", code)
+
+
+def register_opencl_postproc() -> None:
+    """Install :func:`fix_uint_image_reads` as TVM's OpenCL source post-processing hook (idempotent).
+    It changes only uint image reads, which no other PerfX kernel emits."""
+    import tvm_ffi
+
+    if tvm_ffi.get_global_func("tvm_callback_opencl_postproc", allow_missing=True) is not None:
+        return
+
+    def postproc(code: str, _target: Any) -> str:
+        return fix_uint_image_reads(str(code))
+
+    tvm_ffi.register_global_func("tvm_callback_opencl_postproc", postproc)
+
+
+# -- layout -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ImageLayout:
+    """One image2d_array: ``layers`` x ``height`` x ``width`` RGBA texels holding ``rows`` matrix rows."""
+
+    rows: int
+    width: int
+    height: int
+    layers: int
+    fmt: str  # RGBA32F | RGBA32UI | RGBA16F
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.layers, self.height, self.width, TEXEL)
+
+    def describe(self) -> dict[str, Any]:
+        return {"format": self.fmt, "width": self.width, "height": self.height, "layers": self.layers,
+                "rows": self.rows, "row_to_texel": "layer = n // height, y = n % height, x = texel"}
+
+
+class TextureLimitError(ValueError):
+    """The matrix does not fit the target's image limits (the GEMV then keeps reading a buffer)."""
+
+
+def image_layout(rows: int, texels: int, fmt: str, limits: dict[str, int]) -> ImageLayout:
+    """Fold ``rows`` rows of ``texels`` texels into an image array within ``limits``
+    (``max_width``, ``max_height``, ``max_layers``)."""
+    if texels > limits["max_width"]:
+        raise TextureLimitError(f"{texels} texels per row > image width limit {limits['max_width']}")
+    layers = -(-rows // limits["max_height"])
+    if layers > limits["max_layers"]:
+        raise TextureLimitError(f"{rows} rows need {layers} layers > {limits['max_layers']}")
+    return ImageLayout(rows, texels, -(-rows // layers), layers, fmt)
+
+
+def pack_image(words: np.ndarray, layout: ImageLayout) -> np.ndarray:
+    """[rows, 4 * width] 32-bit words -> [layers, height, width, 4] (rows past ``rows`` zero)."""
+    rows, cols = words.shape
+    assert rows == layout.rows and cols == TEXEL * layout.width, (words.shape, layout)
+    out = np.zeros((layout.layers * layout.height, cols), words.dtype)
+    out[:rows] = words
+    return out.reshape(layout.shape)
+
+
+def pack_scales(columns: list[np.ndarray], layout: ImageLayout) -> np.ndarray:
+    """Per-group arrays [rows, ng] interleaved per texel ((s0, z0, s1, z1) for two arrays; (s0..s3) for
+    one) as float32 [layers, height, width, 4]; missing groups zero."""
+    rows, ng = columns[0].shape
+    per = TEXEL // len(columns)
+    flat = np.zeros((rows, layout.width * per, len(columns)), np.float32)
+    for i, c in enumerate(columns):
+        flat[:, :ng, i] = np.asarray(c, np.float32)
+    return pack_image(flat.reshape(rows, -1), layout)
+
+
+# -- kernels ------------------------------------------------------------------------------------
+def texture_gemv_kernel(n: int, k: int, threads: int = 64, layout: ImageLayout | None = None) -> Any:
+    """y[0, 0, n] = sum_k x[0, 0, k] * W[n, k] with W in a ``f32`` image (:func:`image_layout`)."""
+    texels = k // TEXEL
+    if k % TEXEL or texels % 2:
+        raise TextureLimitError(f"texture GEMV needs K divisible by {2 * TEXEL}, got {k}")
+    lay = layout or ImageLayout(n, texels, n, 1, "RGBA32F")
+    N, TH, H = n, threads, lay.height
     BLOCKS = -(-N // TH)
 
     @T.prim_func(private=True)
     def texture_gemv(x_h: T.handle, w_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        X = T.match_buffer(x_h, (K,), dtype)
-        W = T.match_buffer(w_h, (N, K // TEXEL, TEXEL), dtype, scope="global.texture")
-        Y = T.match_buffer(y_h, (N,), dtype)
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        X = T.match_buffer(x_h, (1, 1, k), "float32")
+        W = T.match_buffer(w_h, lay.shape, "float32", scope="global.texture")
+        Y = T.match_buffer(y_h, (1, 1, N), "float32")
         for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
             for tx in T.thread_binding(TH, thread="threadIdx.x"):
-                acc = T.decl_buffer((1,), dtype, scope="local")
-                texel = T.decl_buffer((TEXEL,), dtype, scope="local")
+                acc = T.decl_buffer((1,), "float32", scope="local")
+                texel = T.decl_buffer((TEXEL,), "float32", scope="local")
                 if bx * TH + tx < N:
                     acc[0] = T.float32(0)
-                    for ko in range(K // (2 * TEXEL)):
+                    for ko in range(texels // 2):
                         for ki in T.unroll(2):
                             for c in T.vectorized(TEXEL):
-                                texel[c] = W[bx * TH + tx, ko * 2 + ki, c]
+                                texel[c] = W[(bx * TH + tx) // H, (bx * TH + tx) % H, ko * 2 + ki, c]
                             for c in range(TEXEL):
-                                acc[0] = acc[0] + X[(ko * 2 + ki) * TEXEL + c] * texel[c]
-                    Y[bx * TH + tx] = acc[0]
+                                acc[0] = acc[0] + X[0, 0, (ko * 2 + ki) * TEXEL + c] * texel[c]
+                    Y[0, 0, bx * TH + tx] = acc[0]
 
     return texture_gemv
 
 
-def to_texels(weight: Any) -> Any:
-    """W [N, K] (numpy) -> the texture layout [N, K/4, 4] (a view when contiguous)."""
+def texture_q4_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: ImageLayout, threads: int = 64) -> Any:
+    """int4 GEMV (``perfx.quant`` info of ``passes/_quant.py``) with codes and scales in images:
+    w = code * scale + min (``offset``) or (code - zero) * scale."""
+    N, K, G, L = int(info["N"]), int(info["K"]), int(info["group"]), int(info["lanes"])
+    offset = bool(info.get("offset"))
+    texels = K // 8 // TEXEL
+    if K % 32 or texels % 2 or L % TEXEL or G % TEXEL:
+        raise TextureLimitError(f"texture q4 GEMV needs K % 64 == 0 and lanes, group multiples of 4 (K={K})")
+    TH, HC, HS = threads, codes.height, scales.height
+    BLOCKS = -(-N // TH)
+
+    # Expressions are built here and written inline: an assignment inside the prim_func becomes a
+    # local buffer, and TVM's CSE then merges texture reads whose indices load it at different points.
+    def col0(t: Any, j: int) -> Any:  # first of the 4 consecutive columns nibble j of texel t holds
+        return (t * TEXEL // L) * (8 * L) + j * L + t * TEXEL % L
+
+    def weight(code: Any, sz: Any, g: Any) -> Any:
+        if offset:
+            return code * sz[g % 2 * 2] + sz[g % 2 * 2 + 1]
+        return (code - sz[g % 2 * 2 + 1]) * sz[g % 2 * 2]
+
+    @T.prim_func(private=True)
+    def texture_q4_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        X = T.match_buffer(x_h, (1, 1, K), "float32")
+        Q = T.match_buffer(q_h, codes.shape, "uint32", scope="global.texture")
+        S = T.match_buffer(s_h, scales.shape, "float32", scope="global.texture")
+        Y = T.match_buffer(y_h, (1, 1, N), "float32")
+        for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
+            for tx in T.thread_binding(TH, thread="threadIdx.x"):
+                acc = T.decl_buffer((1,), "float32", scope="local")
+                word = T.decl_buffer((TEXEL,), "uint32", scope="local")
+                sz = T.decl_buffer((TEXEL,), "float32", scope="local")
+                if bx * TH + tx < N:
+                    acc[0] = T.float32(0)
+                    for ko in range(texels // 2):
+                        for ki in T.unroll(2):
+                            for c in T.vectorized(TEXEL):
+                                word[c] = Q[(bx * TH + tx) // HC, (bx * TH + tx) % HC, ko * 2 + ki, c]
+                            # the texel's 4 words share block kb and lanes l0..l0+3: per nibble j they
+                            # hold 4 consecutive columns of one group
+                            for j in T.unroll(8):
+                                for c in T.vectorized(TEXEL):
+                                    sz[c] = S[(bx * TH + tx) // HS, (bx * TH + tx) % HS, col0(ko * 2 + ki, j) // G // 2, c]
+                                for c in range(TEXEL):
+                                    acc[0] = acc[0] + X[0, 0, col0(ko * 2 + ki, j) + c] * weight(
+                                        T.Cast("float32", (word[c] >> T.uint32(4) * T.Cast("uint32", j)) & T.uint32(15)),
+                                        sz,
+                                        col0(ko * 2 + ki, j) // G,
+                                    )
+                    Y[0, 0, bx * TH + tx] = acc[0]
+
+    return texture_q4_gemv
+
+
+def texture_q8_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: ImageLayout, threads: int = 64) -> Any:
+    """int8 GEMV (``passes/_quant8.py``) with the code bytes (as uint32 words) and scales in images."""
+    N, K, G = int(info["N"]), int(info["K"]), int(info["group"])
+    texels = K // 16
+    if K % 32 or texels % 2 or G % 16:
+        raise TextureLimitError(f"texture q8 GEMV needs K % 32 == 0 and a group multiple of 16 (K={K}, G={G})")
+    TH, HC, HS = threads, codes.height, scales.height
+    BLOCKS = -(-N // TH)
+
+    def code(w: Any, b: Any) -> Any:  # byte b of word w, sign-extended without 8-bit types
+        return T.Cast("float32", (T.Cast("int32", (w >> T.uint32(8) * T.Cast("uint32", b)) & T.uint32(255)) ^ 128) - 128)
+
+    @T.prim_func(private=True)
+    def texture_q8_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        X = T.match_buffer(x_h, (1, 1, K), "float32")
+        Q = T.match_buffer(q_h, codes.shape, "uint32", scope="global.texture")
+        S = T.match_buffer(s_h, scales.shape, "float32", scope="global.texture")
+        Y = T.match_buffer(y_h, (1, 1, N), "float32")
+        for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
+            for tx in T.thread_binding(TH, thread="threadIdx.x"):
+                acc = T.decl_buffer((1,), "float32", scope="local")
+                part = T.decl_buffer((1,), "float32", scope="local")
+                word = T.decl_buffer((TEXEL,), "uint32", scope="local")
+                sc = T.decl_buffer((TEXEL,), "float32", scope="local")
+                if bx * TH + tx < N:
+                    acc[0] = T.float32(0)
+                    for ko in range(texels // 2):
+                        for ki in T.unroll(2):
+                            for c in T.vectorized(TEXEL):
+                                word[c] = Q[(bx * TH + tx) // HC, (bx * TH + tx) % HC, ko * 2 + ki, c]
+                            # 16 columns a texel, all in one group
+                            for c in T.vectorized(TEXEL):
+                                sc[c] = S[(bx * TH + tx) // HS, (bx * TH + tx) % HS, (ko * 2 + ki) * 16 // G // 4, c]
+                            part[0] = T.float32(0)
+                            for c in range(TEXEL):
+                                for b in T.unroll(4):
+                                    part[0] = part[0] + X[0, 0, (ko * 2 + ki) * 16 + c * 4 + b] * code(word[c], b)
+                            acc[0] = acc[0] + part[0] * sc[(ko * 2 + ki) * 16 // G % 4]
+                    Y[0, 0, bx * TH + tx] = acc[0]
+
+    return texture_q8_gemv
+
+
+def to_texels(weight: np.ndarray) -> np.ndarray:
+    """W [N, K] (numpy) -> the one-layer ``f32`` texture layout [1, N, K/4, 4]."""
     n, k = weight.shape
-    return weight.reshape(n, k // TEXEL, TEXEL)
+    return weight.reshape(1, n, k // TEXEL, TEXEL)

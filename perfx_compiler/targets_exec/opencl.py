@@ -78,14 +78,22 @@ class OpenCLLauncher:
         return DeviceArray(self.cl.Buffer(self.ctx, self.cl.mem_flags.READ_WRITE, nbytes), tuple(shape), dtype)
 
     def to_image(self, arr: np.ndarray) -> DeviceImage:
-        """Upload [rows, texels, 4] float32 as a one-layer RGBA image array (width texels, height rows)."""
+        """Upload [rows, texels, 4] or [layers, rows, texels, 4] as an RGBA image array (width texels,
+        height rows): float32 -> RGBA32F, float16 -> RGBA16F (read as floats), uint32 -> RGBA32UI."""
         cl = self.cl
-        arr = np.ascontiguousarray(arr, dtype=np.float32)
-        if arr.ndim != 3 or arr.shape[-1] != 4:
-            raise ValueError(f"texture arrays are [rows, texels, 4], got {arr.shape}")
-        fmt = cl.ImageFormat(cl.channel_order.RGBA, cl.channel_type.FLOAT)
+        arr = np.ascontiguousarray(arr)
+        if arr.ndim == 3:
+            arr = arr[None]
+        if arr.ndim != 4 or arr.shape[-1] != 4:
+            raise ValueError(f"texture arrays are [layers, rows, texels, 4], got {arr.shape}")
+        kinds = {"float32": cl.channel_type.FLOAT, "float16": cl.channel_type.HALF_FLOAT,
+                 "uint32": cl.channel_type.UNSIGNED_INT32}
+        if str(arr.dtype) not in kinds:
+            raise ValueError(f"no RGBA image format for {arr.dtype}")
+        fmt = cl.ImageFormat(cl.channel_order.RGBA, kinds[str(arr.dtype)])
         flags = cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR
-        image = cl.Image(self.ctx, flags, fmt, shape=(arr.shape[1], arr.shape[0], 1), is_array=True, hostbuf=arr)
+        shape = (arr.shape[2], arr.shape[1], arr.shape[0])
+        image = cl.Image(self.ctx, flags, fmt, shape=shape, is_array=True, hostbuf=arr)
         return DeviceImage(image, arr.shape, arr.dtype)
 
     def to_host(self, dev: DeviceArray) -> np.ndarray:
