@@ -106,11 +106,14 @@ class MatmulFacts:
     epilogue: list[str]
     dtype: str
     nb: int = 0  # panel width of a pre-packed B (layout "P"), 0 otherwise
+    b_half: str = ""  # "f16" / "bf16" when B is a half array widened in the product, else ""
 
     def info(self) -> dict[str, Any]:
         out = {"layout": self.layout, "block": self.block, "epilogue": list(self.epilogue)}
         if self.nb:
             out["nb"] = self.nb
+        if self.b_half:
+            out["b_half"] = self.b_half
         return out
 
 
@@ -118,8 +121,39 @@ def _is_spatial_block(blk: Any) -> bool:
     return all(int(iv.iter_type) == 0 for iv in blk.iter_vars)
 
 
-def analyze_matmul(func: Any) -> MatmulFacts | None:
-    """Recognise a (batch-1) fp32 matmul with an optional injective epilogue; None otherwise."""
+def _dt(expr: Any) -> str:
+    dtype = getattr(expr, "dtype", None)
+    return str(dtype if dtype is not None else getattr(expr, "ty", ""))
+
+
+def _half_load(expr: Any) -> tuple[Any, str] | None:
+    """``expr`` = a half load widened to float32 (f16: a cast; bf16: uint16 -> uint32, shift left
+    16, reinterpret): (the load, "f16" / "bf16"); None otherwise."""
+    loads = ("TensorLoad", "BufferLoad")
+    kind = type(expr).__name__
+    if kind == "Cast" and _dt(expr) == "float32" and _dt(expr.value) == "float16":
+        return (expr.value, "f16") if type(expr.value).__name__ in loads else None
+    if kind != "Call" or str(getattr(expr.op, "name", "")) != "tirx.reinterpret" or _dt(expr) != "float32":
+        return None
+    shift = expr.args[0]
+    if type(shift).__name__ in ("LShift", "Shl"):
+        value, amount = shift.a, shift.b
+    elif type(shift).__name__ == "Call" and str(getattr(shift.op, "name", "")) == "tirx.shift_left":
+        value, amount = shift.args
+    else:
+        return None
+    if _as_int(amount) != 16 or type(value).__name__ != "Cast" or _dt(value) != "uint32":
+        return None
+    load = value.value
+    if type(load).__name__ not in loads or _dt(load) != "uint16":
+        return None
+    return load, "bf16"
+
+
+def analyze_matmul(func: Any, allow_half: bool = False) -> MatmulFacts | None:
+    """Recognise a (batch-1) fp32 matmul with an optional injective epilogue; None otherwise.
+    With ``allow_half``, B may also be an f16 / bf16 array widened to fp32 inside the product
+    (the half-weight GEMM); without it such a matmul is not recognised."""
     from tvm import s_tir
 
     try:
@@ -138,6 +172,10 @@ def analyze_matmul(func: Any) -> MatmulFacts | None:
     if type(prod).__name__ != "Mul" or _name(acc) != _name(store):
         return None
     lhs, rhs = prod.a, prod.b
+    b_half = ""
+    widened = _half_load(rhs) if allow_half else None
+    if widened is not None:
+        rhs, b_half = widened
     if type(lhs).__name__ not in ("TensorLoad", "BufferLoad") or type(rhs).__name__ not in (
         "TensorLoad",
         "BufferLoad",
@@ -230,6 +268,7 @@ def analyze_matmul(func: Any) -> MatmulFacts | None:
         epilogue=epilogue,
         dtype="float32",
         nb=nb,
+        b_half=b_half,
     )
 
 
