@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -129,7 +130,11 @@ def rewrite_linears(
     """Replace each weight of ``packed`` by its arrays and every linear/gather over it by kernels."""
     if not packed:
         return mod, weights
+    gemm_rows: set[str] = set()  # weights whose prefill linears run the int8 GEMM (gemm_qvnni_cpu)
     if current_activations() == "int8":
+        # PERFX_VNNI_GEMM=0 keeps dequantize + float GEMM for prefill (the A/B benchmarks' baseline)
+        if os.environ.get("PERFX_VNNI_GEMM", "1") != "0":
+            gemm_rows = {n for n, pk in packed.items() if pk.vnni is not None and pk.n % 16 == 0}
         packed = {n: (pk.vnni() if pk.vnni is not None else pk) for n, pk in packed.items()}
     _, uses = linear_weights(mod, weights)
     new_weights: dict[str, Any] = {}
@@ -171,7 +176,7 @@ def rewrite_linears(
         for lin in find_linears(info):
             if lin.weight.name in packed:
                 rows = [static_dim(lin.x, 0), static_dim(lin.x, 1)]
-                if None not in rows and rows[0] * rows[1] <= GEMV_MAX_ROWS:
+                if (None not in rows and rows[0] * rows[1] <= GEMV_MAX_ROWS) or lin.weight.name in gemm_rows:
                     todo.append(("linear", lin, kernel("matmul", lin.weight.name, lin.x)))
                 else:
                     todo.append(("dequant", lin, kernel("dequant", lin.weight.name, None)))
