@@ -1,0 +1,191 @@
+"""The VNNI int8-activation GEMM of ``schedules/gemm_qvnni_cpu.py`` (prefill) on fresh random weights.
+
+Each GEMM runs against two numpy references:
+
+* exactly its own arithmetic: x quantized to int8 per row and weight group
+  (``_qvnni.quantize_activations``) times the float64 dequantized weights. The integer dots are
+  exact; only the float32 group sums and the float32 scale products differ -> 2e-6 of max |y|
+  (observed ~3e-7; a wrong group, scale or nibble gives errors of order 1e-2 and more);
+* float activations: the error is bounded by |w| . |x - xq| <= sum_k |w_k| amax_g(k) / 254
+  (rounding to nearest moves each x by at most half a step dx = amax/127), checked per output.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from perfx_compiler.passes._gguf_blocks import Q4_0, Q4_1
+from perfx_compiler.passes._quant import Int4Format, dequantize_int4, quantize_int4
+from perfx_compiler.passes._quant8 import dequantize_int8, quantize_int8
+from perfx_compiler.passes._qvnni import q4_vnni_packed, q8_vnni_packed, quantize_activations
+from perfx_compiler.schedule_template import ScheduleConfigError
+from perfx_compiler.targets import load_target
+from perfx_compiler.tune.measure import build_func
+
+
+def _has_vnni() -> bool:
+    try:
+        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+needs_vnni = pytest.mark.skipif(not _has_vnni(), reason="this CPU has no AVX-512 VNNI")
+GROUP = {"q8": 32, "Q8_0": 32, "Q4_1": 32, "Q4_0": 32, "g128": 128, "g64s": 64, "g32": 32}
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("x86-avx512")
+
+
+@pytest.fixture(scope="module")
+def template():
+    from schedules.gemm_qvnni_cpu import TEMPLATE
+
+    return TEMPLATE
+
+
+def _weights(fmt: str, n: int, k: int, rng: np.random.Generator):
+    """(Packed in the VNNI layout, float64 dequantized W) for a format name."""
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    idx = np.arange(k) // 32
+    if fmt in ("q8", "Q8_0"):  # GGUF Q8_0 and PerfX q8 are the same blocks: int8 codes, one f16 scale per 32
+        codes, scale = quantize_int8(w, 32)
+        return q8_vnni_packed(codes, scale, 32), dequantize_int8(codes, scale, 32).astype(np.float64)
+    if fmt == "Q4_1":  # GGUF offset format: w = q * d + m, random mins
+        codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+        d = (rng.random((n, k // 32)) * 0.01).astype(np.float16)
+        m = (-rng.random((n, k // 32)) * 0.08).astype(np.float16)
+        wd = codes * d.astype(np.float64)[:, idx] + m.astype(np.float64)[:, idx]
+        return q4_vnni_packed(codes, d, m, Q4_1), wd
+    f = {"Q4_0": Q4_0, "g128": Int4Format(128, False), "g64s": Int4Format(64, True),
+         "g32": Int4Format(32, False)}[fmt]
+    codes, scale, zero = quantize_int4(w, f)
+    return q4_vnni_packed(codes, scale, zero, f), dequantize_int4(codes, scale, zero, f.group).astype(np.float64)
+
+
+def _check(got: np.ndarray, x: np.ndarray, wd: np.ndarray, k: int, group: int, what: object) -> None:
+    got = got.astype(np.float64)
+    ref_q = quantize_activations(x, k, group) @ wd.T
+    assert np.abs(got - ref_q).max() <= 2e-6 * np.abs(ref_q).max(), what
+    xp = np.abs(x.astype(np.float64))
+    lead = x.shape[:-1]
+    ng = -(-k // group)
+    pad = np.zeros((*lead, ng * group))
+    pad[..., :k] = xp
+    step = np.repeat(pad.reshape(*lead, ng, group).max(-1), group, axis=-1)[..., :k] / 254.0
+    bound = step @ np.abs(wd).T
+    ref_f = x.astype(np.float64) @ wd.T
+    assert np.all(np.abs(got - ref_f) <= bound * 1.001 + 2e-6 * np.abs(ref_f).max()), what
+    assert np.abs(got - ref_f).max() > 0  # int8 activations really are in use
+
+
+def _run(rt, packed, x):
+    import tvm
+
+    dev = tvm.cpu()
+    y = tvm.runtime.tensor(np.zeros((*x.shape[:-1], packed.n), np.float32), dev)
+    rt["main"](tvm.runtime.tensor(x, dev), *[tvm.runtime.tensor(a, dev) for _, a in packed.arrays], y)
+    return y.numpy()
+
+
+CASES = [("Q4_1", 96, 576), ("Q4_0", 80, 1536), ("Q8_0", 48, 576), ("g128", 64, 576), ("g64s", 32, 1536),
+         ("g32", 144, 4096)]
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt,n,k", CASES)
+def test_gemm_matches_int8_reference_over_configs(template, target, fmt, n, k):
+    rng = np.random.default_rng()  # fresh weights and inputs every run
+    packed, wd = _weights(fmt, n, k, rng)
+    group = GROUP[fmt]
+    func = packed.compute("matmul", (1, None))  # prefill: rows symbolic
+    wl = template.match(func, target)
+    assert wl is not None and wl.symbolic == "M"
+    space = template.space(wl, target)
+    assert all(len(space[knob]) > 1 for knob in ("mr", "nr", "tasks"))
+    configs = [template.default_config(wl, target), {"mr": 1, "nr": 1, "tasks": 3},
+               {"mr": 6, "nr": 2, "tasks": 2}, {"mr": 8, "nr": 1, "tasks": 16}]
+    for config in configs:
+        assert template.is_valid(wl, config, target), config
+        rt = build_func(template.apply(func, wl, config, target), target)
+        for m in (9, 37):  # row tails: 37 = 4 x 9 + 1 and 6 x 6 + 1 rows
+            x = rng.standard_normal((1, m, k)).astype(np.float32)
+            x[..., :32] *= 20.0  # one loud group: per-group scales must not leak across groups
+            _check(_run(rt, packed, x), x, wd, k, group, (config, m))
+
+
+@needs_vnni
+def test_static_rows_above_gemv_and_batch_dim(template, target):
+    """Static rows > 8 (and a leading batch dim > 1) go to the GEMM too."""
+    rng = np.random.default_rng()
+    packed, wd = _weights("Q4_1", 64, 576, rng)
+    func = packed.compute("matmul", (2, 12))
+    wl = template.match(func, target)
+    assert wl is not None and wl.symbolic is None
+    rt = build_func(template.apply(func, wl, template.default_config(wl, target), target), target)
+    x = rng.standard_normal((2, 12, 576)).astype(np.float32)
+    _check(_run(rt, packed, x), x, wd, 576, 32, "2x12")
+    assert template.match(packed.compute("matmul", (1, 8)), target) is None  # decode: the GEMV's
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "g128"])
+def test_prepacked_panels_give_the_same_result(template, target, fmt):
+    """The compile-time repack variant (``prepack`` + ``prepacked=True``) = the in-call repack, bit for bit."""
+    import tvm
+
+    from schedules.gemm_qvnni_cpu import kernel, prepack
+
+    rng = np.random.default_rng()
+    n, k = 80, 576  # 5 tiles: with nr = 2 the last block overlaps the one before it
+    packed, wd = _weights(fmt, n, k, rng)
+    func = packed.compute("matmul", (1, None))
+    wl = template.match(func, target)
+    d, info = wl.dims, wl.info
+    config = {"mr": 4, "nr": 2, "tasks": 2}
+    args = (d["bits"], n, k, d["G"], info["sym"], info["offset"])
+    rt_a = build_func(template.apply(func, wl, config, target), target)
+    rt_b = build_func(kernel(*args, 4, 2, 2, prepacked=True), target)
+    pre = prepack(*args, [a for _, a in packed.arrays], 2)
+    x = rng.standard_normal((1, 21, k)).astype(np.float32)
+    dev = tvm.cpu()
+    y = tvm.runtime.tensor(np.zeros((1, 21, n), np.float32), dev)
+    rt_b["main"](tvm.runtime.tensor(x, dev), *[tvm.runtime.tensor(a, dev) for a in pre], y)
+    a = _run(rt_a, packed, x)
+    assert np.array_equal(a, y.numpy())
+    _check(a, x, wd, k, GROUP[fmt], fmt)
+
+
+@needs_vnni
+def test_generated_code_uses_vpdpbusd(template, target):
+    import tvm
+
+    packed, _ = _weights("Q4_0", 64, 576, np.random.default_rng(0))
+    func = packed.compute("matmul", (1, None))
+    wl = template.match(func, target)
+    sched = template.apply(func, wl, template.default_config(wl, target), target)
+    ex = tvm.compile(tvm.IRModule({"main": sched.with_attr("global_symbol", "main")}), target.tvm())
+    asm = ex.mod.inspect_source("asm")
+    assert asm.count("vpdpbusd") >= 16  # mr x nr x 2 nibbles per step, unrolled over the group
+    assert "{1to16}" in asm or "vpbroadcastd" in asm  # activation dwords broadcast, no gathers
+
+
+def test_invalid_configs_are_rejected_and_targets_declined(template, target):
+    packed, _ = _weights("g128", 64, 576, np.random.default_rng(0))
+    func = packed.compute("matmul", (1, None))
+    wl = template.match(func, target)
+    for bad in ({"mr": 8, "nr": 2, "tasks": 2},  # 32 accumulators + 4 weight vectors
+                {"mr": 2, "nr": 5, "tasks": 2},  # 5 tiles of 16 > 64 columns
+                {"mr": 0, "nr": 1, "tasks": 2}):
+        assert not template.is_valid(wl, bad, target)
+        with pytest.raises(ScheduleConfigError):
+            template.apply(func, wl, bad, target)
+    for name in ("x86-avx2", "arm64-neon", "riscv64-rvv", "cuda-sm80"):
+        assert template.match(func, load_target(name)) is None
+    odd, _ = _weights("Q4_0", 40, 576, np.random.default_rng(0))  # N not a multiple of 16
+    assert template.match(odd.compute("matmul", (1, None)), target) is None
