@@ -269,8 +269,30 @@ def config_from_metadata(
     return cfg
 
 
-def load_gguf(path: str | os.PathLike[str], max_context: int | None = None) -> ModelDescription:
-    """Load a llama/qwen2 GGUF file: config, float32 HF-layout weights, tokenizer, chat template."""
+# Above this many bytes of float32 passthrough-type matrices the loader keeps them lazy (see lazy.py).
+LAZY_FLOAT_BYTES = 8 << 30
+
+
+def _want_lazy(tensors: Mapping[str, Any], lazy: bool | None) -> bool:
+    """``lazy`` as given; None: the env var PERFX_LAZY_WEIGHTS (0/1), else lazy above LAZY_FLOAT_BYTES."""
+    if lazy is not None:
+        return lazy
+    env = os.environ.get("PERFX_LAZY_WEIGHTS", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    floats = sum(4 * int(np.prod(t.shape.tolist())) for t in tensors.values()
+                 if t.tensor_type.name in PASSTHROUGH_TYPES)
+    return floats > LAZY_FLOAT_BYTES
+
+
+def load_gguf(
+    path: str | os.PathLike[str], max_context: int | None = None, lazy: bool | None = None
+) -> ModelDescription:
+    """Load a llama/qwen2 GGUF file: config, float32 HF-layout weights, tokenizer, chat template.
+
+    ``lazy``: Q4_0/Q4_1/Q8_0 matrices become ``lazy.QuantizedWeight`` (the mapped blocks, no
+    float32 copy); None decides by size (``_want_lazy``)."""
+    from perfx_compiler.model.lazy import QuantizedWeight
     from perfx_compiler.model.tokenizer import tokenizer_json_from_gguf
 
     source = str(path)
@@ -282,25 +304,31 @@ def load_gguf(path: str | os.PathLike[str], max_context: int | None = None) -> M
         raise ModelFormatError(f"{source}: malformed model metadata ({e}); re-convert the model") from None
     permuted = _ARCHS[str(field_value(reader.fields["general.architecture"]))]
 
-    weights: dict[str, np.ndarray] = {}
+    weights: dict[str, Any] = {}
     quantized: dict[str, Any] = {}
+    keep_lazy = _want_lazy(tensors, lazy)
     for gname, t in tensors.items():
         if gname == "rope_freqs.weight":
             continue  # folded into cfg.rope_scaling
         name = hf_name(gname)
         if name is None:
             raise UnsupportedModelError(f"{source}: tensor '{gname}' is not part of a {cfg.architecture} model PerfX understands")
-        w = dequantize_tensor(t, source)
-        raw = np.asarray(t.data) if t.tensor_type.name in PASSTHROUGH_TYPES else None
+        qtype = t.tensor_type.name
+        raw = np.asarray(t.data) if qtype in PASSTHROUGH_TYPES else None
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        lazy_here = keep_lazy and raw is not None and len(shape) == 2
+        w = None if lazy_here else dequantize_tensor(t, source)
         if permuted and (".q_proj." in name or ".k_proj." in name):
             n = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-            if w.shape[0] % (2 * n):
-                raise ModelFormatError(f"{source}: tensor '{gname}' has {w.shape[0]} rows, not a multiple of 2*{n} heads")
-            w = unpermute_qk(w, n)
+            if shape[0] % (2 * n):
+                raise ModelFormatError(f"{source}: tensor '{gname}' has {shape[0]} rows, not a multiple of 2*{n} heads")
+            w = unpermute_qk(w, n) if w is not None else None
             raw = unpermute_qk(raw, n) if raw is not None else None
-        weights[name] = w
+        if lazy_here and (raw.ndim != 2 or raw.shape[0] != shape[0]):  # type: ignore[union-attr]
+            raise ModelFormatError(f"{source}: tensor '{gname}' ({qtype}) has {raw.shape} bytes for shape {shape}; the file is corrupt")
+        weights[name] = QuantizedWeight(qtype, [raw], shape) if lazy_here else w  # type: ignore[list-item]
         if raw is not None:
-            quantized[name] = (t.tensor_type.name, raw, tuple(w.shape))
+            quantized[name] = (qtype, raw, shape)
 
     tok_json = None
     if "tokenizer.ggml.tokens" in reader.fields:

@@ -33,8 +33,13 @@ def default_model_path() -> Path:
     return known_model_path(DEFAULT_MODEL)
 
 
-def load_model(spec: str | os.PathLike[str], max_context: int | None = None) -> ModelDescription:
-    """Load a model from a known name, a ``.gguf`` file or a Hugging Face folder (has config.json)."""
+def load_model(
+    spec: str | os.PathLike[str], max_context: int | None = None, lazy: bool | None = None
+) -> ModelDescription:
+    """Load a model from a known name, a ``.gguf`` file or a Hugging Face folder (has config.json).
+
+    ``lazy`` (GGUF only): keep Q4_0/Q4_1/Q8_0 matrices as their mapped blocks (``model/lazy.py``);
+    None: by size."""
     text = str(spec)
     if text.lower() in KNOWN_MODELS and not Path(text).exists():
         path = known_model_path(text)
@@ -61,5 +66,5 @@ def load_model(spec: str | os.PathLike[str], max_context: int | None = None) -> 
     if path.suffix.lower() == ".gguf" or magic == b"GGUF":
         from perfx_compiler.model.gguf import load_gguf
 
-        return load_gguf(path, max_context=max_context)
+        return load_gguf(path, max_context=max_context, lazy=lazy)
     raise ModelFormatError(f"{path}: not a model PerfX reads; pass a .gguf file or a Hugging Face folder")

@@ -358,7 +358,10 @@ def weight_input_names(desc: ModelDescription) -> list[str]:
 def weight_arrays(desc: ModelDescription) -> dict[str, np.ndarray]:
     """The float32 arrays fed to the weight inputs (weights + RoPE tables)."""
     cos, sin = rope_tables(desc.config, desc.config.max_context)
-    out = {n: np.ascontiguousarray(w, dtype=np.float32) for n, w in desc.weights.items()}
+    from perfx_compiler.model.lazy import is_lazy
+
+    # Lazy GGUF matrices stay lazy: the passes read their blocks (np.asarray dequantizes on demand).
+    out = {n: (w if is_lazy(w) else np.ascontiguousarray(w, dtype=np.float32)) for n, w in desc.weights.items()}
     out[ROPE_COS] = cos.astype(np.float32)
     out[ROPE_SIN] = sin.astype(np.float32)
     return out

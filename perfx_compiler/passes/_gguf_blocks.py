@@ -71,9 +71,21 @@ def dequantize_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> np
     return c * s + third.astype(np.float32)[:, idx]
 
 
-def packed_from_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool = False) -> Any:
-    """The ``_qlinear.Packed`` of a GGUF tensor (``words8``: Q8_0 codes as uint32 words, for WGSL)."""
+def packed_from_blocks(
+    qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool = False, vnni: bool = False
+) -> Any:
+    """The ``_qlinear.Packed`` of a GGUF tensor (``words8``: Q8_0 codes as uint32 words, for WGSL;
+    ``vnni``: its int8-activation variant directly, the same arrays ``Packed.vnni()`` would give)."""
     parts = unpack_blocks(qtype, raw, shape)
     if qtype == "Q8_0":
+        if vnni:
+            from perfx_compiler.passes._qvnni import q8_vnni_packed
+
+            return q8_vnni_packed(parts[0], parts[1], BLOCK)
         return int8_packed(parts[0], parts[1], BLOCK, words=words8)
-    return int4_packed(*parts, Q4_0 if qtype == "Q4_0" else Q4_1)
+    fmt = Q4_0 if qtype == "Q4_0" else Q4_1
+    if vnni:
+        from perfx_compiler.passes._qvnni import q4_vnni_packed
+
+        return q4_vnni_packed(*parts, fmt)
+    return int4_packed(*parts, fmt)

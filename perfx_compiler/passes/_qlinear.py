@@ -104,7 +104,7 @@ def weight_uses(mod: tvm.IRModule, names: set[str]) -> dict[str, set[str]]:
 
 def linear_weights(mod: tvm.IRModule, weights: dict[str, Any]) -> tuple[set[str], dict[str, set[str]]]:
     """(names of 2-D weights some linear reads, their uses)."""
-    candidates = {n for n, a in weights.items() if np.asarray(a).ndim == 2}
+    candidates = {n for n, a in weights.items() if np.ndim(a) == 2}  # np.ndim: no float copy of a lazy weight
     uses = weight_uses(mod, candidates)
     return {n for n, u in uses.items() if "linear" in u}, uses
 

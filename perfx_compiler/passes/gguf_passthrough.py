@@ -7,6 +7,11 @@ members' blocks concatenated by rows when all members share one type. Each packe
 checked against the float weight the graph was built from (the same file, dequantized by the
 ``gguf`` package); a mismatch is an internal error, never a silent change of the model. Weights
 of other types (F32, F16, K-quants) stay float32.
+
+Lazy models (``model/lazy.py``, large GGUFs): the weight itself is a ``QuantizedWeight`` holding
+the mapped blocks; they are repacked one weight at a time straight from the file (no float
+matrix, nothing to check against: the graph's weight *is* those blocks), and under int8
+activations straight into the VNNI layout, so only the packed arrays stay in memory.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from typing import Any
 
 import numpy as np
 import tvm
+from tqdm import tqdm
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.model.lazy import is_lazy
 from perfx_compiler.passes._gguf_blocks import dequantize_blocks, packed_from_blocks
-from perfx_compiler.passes._qlinear import linear_weights, rewrite_linears
+from perfx_compiler.passes._qlinear import current_activations, linear_weights, rewrite_linears
 from perfx_compiler.passes.merge_projections import GROUPS
 
 NAME = "gguf_passthrough"
@@ -35,6 +42,8 @@ def relax_name(hf_name: str) -> str:
 def block_tables(desc: Any) -> dict[str, tuple[str, np.ndarray, tuple[int, int]]]:
     """Relax weight name -> (ggml type, raw blocks [rows, bytes], (N, K)), merged groups included."""
     out = {relax_name(n): (t, raw, tuple(shape)) for n, (t, raw, shape) in desc.quantized.items()}
+    if all(is_lazy(w) or np.ndim(w) != 2 for w in desc.weights.values()):
+        return out  # lazy weights carry their own (merged) blocks: no concatenated copies here
     for merged, members in GROUPS:
         pat = re.compile(rf"^(.*){members[0]}_weight$")
         for name in list(out):
@@ -48,6 +57,19 @@ def block_tables(desc: Any) -> dict[str, tuple[str, np.ndarray, tuple[int, int]]
             rows = sum(p[2][0] for p in parts)  # type: ignore[index]
             out[f"{m.group(1)}{merged}_weight"] = (parts[0][0], raw, (rows, parts[0][2][1]))  # type: ignore[index]
     return out
+
+
+def _checked(name: str, weight: Any, table: tuple[str, np.ndarray, tuple[int, int]], words8: bool, vnni: bool) -> Any:
+    """The Packed of eager blocks, after checking they reproduce the graph's float weight."""
+    qtype, raw, shape = table
+    w = np.asarray(weight, dtype=np.float32)
+    if tuple(w.shape) != shape:
+        raise PerfXError(f"internal: GGUF blocks of {name} have shape {shape}, the graph's weight {w.shape}")
+    back = dequantize_blocks(qtype, raw, shape)
+    err = float(np.abs(back - w).max())
+    if err > 1e-6 * max(float(np.abs(w).max()), 1e-30):
+        raise PerfXError(f"internal: GGUF blocks of {name} ({qtype}) do not reproduce its weights (max error {err:g})")
+    return packed_from_blocks(qtype, raw, shape, words8, vnni)
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
@@ -69,17 +91,18 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     # GPU targets without 8-bit types (WGSL; index_dtype int32) read int8 codes as 32-bit words
     raw_target = getattr(ctx.target, "raw", None) or {}
     words8 = getattr(ctx.target, "family", "") == "gpu" and raw_target.get("index_dtype") == "int32"
+    # Under int8 activations each weight goes to the VNNI layout right away: the unpacked codes
+    # (twice the blocks' size) are dropped before the next weight, not kept for rewrite_linears.
+    vnni = current_activations() == "int8"
+    names = [n for n in sorted(quant) if is_lazy(weights[n]) or n in tables]  # others stay float
+    show = bool(getattr(ctx.options, "progress", False)) and len(names) >= 32
     packed = {}
-    for name in sorted(quant):
-        if name not in tables:
-            continue  # F32 / F16 / K-quant weights stay float
-        qtype, raw, shape = tables[name]
-        w = np.asarray(weights[name], dtype=np.float32)
-        if tuple(w.shape) != shape:
-            raise PerfXError(f"internal: GGUF blocks of {name} have shape {shape}, the graph's weight {w.shape}")
-        back = dequantize_blocks(qtype, raw, shape)
-        err = float(np.abs(back - w).max())
-        if err > 1e-6 * max(float(np.abs(w).max()), 1e-30):
-            raise PerfXError(f"internal: GGUF blocks of {name} ({qtype}) do not reproduce its weights (max error {err:g})")
-        packed[name] = packed_from_blocks(qtype, raw, shape, words8)
+    for name in tqdm(names, desc="pack GGUF weights", unit="weight", disable=not show, leave=False):
+        w = weights[name]
+        if is_lazy(w):
+            packed[name] = packed_from_blocks(w.qtype, w.blocks(), w.shape, words8, vnni)
+        else:
+            packed[name] = _checked(name, w, tables[name], words8, vnni)
+        if not vnni:
+            packed[name].vnni = None  # unused under f32 activations; its closure holds the unpacked codes
     return rewrite_linears(mod, weights, packed)

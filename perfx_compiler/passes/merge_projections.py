@@ -23,6 +23,7 @@ import tvm
 from tvm import relax
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.model.lazy import QuantizedWeight
 from perfx_compiler.passes._kernels import attention_over_qkv
 from perfx_compiler.passes._relax_util import (
     SKIP,
@@ -75,7 +76,9 @@ def _merged_weights(weights: dict[str, Any], groups: list[tuple[str, str, list[s
     for name, arr in weights.items():
         if name in first:
             new, names = first[name]
-            out[new] = np.ascontiguousarray(np.concatenate([np.asarray(weights[n]) for n in names], axis=0))
+            lazy = QuantizedWeight.concat([weights[n] for n in names])  # GGUF blocks stay blocks
+            out[new] = lazy if lazy is not None else np.ascontiguousarray(
+                np.concatenate([np.asarray(weights[n]) for n in names], axis=0))
         elif name not in drop:
             out[name] = arr
     return out

@@ -1,0 +1,155 @@
+"""Lazy GGUF loading (model/lazy.py): Q4_0/Q4_1/Q8_0 matrices stay as their mapped blocks from the
+loader through the GGUF passthrough. Proves (a) no float matrix is ever built on that path (the
+dequantizers are booby-trapped and numpy's allocations are bounded by tracemalloc far below the
+float32 size), (b) the lazy objects stand for exactly the eager float weights, and (c) a lazy
+compile writes the same packed weights and gives bit-identical logits to the eager one."""
+
+from __future__ import annotations
+
+import gc
+import json
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from perfx_compiler.model.description import expected_weight_shapes
+from perfx_compiler.model.lazy import QuantizedWeight, is_lazy
+
+
+def _write(path: Path, qtype: str, **kw: Any) -> Path:
+    from perfx_compiler.model.testing import write_tiny_gguf
+
+    # vocab 320: a multiple of 64 rows (see tests/passes/test_gguf_q8.py)
+    out, _ = write_tiny_gguf(path, qtype=qtype, vocab=kw.pop("vocab", 320), **kw)
+    return out
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lazy")
+    return {
+        "Q4_0": _write(root / "q4_0.gguf", "Q4_0", tied=False),
+        "Q4_1+Q8_0": _write(root / "q4_1.gguf", "Q4_1", embed_qtype="Q8_0", tied=True, seed=1),
+        # matrices dominate: 4 MiB of float32 per layer, 0.6 MiB of Q4_0 blocks
+        "big": _write(root / "big.gguf", "Q4_0", hidden=512, ffn=1536, layers=3, heads=8, kv_heads=4,
+                      vocab=2048, tied=False, seed=3),
+    }
+
+
+@pytest.mark.parametrize("key", ["Q4_0", "Q4_1+Q8_0"])
+def test_lazy_weights_stand_for_the_eager_floats(files: dict[str, Path], key: str) -> None:
+    from perfx_compiler.model.gguf import load_gguf
+
+    eager = load_gguf(files[key], lazy=False)
+    lazy = load_gguf(files[key], lazy=True)
+    assert not any(is_lazy(w) for w in eager.weights.values())
+    mats = [n for n, s in expected_weight_shapes(lazy.config).items() if len(s) == 2]
+    assert mats and all(is_lazy(lazy.weights[n]) for n in mats)
+    for name, w in eager.weights.items():
+        got = lazy.weights[name]
+        assert tuple(got.shape) == w.shape and np.ndim(got) == w.ndim
+        assert np.array_equal(np.asarray(got), w), name  # Q/K rows un-permuted the same way
+    assert lazy.parameter_count() == eager.parameter_count()
+
+
+def test_lazy_concat_is_row_concatenation() -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((n, 64)).astype(np.float32) for n in (6, 10))
+    qa, qb = (QuantizedWeight("Q8_0", [quantize(x, GGMLQuantizationType.Q8_0)], x.shape) for x in (a, b))
+    both = QuantizedWeight.concat([qa, qb])
+    assert both is not None and both.shape == (16, 64) and both.blocks().shape[0] == 16
+    assert np.array_equal(np.asarray(both), np.concatenate([np.asarray(qa), np.asarray(qb)]))
+    assert QuantizedWeight.concat([qa, np.zeros((4, 64), np.float32)]) is None  # mixed: no lazy merge
+    with pytest.raises(ValueError):
+        QuantizedWeight("Q4_0", [np.zeros((3, 18), np.uint8)], (4, 32))
+
+
+def test_lazy_path_never_dequantizes_a_matrix(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Load + import + passes (gguf passthrough, int8 and f32 activations) with every float
+    dequantizer booby-trapped for matrices, and numpy's peak allocation well under the float32
+    size of the matrices (an fp32 copy of even one FFN matrix set would exceed it)."""
+    import perfx_compiler.model.gguf as gguf_mod
+    import perfx_compiler.passes._gguf_blocks as blocks_mod
+    from perfx_compiler import pipeline
+    from perfx_compiler.targets import load_target
+
+    real = gguf_mod.dequantize_tensor
+
+    def trap_tensor(t: Any, source: str = "") -> np.ndarray:
+        if len(t.shape) == 2 and t.tensor_type.name in gguf_mod.PASSTHROUGH_TYPES:
+            raise AssertionError(f"dequantized matrix {t.name}")
+        return real(t, source)
+
+    def trap(*a: Any, **k: Any) -> Any:
+        raise AssertionError("a lazy weight was dequantized")
+
+    monkeypatch.setattr(gguf_mod, "dequantize_tensor", trap_tensor)
+    monkeypatch.setattr(QuantizedWeight, "__array__", trap)
+    monkeypatch.setattr(blocks_mod, "dequantize_blocks", trap)
+    monkeypatch.setattr("perfx_compiler.passes.gguf_passthrough.dequantize_blocks", trap)
+
+    tracemalloc.start()
+    try:
+        desc = gguf_mod.load_gguf(files["big"], lazy=True)
+        float_bytes = sum(w.nbytes for w in desc.weights.values() if is_lazy(w))
+        block_bytes = sum(w.block_nbytes for w in desc.weights.values() if is_lazy(w))
+        for act in ("int8", "f32"):
+            opts = pipeline.CompileOptions(target="host", quantization="gguf", progress=False, batching=False,
+                                           activations=act)
+            target = load_target("host")
+            if act == "int8":
+                from perfx_compiler.passes._qvnni import has_avx512_vnni
+
+                if not has_avx512_vnni(target):
+                    continue
+            state = pipeline.CompileState(desc=desc, target=target, options=opts)
+            pipeline.phase_import(state)
+            gc.collect()
+            before, _ = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            pipeline.phase_passes(state)
+            peak = tracemalloc.get_traced_memory()[1] - before
+            left = [n for n, w in state.weights.items() if is_lazy(w) or (np.ndim(w) == 2 and w.dtype == np.float32
+                                                                              and "rope" not in n)]
+            assert not left, left  # every matrix became packed blocks
+            # the packed arrays (~ the blocks) plus one weight's unpacked codes; fp32 would be 7x the blocks
+            assert peak < 0.5 * float_bytes, (peak, float_bytes, block_bytes)
+    finally:
+        tracemalloc.stop()
+
+
+def test_lazy_compile_is_identical_to_eager(files: dict[str, Path], tmp_path: Path) -> None:
+    """Same packed weights.bin byte for byte and the same logits, default (auto) activations."""
+    from perfx_compiler.model.gguf import load_gguf
+    from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.runtime.engine import Engine
+
+    arts = {}
+    for lazy in (False, True):
+        desc = load_gguf(files["Q4_1+Q8_0"], lazy=lazy)
+        arts[lazy] = compile_model(desc, "host", tmp_path / f"art-{lazy}", progress=False, batching=False)
+    manifests = [json.loads((arts[k] / "perfx-config.json").read_text()) for k in (False, True)]
+    assert manifests[0]["quantization"] == manifests[1]["quantization"] == "gguf"
+    assert manifests[0]["weights"] == manifests[1]["weights"]
+    assert (arts[False] / "weights.bin").read_bytes() == (arts[True] / "weights.bin").read_bytes()
+    ids = [3, 17, 42, 5, 9, 60, 1]
+    engines = [Engine(arts[k]) for k in (False, True)]
+    outs = [(e.prefill(ids), e.decode(7), e.decode(11)) for e in engines]
+    for a, b in zip(*outs, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_auto_lazy_by_size(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    import perfx_compiler.model.gguf as gguf_mod
+
+    assert not any(is_lazy(w) for w in gguf_mod.load_gguf(files["Q4_0"]).weights.values())  # small: eager
+    monkeypatch.setattr(gguf_mod, "LAZY_FLOAT_BYTES", 1024)
+    assert any(is_lazy(w) for w in gguf_mod.load_gguf(files["Q4_0"]).weights.values())
+    monkeypatch.setenv("PERFX_LAZY_WEIGHTS", "0")
+    assert not any(is_lazy(w) for w in gguf_mod.load_gguf(files["Q4_0"]).weights.values())
