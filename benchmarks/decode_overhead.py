@@ -1,0 +1,231 @@
+"""Runtime overhead of a decode step, measured without a profiler hook: kernels alone vs the whole step.
+
+For each artifact (several are alternated, so one run is also an A/B), one decode step is traced once
+through the VM's instrumentation hook to record the kernel calls it makes, in order, with their
+argument tensors (the VM's own buffers). Then, per round, at the same sequence position:
+
+* ``kernels_ms``  the recorded kernels run back to back from that precompiled list by a small C++
+                   loop (built here with ``tvm_ffi.cpp.load_inline``): kernel time and nothing else
+                   (no VM, no Python, no allocation), reading the same weights and KV cache;
+* ``vm_ms``       one call of the VM's decode function (what ``Engine`` does per token, minus Python);
+* ``step_ms``     ``Engine.decode(token)`` + ``argmax`` of the logits, i.e. a greedy token as
+                   ``perfx-bench`` times it (Python, argument passing, logits copy, sampling).
+
+``overhead = 1 - kernels_ms / step_ms`` (everything that is not a kernel); it splits into
+``vm_interp = vm_ms - kernels_ms`` (VM dispatch, builtins such as alloc_tensor) and
+``outside_vm = step_ms - vm_ms``. Each figure is the median of ``--steps`` steps in a round; the CSV
+holds every round (with the load average) and the medians over rounds. The machine is shared:
+compare within one run, where the rounds are alternated.
+
+    python benchmarks/decode_overhead.py ART [ART2 ...] [--labels a,b] [--rounds 9] [--steps 100]
+                                         [--threads 2] [--position 32] [--out CSV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+REPLAY_CC = r"""
+#include <tvm/ffi/any.h>
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/function.h>
+#include <time.h>
+
+#include <vector>
+
+using namespace tvm::ffi;
+
+static double now(bool cpu) {
+  timespec ts;
+  clock_gettime(cpu ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// calls[i] = [kernel, args...]. Runs the whole list `reps` times; returns each pass's seconds
+// (wall clock, or this thread's CPU time with `cpu`).
+Array<double> replay(Array<Array<Any>> calls, int64_t reps, bool cpu) {
+  size_t n = calls.size();
+  std::vector<Function> fns(n);
+  std::vector<std::vector<AnyView>> args(n);
+  std::vector<Array<Any>> keep(n);  // owns the Any values the AnyViews point into
+  for (size_t i = 0; i < n; ++i) {
+    keep[i] = calls[i];
+    fns[i] = keep[i][0].cast<Function>();
+    for (size_t j = 1; j < keep[i].size(); ++j) args[i].push_back(AnyView(keep[i][j]));
+  }
+  Array<double> out;
+  Any rv;
+  for (int64_t r = 0; r < reps; ++r) {
+    double t0 = now(cpu);
+    for (size_t i = 0; i < n; ++i) {
+      fns[i].CallPacked(args[i].data(), static_cast<int32_t>(args[i].size()), &rv);
+    }
+    out.push_back(now(cpu) - t0);
+  }
+  return out;
+}
+"""
+
+
+def build_replay() -> Any:
+    """The C++ replay loop, compiled once (tvm_ffi caches the library)."""
+    import tvm_ffi.cpp
+
+    try:
+        mod = tvm_ffi.cpp.load_inline("perfx_decode_replay", cpp_sources=REPLAY_CC, functions=["replay"],
+                                      extra_cflags=["-O2"])
+    except Exception as err:  # noqa: BLE001 - a missing C++ toolchain is the usual cause
+        sys.exit(f"decode_overhead: cannot build the C++ replay loop ({type(err).__name__}: {err}); needs g++")
+    return mod.replay
+
+
+class Subject:
+    """One artifact: its engine, a token to feed, and the kernel calls of one decode step."""
+
+    def __init__(self, label: str, art: str, prompt: list[int], position: int):
+        from perfx_compiler.runtime.engine import Engine
+
+        self.label, self.art = label, art
+        self.engine = Engine(art, verify=False)
+        e = self.engine
+        e.reset()
+        self.token = int(np.argmax(e.prefill(prompt[:position])))
+        self.position = e.position  # every timed step runs at this position (same attention length)
+        self.calls: list[list[Any]] = []
+        self.builtins = 0
+
+        def hook(func: Any, sym: Any, before: bool, ret: Any, *args: Any) -> int:
+            if before:
+                if str(sym).startswith("vm.builtin."):
+                    self.builtins += 1
+                else:
+                    self.calls.append([func, *args])
+            return 0
+
+        e.vm.set_instrument(hook)
+        try:
+            e.decode(self.token)
+        finally:
+            e.vm.set_instrument(None)
+        e.position = self.position
+        # the VM's decode function and its arguments, exactly as Engine._run passes them
+        self.vm_fn = e._decode
+        self.vm_args = [e._one_token_dev, e._pos_dev, *e._tail]
+
+    def time_kernels(self, replay: Any, steps: int, cpu: bool) -> float:
+        return statistics.median(list(replay(self.calls, steps, cpu)))
+
+    def time_vm(self, steps: int, cpu: bool) -> float:
+        fn, args, clock = self.vm_fn, self.vm_args, _clock(cpu)
+        ts = []
+        for _ in range(steps):
+            t = clock()
+            fn(*args)
+            ts.append(clock() - t)
+        return statistics.median(ts)
+
+    def time_step(self, steps: int, cpu: bool) -> float:
+        e, tok, clock = self.engine, self.token, _clock(cpu)
+        ts = []
+        for _ in range(steps):
+            e.position = self.position
+            t = clock()
+            int(np.argmax(e.decode(tok)))
+            ts.append(clock() - t)
+        e.position = self.position
+        return statistics.median(ts)
+
+
+def _clock(cpu: bool) -> Any:
+    # CPU time of this thread: with one thread every kernel runs on it, and time spent descheduled
+    # (other processes on a shared machine) is not counted. Wall clock otherwise.
+    return time.thread_time if cpu else time.perf_counter
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("artifacts", nargs="+")
+    p.add_argument("--labels", default=None, help="comma-separated, one per artifact")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--steps", type=int, default=100, help="steps per measurement (median taken)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--position", type=int, default=32, help="prompt length before the timed step")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: the calling thread's CPU time (robust under load; needs --threads 1)")
+    p.add_argument("--out", default=str(RESULTS / "decode_overhead.csv"))
+    args = p.parse_args()
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before the runtime creates its thread pool
+    if args.clock == "cpu" and args.threads != 1:
+        sys.exit("decode_overhead: --clock cpu counts only the calling thread; use it with --threads 1")
+    cpu = args.clock == "cpu"
+    labels = args.labels.split(",") if args.labels else [Path(a).name for a in args.artifacts]
+    if len(labels) != len(args.artifacts):
+        sys.exit("decode_overhead: give one label per artifact")
+    replay = build_replay()
+    prompt = list(range(100, 100 + args.position))
+    subjects = [Subject(lab, art, prompt, args.position) for lab, art in zip(labels, args.artifacts, strict=True)]
+    for s in subjects:
+        print(f"{s.label}: {len(s.calls)} kernel calls, {s.builtins} VM builtin calls per decode step", flush=True)
+        s.time_kernels(replay, 10, cpu), s.time_vm(10, cpu), s.time_step(10, cpu)  # warm-up
+    rows: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        order = subjects if r % 2 == 0 else subjects[::-1]
+        for s in order:
+            # three measurements in a rotating order, so slow drift does not favour one
+            meas = [("kernels", lambda s=s: s.time_kernels(replay, args.steps, cpu)),
+                    ("vm", lambda s=s: s.time_vm(args.steps, cpu)),
+                    ("step", lambda s=s: s.time_step(args.steps, cpu))]
+            k = r % 3
+            got = {name: fn() for name, fn in meas[k:] + meas[:k]}
+            row = {"round": r, "variant": s.label, "artifact": s.art, "threads": args.threads, "clock": args.clock,
+                   "position": s.position, "kernel_calls": len(s.calls), "vm_builtin_calls": s.builtins,
+                   "kernels_ms": got["kernels"] * 1e3, "vm_ms": got["vm"] * 1e3, "step_ms": got["step"] * 1e3,
+                   "load_avg_1m": os.getloadavg()[0]}
+            rows.append(_derive(row))
+            print(_fmt(rows[-1]), flush=True)
+    for s in subjects:
+        mine = [x for x in rows if x["variant"] == s.label]
+        med = {k: statistics.median(x[k] for x in mine) for k in ("kernels_ms", "vm_ms", "step_ms", "load_avg_1m")}
+        row = {**mine[0], "round": "median", **med}
+        rows.append(_derive(row))
+        print("median " + _fmt(rows[-1]), flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        for row in rows:
+            w.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
+    print(f"wrote {out}")
+
+
+def _derive(row: dict[str, Any]) -> dict[str, Any]:
+    k, v, s = row["kernels_ms"], row["vm_ms"], row["step_ms"]
+    row["vm_interp_ms"] = v - k
+    row["outside_vm_ms"] = s - v
+    row["overhead_frac"] = 1.0 - k / s if s > 0 else float("nan")
+    row["tok_s"] = 1e3 / s if s > 0 else float("nan")
+    return row
+
+
+def _fmt(row: dict[str, Any]) -> str:
+    return (f"{row['variant']} r{row['round']}: kernels {row['kernels_ms']:.3f} ms, vm {row['vm_ms']:.3f}, "
+            f"step {row['step_ms']:.3f} -> overhead {row['overhead_frac'] * 100:.1f}% "
+            f"(vm {row['vm_interp_ms'] * 1e3:.0f} us, outside {row['outside_vm_ms'] * 1e3:.0f} us), "
+            f"load {row['load_avg_1m']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
