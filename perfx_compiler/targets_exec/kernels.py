@@ -254,6 +254,10 @@ def compile_primfunc(
     mod = tvm.IRModule({"main": func})
     host = target.host if target.host is not None else tvm.target.Target("llvm")
     mod = tvm.tirx.transform.BindTarget(target.with_host(host))(mod)
+    if pipeline is None and has_texture_params(func):
+        from perfx_compiler.kernels.gemv_texture import adreno_tir_pipeline
+
+        pipeline = adreno_tir_pipeline()  # image parameters need TextureFlatten
     pipeline, finalize_host, finalize_device = pipeline or tvm.tirx.get_tir_pipeline("s_tir")
     with target:
         mod = pipeline(mod)
@@ -285,6 +289,11 @@ def compile_primfunc(
         runtime_module=runtime,
         extra={"device_mod": dev_mod_final},
     )
+
+
+def has_texture_params(func: Any) -> bool:
+    """Whether a PrimFunc takes a buffer in scope ``global.texture`` (an OpenCL image)."""
+    return any("texture" in str(getattr(_buffer_type(p), "storage_scope", "")) for p in func.params)
 
 
 def _device_source(module: Any) -> str:

@@ -117,7 +117,11 @@ def run_decode_steps(
     if runner is None:
         runner = RelaxKernelRunner(state.mod, state.target.tvm(), launcher)
     caches = [launcher.to_device(np.zeros(cache_shape(cfg), np.float32)) for _ in range(2 * cfg.num_layers)]
-    dev_weights = [launcher.to_device(np.asarray(w)) for w in weights.values()]
+    # image weights of the texture GEMVs (passes/texture_weights.py) go up as images
+    dev_weights = [
+        launcher.to_image(np.asarray(w)) if name.endswith("__tex") else launcher.to_device(np.asarray(w))
+        for name, w in weights.items()
+    ]
     logits = []
     for pos, tok in enumerate(tokens):
         ids = launcher.to_device(np.array([[tok]], index))
