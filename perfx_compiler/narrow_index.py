@@ -7,10 +7,12 @@ let-bound variables (``b = bks // seq`` in a kernel), the casts that feed them a
 int64 local variables and its codegen rejects them. :func:`narrow_to_int32` runs TVM's pass and then
 rewrites what it left: every int64 variable becomes an int32 one, int64 constants become int32
 (they must fit), ``Cast(int64, x)`` of an int32 ``x`` disappears and every arithmetic node is rebuilt
-from its narrowed operands. Buffers of int64 *elements* are not touched (the graph's integer inputs
-are int32 on such targets: ``"index_dtype": "int32"``; quantized kernels read int8 codes as uint32
-words there, ``passes/_quant8.py``); :func:`remaining_int64` reports any that is left so the build
-can say which kernel is at fault, and 8/16-bit integer tensors are refused the same way.
+from its narrowed operands. Before TVM's pass, int64 buffers a kernel allocates itself (local scratch,
+e.g. each row's query position in the tiled CPU attention) become int32 (TVM's pass refuses them).
+Tensor parameters of int64 *elements* are not touched (the graph's integer inputs are int32 on such
+targets: ``"index_dtype": "int32"``; quantized kernels read int8 codes as uint32 words there,
+``passes/_quant8.py``); :func:`remaining_int64` reports any that is left so the build can say which
+kernel is at fault, and 8/16-bit integer tensors are refused the same way.
 
 Host (Relax) functions keep int64 shapes: the VM passes them into the narrowed PrimFuncs as it does
 for any int32 shape variable.
@@ -38,9 +40,35 @@ def _is_buffer(v: Any) -> bool:
     return isinstance(getattr(v, "ty", None), BufferType)
 
 
+def _map(body: Any, callbacks: list[tuple[Any, Any]]) -> Any:
+    """``tvm_ffi.structural_map`` in post order, with no exception crossing it: in apache-tvm-ffi 0.1.14 an
+    exception raised by a callback after a variable has been remapped corrupts the heap ("malloc():
+    unaligned tcache chunk detected", sometimes only later, at run time). The first error is re-raised
+    once the map has returned."""
+    import tvm_ffi
+
+    errors: list[BaseException] = []
+
+    def guard(fn: Any) -> Any:
+        def call(x: Any) -> Any:
+            if errors:
+                return x
+            try:
+                return fn(x)
+            except Exception as err:  # re-raised below, outside the C++ traversal
+                errors.append(err)
+                return x
+
+        return call
+
+    out = tvm_ffi.structural_map(body, [(ty, guard(fn)) for ty, fn in callbacks], order="post")
+    if errors:
+        raise errors[0]
+    return out
+
+
 def _narrow_func(func: Any) -> Any:
     import tvm
-    import tvm_ffi
     from tvm import tirx
 
     var_map: dict[Any, Any] = {}
@@ -111,7 +139,7 @@ def _narrow_func(func: Any) -> Any:
         args = list(x.args)
         if getattr(x.op, "name", "") == "tirx.if_then_else":
             args = [args[0], to_i32(args[1]), to_i32(args[2])]
-        return tvm.ir.Call("int32", x.op, args)
+        return tvm.ir.Call(x.op, args, attrs=x.attrs, ty_args=list(x.ty_args) or None, ret_ty="int32")
 
     def on_load(x: Any) -> Any:
         buf = x.source if hasattr(x, "source") else x.buffer
@@ -135,7 +163,45 @@ def _narrow_func(func: Any) -> Any:
         (tirx.BufferStore, on_store),
         (tvm.ir.Call, on_call),
     ]
-    body = tvm_ffi.structural_map(func.body, callbacks, order="post")
+    body = _map(func.body, callbacks)
+    return func.with_body(body)
+
+
+def _narrow_local_buffers(func: Any) -> Any:
+    """int64-element buffers a kernel allocates itself (scope "local" or ""), made int32 before TVM's
+    pass, which refuses them: stores into them are cast to int32 and loads from them are read back
+    through ``Cast(int64, ...)``, so every expression around them keeps its type; :func:`_narrow_func`
+    drops those casts afterwards. Only allocations are touched (a parameter's dtype is the caller's)."""
+    import tvm
+    import tvm_ffi
+    from tvm import tirx
+
+    local: dict[Any, Any] = {}
+
+    def on_alloc(stmt: Any) -> None:
+        buf = stmt.buffer
+        if _dtype(buf) == "int64" and buf.scope() in ("local", ""):
+            local[buf] = buf.with_dtype("int32")
+
+    tvm_ffi.structural_walk(func.body, [(tirx.AllocBuffer, on_alloc)], order="pre")
+    if not local:
+        return func
+
+    def on_var(v: Any) -> Any:
+        return local.get(v, v)
+
+    def on_load(x: Any) -> Any:
+        buf = x.source if hasattr(x, "source") else x.buffer
+        if _dtype(buf) != "int32" or buf not in local.values() or _dtype(x) == "int32":
+            return x
+        return tirx.Cast("int64", tirx.BufferLoad(buf, list(x.indices)))
+
+    def on_store(x: Any) -> Any:
+        if x.buffer in local.values() and _dtype(x.value) != "int32":
+            return tirx.BufferStore(x.buffer, tirx.Cast("int32", x.value), list(x.indices))
+        return x
+
+    body = _map(func.body, [(tirx.Var, on_var), (tvm.ir.TensorLoad, on_load), (tirx.BufferStore, on_store)])
     return func.with_body(body)
 
 
@@ -163,6 +229,24 @@ def remaining_int64(func: Any) -> list[str]:
     return found
 
 
+def mismatched_stores(func: Any) -> list[str]:
+    """Stores whose value's element type is not the buffer's (at most 5). Nothing checks this when a
+    BufferStore is rebuilt by a structural map, and codegen would write the value's width: an int64
+    value stored into an int32 buffer writes 8 bytes into a 4-byte element."""
+    import tvm_ffi
+    from tvm import tirx
+
+    found: list[str] = []
+
+    def on_store(x: Any) -> None:
+        value, buf = _dtype(x.value).split("x")[0], _dtype(x.buffer)
+        if value and buf and value != buf and len(found) < 5:
+            found.append(f"{x.buffer.name}[...] = <{_dtype(x.value)}>")
+
+    tvm_ffi.structural_walk(func.body, [(tirx.BufferStore, on_store)], order="post")
+    return found
+
+
 def narrow_to_int32(mod: Any) -> Any:
     """``mod`` with every PrimFunc narrowed to int32 indices and scalars (see the module docstring)."""
     from tvm import tirx
@@ -185,11 +269,21 @@ def narrow_to_int32(mod: Any) -> Any:
                 f"kernel {gv.name_hint} takes 8/16-bit integer tensor(s) {', '.join(narrow)}, which WGSL cannot hold "
                 "(no 8/16-bit integer types); use --quantization gguf with Q4_1/Q8_0 weights, q8 or f32"
             )
+    pre = {gv: _narrow_local_buffers(f) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
+    pre = {gv: f for gv, f in pre.items() if not f.same_as(mod[gv])}
+    if pre:
+        mod = mod.clone()
+        for gv, func in pre.items():
+            mod.update_func(gv, func)
     mod = tirx.transform.ForceNarrowIndexToInt32()(mod)
     updates = {}
     for gv, func in mod.functions.items():
         if isinstance(func, tirx.PrimFunc):
             updates[gv] = _narrow_func(func)
+    for gv, func in updates.items():
+        bad = mismatched_stores(func)
+        if bad:
+            raise PerfXError(f"int32 narrowing left kernel {gv.name_hint} storing values of the wrong width: {bad}")
     if not updates:
         return mod
     mod = mod.clone()

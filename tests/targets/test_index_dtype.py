@@ -73,15 +73,6 @@ def int32_host_build(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) 
             os.environ["PERFX_TARGETS_DIR"] = old
 
 
-# Known bug (open): the tiled CPU attention kernel keeps an int64 local buffer (each row's query
-# position), which TVM's ForceNarrowIndexToI32 refuses, so a CPU build with int32 indices fails in the
-# schedule phase. Real int32-index targets (vulkan) use the GPU attention kernel and pass their tests.
-INT32_CPU_ATTENTION = pytest.mark.xfail(
-    strict=True, reason="CPU attention kernel's int64 local buffer is not narrowable to int32 (open bug)"
-)
-
-
-@INT32_CPU_ATTENTION
 def test_int32_build_engine_matches_int64(int32_host_build: Path, host_logits) -> None:
     from perfx_compiler.runtime.engine import Engine
 
@@ -92,7 +83,6 @@ def test_int32_build_engine_matches_int64(int32_host_build: Path, host_logits) -
     assert np.abs(got - host_logits).max() < 1e-4
 
 
-@INT32_CPU_ATTENTION
 def test_int32_build_batch_engine_matches_int64(int32_host_build: Path, host_logits) -> None:
     from perfx_compiler.runtime.batch_engine import BatchEngine
 
