@@ -180,6 +180,7 @@ def write_deploy_md(state: Any, out_dir: Path, device_facts: dict[str, Any]) -> 
                 "",
                 f"cubin ({c['arch']}): {c['kernels']} kernels, with register spills: {c['kernels_with_spills'] or 'none'}",
             ]
+    lines += _texture_lines(state)
     adapted = state.notes.get("gpu_host_kernels_adapted") or []
     if adapted:
         from perfx_compiler.gpu_adapt import adapted_note
@@ -199,6 +200,28 @@ def write_deploy_md(state: Any, out_dir: Path, device_facts: dict[str, Any]) -> 
         "",
     ]
     (out_dir / "DEPLOY.md").write_text("\n".join(lines))
+
+
+def _texture_lines(state: Any) -> list[str]:
+    """DEPLOY.md section on the image weights of the texture GEMVs (passes/texture_weights.py)."""
+    from perfx_compiler.passes.texture_weights import texture_manifest
+
+    tex = texture_manifest(state.weights)
+    if not tex:
+        return []
+    fmts = sorted({v["format"] for v in tex.values()})
+    return [
+        "",
+        "## Image (texture) weights",
+        "",
+        f"The decode GEMVs read {len(tex)} weights through OpenCL images ({', '.join(fmts)}; "
+        "`image2d_array_t`, read with a nearest, unnormalized sampler; uint32 images with `read_imageui`). "
+        "They are the parameters named `*__tex`, packed at compile time as [layers, height, width, 4]: "
+        "matrix row n is texel row n % height of layer n // height. Allocate each as an image, not a buffer "
+        "(TVM runtime: `tvm.runtime.empty(shape, dtype, dev, mem_scope=\"global.texture\")`, then copy the "
+        "array in); the manifest's `textures` entry gives format, width, height, layers and what a texel "
+        "holds. Prefill still reads the buffer copies of the same weights.",
+    ]
 
 
 def _device_name(target: Any) -> str:

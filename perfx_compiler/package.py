@@ -66,6 +66,7 @@ def write_artifact(state: Any) -> Path:
 
 def _write_into(state: Any, tmp: Path, out: Path) -> Path:
     from perfx_compiler import __version__
+    from perfx_compiler.passes.texture_weights import texture_manifest
 
     desc, target = state.desc, state.target
     state.executable.export_library(str(tmp / "model.so"), **_export_kwargs(target))
@@ -100,6 +101,8 @@ def _write_into(state: Any, tmp: Path, out: Path) -> Path:
         "weights": weight_index,
         "weight_bytes": int(sum(w["nbytes"] for w in weight_index)),
         "weight_dtypes": _weight_dtypes(weight_index),
+        # image weights of the Adreno texture GEMVs (passes/texture_weights.py): upload as images
+        "textures": texture_manifest(state.weights),
         "parameters": desc.parameter_count(),
         "compile_seconds": {k: round(v, 2) for k, v in state.timings.items()},
         "files": {},

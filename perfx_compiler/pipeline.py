@@ -236,7 +236,18 @@ def phase_build(state: CompileState) -> None:
             relax.transform.AttachGlobalSymbol(),
         ]
     )
-    state.executable = tvm.compile(state.mod, target=tgt, relax_pipeline=finish)
+    state.executable = tvm.compile(state.mod, target=tgt, relax_pipeline=finish, tir_pipeline=_tir_pipeline(state))
+
+
+def _tir_pipeline(state: CompileState) -> str:
+    """``perfx_adreno`` (TextureFlatten) when a kernel reads an image (passes/texture_weights.py)."""
+    from perfx_compiler.targets_exec.kernels import has_texture_params
+
+    if any(isinstance(f, tvm.tirx.PrimFunc) and has_texture_params(f) for f in state.mod.functions.values()):
+        from perfx_compiler.kernels.gemv_texture import register_pipeline
+
+        return register_pipeline()
+    return "default"
 
 
 def check_signatures(state: CompileState) -> None:

@@ -171,15 +171,28 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     return mod, table
 
 
+def _content(source: str) -> str:
+    if source.endswith("_q4"):
+        return "int4 code words of passes/_quant.py (uint32 [N, K/8]), 4 words a texel"
+    if source.endswith("_q8"):
+        return "int8 codes as little-endian uint32 words (16 codes a texel)"
+    if source.endswith("_q4_scale"):
+        return "per group (scale, min|zero) as fp32; texel i = groups 2i, 2i+1"
+    if source.endswith("_q8_scale"):
+        return "per group scale as fp32; texel i = groups 4i .. 4i+3"
+    return "float32 weights W[N, K]; texel x = W[n, 4x : 4x+4]"
+
+
 def texture_manifest(weights: dict[str, Any]) -> dict[str, Any]:
-    """Manifest entry per image weight: format and image size (from the packed array)."""
+    """Manifest entry per image weight: format, image size and what a texel holds."""
     out = {}
     for name, arr in weights.items():
         if not name.endswith(TEX_SUFFIX):
             continue
         layers, height, width, _ = arr.shape
         fmt = {"uint32": "RGBA32UI", "float32": "RGBA32F", "float16": "RGBA16F"}[str(arr.dtype)]
-        out[name] = {"source": name[: -len(TEX_SUFFIX)], "format": fmt, "image": "image2d_array",
-                     "width": int(width), "height": int(height), "layers": int(layers),
-                     "row_to_texel": "matrix row n: layer n // height, y = n % height; texel x = words 4x..4x+3"}
+        source = name[: -len(TEX_SUFFIX)]
+        out[name] = {"source": source, "format": fmt, "image": "image2d_array",
+                     "width": int(width), "height": int(height), "layers": int(layers), "content": _content(source),
+                     "row_to_texel": "matrix row n: layer n // height, y = n % height"}
     return out
