@@ -9,6 +9,9 @@ Models (all GGUF; llama.cpp's own quantizer makes the requantized ones):
     smollm2-q8_0     the same requantized to Q8_0
     tinyllama-q4_0   random weights with TinyLlama-1.1B dimensions, F16 via GGUFWriter -> Q4_0 (pure:
                      the output head too, so every engine reads the same Q4_0 blocks)
+    llama2-7b-q4_0   random weights with Llama-2-7B dimensions, random Q4_0 blocks written straight by
+                     GGUFWriter (pure; 3.6 GiB; PerfX loads it lazily). Not in the default set: run it
+                     with --models llama2-7b-q4_0 --peers llama.cpp (the fp32 ONNX / HF folders would be 27 GB)
 Every engine reads its form of the same file (see perfx_compiler/bench/models.py).
 """
 
@@ -26,6 +29,7 @@ from perfx_compiler.bench import models  # noqa: E402
 from perfx_compiler.cli.bench import main as bench_main  # noqa: E402
 
 MODELS = ("smollm2-q4_1", "smollm2-q4_0", "smollm2-q8_0", "tinyllama-q4_0")
+EXTRA_MODELS = ("llama2-7b-q4_0",)  # by name only: big, llama.cpp as the only peer
 
 
 def model_file(name: str, folder: Path) -> Path:
@@ -51,7 +55,13 @@ def model_file(name: str, folder: Path) -> Path:
             print("quantizing it to Q4_0 with llama.cpp ...")
             models.llama_quantize(f16, out, "Q4_0", pure=True)
         return out
-    raise SystemExit(f"unknown model {name}; known: {', '.join(MODELS)}")
+    if name == "llama2-7b-q4_0":
+        out = folder / "llama2-7b-random.Q4_0-pure.gguf"
+        if not out.is_file():
+            print("writing random-weight Llama-2-7B (Q4_0 blocks) with GGUFWriter ...")
+            models.write_random_q4_0(out, models.LLAMA2_7B_DIMS)
+        return out
+    raise SystemExit(f"unknown model {name}; known: {', '.join(MODELS + EXTRA_MODELS)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -285,6 +285,26 @@ def _want_lazy(tensors: Mapping[str, Any], lazy: bool | None) -> bool:
     return floats > LAZY_FLOAT_BYTES
 
 
+def _page_release(reader: Any, t: Any) -> Any:
+    """A callable that lets the OS drop tensor ``t``'s pages of the reader's file mapping."""
+    import mmap
+
+    mm = getattr(reader.data, "_mmap", None)
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if mm is None or advice is None:
+        return None
+    start = int(t.data_offset) & ~(mmap.PAGESIZE - 1)
+    length = int(t.data_offset) + int(t.n_bytes) - start
+
+    def release() -> None:
+        try:
+            mm.madvise(advice, start, length)
+        except (OSError, ValueError):  # best effort: the pages are clean file pages either way
+            pass
+
+    return release
+
+
 def load_gguf(
     path: str | os.PathLike[str], max_context: int | None = None, lazy: bool | None = None
 ) -> ModelDescription:
@@ -317,16 +337,25 @@ def load_gguf(
         raw = np.asarray(t.data) if qtype in PASSTHROUGH_TYPES else None
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         lazy_here = keep_lazy and raw is not None and len(shape) == 2
+        if lazy_here and (raw.ndim != 2 or raw.shape[0] != shape[0]):  # type: ignore[union-attr]
+            raise ModelFormatError(f"{source}: tensor '{gname}' ({qtype}) has {raw.shape} bytes for shape {shape}; the file is corrupt")  # type: ignore[union-attr]
         w = None if lazy_here else dequantize_tensor(t, source)
+        order = None
         if permuted and (".q_proj." in name or ".k_proj." in name):
             n = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
             if shape[0] % (2 * n):
                 raise ModelFormatError(f"{source}: tensor '{gname}' has {shape[0]} rows, not a multiple of 2*{n} heads")
             w = unpermute_qk(w, n) if w is not None else None
-            raw = unpermute_qk(raw, n) if raw is not None else None
-        if lazy_here and (raw.ndim != 2 or raw.shape[0] != shape[0]):  # type: ignore[union-attr]
-            raise ModelFormatError(f"{source}: tensor '{gname}' ({qtype}) has {raw.shape} bytes for shape {shape}; the file is corrupt")
-        weights[name] = QuantizedWeight(qtype, [raw], shape) if lazy_here else w  # type: ignore[list-item]
+            if lazy_here:
+                order = unpermute_qk(np.arange(shape[0]), n)  # read rows in this order: no copy now
+            else:
+                raw = unpermute_qk(raw, n) if raw is not None else None
+        if lazy_here:
+            lw = QuantizedWeight(qtype, [raw], shape, [order], [_page_release(reader, t)])  # type: ignore[list-item]
+            weights[name] = lw
+            quantized[name] = (qtype, lw, shape)  # the blocks live in the weight (passthrough reads them there)
+            continue
+        weights[name] = w
         if raw is not None:
             quantized[name] = (qtype, raw, shape)
 

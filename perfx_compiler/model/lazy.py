@@ -11,7 +11,7 @@ projections stay lazy too (``concat``: a list of row blocks, joined one weight a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,11 +26,22 @@ class QuantizedWeight:
     dtype = np.dtype(np.float32)
     ndim = 2
 
-    def __init__(self, qtype: str, parts: Sequence[np.ndarray], shape: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        qtype: str,
+        parts: Sequence[np.ndarray],
+        shape: tuple[int, int],
+        rows: Sequence[np.ndarray | None] | None = None,
+        releases: Sequence[Callable[[], None] | None] | None = None,
+    ) -> None:
         if qtype not in BLOCK_BYTES:
             raise ValueError(f"lazy weights are Q4_0, Q4_1 or Q8_0 blocks, not {qtype}")
         self.qtype = qtype
         self.parts = list(parts)  # raw uint8 [rows_i, K / 32 * block bytes], concatenated by rows
+        # Per part: the row order to read it in (llama.cpp's Q/K interleave undone without a copy)
+        self.rows = list(rows) if rows is not None else [None] * len(self.parts)
+        # Per part: drops its mapped pages once it has been read (the file stays the source)
+        self.releases = list(releases) if releases is not None else [None] * len(self.parts)
         self.shape = (int(shape[0]), int(shape[1]))
         rows = sum(int(p.shape[0]) for p in self.parts)
         row_bytes = self.shape[1] // 32 * BLOCK_BYTES[qtype]
@@ -56,18 +67,28 @@ class QuantizedWeight:
     def __repr__(self) -> str:
         return f"QuantizedWeight({self.qtype}, shape={self.shape})"
 
+    def _part(self, i: int) -> np.ndarray:
+        p, order = self.parts[i], self.rows[i]
+        return p if order is None else p[order]
+
     def blocks(self) -> np.ndarray:
-        """The raw blocks [N, K / 32 * block bytes] (one part: the mapped view itself, no copy)."""
+        """The raw blocks [N, K / 32 * block bytes] in row order (one unpermuted part: the mapped view)."""
         if len(self.parts) == 1:
-            return self.parts[0]
-        return np.concatenate(self.parts, axis=0)
+            return self._part(0)
+        return np.concatenate([self._part(i) for i in range(len(self.parts))], axis=0)
+
+    def release(self) -> None:
+        """Let the OS drop the mapped pages read so far (they are re-read from the file if needed)."""
+        for rel in self.releases:
+            if rel is not None:
+                rel()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        rows = [np.asarray(dequantize(np.asarray(p), GGMLQuantizationType[self.qtype]), dtype=np.float32)
-                for p in self.parts]
+        qt = GGMLQuantizationType[self.qtype]
+        rows = [np.asarray(dequantize(np.asarray(self._part(i)), qt), dtype=np.float32) for i in range(len(self.parts))]
         out = (rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0)).reshape(self.shape)
         return out if dtype is None else out.astype(dtype, copy=False)
 
@@ -81,8 +102,9 @@ class QuantizedWeight:
             return None
         if len({w.qtype for w in weights}) != 1 or len({w.shape[1] for w in weights}) != 1:
             return None
-        parts = [p for w in weights for p in w.parts]
-        return cls(weights[0].qtype, parts, (sum(w.shape[0] for w in weights), weights[0].shape[1]))
+        shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
+        return cls(weights[0].qtype, [p for w in weights for p in w.parts], shape,
+                   [r for w in weights for r in w.rows], [r for w in weights for r in w.releases])
 
 
 def is_lazy(w: Any) -> bool:

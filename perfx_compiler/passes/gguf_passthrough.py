@@ -41,9 +41,8 @@ def relax_name(hf_name: str) -> str:
 
 def block_tables(desc: Any) -> dict[str, tuple[str, np.ndarray, tuple[int, int]]]:
     """Relax weight name -> (ggml type, raw blocks [rows, bytes], (N, K)), merged groups included."""
-    out = {relax_name(n): (t, raw, tuple(shape)) for n, (t, raw, shape) in desc.quantized.items()}
-    if all(is_lazy(w) or np.ndim(w) != 2 for w in desc.weights.values()):
-        return out  # lazy weights carry their own (merged) blocks: no concatenated copies here
+    # lazy weights carry their own (merged) blocks: no tables, no concatenated copies here
+    out = {relax_name(n): (t, raw, tuple(shape)) for n, (t, raw, shape) in desc.quantized.items() if not is_lazy(raw)}
     for merged, members in GROUPS:
         pat = re.compile(rf"^(.*){members[0]}_weight$")
         for name in list(out):
@@ -101,6 +100,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         w = weights[name]
         if is_lazy(w):
             packed[name] = packed_from_blocks(w.qtype, w.blocks(), w.shape, words8, vnni)
+            w.release()  # read once: its file pages need not stay resident
         else:
             packed[name] = _checked(name, w, tables[name], words8, vnni)
         if not vnni:
