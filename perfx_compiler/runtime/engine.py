@@ -96,6 +96,18 @@ class Engine:
         self._one_token_dev = tvm.runtime.tensor(self._one_token, self.device)
         self._pos_dev = tvm.runtime.tensor(self._pos, self.device)
         self.position = 0
+        # Decode runs on arguments bound once (VM set_input + invoke_stateful): a step passes no
+        # argument list (~490 tensors) and reads back only the logits, not the 61-entry result tuple.
+        # On the CPU the token and position are written straight into the bound tensors (numpy
+        # views over their memory) and the logits are returned as a view, not copied.
+        self._decode_name = fns["decode"]
+        self.vm.set_input(self._decode_name, self._one_token_dev, self._pos_dev, *self._tail)
+        self._invoke_stateful = self.vm._invoke_stateful
+        self._get_output = self.vm._get_output
+        self._host_views = self.device.dlpack_device_type() == 1  # kDLCPU
+        if self._host_views:
+            self._token_view = np.from_dlpack(self._one_token_dev)
+            self._pos_view = np.from_dlpack(self._pos_dev)
 
     def _load_weights(self) -> list[Any]:
         blob = np.memmap(self.root / "weights.bin", dtype=np.uint8, mode="r")
@@ -145,6 +157,21 @@ class Engine:
         return self._run(self._prefill_all, token_ids)
 
     def decode(self, token_id: int) -> np.ndarray:
-        """Run one token; return its logits [vocab]."""
-        self._one_token[0, 0] = token_id
-        return self._run(self._decode, self._one_token)[0]
+        """Run one token; return its logits [vocab] (valid until the caller drops them; not reused)."""
+        tok = int(token_id)
+        if not 0 <= tok < self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        self._check_room(1)
+        if self._host_views:
+            self._token_view[0, 0] = tok
+            self._pos_view[0] = self.position
+        else:
+            self._one_token[0, 0] = tok
+            self._pos[0] = self.position
+            self._one_token_dev.copyfrom(self._one_token)
+            self._pos_dev.copyfrom(self._pos)
+        self._invoke_stateful(self._decode_name)
+        logits = self._get_output(self._decode_name, 0)
+        self.position += 1
+        # A view keeps the VM's output buffer alive, so the next step allocates a fresh one.
+        return (np.from_dlpack(logits) if self._host_views else logits.numpy())[0, 0]
