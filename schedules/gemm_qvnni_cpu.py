@@ -44,7 +44,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules._vnni_kernels import plan
+from schedules._vnni_kernels import plan, transpose_tile
 from schedules.gemv_int4_cpu import _like
 
 PRIORITY = 3  # before gemv_qvnni_cpu, which rejects rows it cannot hold
@@ -91,6 +91,9 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     zconst = 8 if bits == 4 else 128
     asym = pair and not sym and not offset
     GV = G // 16
+    LO, HI = T.uint32(0x0F0F0F0F), T.uint32(0xF0F0F0F0)
+    SWAP = [i ^ 1 for i in range(16)]  # swap the two words of each step
+    EVEN_ODD = [i if i % 2 == 0 else 16 + i for i in range(16)]  # even lanes of a, odd lanes of b
 
     def steps(g: int) -> int:
         return (min(KP, (g + 1) * G) - g * G) // KS
@@ -134,18 +137,40 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
 
     @T.macro
     def repack(Q32, Sc, Z, PK, SP, ZP, n0):
-        # 2. this block's weights as panel vectors: word (s, t, c) = 4 codes of column n0+16t+c
-        for s in T.serial(S):
-            for t in T.unroll(nr):
-                for c in T.unroll(16):
-                    if pair:
-                        PK[(s * nr + t) * 16 + c] = (
-                            T.shift_right(Q32[(n0 + t * 16 + c) // 2, 2 * s], T.uint32((c % 2) * 4))
-                            & T.uint32(0x0F0F0F0F)) | T.shift_left(
-                            T.shift_right(Q32[(n0 + t * 16 + c) // 2, 2 * s + 1], T.uint32((c % 2) * 4))
-                            & T.uint32(0x0F0F0F0F), T.uint32(4))
-                    else:
-                        PK[(s * nr + t) * 16 + c] = Q32[n0 + t * 16 + c, s]
+        # 2. this block's weights as panel vectors: word (s, t, c) = 4 codes of column n0+16t+c.
+        # Vectorized: rows are loaded whole and a square tile is transposed by shuffles
+        # (``transpose_tile``); per-word scalar code costs as much as a third of the GEMM at M=128.
+        tile = T.decl_buffer((256,), "uint32", scope="local")
+        if pair:
+            # 8 row pairs x 8 steps: pair p's 16 words hold (step s, word e) at lane 2s+e, e = low /
+            # high 4 k. Lane 2s becomes column 2p's panel word (both words' low nibbles), lane 2s+1
+            # column 2p+1's (high nibbles); as 8 x 64-bit (s) rows, the transpose gives per step s
+            # the 16 columns' words in order.
+            for sb in T.serial(S // 8):
+                for t in T.unroll(nr):
+                    for p in T.unroll(8):
+                        tile[T.Ramp(p * 16, 1, 16)] = T.Shuffle(
+                            [(Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16") & T.Broadcast(LO, 16))
+                             | (T.shift_left(T.Shuffle([Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16")],
+                                                       SWAP), T.Broadcast(T.uint32(4), 16)) & T.Broadcast(HI, 16)),
+                             (T.shift_right(T.Shuffle([Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16")],
+                                                      SWAP), T.Broadcast(T.uint32(4), 16)) & T.Broadcast(LO, 16))
+                             | (Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16") & T.Broadcast(HI, 16))],
+                            EVEN_ODD)
+                    for s in T.unroll(8):
+                        PK[T.Ramp(((sb * 8 + s) * nr + t) * 16, 1, 16)] = T.reinterpret("uint32x16", T.Shuffle(
+                            transpose_tile([T.reinterpret("uint64x8", tile[T.Ramp(r * 16, 1, 16)]) for r in range(8)]),
+                            [s * 8 + r for r in range(8)]))
+        else:
+            # 16 rows x 16 steps of words, transposed
+            for sb in T.serial(S // 16):
+                for t in T.unroll(nr):
+                    for c in T.unroll(16):
+                        tile[T.Ramp(c * 16, 1, 16)] = Q32.vload([n0 + t * 16 + c, sb * 16], "uint32x16")
+                    for s in T.unroll(16):
+                        PK[T.Ramp(((sb * 16 + s) * nr + t) * 16, 1, 16)] = T.Shuffle(
+                            transpose_tile([tile[T.Ramp(r * 16, 1, 16)] for r in range(16)]),
+                            [s * 16 + r for r in range(16)])
         for g in T.serial(NG):
             for t in T.unroll(nr):
                 for c in T.serial(16):
