@@ -24,6 +24,7 @@ ROUND_COLUMNS = [
     "other_cpu",
     "redone",
     "disturbed",
+    "load_avg_1m",
 ]
 SUMMARY_COLUMNS = [
     "model",
@@ -53,6 +54,7 @@ SUMMARY_COLUMNS = [
     "cpu",
     "cores",
     "bw_1thread_gbs",
+    "load_avg_1m",
     "note",
 ]
 METRICS = ("decode_tok_s", "prefill128_tok_s", "prefill512_tok_s")
@@ -97,6 +99,8 @@ def summarize(
             "pingpong_ns": round(_median([r["pingpong_ns"] for r in rows]), 0),
             "placements": " ".join(f"{k}:{v}" for k, v in sorted(Counter(r["placement"] for r in rows).items())),
             "disturbed_rounds": sum(1 for r in rows if r["disturbed"]),
+            # the machine's 1-minute load average after each run (median): other work on the box
+            "load_avg_1m": round(_median([r["load_avg_1m"] for r in rows if "load_avg_1m" in r]), 2),
             "note": meta.get("note", ""),
         }
         for m in METRICS:

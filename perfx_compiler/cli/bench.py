@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--prefill-lens", default=",".join(map(str, PREFILL_LENS)),
+                   help="prefill lengths to time, a subset of 128,512 ('' for none: big models); the others read n/a")
     p.add_argument("--profile", action="store_true", help="per-kernel profile of PerfX (decode and prefill)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default=None, help="model label for file names (default: the GGUF stem)")
@@ -155,8 +157,9 @@ def _measure(
         "ttft_ms": d["ttft_s"] * 1e3,
         "achieved_gbs": weight_bytes * n_decode / d["decode_s"] / 1e9,
     }
-    for n, ids in prefill_ids.items():
-        row[f"prefill{n}_tok_s"] = n / w.ask("prefill", ids=ids)["prefill_s"]
+    for n in PREFILL_LENS:
+        ids = prefill_ids.get(n)
+        row[f"prefill{n}_tok_s"] = n / w.ask("prefill", ids=ids)["prefill_s"] if ids else float("nan")
     return row
 
 
@@ -175,8 +178,10 @@ def run(args: argparse.Namespace) -> int:
     work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / "perfx-bench"
     work.mkdir(parents=True, exist_ok=True)
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    prefill_lens = list(PREFILL_LENS)
-    if args.prompt_tokens + args.decode_tokens + 1 > args.max_context or max(prefill_lens) > args.max_context:
+    prefill_lens = [int(x) for x in str(args.prefill_lens).split(",") if x.strip()]
+    if any(n not in PREFILL_LENS for n in prefill_lens):
+        raise PerfXError(f"--prefill-lens takes lengths among {PREFILL_LENS} (the CSV's columns), not {args.prefill_lens}")
+    if args.prompt_tokens + args.decode_tokens + 1 > args.max_context or max(prefill_lens, default=0) > args.max_context:
         raise PerfXError(f"prompt + decode tokens and prefill lengths {prefill_lens} must fit --max-context")
 
     size = args.bw_size_mb << 20
@@ -219,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
         # warm-up: one short pass per engine (page-in weights, thread pools, allocator)
         for w in workers.values():
             w.ask("decode", prompt=prompt, n=8)
-            w.ask("prefill", ids=prefill_ids[prefill_lens[0]])
+            if prefill_lens:
+                w.ask("prefill", ids=prefill_ids[prefill_lens[0]])
         rounds: list[dict[str, Any]] = []
         names = list(workers)
         for r in range(args.rounds):
@@ -245,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
                     other_cpu=round(other, 3),
                     redone=redone,
                     disturbed=other > args.busy,
+                    load_avg_1m=round(os.getloadavg()[0], 2),
                 )
                 rounds.append(row)
                 print(
