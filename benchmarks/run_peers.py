@@ -11,7 +11,8 @@ Models (all GGUF; llama.cpp's own quantizer makes the requantized ones):
                      the output head too, so every engine reads the same Q4_0 blocks)
     llama2-7b-q4_0   random weights with Llama-2-7B dimensions, random Q4_0 blocks written straight by
                      GGUFWriter (pure; 3.6 GiB; PerfX loads it lazily). Not in the default set: run it
-                     with --models llama2-7b-q4_0 --peers llama.cpp (the fp32 ONNX / HF folders would be 27 GB)
+                     with --models llama2-7b-q4_0 --peers llama.cpp --prefill-lens 128 (the fp32 ONNX /
+                     HF folders other peers need would be 27 GB; prefill 512 takes minutes per round)
 Every engine reads its form of the same file (see perfx_compiler/bench/models.py).
 """
 
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peers", default="llama.cpp,ort-genai,ort")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--prefill-lens", default=None, help="perfx-bench --prefill-lens (e.g. 128 for llama2-7b-q4_0)")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "perfx-bench"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if args.profile:
             cmd.append("--profile")
+        if args.prefill_lens is not None:
+            cmd += ["--prefill-lens", args.prefill_lens]
         rc |= bench_main(cmd)
     return rc
 
