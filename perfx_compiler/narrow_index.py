@@ -267,7 +267,7 @@ def narrow_to_int32(mod: Any) -> Any:
         if narrow:
             raise PerfXError(
                 f"kernel {gv.name_hint} takes 8/16-bit integer tensor(s) {', '.join(narrow)}, which WGSL cannot hold "
-                "(no 8/16-bit integer types); use --quantization gguf with Q4_1/Q8_0 weights, q8 or f32"
+                "(no 8/16-bit integer types); the pass that made it must store them as uint32 words"
             )
     pre = {gv: _narrow_local_buffers(f) for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)}
     pre = {gv: f for gv, f in pre.items() if not f.same_as(mod[gv])}

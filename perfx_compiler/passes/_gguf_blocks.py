@@ -74,7 +74,7 @@ def dequantize_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> np
 def packed_from_blocks(
     qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool = False, vnni: bool = False
 ) -> Any:
-    """The ``_qlinear.Packed`` of a GGUF tensor (``words8``: Q8_0 codes as uint32 words, for WGSL;
+    """The ``_qlinear.Packed`` of a GGUF tensor (``words8``: Q8_0 codes and Q4_0 zeros as uint32 words, for WGSL;
     ``vnni``: its int8-activation variant directly, the same arrays ``Packed.vnni()`` would give)."""
     parts = unpack_blocks(qtype, raw, shape)
     if qtype == "Q8_0":
@@ -88,4 +88,4 @@ def packed_from_blocks(
         from perfx_compiler.passes._qvnni import q4_vnni_packed
 
         return q4_vnni_packed(*parts, fmt)
-    return int4_packed(*parts, fmt)
+    return int4_packed(*parts, fmt, words=words8)

@@ -11,6 +11,9 @@ Packed layout (what ``schedules/gemv_int4_cpu.py`` reads), for W [N, K]:
   K leaves a shorter last group (K = 576 with g128: 4 groups of 128 + one of 64).
 * Offset variant (``Int4Format.offset``, GGUF Q4_1 as it is): the third array is ``min``, float16
   [N, ceil(K/G)], and w = code * scale + min.
+* Zero words (``words``, GPU targets without 8-bit types: WGSL): ``zero`` is uint32 [N, ceil(ng/4)],
+  the uint8 zeros' own bytes (4 groups a word, little-endian, the last word zero-padded), as the int8
+  codes of ``_quant8`` are.
 
 Bytes per parameter at g128: 0.5 + 3/128 = 0.523.
 """
@@ -105,6 +108,22 @@ def unpack_int4(words: np.ndarray, k: int, lanes: int) -> np.ndarray:
     return out.reshape(n, k).astype(np.uint8)
 
 
+def words_target(target: Any) -> bool:
+    """GPU targets with int32 indices (WebGPU/WGSL: no 8-bit or 64-bit integers) read 8-bit arrays
+    (int8 codes, uint8 zero points) as uint32 words."""
+    raw = getattr(target, "raw", None) or {}
+    return getattr(target, "family", "") == "gpu" and raw.get("index_dtype") == "int32"
+
+
+def zero_words(zero: np.ndarray) -> np.ndarray:
+    """uint8 zeros [N, ng] -> uint32 [N, ceil(ng/4)]: group g in byte g % 4 of word g // 4."""
+    z = np.asarray(zero, dtype=np.uint8)
+    n, ng = z.shape
+    padded = np.zeros((n, -(-ng // 4) * 4), dtype=np.uint8)
+    padded[:, :ng] = z
+    return padded.view("<u4").astype(np.uint32)
+
+
 def quant_info(n: int, k: int, group: int, lanes: int, symmetric: bool, offset: bool = False) -> str:
     """The JSON the schedule template reads from a quantized matmul PrimFunc."""
     info = {"bits": 4, "N": n, "K": k, "group": group, "lanes": lanes, "sym": symmetric}
@@ -113,21 +132,29 @@ def quant_info(n: int, k: int, group: int, lanes: int, symmetric: bool, offset: 
     return json.dumps(info, sort_keys=True)
 
 
-def int4_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: Int4Format) -> Any:
-    """The ``_qlinear.Packed`` of int4 codes [N, K] with scale and zero (or min, ``fmt.offset``)."""
+def int4_packed(
+    codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: Int4Format, words: bool = False
+) -> Any:
+    """The ``_qlinear.Packed`` of int4 codes [N, K] with scale and zero (or min, ``fmt.offset``);
+    ``words``: the zeros as uint32 words (:func:`zero_words`; no effect on the min variant)."""
     from perfx_compiler.passes._qlinear import Packed
 
     n, k = codes.shape
     lanes = fmt.lanes(k)
+    words = words and not fmt.offset
 
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
         return int4_matmul_compute(
-            n, k, fmt.group, lanes, fmt.symmetric, kind=kind, rows=rows, offset=fmt.offset, ids_dtype=ids_dtype
+            n, k, fmt.group, lanes, fmt.symmetric, kind=kind, rows=rows, offset=fmt.offset, ids_dtype=ids_dtype,
+            words=words,
         )
 
-    arrays = [("_q4", pack_int4(codes, lanes)), ("_q4_scale", np.ascontiguousarray(scale, dtype=np.float16)),
-              ("_q4_min", np.ascontiguousarray(third, dtype=np.float16)) if fmt.offset
-              else ("_q4_zero", np.ascontiguousarray(third, dtype=np.uint8))]
+    if fmt.offset:
+        third_arr = ("_q4_min", np.ascontiguousarray(third, dtype=np.float16))
+    else:
+        zero = np.ascontiguousarray(third, dtype=np.uint8)
+        third_arr = ("_q4_zero", zero_words(zero) if words else zero)
+    arrays = [("_q4", pack_int4(codes, lanes)), ("_q4_scale", np.ascontiguousarray(scale, dtype=np.float16)), third_arr]
 
     def vnni() -> Any:
         from perfx_compiler.passes._qvnni import q4_vnni_packed
@@ -140,21 +167,32 @@ def int4_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: In
 def int4_matmul_compute(
     n: int, k: int, group: int, lanes: int, symmetric: bool, kind: str = "matmul",
     rows: tuple[int | None, int | None] = (1, None), offset: bool = False, ids_dtype: str = "int64",
+    words: bool = False,
 ) -> Any:
     """Reference PrimFunc ``y[0, m, n] = sum_k x[0, m, k] * dequant(W)[n, k]`` (M symbolic), tagged
     with ``perfx.quant`` so the int4 template can replace it with its scheduled kernel. Correct
     (slow) as it is on any target. ``kind="take"``: the embedding gather out[0, s, :] = W[ids[0, s]];
     ``kind="dequant"``: the whole float W [N, K] (prefill then runs the float GEMM template).
     ``rows``: the two leading dims of x (ids), each static or None for symbolic; ``ids_dtype``: the
-    graph's index dtype (int32 on targets without 64-bit integers, where shapes are int32 too)."""
+    graph's index dtype (int32 on targets without 64-bit integers, where shapes are int32 too);
+    ``words``: the zeros arrive as uint32 words (:func:`zero_words`) and the info says ``"words": true``."""
     from tvm import te, tirx
 
     ng = -(-k // group)
     block = 8 * lanes
-    words = k // 8
-    q = te.placeholder((n, words), "uint32", name="q")
+    q = te.placeholder((n, k // 8), "uint32", name="q")
     s = te.placeholder((n, ng), "float16", name="scale")
-    z = te.placeholder((n, ng), "float16" if offset else "uint8", name="min" if offset else "zero")
+    words = words and not offset
+    if words:
+        z = te.placeholder((n, -(-ng // 4)), "uint32", name="zero")
+    else:
+        z = te.placeholder((n, ng), "float16" if offset else "uint8", name="min" if offset else "zero")
+
+    def zero(row: Any, g: Any) -> Any:
+        if not words:
+            return z[row, g].astype("float32")
+        byte = (z[row, g // 4] >> ((g % 4) * 8).astype("uint32")) & tirx.const(255, "uint32")
+        return byte.astype("float32")
 
     def w(row: Any, col: Any) -> Any:
         word = q[row, (col // block) * lanes + col % lanes]
@@ -162,7 +200,7 @@ def int4_matmul_compute(
         g = col // group
         if offset:
             return code.astype("float32") * s[row, g].astype("float32") + z[row, g].astype("float32")
-        return (code.astype("float32") - z[row, g].astype("float32")) * s[row, g].astype("float32")
+        return (code.astype("float32") - zero(row, g)) * s[row, g].astype("float32")
 
     b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
     m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
@@ -180,4 +218,6 @@ def int4_matmul_compute(
         func = te.create_prim_func([x, q, s, z, out])
     info = json.loads(quant_info(n, k, group, lanes, symmetric, offset))
     info["kind"] = kind
+    if words:
+        info["words"] = True
     return func.with_attr(QUANT_ATTR, json.dumps(info, sort_keys=True))

@@ -30,7 +30,7 @@ import tvm
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.frontend.contrib_ops import NBitsTable
 from perfx_compiler.passes._qlinear import Packed, linear_weights, rewrite_linears
-from perfx_compiler.passes._quant import Int4Format, int4_packed
+from perfx_compiler.passes._quant import Int4Format, int4_packed, words_target
 from perfx_compiler.passes.merge_projections import GROUPS
 
 NAME = "onnx_int4_passthrough"
@@ -76,8 +76,9 @@ def fp16_scales(scales: np.ndarray) -> np.ndarray | None:
     return s.astype(np.float16)
 
 
-def packed_from_table(t: NBitsTable) -> Packed | None:
-    """The ``_qlinear.Packed`` of an int4 table, or None when the kernels cannot hold it."""
+def packed_from_table(t: NBitsTable, words: bool = False) -> Packed | None:
+    """The ``_qlinear.Packed`` of an int4 table, or None when the kernels cannot hold it (``words``: zero
+    points as uint32 words, ``_quant.words_target``)."""
     n, k = t.shape
     fmt = Int4Format(t.block, symmetric=t.zeros is None)
     try:
@@ -87,7 +88,7 @@ def packed_from_table(t: NBitsTable) -> Packed | None:
     scale = fp16_scales(t.scales)
     if scale is None:
         return None
-    return int4_packed(t.codes, scale, t.zero_points(), fmt)
+    return int4_packed(t.codes, scale, t.zero_points(), fmt, words=words)
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
@@ -112,7 +113,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         err = float(np.abs(t.dequantize() - w).max())
         if err > 1e-6 * max(float(np.abs(w).max()), 1e-30):
             raise PerfXError(f"internal: MatMulNBits table of {name} does not reproduce its weights (max error {err:g})")
-        pk = packed_from_table(t)
+        pk = packed_from_table(t, words_target(ctx.target))
         if pk is not None:
             packed[name] = pk
     return rewrite_linears(mod, weights, packed)

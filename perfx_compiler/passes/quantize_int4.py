@@ -21,7 +21,7 @@ import tvm
 
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.passes._qlinear import GEMV_MAX_ROWS, linear_weights, rewrite_linears
-from perfx_compiler.passes._quant import Int4Format, int4_packed, quantize_int4
+from perfx_compiler.passes._quant import Int4Format, int4_packed, quantize_int4, words_target
 
 NAME = "quantize_int4"
 ORDER = 60  # after the merges (quantize the merged weights), before weight_layout
@@ -51,9 +51,10 @@ def parse(quantization: str) -> Int4Format | None:
 
 
 def quantize_linears(
-    mod: tvm.IRModule, weights: dict[str, Any], fmt: Int4Format, prepare: Any = None
+    mod: tvm.IRModule, weights: dict[str, Any], fmt: Int4Format, prepare: Any = None, words: bool = False
 ) -> tuple[tvm.IRModule, dict[str, Any]]:
-    """The pass body, reusable by AWQ (``prepare(name, W) -> W'`` adjusts a weight first)."""
+    """The pass body, reusable by AWQ (``prepare(name, W) -> W'`` adjusts a weight first; ``words``:
+    zero points as uint32 words, ``_quant.words_target``)."""
     quant, _ = linear_weights(mod, weights)
     packed = {}
     for name in quant:
@@ -61,7 +62,7 @@ def quantize_linears(
         if prepare is not None:
             w = prepare(name, w)
         fmt.lanes(w.shape[1])  # one-line error when K does not suit the packing
-        packed[name] = int4_packed(*quantize_int4(w, fmt), fmt)
+        packed[name] = int4_packed(*quantize_int4(w, fmt), fmt, words=words)
     return rewrite_linears(mod, weights, packed)
 
 
@@ -75,4 +76,4 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     fmt = parse(quantization)
     if fmt is None:
         return mod, weights
-    return quantize_linears(mod, weights, fmt)
+    return quantize_linears(mod, weights, fmt, words=words_target(ctx.target))

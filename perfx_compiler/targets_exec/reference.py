@@ -8,9 +8,11 @@ import numpy as np
 
 
 def lowered_module(
-    model: Any, target: str, max_context: int = 64, schedule: bool = True, passes: list[str] | None = None
+    model: Any, target: str, max_context: int = 64, schedule: bool = True, passes: list[str] | None = None,
+    quantization: str = "auto",
 ) -> tuple[Any, Any]:
-    """(state, {name: PrimFunc}) after phase 2 (lower) and, with ``schedule``, phase 3 for ``target``.
+    """(state, {name: PrimFunc}) after phase 2 (lower) and, with ``schedule``, phase 3 for ``target``
+    (``quantization``: as ``perfx-compile --quantization``).
 
     ``model`` is anything ``compile_model`` takes (a name, a GGUF path, a ModelDescription).
     """
@@ -26,9 +28,8 @@ def lowered_module(
         from perfx_compiler.model.loader import load_model
 
         desc = load_model(model, max_context=max_context)
-    state = P.CompileState(
-        desc=desc, target=load_target(target), options=P.CompileOptions(target=target, progress=False, passes=passes)
-    )
+    opts = P.CompileOptions(target=target, progress=False, passes=passes, quantization=quantization)
+    state = P.CompileState(desc=desc, target=load_target(target), options=opts)
     phases = dict(P.PHASES)
     for name in ("import", "passes", "lower") + (("schedule",) if schedule else ()):
         phases[name](state)

@@ -147,3 +147,69 @@ def test_gguf_int4_decode_on_lavapipe_matches_x86(tiny_q4_gguf: Path, launcher, 
     assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"vulkan gguf: decode logits differ from x86 by {err}"
     assert (got.argmax(-1) == want.argmax(-1)).all()
     print(f"vulkan gguf Q4_1/Q8_0: {len(quant)} quantized kernels, max |logit - x86| = {err:.2e}")
+
+
+def test_int4_zero_words_kernel_matches_numpy() -> None:
+    """Zero points as uint32 words (4 groups a word, the last one padded): the reference kernel reads each
+    group's own byte; random asymmetric codes and zeros, 5 groups a row (a ragged last word), vs numpy."""
+    import tvm
+
+    from perfx_compiler.passes._quant import Int4Format, dequantize_int4, int4_packed, quantize_int4
+
+    rng = np.random.default_rng()
+    n, k, fmt = 24, 160, Int4Format(32, symmetric=False)
+    w = rng.standard_normal((n, k)).astype(np.float32) + rng.uniform(-2, 2, (n, 1)).astype(np.float32)
+    codes, scale, zero = quantize_int4(w, fmt)
+    assert len(np.unique(zero)) > 3  # zeros that differ between groups: a wrong byte would show
+    packed = int4_packed(codes, scale, zero, fmt, words=True)
+    arrays = dict(packed.arrays)
+    assert arrays["_q4_zero"].dtype == np.uint32 and arrays["_q4_zero"].shape == (n, 2)
+    func = packed.compute("matmul", (1, 1), "int32")
+    assert json.loads(str(func.attrs["perfx.quant"]))["words"] is True
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), "llvm")
+    x = rng.standard_normal((1, 1, k)).astype(np.float32)
+    dev = tvm.cpu()
+    out = tvm.runtime.tensor(np.zeros((1, 1, n), np.float32), dev)
+    lib["main"](*[tvm.runtime.tensor(a, dev) for a in (x, *arrays.values())], out)
+    want = x[0].astype(np.float64) @ dequantize_int4(codes, scale, zero, 32).astype(np.float64).T
+    assert np.abs(out.numpy()[0] - want).max() < 1e-4 * max(1.0, float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize(("qtype", "quantization"), [("Q4_0", "auto"), ("F32", "q4_g32")])
+def test_int4_zero_points_decode_on_lavapipe_matches_x86(
+    qtype: str, quantization: str, launcher, tmp_path: Path
+) -> None:
+    """GGUF Q4_0 (zero 8) and asymmetric q4_g32 (a zero per group) on vulkan: the zero points travel as
+    uint32 words (no 8-bit tensors in WGSL); decode logits through the WGSL launcher = the x86 build."""
+    from perfx_compiler.model.testing import write_tiny_gguf
+    from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.runtime.engine import Engine
+    from perfx_compiler.targets_exec.reference import lowered_module
+    from perfx_compiler.targets_exec.relax_exec import run_decode_steps
+
+    path, _ = write_tiny_gguf(
+        tmp_path / f"tiny-{qtype}.gguf", qtype=qtype, embed_qtype="Q8_0" if qtype != "F32" else None,
+        context_length=128,
+    )
+    state, funcs = lowered_module(str(path), "vulkan", max_context=MAX_CONTEXT, quantization=quantization)
+    q4 = {n: f for n, f in funcs.items() if f.attrs is not None and '"bits": 4' in str(f.attrs.get("perfx.quant", ""))}
+    assert q4, sorted(funcs)
+    for name, f in q4.items():
+        assert json.loads(str(f.attrs["perfx.quant"])).get("words") is True, name
+        dtypes = {str(p.ty.dtype) for p in f.params if hasattr(p.ty, "dtype") and hasattr(p.ty, "shape")}
+        assert not dtypes & {"int8", "uint8", "int64"}, (name, dtypes)
+    zeros = [np.asarray(v).view(np.uint8) for k, v in state.weights.items() if k.endswith("_q4_zero")]
+    assert zeros and all(z.dtype == np.uint8 for z in zeros)
+    if quantization == "q4_g32":
+        assert len(np.unique(np.concatenate([z.ravel() for z in zeros]))) > 3  # zeros differ per group
+    got = np.stack(run_decode_steps(state, launcher, TOKENS, state.weights))
+    host = compile_model(
+        str(path), "host", tmp_path / "x86", progress=False, max_context=MAX_CONTEXT, activations="f32",
+        quantization=quantization,
+    )
+    engine = Engine(host)
+    want = np.stack([engine.decode(t) for t in TOKENS])
+    err = np.abs(got - want).max()
+    assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"vulkan {qtype}/{quantization}: logits differ by {err}"
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    print(f"vulkan {qtype}/{quantization}: {len(q4)} int4 kernels, max |logit - x86| = {err:.2e}")
