@@ -1,14 +1,19 @@
-"""adreno: the texture variant of GEMV (weights read through an RGBA image2d_array_t, lowered by the
-project's assembled Adreno TIR pipeline with TextureFlatten) runs on PoCL's images and matches numpy."""
+"""adreno: decode GEMVs read weights through OpenCL images (passes/texture_weights.py, kernels in
+kernels/gemv_texture.py, lowered by the project's assembled Adreno TIR pipeline with TextureFlatten).
+Every texture kernel runs on PoCL's images against numpy (SmolLM2's shapes, and every texture kernel of
+the tiny models' adreno builds), then whole decode steps through the launcher match the x86 build."""
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
+from targets_common import MAX_CONTEXT, TOKENS
 
 pytestmark = pytest.mark.targets
+LIMITS = {"max_width": 16384, "max_height": 16384, "max_layers": 2048}  # targets/adreno.json
 
 
 @pytest.fixture(scope="module")
@@ -21,25 +26,85 @@ def launcher():
     return OpenCLLauncher()
 
 
-@pytest.mark.parametrize(("n", "k"), [(128, 64), (100, 40), (1536, 576)])  # last: SmolLM2's MLP up-projection
-def test_texture_gemv_on_pocl_images(n: int, k: int, launcher) -> None:
-    from perfx_compiler.kernels.gemv_texture import adreno_tir_pipeline, texture_gemv_kernel, to_texels
+def _compile(func):
+    from perfx_compiler.kernels.gemv_texture import adreno_tir_pipeline
     from perfx_compiler.targets import load_target
     from perfx_compiler.targets_exec.kernels import compile_primfunc
+
+    cf = compile_primfunc("texture", func, load_target("adreno").tvm(), pipeline=adreno_tir_pipeline())
+    assert "image2d_array_t" in cf.source, cf.source[:2000]
+    assert not re.search(r"for \([^)]*\) \{\s*\}", cf.source), "empty loop in the OpenCL source"
+    return cf
+
+
+def _check(got: np.ndarray, want: np.ndarray, k: int) -> None:
+    err = np.abs(got.reshape(-1).astype(np.float64) - want).max()
+    assert err <= 2e-6 * max(1.0, float(np.abs(want).max())) * np.sqrt(k), err
+
+
+# N x K of SmolLM2's decode GEMVs (qkv, o, gate_up, down); small ones fold rows into layers
+@pytest.mark.parametrize(("n", "k", "max_height"), [(960, 576, 16384), (576, 576, 16384), (3072, 576, 1000),
+                                                     (576, 1536, 16384), (100, 64, 30)])
+@pytest.mark.parametrize("offset", [True, False])
+def test_q4_texture_gemv(n: int, k: int, max_height: int, offset: bool, launcher) -> None:
+    from perfx_compiler.kernels import gemv_texture as gt
+    from perfx_compiler.passes._quant import Int4Format, pack_int4
+
+    lim = {**LIMITS, "max_height": max_height}
+    fmt = Int4Format(32, False, offset)
+    lanes = fmt.lanes(k)
+    rng = np.random.default_rng(n * 7 + k + offset)
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    scale = rng.standard_normal((n, k // 32)).astype(np.float16)
+    third = (rng.standard_normal((n, k // 32)) if offset else rng.integers(0, 16, (n, k // 32))).astype(np.float16)
+    words = pack_int4(codes, lanes)
+    cl = gt.image_layout(n, words.shape[1] // 4, "RGBA32UI", lim)
+    sl = gt.image_layout(n, -(-(k // 32) // 2), "RGBA32F", lim)
+    assert cl.layers == -(-n // max_height)
+    cf = _compile(gt.texture_q4_gemv_kernel({"N": n, "K": k, "group": 32, "lanes": lanes, "offset": offset}, cl, sl))
+    assert "read_imageui" in cf.source and "as_uint4(READ_IMAGEF" not in cf.source
+    x = rng.standard_normal((1, 1, k)).astype(np.float32)
+    got = launcher.run_numpy(cf, [x, gt.pack_image(words, cl), gt.pack_scales([scale, third], sl),
+                                  np.zeros((1, 1, n), np.float32)])[3]
+    s, t = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (scale, third))
+    w = codes * s + t if offset else (codes - t) * s
+    _check(got, w @ x.reshape(-1).astype(np.float64), k)
+
+
+@pytest.mark.parametrize(("n", "k"), [(49152, 576), (300, 64)])  # SmolLM2's lm_head: 3 layers of 16384 rows
+def test_q8_texture_gemv(n: int, k: int, launcher) -> None:
+    from perfx_compiler.kernels import gemv_texture as gt
+
+    rng = np.random.default_rng(n + k)
+    codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    scale = rng.standard_normal((n, k // 32)).astype(np.float16)
+    cl = gt.image_layout(n, k // 16, "RGBA32UI", LIMITS)
+    sl = gt.image_layout(n, -(-(k // 32) // 4), "RGBA32F", LIMITS)
+    cf = _compile(gt.texture_q8_gemv_kernel({"N": n, "K": k, "group": 32}, cl, sl))
+    x = rng.standard_normal((1, 1, k)).astype(np.float32)
+    got = launcher.run_numpy(cf, [x, gt.pack_image(codes.view(np.uint32), cl), gt.pack_scales([scale], sl),
+                                  np.zeros((1, 1, n), np.float32)])[3]
+    _check(got, (codes * np.repeat(scale.astype(np.float64), 32, axis=1)) @ x.reshape(-1).astype(np.float64), k)
+
+
+@pytest.mark.parametrize(("n", "k", "max_height"), [(128, 64, 16384), (100, 40, 16384), (1536, 576, 16384),
+                                                     (300, 64, 128)])
+def test_f32_texture_gemv(n: int, k: int, max_height: int, launcher) -> None:
+    from perfx_compiler.kernels import gemv_texture as gt
     from perfx_compiler.targets_exec.opencl import texture_params
 
-    cf = compile_primfunc(
-        "texture_gemv", texture_gemv_kernel(n, k), load_target("adreno").tvm(), pipeline=adreno_tir_pipeline()
-    )
-    assert "image2d_array_t" in cf.source and "READ_IMAGEF" in cf.source, cf.source[:2000]
-    assert not re.search(r"for \([^)]*\) \{\s*\}", cf.source), "empty loop in the OpenCL source"
+    if k % 8:
+        with pytest.raises(gt.TextureLimitError):
+            gt.texture_gemv_kernel(n, k)
+        return
+    lay = gt.image_layout(n, k // 4, "RGBA32F", {**LIMITS, "max_height": max_height})
+    cf = _compile(gt.texture_gemv_kernel(n, k, layout=lay))
     assert texture_params(cf) == {1}
     rng = np.random.default_rng(n + k)
-    x = rng.standard_normal(k).astype(np.float32)
+    x = rng.standard_normal((1, 1, k)).astype(np.float32)
     w = rng.standard_normal((n, k)).astype(np.float32)
-    got = launcher.run_numpy(cf, [x, to_texels(w), np.zeros(n, np.float32)])[2]
-    want = w.astype(np.float64) @ x
-    assert np.abs(got - want).max() <= 1e-5 * max(1.0, float(np.abs(want).max())) * np.sqrt(k)
+    got = launcher.run_numpy(cf, [x, gt.pack_image(w, lay), np.zeros((1, 1, n), np.float32)])[2]
+    _check(got, w.astype(np.float64) @ x.reshape(-1), k)
 
 
 def test_registered_adreno_pipeline_is_not_a_triple() -> None:
@@ -48,3 +113,51 @@ def test_registered_adreno_pipeline_is_not_a_triple() -> None:
 
     with pytest.raises(TypeError):
         _pipeline, _host, _device = tvm.tirx.get_tir_pipeline("adreno")
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Q4_1 linears as SmolLM2's file, F32 embedding: the Q8_0 embedding gather reads fp16 scales from a
+    buffer, which PoCL 3.1 (no cl_khr_fp16) cannot run; the Q8_0 lm_head texture kernel is checked above."""
+    from perfx_compiler.model.testing import write_tiny_gguf
+
+    path, _ = write_tiny_gguf(tmp_path_factory.mktemp("tq") / "q4.gguf", qtype="Q4_1", embed_qtype="F32",
+                              context_length=128)
+    return path
+
+
+@pytest.mark.parametrize("quant", ["f32", "q4_1"])
+def test_decode_with_texture_weights_matches_x86(quant: str, tiny_gguf: Path, tiny_q4: Path, launcher,
+                                                 tmp_path: Path) -> None:
+    from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.runtime.engine import Engine
+    from perfx_compiler.targets_exec.kernels import has_texture_params
+    from perfx_compiler.targets_exec.reference import lowered_module
+    from perfx_compiler.targets_exec.relax_exec import run_decode_steps
+
+    model = tiny_gguf if quant == "f32" else tiny_q4
+    state, funcs = lowered_module(str(model), "adreno", max_context=MAX_CONTEXT)
+    tex = sorted(n for n, f in funcs.items() if has_texture_params(f))
+    images = [k for k in state.weights if k.endswith("__tex")]
+    # every decode linear and the lm_head read images
+    assert len(tex) == 5, tex  # qkv, o, gate_up, down (shared by both layers) + lm_head
+    assert len(images) == (9 if quant == "f32" else 17), images
+    host = Engine(compile_model(str(model), "host", tmp_path / "h", progress=False, max_context=MAX_CONTEXT,
+                                activations="f32"))
+    want = np.stack([host.decode(t) for t in TOKENS])
+    got = np.stack(run_decode_steps(state, launcher, TOKENS, state.weights))
+    err = np.abs(got - want).max()
+    assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"adreno textures ({quant}): logits differ by {err}"
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("target", ["mali", "intel-igpu"])
+def test_textures_only_where_the_target_file_enables_them(target: str, tiny_gguf: Path) -> None:
+    from perfx_compiler.passes.texture_weights import texture_options
+    from perfx_compiler.targets import load_target
+    from perfx_compiler.targets_exec.reference import lowered_module
+
+    assert texture_options(load_target(target)) is None
+    assert texture_options(load_target("adreno")) is not None
+    state, _ = lowered_module(str(tiny_gguf), target, max_context=MAX_CONTEXT, schedule=False)
+    assert not [k for k in state.weights if k.endswith("__tex")]

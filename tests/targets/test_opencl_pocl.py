@@ -36,7 +36,7 @@ def _reference_func(name: str, cpu_funcs: dict, unscheduled: dict):
 @pytest.mark.parametrize("target", OPENCL_TARGETS)
 @pytest.mark.parametrize("seq", [1, 3])
 def test_every_kernel_on_pocl(target: str, seq: int, tiny_gguf: Path, launcher) -> None:
-    from perfx_compiler.targets_exec.kernels import compile_primfunc, random_inputs
+    from perfx_compiler.targets_exec.kernels import compile_primfunc, has_texture_params, random_inputs
     from perfx_compiler.targets_exec.reference import host_reference, lowered_module
 
     state, funcs = lowered_module(str(tiny_gguf), target, max_context=MAX_CONTEXT)
@@ -45,6 +45,8 @@ def test_every_kernel_on_pocl(target: str, seq: int, tiny_gguf: Path, launcher) 
     tgt = state.target.tvm()
     checked = []
     for name, func in funcs.items():
+        if has_texture_params(func):
+            continue  # image-weight GEMVs (hand-scheduled, no host form): test_adreno_texture.py vs numpy
         cf = compile_primfunc(name, func, tgt)
         assert cf.launches, f"{name} has no device launch on {target}"
         ins = random_inputs(cf, {"seq": seq, "n": seq, "bsz": 1, "batch": 2, "pages": 8}, seed=len(checked))
