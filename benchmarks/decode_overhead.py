@@ -7,7 +7,8 @@ argument tensors (the VM's own buffers). Then, per round, at the same sequence p
 * ``kernels_ms``  the recorded kernels run back to back from that precompiled list by a small C++
                    loop (built here with ``tvm_ffi.cpp.load_inline``): kernel time and nothing else
                    (no VM, no Python, no allocation), reading the same weights and KV cache;
-* ``vm_ms``       one call of the VM's decode function (what ``Engine`` does per token, minus Python);
+* ``vm_ms``       one call of the VM's decode function, made as ``Engine.decode`` makes it (on arguments
+                   bound once), minus the Python around it;
 * ``step_ms``     ``Engine.decode(token)`` + ``argmax`` of the logits, i.e. a greedy token as
                    ``perfx-bench`` times it (Python, argument passing, logits copy, sampling).
 
@@ -120,9 +121,14 @@ class Subject:
         finally:
             e.vm.set_instrument(None)
         e.position = self.position
-        # the VM's decode function and its arguments, exactly as Engine._run passes them
-        self.vm_fn = e._decode
-        self.vm_args = [e._one_token_dev, e._pos_dev, *e._tail]
+        # the VM's decode function, called as Engine.decode calls it: on arguments bound once
+        # (set_input) when the engine does that, else with the whole argument list
+        name = getattr(e, "_decode_name", None)
+        if name is not None:
+            invoke = e._invoke_stateful
+            self.vm_fn, self.vm_args = (lambda: invoke(name)), []
+        else:
+            self.vm_fn, self.vm_args = e._decode, [e._one_token_dev, e._pos_dev, *e._tail]
 
     def time_kernels(self, replay: Any, steps: int, cpu: bool) -> float:
         return statistics.median(list(replay(self.calls, steps, cpu)))

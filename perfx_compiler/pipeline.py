@@ -240,13 +240,18 @@ def phase_build(state: CompileState) -> None:
 
 
 def _tir_pipeline(state: CompileState) -> str:
-    """``perfx_adreno`` (TextureFlatten) when a kernel reads an image (passes/texture_weights.py)."""
+    """``perfx_adreno`` (TextureFlatten) when a kernel reads an image (passes/texture_weights.py);
+    ``perfx_cpu`` (stack_alloca.py) on CPU targets."""
     from perfx_compiler.targets_exec.kernels import has_texture_params
 
     if any(isinstance(f, tvm.tirx.PrimFunc) and has_texture_params(f) for f in state.mod.functions.values()):
         from perfx_compiler.kernels.gemv_texture import register_pipeline
 
         return register_pipeline()
+    if state.target.family == "cpu":
+        from perfx_compiler.stack_alloca import register_pipeline as stack_pipeline
+
+        return stack_pipeline()  # small kernel scratch on the stack, not TVM's workspace pool
     return "default"
 
 

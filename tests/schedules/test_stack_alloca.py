@@ -1,0 +1,62 @@
+"""perfx_cpu TIR pipeline: small static scratch buffers become stack allocas, results unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+tvm = pytest.importorskip("tvm")
+from tvm.script import tirx as T  # noqa: E402
+
+from perfx_compiler.stack_alloca import MAX_STACK_BYTES, register_pipeline  # noqa: E402
+
+
+@T.prim_func
+def _kernel(A: T.Buffer((256,), "float32"), B: T.Buffer((256,), "float32"), C: T.Buffer((4096,), "float32")):
+    T.func_attr({"global_symbol": "main", "tirx.noalias": True})
+    acc = T.alloc_buffer((16,))  # outside the parallel loop, read inside it
+    big = T.alloc_buffer((4096,))  # 16 KiB: above the stack limit, stays in the workspace pool
+    for i in range(16):
+        acc[i] = A[i] * T.float32(3.0)
+    for t in T.parallel(16):
+        loc = T.alloc_local((16,))  # per task
+        for i in range(16):
+            loc[i] = A[t * 16 + i] * T.float32(2.0) + acc[i]
+        for i in range(16):
+            B[t * 16 + i] = loc[i] + T.float32(1.0)
+    for i in range(4096):
+        big[i] = A[i % 256] + T.float32(i)
+    for i in range(4096):
+        C[i] = big[4095 - i]
+
+
+def _build(pipeline: str):
+    tgt = tvm.target.Target({"kind": "llvm", "mcpu": "x86-64-v3"})
+    return tvm.tirx.build(tvm.IRModule({"main": _kernel}), tgt, pipeline=pipeline)
+
+
+def _workspace_calls(lib) -> int:
+    return lib.inspect_source("ll").count("call ptr %TVMBackendAllocWorkspace") + lib.inspect_source("ll").count(
+        "@TVMBackendAllocWorkspace("
+    )
+
+
+def test_small_scratch_on_stack_and_results_equal() -> None:
+    assert MAX_STACK_BYTES < 4096 * 4
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(256).astype("float32")
+    ref_b = (a.reshape(16, 16) * 2 + a[:16] * 3 + 1).reshape(-1)
+    ref_c = (a[np.arange(4096) % 256] + np.arange(4096, dtype=np.float64)).astype("float32")[::-1]
+    outs = {}
+    for name in ("default", register_pipeline()):
+        lib = _build(name)
+        b = tvm.runtime.tensor(np.zeros(256, "float32"))
+        c = tvm.runtime.tensor(np.zeros(4096, "float32"))
+        lib["main"](tvm.runtime.tensor(a), b, c)
+        np.testing.assert_allclose(b.numpy(), ref_b, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(c.numpy(), ref_c, rtol=1e-6, atol=1e-3)
+        ll = lib.inspect_source("ll")
+        outs[name] = ll.count("TVMBackendAllocWorkspace")
+    # default: acc, loc and big go through the pool; perfx_cpu: only big (above the limit)
+    assert outs["perfx_cpu"] < outs["default"], outs
+    assert outs["perfx_cpu"] > 0, outs
