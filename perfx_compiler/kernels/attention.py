@@ -80,12 +80,20 @@ def cached_attention_kernel(
 
     @T.macro
     def append_kv(Q, K, V, KF, VF, COS, SIN, past, seq):
-        for t in T.parallel(KVH * seq):
-            kh = t // seq
-            s = t % seq
-            if past + s < MAXC:  # a chunk past the cache's end writes nothing (memory-safe for any input)
-                rope_store(KF, (kh * MAXC + past + s) * D, 1, K, 0, s, kh * D, COS, SIN, past + s, HALF, T.float32(1))
-                copy_row(VF, (kh * MAXC + past + s) * D, V, 0, s, kh * D, D)
+        if seq == 1:
+            # decode: one row per KV head, far less work than a parallel launch's fork/join costs
+            for kh in T.serial(KVH):
+                if past < MAXC:
+                    rope_store(KF, (kh * MAXC + past) * D, 1, K, 0, 0, kh * D, COS, SIN, past, HALF, T.float32(1))
+                    copy_row(VF, (kh * MAXC + past) * D, V, 0, 0, kh * D, D)
+        else:
+            for t in T.parallel(KVH * seq):
+                kh = t // seq
+                s = t % seq
+                if past + s < MAXC:  # a chunk past the cache's end writes nothing (memory-safe for any input)
+                    rope_store(KF, (kh * MAXC + past + s) * D, 1, K, 0, s, kh * D, COS, SIN, past + s, HALF,
+                               T.float32(1))
+                    copy_row(VF, (kh * MAXC + past + s) * D, V, 0, s, kh * D, D)
 
     @T.macro
     def rows_body(Q, KF, VF, COS, SIN, OUT, past, seq):
