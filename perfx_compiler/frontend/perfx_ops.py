@@ -14,6 +14,7 @@ from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 from perfx_compiler.kernels.attention import attention_decode_kernel, attention_prefill_kernel
 from perfx_compiler.kernels.attention_gpu import cached_attention_kernel_gpu
 from perfx_compiler.kernels.paged_attention import paged_attention_kernel
+from perfx_compiler.kernels.paged_attention_gpu import paged_attention_kernel_gpu
 
 # Target family of the compilation being imported ("cpu" | "gpu"); the pipeline's import phase
 # sets it, converters pick the kernel variant from it.
@@ -105,9 +106,10 @@ class PagedAttention(OnnxOpConverter):
         page_size, kvh, d = _static(page_size), _static(kvh), _static(d)
         heads = _static(q.ty.shape[2]) // d
         maxc = _static(cos.ty.shape[0])
-        gv = kernel_global_var(
-            "paged_attention", paged_attention_kernel, heads, kvh, d, maxc, page_size, q.ty.dtype, *_index_args(pos)
-        )
+        name, builder = "paged_attention", paged_attention_kernel
+        if TARGET_FAMILY == "gpu":  # a block per (head, sequence), tree reductions across its threads
+            name, builder = "paged_attention_gpu", paged_attention_kernel_gpu
+        gv = kernel_global_var(name, builder, heads, kvh, d, maxc, page_size, q.ty.dtype, *_index_args(pos))
         out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kp.ty, vp.ty]
         call = relax.call_tir_inplace(gv, [q, k, v, kp, vp, pos, table, cos, sin], [-1, 3, 4], out_ty)
         return bb.emit(call)

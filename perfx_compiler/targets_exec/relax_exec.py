@@ -130,3 +130,35 @@ def run_decode_steps(
         first = out[0] if isinstance(out, list) else out
         logits.append(launcher.to_host(first).reshape(-1))
     return logits
+
+
+def run_paged_decode_steps(
+    state: Any,
+    launcher: Any,
+    streams: list[list[int]],
+    weights: dict[str, np.ndarray],
+    runner: RelaxKernelRunner | None = None,
+    seed: int = 0,
+) -> list[np.ndarray]:
+    """Batched serving's step: the token streams advance together through ``paged_decode`` (one call a
+    step, one token per sequence) from empty pools, each sequence on its own randomly drawn pages;
+    return the logits [len(streams), vocab] of every step."""
+    from perfx_compiler.model.onnx_emit import pages_per_sequence, pool_shape
+    from perfx_compiler.pipeline import index_dtype_of
+
+    cfg = state.desc.config
+    index = np.dtype(index_dtype_of(state.target))
+    if runner is None:
+        runner = RelaxKernelRunner(state.mod, state.target.tvm(), launcher)
+    batch, npp = len(streams), pages_per_sequence(cfg)
+    table = np.random.default_rng(seed).permutation(batch * npp).reshape(batch, npp).astype(index)
+    pools = [launcher.to_device(np.zeros(pool_shape(cfg, batch * npp), np.float32)) for _ in range(2 * cfg.num_layers)]
+    dev_weights = [launcher.to_device(np.asarray(w)) for w in weights.values()]
+    logits = []
+    for step in range(len(streams[0])):
+        ids = launcher.to_device(np.array([[s[step]] for s in streams], index))
+        pos = launcher.to_device(np.full(batch, step, index))
+        out = runner.run("paged_decode", [ids, pos, launcher.to_device(table), *pools, *dev_weights])
+        first = out[0] if isinstance(out, list) else out
+        logits.append(launcher.to_host(first).reshape(batch, -1))
+    return logits

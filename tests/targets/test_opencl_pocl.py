@@ -28,8 +28,9 @@ def _reference_func(name: str, cpu_funcs: dict, unscheduled: dict):
     """The host-runnable version of a kernel: attention's CPU kernel (x86 module), else the same
     PrimFunc before the schedule phase (hand-scheduled CPU kernels are still the CPU ones there; the
     x86 module itself differs: CPU builds pre-pack weights into panels)."""
-    if name.startswith("cached_attention_gpu"):
-        return cpu_funcs[name.replace("cached_attention_gpu", "cached_attention")]
+    for gpu in ("cached_attention_gpu", "paged_attention_gpu"):
+        if name.startswith(gpu):
+            return cpu_funcs[name.replace(gpu, gpu[: -len("_gpu")])]
     return unscheduled[name]
 
 
@@ -53,6 +54,8 @@ def test_every_kernel_on_pocl(target: str, seq: int, tiny_gguf: Path, launcher) 
         for i, (pname, _, _) in enumerate(cf.param_info()):
             if pname in ("PAST", "past_len") and isinstance(ins[i], np.ndarray):
                 ins[i][:] = 7  # attention: 7 cached positions before the chunk
+            if pname == "PT":  # paged attention: distinct pages per sequence, as the runtime allocates them
+                ins[i][:] = np.random.default_rng(i).permutation(8)[: ins[i].size].reshape(ins[i].shape)
         got = launcher.run_numpy(cf, [a.copy() if isinstance(a, np.ndarray) else a for a in ins])
         ref = host_reference(
             _reference_func(name, cpu_funcs, unscheduled), [a.copy() if isinstance(a, np.ndarray) else a for a in ins]
@@ -65,6 +68,7 @@ def test_every_kernel_on_pocl(target: str, seq: int, tiny_gguf: Path, launcher) 
                 )
         checked.append(name)
     assert any(re.match("cached_attention", n) for n in checked)
+    assert any(re.match("paged_attention_gpu", n) for n in checked)
     print(f"{target} seq={seq}: {len(checked)} kernels match the host")
 
 

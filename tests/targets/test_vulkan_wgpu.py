@@ -40,14 +40,15 @@ def cpu_reference(tiny_gguf: Path) -> dict:
 
     x86 = lowered_module(str(tiny_gguf), "x86-avx2", max_context=MAX_CONTEXT, schedule=False)[1]
     funcs = dict(lowered_module(str(tiny_gguf), "vulkan", max_context=MAX_CONTEXT, schedule=False)[1])
-    funcs.update({n: f for n, f in x86.items() if n.startswith("cached_attention")})
+    funcs.update({n: f for n, f in x86.items() if n.startswith(("cached_attention", "paged_attention"))})
     return funcs
 
 
 def reference_name(name: str) -> str:
     """The host-runnable kernel of a vulkan kernel (attention: the x86 CPU kernel, without the int32 suffix)."""
-    if name.startswith("cached_attention_gpu"):
-        return name.replace("cached_attention_gpu", "cached_attention").replace("_int32", "")
+    for gpu in ("cached_attention_gpu", "paged_attention_gpu"):
+        if name.startswith(gpu):
+            return name.replace(gpu, gpu[: -len("_gpu")]).replace("_int32", "")
     return name
 
 
@@ -78,6 +79,8 @@ def test_every_kernel_on_lavapipe(seq: int, vulkan_module, cpu_reference: dict, 
         for k, (pname, _, _) in enumerate(cf.param_info()):
             if pname == "PAST":
                 ins[k][:] = 7  # attention: 7 cached positions before the chunk
+            if pname == "PT":  # paged attention: distinct pages per sequence, as the runtime allocates them
+                ins[k][:] = np.random.default_rng(i).permutation(SIZES["pages"])[: ins[k].size].reshape(ins[k].shape)
         got = launcher.run_numpy(cf, [a.copy() if isinstance(a, np.ndarray) else a for a in ins])
         ref_func = cpu_reference[reference_name(name)]
         # the CPU module takes int64 indices where vulkan's take int32
@@ -93,7 +96,7 @@ def test_every_kernel_on_lavapipe(seq: int, vulkan_module, cpu_reference: dict, 
                 assert err <= tol, f"vulkan {name} seq={seq}: max error {err}"
         checked.append(name)
     assert any(n.startswith("cached_attention_gpu") for n in checked)
-    assert any(n.startswith("paged_attention") for n in checked)
+    assert any(n.startswith("paged_attention_gpu") for n in checked)
     print(f"vulkan seq={seq}: {len(checked)} kernels on {launcher.adapter.info['device']} match the host")
 
 
