@@ -17,6 +17,8 @@ Kernel names are ``<family>_<kind>_<N>_<K>_<tag>[_<rows>]`` (``q4_matmul_576_576
 Activations: under ``use_activations("int8")`` (the pipeline sets it from
 ``CompileOptions.activations``) each Packed that offers a VNNI variant is swapped for it: the
 kernels then quantize x to int8 and use integer dot products (``_qvnni``, x86 AVX-512 VNNI).
+Prefill linears then call ``matmul`` with symbolic rows too (the int8 GEMM ``gemm_qvnni_cpu``,
+N a multiple of 16) instead of dequantize + float GEMM; ``PERFX_VNNI_GEMM=0`` keeps the latter.
 """
 
 from __future__ import annotations
