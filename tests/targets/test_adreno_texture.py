@@ -161,3 +161,64 @@ def test_textures_only_where_the_target_file_enables_them(target: str, tiny_gguf
     assert texture_options(load_target("adreno")) is not None
     state, _ = lowered_module(str(tiny_gguf), target, max_context=MAX_CONTEXT, schedule=False)
     assert not [k for k in state.weights if k.endswith("__tex")]
+
+
+def _reference_weight(kernel: str, image_names: list[str], weights: dict) -> np.ndarray:
+    """float64 W [N, K] from the *buffer* weights the images of a texture call were packed from."""
+    from perfx_compiler.passes._quant import Int4Format, unpack_int4
+
+    src = image_names[0].removesuffix("__tex")
+    m = re.match(r"texture_q4_matmul_(\d+)_(\d+)_g(\d+)(s?)(m?)_", kernel)
+    if m is not None:
+        n, k, g = (int(v) for v in m.groups()[:3])
+        fmt = Int4Format(g, bool(m.group(4)), bool(m.group(5)))
+        codes = unpack_int4(weights[src], k, fmt.lanes(k)).astype(np.float64)
+        s = np.repeat(weights[src + "_scale"].astype(np.float64), g, axis=1)[:, :k]
+        if fmt.offset:
+            return codes * s + np.repeat(weights[src + "_min"].astype(np.float64), g, axis=1)[:, :k]
+        return (codes - np.repeat(weights[src + "_zero"].astype(np.float64), g, axis=1)[:, :k]) * s
+    m = re.match(r"texture_q8_matmul_(\d+)_(\d+)_g(\d+)_", kernel)
+    if m is not None:
+        g = int(m.group(3))
+        return weights[src].astype(np.float64) * np.repeat(weights[src + "_scale"].astype(np.float64), g, axis=1)
+    assert kernel.startswith("texture_gemv_"), kernel
+    return weights[src].astype(np.float64)
+
+
+def test_every_texture_kernel_of_smollm2_on_pocl(launcher) -> None:
+    """SmolLM2's adreno build (GGUF Q4_1 linears, Q8_0 lm_head): every texture call of ``decode``, with
+    the model's own packed images, matches numpy on the buffer weights they were packed from."""
+    from tvm import relax
+
+    from perfx_compiler.targets_exec.kernels import compile_primfunc, has_texture_params
+    from perfx_compiler.targets_exec.reference import lowered_module
+
+    try:
+        state, funcs = lowered_module("smollm2-135m", "adreno", max_context=MAX_CONTEXT, schedule=False)
+    except Exception as err:  # noqa: BLE001 - the model package is an optional install
+        pytest.skip(f"smollm2-135m not loadable: {err}")
+    tgt = state.target.tvm()
+    compiled: dict[str, object] = {}
+    rng = np.random.default_rng(0)
+    checked = 0
+    for block in state.mod["decode"].body.blocks:
+        for b in block.bindings:
+            v = b.value
+            if not (isinstance(v, relax.Call) and getattr(v.op, "name", "") == "relax.call_tir"):
+                continue
+            name = v.args[0].name_hint
+            if not has_texture_params(funcs[name]):
+                continue
+            images = [a.name for a in list(v.args[1].fields)[1:]]
+            if name not in compiled:
+                compiled[name] = compile_primfunc(name, funcs[name], tgt)
+            cf = compiled[name]
+            w = _reference_weight(name, images, state.weights)
+            n, k = w.shape
+            x = rng.standard_normal((1, 1, k)).astype(np.float32)
+            got = launcher.run_numpy(cf, [x, *(state.weights[i] for i in images), np.zeros((1, 1, n), np.float32)])
+            _check(got[-1], w @ x.reshape(-1).astype(np.float64), k)
+            checked += 1
+    # 30 layers x (qkv, o, gate_up, down) + the lm_head
+    assert checked == 30 * 4 + 1, checked
+    assert len(compiled) == 5, sorted(compiled)
