@@ -54,8 +54,8 @@ def test_rocm_code_objects(target: str, tiny_gguf: Path, tmp_path: Path) -> None
     assert hsaco[:4] == b"\x7fELF" and hsaco[18] == 0xE0  # EM_AMDGPU
     stats = parse_amdgpu_asm((out / f"kernels.{mcpu}.s").read_text())
     assert stats
-    # CPU kernels run on the device as they are (gpu_adapt: no GPU variant yet, e.g. paged attention with a
-    # max_context-sized score array) are listed in the manifest and DEPLOY.md, not held to this
+    # CPU kernels run on the device as they are (gpu_adapt: no GPU variant yet) are listed in the manifest
+    # and DEPLOY.md, not held to this (paged attention has its GPU kernel: held to it)
     adapted = json.loads((out / "perfx-config.json").read_text())["device_code"]["adapted_cpu_kernels"]
     hot = {k: v for k, v in stats.items() if any(h in k for h in HOT) and not any(k.startswith(a) for a in adapted)}
     assert hot and not [k for k, v in hot.items() if v["scratch_bytes"]], hot
