@@ -43,6 +43,8 @@ class GemmHalfCPU(ScheduleTemplate):
         facts = analyze_matmul(func, allow_half=True)
         if facts is None or not facts.b_half or facts.layout != "P":
             return None
+        if facts.M is None and "u" in facts.roles[facts.roles.index("m"):]:
+            return None  # x [batch, 1, K] (batched decode): pad_einsum cannot pad M there; fallback
         lanes = vector_lanes(target)
         if facts.N % lanes or facts.nb % lanes:
             return None

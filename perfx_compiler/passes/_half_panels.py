@@ -39,33 +39,42 @@ def _quant_info(func: Any) -> dict[str, Any] | None:
     return info if info.get("bits") == 16 and info.get("dtype") in FAMILIES else None
 
 
+def _i64(d: Any) -> Any:
+    """Shape dims as int64 (Relax's), so FuseTIR sees the same buffer types on both sides."""
+    return tirx.IntImm("int64", int(d)) if isinstance(d, int) or isinstance(d, tirx.IntImm) else d
+
+
 def half_panel_matmul(x_shape: list[Any], n: int, k: int, nb: int, family: str) -> Any:
     """PrimFunc ``y[..., n] = sum_k x[..., k] * widen(Wp[n // nb, k, n % nb])`` with Wp the half
     panels; ``x_shape`` may hold symbolic dims (prefill rows) or constants (decode)."""
     if n % nb:
         raise ValueError(f"panel width {nb} does not divide N={n}")
-    x = te.placeholder(list(x_shape), "float32", name="x")
-    w = te.placeholder((n // nb, k, nb), storage_dtype(family), name="w")
-    r = te.reduce_axis((0, k), name="k")
+    i64 = _i64
+    x = te.placeholder([i64(d) for d in x_shape], "float32", name="x")
+    w = te.placeholder((i64(n // nb), i64(k), i64(nb)), storage_dtype(family), name="w")
+    r = te.reduce_axis((i64(0), i64(k)), name="k")
     lead = len(x_shape) - 1
     y = te.compute(
-        (*x_shape[:lead], n),
+        ([i64(d) for d in x_shape[:lead]] + [i64(n)]),
         lambda *i: te.sum(x[(*i[:lead], r)] * widen_expr(w[i[lead] // nb, r, i[lead] % nb], family), axis=r),
         name="NT_matmul",
     )
-    return te.create_prim_func([x, w, y])
+    # Opaque to FuseOps: fusing a producer that returns a tuple (add_rms_norm) into it breaks
+    # FuseTIR ("inconsistent buffers"); the template schedules the matmul alone.
+    return te.create_prim_func([x, w, y]).with_attr("op_pattern", 8)
 
 
 def half_panel_take(ids_shape: list[Any], ids_dtype: str, n: int, k: int, nb: int, family: str) -> Any:
     """PrimFunc of an embedding gather from the half panels: out[..., c] = widen(Wp[i // nb, c, i % nb])."""
-    w = te.placeholder((n // nb, k, nb), storage_dtype(family), name="w")
-    ids = te.placeholder(list(ids_shape), ids_dtype, name="ids")
+    i64 = _i64
+    w = te.placeholder((i64(n // nb), i64(k), i64(nb)), storage_dtype(family), name="w")
+    ids = te.placeholder([i64(d) for d in ids_shape], ids_dtype, name="ids")
 
     def row(*idx: Any) -> Any:
         i = ids[idx[:-1]].astype("int64")
         return widen_expr(w[i // nb, idx[-1], i % nb], family)
 
-    out = te.compute((*ids_shape, k), row, name="take_half_panels")
+    out = te.compute([i64(d) for d in ids_shape] + [i64(k)], row, name="take_half_panels")
     return te.create_prim_func([w, ids, out])
 
 
@@ -82,8 +91,12 @@ def pack_half_weights(mod: tvm.IRModule, weights: dict[str, Any], nb: int,
     quant = {gv.name_hint: info for gv, f in mod.functions_items() if (info := _quant_info(f)) is not None}
     if not quant:
         return mod, weights
+    from schedules._matmul import analyze_matmul
+
+    # Plain NT matmuls (x, W) -> y only: one with a fused epilogue would lose it in the rewrite.
     nt_args = {gv.name_hint: a for gv, f in mod.functions_items()
-               if isinstance(f, tirx.PrimFunc) and gv.name_hint not in quant and (a := nt_weight_arg(f)) is not None}
+               if isinstance(f, tirx.PrimFunc) and gv.name_hint not in quant and len(f.params) == 3
+               and (a := nt_weight_arg(f)) == 1 and not analyze_matmul(f).epilogue}
 
     ok: dict[str, bool] = {}
     for fn in exported(mod):
@@ -169,7 +182,7 @@ def pack_half_weights(mod: tvm.IRModule, weights: dict[str, Any], nb: int,
             if q is not None and q["kind"] == "matmul" and self._panels(targs[1]) is not None:
                 n, k, fam = int(q["N"]), int(q["K"]), q["dtype"]
                 shape = _shape(targs[0])
-                rows = "x".join(str(s) for s in shape[:-1])
+                rows = "x".join(str(int(d)) if isinstance(d, tirx.IntImm) else "n" for d in shape[:-1])
                 pf = half_panel_matmul(shape, n, k, nb, fam)
                 gv = self._add(f"{fam}_gemv_{n}_{k}_{rows}{SUFFIX}", pf)
                 return relax.call_tir(gv, [self.visit_expr(targs[0]), self._panels(targs[1])], call.ty)
@@ -191,4 +204,19 @@ def pack_half_weights(mod: tvm.IRModule, weights: dict[str, Any], nb: int,
         new_func = rewriter.visit_expr(func)
         rewriter.builder_.update_func(rewriter.builder_.get().get_global_var(fn), new_func)
     out = relax.transform.DeadCodeElimination(exported(rewriter.builder_.get()))(rewriter.builder_.get())
+    # The row-layout half kernels nothing calls any more (DCE keeps PrimFuncs): drop them.
+    called = {str(e.args[0].name_hint) for fn in exported(out) for e in _calls(out[fn])}
+    dead = [gv for gv, f in out.functions_items() if gv.name_hint in quant and gv.name_hint not in called]
+    if dead:
+        out = out.clone()
+        for gv in dead:
+            del out[gv]
     return out, new_weights
+
+
+def _calls(func: relax.Function) -> list[Any]:
+    found: list[Any] = []
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    relax.analysis.post_order_visit(
+        func, lambda e: found.append(e) if isinstance(e, relax.Call) and e.op.same_as(call_tir) else None)
+    return found

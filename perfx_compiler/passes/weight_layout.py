@@ -286,4 +286,8 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
 
     if not is_cpu_target(target):
         return mod, weights  # GPU rules (dlight, ours) read NT weights
+    from perfx_compiler.passes._half_panels import pack_half_weights
+
+    # f16/bf16 weights: half panels read by gemm_half_cpu (no per-call fp32 dequantize)
+    mod, weights = pack_half_weights(mod, weights, panel_width(target), _nt_weight_arg)
     return pack_linear_weights(mod, weights, panel_width(target))
