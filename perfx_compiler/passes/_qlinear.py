@@ -136,7 +136,9 @@ def rewrite_linears(
     if current_activations() == "int8":
         # PERFX_VNNI_GEMM=0 keeps dequantize + float GEMM for prefill (the A/B benchmarks' baseline)
         if os.environ.get("PERFX_VNNI_GEMM", "1") != "0":
-            gemm_rows = {n for n, pk in packed.items() if pk.vnni is not None and pk.n % 16 == 0}
+            # GGUF passthrough hands over packs already in the VNNI layout (tag suffix "v", no .vnni)
+            gemm_rows = {n for n, pk in packed.items() if pk.n % 16 == 0 and (
+                pk.vnni is not None or (pk.family in ("q4", "q8") and pk.tag.endswith("v")))}
         packed = {n: (pk.vnni() if pk.vnni is not None else pk) for n, pk in packed.items()}
     _, uses = linear_weights(mod, weights)
     new_weights: dict[str, Any] = {}
