@@ -157,11 +157,12 @@ def phase_passes(state: CompileState) -> None:
     opts.precision, opts.quantization = resolve_precision(opts.precision, opts.quantization, state.target)
     state.options.quantization = resolve_quantization(state.options.quantization, state.desc, state.target)
 
-    from perfx_compiler.passes._qlinear import use_activations
+    from perfx_compiler.passes._qlinear import use_activations, use_batch_gemv
+    from perfx_compiler.schedule_template import is_cpu_target
 
     opts = state.options
     opts.activations = resolve_activations(opts.activations, opts.quantization, state.target)
-    with use_activations(opts.activations):
+    with use_activations(opts.activations), use_batch_gemv(is_cpu_target(state.target)):
         state.mod, state.weights = run_passes(state.mod, state.weights, state.target, state.options, state.desc)
     check_signatures(state)
 

@@ -10,6 +10,9 @@ L consecutive codes):
   multiplied into a vector accumulator with x (unpack + convert + FMA: 4 vector ops per L MACs);
   the group's scale and zero are applied once per group through per-lane sums of x precomputed
   for the call: ``y += s * (sum(q x) - z * sum(x))``.
+* Batched GEMV (``paged_decode``: x [batch, 1, K], batch symbolic): the same kernel, its row
+  loop bound at run time; each row re-reads the packed weights (from cache at decode batch sizes),
+  so no fp32 copy of W is written per step.
 * Dequantize (prefill, M symbolic): the pass emits ``dequant -> float matmul`` for many-row
   linears; this kernel unpacks W [N, K] to fp32 (vectorized, parallel over rows) and the float
   GEMM template does the matmul at full speed. The scratch is reused across layers.
@@ -56,6 +59,14 @@ def static_rows_of(buf: Any) -> int | None:
             return None
         rows *= v
     return rows
+
+
+def batch_rows(buf: Any) -> bool:
+    """x [batch, m, K] with batch symbolic and m static <= GEMV_MAX_ROWS (paged_decode: m = 1): the
+    GEMV's row loop takes the batch at run time, each row reading the packed weights."""
+    shape = list(buf.shape)
+    m = getattr(shape[1], "value", None) if len(shape) == 3 else None
+    return isinstance(m, int) and m <= GEMV_MAX_ROWS and not isinstance(getattr(shape[0], "value", None), int)
 
 
 def _static_rows(func: Any, kind: str) -> int | None:
@@ -310,7 +321,8 @@ class GemvInt4CPU(ScheduleTemplate):
                 "M": rows or 0}
         return make_workload(
             self.name, func, target, dims, symbolic="M" if rows is None else None,
-            info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "nb": panel_of(func)},
+            info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "nb": panel_of(func),
+                  "batch": kind == "matmul" and batch_rows(func.params[0])},
             version=self.version,
         )
 
@@ -339,7 +351,7 @@ class GemvInt4CPU(ScheduleTemplate):
             kernel = _dequant_panels(N, K, G, L, nb, offset)
         elif kind == "dequant":
             kernel = _dequant(N, K, G, L, tasks, offset)
-        elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
+        elif (workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS) or workload.info.get("batch"):
             kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0), offset=offset)
         else:
             raise ScheduleConfigError("int4 matmul with many rows: the pass emits dequantize + float GEMM")

@@ -5,6 +5,7 @@ the ``q8`` scheme and GGUF Q8_0 passthrough) and the int8 embedding gather.
   FMA chains sharing each x load). Per group of G columns the codes are sign-extended, converted
   and multiplied into a per-group vector accumulator; the group's scale is applied once per
   group: ``y += s_g * sum_g(q x)``.
+* Batched GEMV (paged_decode: x [batch, 1, K], batch symbolic): the same kernel, rows bound at run time.
 * Dequantize (prefill, rows symbolic): int8 -> fp32 W [N, K], then the float GEMM template.
 * Embedding gather: rows of the int8 table dequantized on the fly.
 """
@@ -22,7 +23,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules.gemv_int4_cpu import panel_of, rows_divisor, static_rows_of
+from schedules.gemv_int4_cpu import batch_rows, panel_of, rows_divisor, static_rows_of
 
 PRIORITY = 5
 QUANT_ATTR = "perfx.quant"
@@ -188,7 +189,9 @@ class GemvInt8CPU(ScheduleTemplate):
         dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "L": int(info["lanes"]),
                 "M": rows or 0}
         return make_workload(self.name, func, target, dims, symbolic="M" if rows is None else None,
-                             info={"kind": kind, "nb": panel_of(func)}, version=self.version)
+                             info={"kind": kind, "nb": panel_of(func),
+                                   "batch": kind == "matmul" and batch_rows(func.params[0])},
+                             version=self.version)
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
         N = workload.dims["N"]
@@ -215,7 +218,7 @@ class GemvInt8CPU(ScheduleTemplate):
             kernel = _dequant_panels(N, K, G, L, nb)
         elif kind == "dequant":
             kernel = _dequant(N, K, G, L, tasks)
-        elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
+        elif (workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS) or workload.info.get("batch"):
             kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0))
         else:
             raise ScheduleConfigError("int8 matmul with many rows: the pass emits dequantize + float GEMM")

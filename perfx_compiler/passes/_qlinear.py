@@ -5,7 +5,8 @@ A scheme hands over, per weight W [N, K] read by a linear, a :class:`Packed`: th
 replace W in the weight table (in kernel-argument order, named ``<W><suffix>``) and a factory of
 reference PrimFuncs tagged ``perfx.quant`` (a schedule template swaps each for its kernel):
 
-* ``matmul`` (static rows <= GEMV_MAX_ROWS, decode): ``y = x @ dequant(W)^T`` in one call;
+* ``matmul`` (static rows <= GEMV_MAX_ROWS, decode; on CPU also ``paged_decode``'s symbolic batch
+  of single rows, see ``use_batch_gemv``): ``y = x @ dequant(W)^T`` in one call;
 * ``dequant`` (prefill, rows symbolic): the float W [N, K], followed by the float GEMM (on CPU
   targets ``weight_layout`` then has the kernel write W as the [N / nb, K, nb] panels the GEMM
   reads, as for a compile-time packed weight: no per-call repack);
@@ -64,6 +65,29 @@ def use_activations(mode: str) -> Iterator[None]:
 
 def current_activations() -> str:
     return _ACTIVATIONS.get()
+
+
+_BATCH_GEMV: contextvars.ContextVar[bool] = contextvars.ContextVar("perfx_batch_gemv", default=False)
+
+
+@contextlib.contextmanager
+def use_batch_gemv(on: bool) -> Iterator[None]:
+    """Linears with a symbolic batch of <= GEMV_MAX_ROWS rows each (``paged_decode``: x [batch, 1, K])
+    built inside call the quantized GEMV (its row loop reads the packed weights) instead of
+    dequantize + float GEMM. The pipeline turns it on for CPU targets, whose int4/int8 GEMV
+    templates take a symbolic row count (GPU templates do not)."""
+    token = _BATCH_GEMV.set(bool(on))
+    try:
+        yield
+    finally:
+        _BATCH_GEMV.reset(token)
+
+
+def batch_gemv_rows(rows: list[int | None], family: str) -> bool:
+    """A symbolic batch of few-row linears that the batched GEMV serves (f32 activations; under
+    int8 activations the VNNI GEMM already takes symbolic rows)."""
+    return (_BATCH_GEMV.get() and current_activations() == "f32" and family in ("q4", "q8")
+            and rows[0] is None and rows[1] is not None and rows[1] <= GEMV_MAX_ROWS)
 
 
 @dataclass
@@ -180,7 +204,8 @@ def rewrite_linears(
         for lin in find_linears(info):
             if lin.weight.name in packed:
                 rows = [static_dim(lin.x, 0), static_dim(lin.x, 1)]
-                if (None not in rows and rows[0] * rows[1] <= GEMV_MAX_ROWS) or lin.weight.name in gemm_rows:
+                if ((None not in rows and rows[0] * rows[1] <= GEMV_MAX_ROWS) or lin.weight.name in gemm_rows
+                        or batch_gemv_rows(rows, packed[lin.weight.name].family)):
                     todo.append(("linear", lin, kernel("matmul", lin.weight.name, lin.x)))
                 else:
                     todo.append(("dequant", lin, kernel("dequant", lin.weight.name, None)))

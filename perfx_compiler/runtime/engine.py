@@ -101,7 +101,8 @@ class Engine:
         # On the CPU the token and position are written straight into the bound tensors (numpy
         # views over their memory) and the logits are returned as a view, not copied.
         self._decode_name = fns["decode"]
-        self.vm.set_input(self._decode_name, self._one_token_dev, self._pos_dev, *self._tail)
+        if kv_cache:  # a BatchEngine's base (no caches) never runs decode: its arguments would not match
+            self.vm.set_input(self._decode_name, self._one_token_dev, self._pos_dev, *self._tail)
         self._invoke_stateful = self.vm._invoke_stateful
         self._get_output = self.vm._get_output
         self._host_views = self.device.dlpack_device_type() == 1  # kDLCPU
