@@ -123,7 +123,7 @@ def _dispatch_by_bucket(func: Any, target: TargetDescription, records: TuningDat
     chosen = _bucket_configs(template, workload, records)
     if len(chosen) < 2:
         return None
-    facts = analyze_matmul(func)
+    facts = analyze_matmul(func, allow_half=True)  # half-weight GEMMs dispatch per bucket too
     if facts is None or facts.M is not None:
         return None
     sch = s_tir.Schedule(func)

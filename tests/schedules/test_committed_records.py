@@ -1,0 +1,101 @@
+"""The committed x86-avx512 tuning records (tuning_logs/x86-avx512/) reach the built module.
+
+SmolLM2-135M is lowered as the README's first command builds it (the shipped GGUF Q4_1, int8
+activations on AVX-512 VNNI) and with ``--quantization bf16``. For every function of the tuned
+templates (gemv_qvnni_cpu, attention_cpu, gemm_half_cpu) the committed records hold a best record,
+and the scheduler builds the function with exactly that record's configuration (per M bucket for a
+symbolic-M GEMM). A function whose structure changed has no record and gets the template default.
+Slow: each lowering takes minutes on the 2-core machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+TUNED = ("gemv_qvnni_cpu", "attention_cpu", "gemm_half_cpu")
+
+
+def _lowered(quantization: str):
+    from perfx_compiler.pipeline import lower_model
+
+    return lower_model("smollm2-135m", "x86-avx512", quantization=quantization)
+
+
+def _committed(target_name: str):
+    from perfx_compiler.tune.records import DEFAULT_LOG_ROOT, TuningDatabase
+
+    directory = DEFAULT_LOG_ROOT / target_name
+    return TuningDatabase(directory / "records.jsonl")
+
+
+def _check_module(mod, target, templates):
+    import tvm_ffi
+    from tvm import tirx
+
+    from perfx_compiler.schedule import (
+        SCHEDULED_ATTR,
+        TYPICAL_M,
+        _bucket_configs,
+        _dispatch_by_bucket,
+        apply_schedules,
+    )
+    from perfx_compiler.schedule_template import find_template
+
+    db = _committed(target.name)
+    built = apply_schedules(mod, target, db)
+    seen: dict[str, int] = {}
+    missing: list[str] = []
+    for gv, func in mod.functions_items():
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        found = find_template(func, target)
+        if found is None or found[0].name not in templates:
+            continue
+        template, wl = found
+        best = db.best(wl.key, wl.target_key, bucket=TYPICAL_M if wl.symbolic else None, nearest=True)
+        if best is None or best.template != template.name:
+            missing.append(f"{gv.name_hint} ({template.name} {wl.dims})")  # e.g. failed to measure
+            continue
+        dispatched = _dispatch_by_bucket(func, target, db)
+        if dispatched is not None:  # one variant per bucket: each the bucket's best record
+            chosen = _bucket_configs(template, wl, db)
+            for bucket, config in chosen:
+                assert config == db.best(wl.key, wl.target_key, bucket=bucket).config
+            want = dispatched
+        else:
+            want = template.apply(func, wl, best.config, target).with_attr(SCHEDULED_ATTR, True)
+        assert tvm_ffi.structural_equal(built[gv.name_hint], want), f"{gv.name_hint} not built from its record"
+        seen[template.name] = seen.get(template.name, 0) + 1
+    print("built from committed records:", seen, "without a record:", missing)
+    return seen, missing
+
+
+def test_readme_model_uses_committed_vnni_and_attention_records():
+    mod, state = _lowered("auto")  # the README's first command: the GGUF's Q4_1, int8 activations
+    seen, missing = _check_module(mod, state.target, TUNED)
+    # SmolLM2's 5 decode GEMVs + prefill dequantizes, and both attention kernels
+    assert seen.get("gemv_qvnni_cpu", 0) >= 5 and seen.get("attention_cpu", 0) >= 2, (seen, missing)
+
+
+def test_bf16_model_uses_committed_half_records_and_rejects_changed_structure():
+    from tvm import tirx
+
+    from perfx_compiler.passes._half_panels import half_panel_matmul
+    from perfx_compiler.schedule import schedule_func
+    from perfx_compiler.schedule_template import find_template
+    from schedules._matmul import panel_width
+
+    mod, state = _lowered("bf16")
+    target = state.target
+    seen, missing = _check_module(mod, target, TUNED)
+    assert seen.get("gemm_half_cpu", 0) >= 8, (seen, missing)
+    # A workload whose structure changed (here: the same GEMM over f16 instead of bf16 panels,
+    # same template and dims) has another key: no record applies, the template default does.
+    db = _committed(target.name)
+    func = half_panel_matmul([1, tirx.Var("seq", "int64"), 576], 576, 576, panel_width(target), "f16")
+    template, wl = find_template(func, target)
+    assert template.name == "gemm_half_cpu" and db.for_workload(wl.key, wl.target_key) == []
+    _, name, config = schedule_func(func, target, db)
+    assert name == "gemm_half_cpu" and config == template.default_config(wl, target)
