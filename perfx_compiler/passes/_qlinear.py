@@ -86,6 +86,8 @@ def use_batch_gemv(on: bool) -> Iterator[None]:
 def batch_gemv_rows(rows: list[int | None], family: str) -> bool:
     """A symbolic batch of few-row linears that the batched GEMV serves (f32 activations; under
     int8 activations the VNNI GEMM already takes symbolic rows)."""
+    if os.environ.get("PERFX_BATCH_GEMV", "1") == "0":  # the old dequantize + GEMM path (A/B baseline)
+        return False
     return (_BATCH_GEMV.get() and current_activations() == "f32" and family in ("q4", "q8")
             and rows[0] is None and rows[1] is not None and rows[1] <= GEMV_MAX_ROWS)
 

@@ -1,0 +1,120 @@
+"""Batched decode throughput of ``paged_decode`` (BatchEngine.decode) before/after the batched
+quantized GEMV: SmolLM2-135M GGUF Q4_1, host target, f32 activations.
+
+Two artifacts are compiled (batching=True): ``gemv`` (default: paged_decode's int4/int8 linears call
+the quantized GEMV over the symbolic batch) and ``dequant`` (``PERFX_BATCH_GEMV=0``: each linear
+dequantizes W to fp32 every step, then the float GEMM). A process loads one model.so, so each
+measurement runs in a subprocess; the variants alternate round by round (A/B/A/B...) and every
+row records the 1-minute load average, since the machine is shared.
+Per (variant, batch): prefill ``batch`` sequences of 16 tokens, 3 warm-up steps, then ``--steps``
+timed decode steps; tokens/s = batch * steps / time. Writes
+benchmarks/results/batched_decode.csv and .png (median over rounds).
+
+    python benchmarks/bench_batched_decode.py [--batches 1 4 8] [--rounds 3] [--steps 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "build" / "bench-batched-decode"
+OUT = REPO / "benchmarks" / "results" / "batched_decode.csv"
+VARIANTS = {"gemv": "1", "dequant": "0"}  # PERFX_BATCH_GEMV
+
+
+def compile_variant(name: str, model: str) -> Path:
+    out = BUILD / f"smollm2-q4_1-{name}"
+    if not (out / "model.so").exists():
+        env = {**os.environ, "PERFX_BATCH_GEMV": VARIANTS[name]}
+        code = ("import sys; from perfx_compiler.pipeline import compile_model; "
+                "compile_model(sys.argv[1], 'host', sys.argv[2], progress=False, batching=True, activations='f32')")
+        subprocess.run([sys.executable, "-c", code, model, str(out)], env=env, check=True)
+    return out
+
+
+def measure(artifact: Path, batch: int, steps: int) -> float:
+    """Decode tokens/s of one batch size (run in a child process)."""
+    import numpy as np
+
+    from perfx_compiler.runtime.batch_engine import BatchEngine
+
+    eng = BatchEngine(artifact, max_batch=max(batch, 1))
+    rng = np.random.default_rng(0)
+    ids = [eng.add_sequence() for _ in range(batch)]
+    for i in ids:
+        eng.prefill(i, rng.integers(0, 1000, 16).tolist())
+    toks = rng.integers(0, 1000, batch).tolist()
+    for _ in range(3):
+        eng.decode(ids, toks)
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.decode(ids, toks)
+    return batch * steps / (time.perf_counter() - t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--child", nargs=3, metavar=("ARTIFACT", "BATCH", "STEPS"), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps({"tok_s": measure(Path(args.child[0]), int(args.child[1]), int(args.child[2]))}))
+        return 0
+    arts = {name: compile_variant(name, args.model) for name in VARIANTS}
+    rows = []
+    for rnd in range(args.rounds):
+        for batch in args.batches:
+            order = list(VARIANTS) if rnd % 2 == 0 else list(reversed(VARIANTS))
+            for name in order:
+                res = subprocess.run([sys.executable, __file__, "--child", str(arts[name]), str(batch), str(args.steps)],
+                                     capture_output=True, text=True, check=True)
+                tok_s = json.loads(res.stdout.strip().splitlines()[-1])["tok_s"]
+                row = {"variant": name, "batch": batch, "round": rnd, "decode_tok_s": round(tok_s, 2),
+                       "load_1m": round(os.getloadavg()[0], 2), "steps": args.steps, "activations": "f32",
+                       "model": "SmolLM2-135M-Instruct Q4_1 (gguf)"}
+                rows.append(row)
+                print(row, flush=True)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    with OUT.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    plot(rows, args.batches)
+    return 0
+
+
+def plot(rows: list[dict], batches: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.38
+    for k, name in enumerate(VARIANTS):
+        med = [statistics.median(r["decode_tok_s"] for r in rows if r["variant"] == name and r["batch"] == b)
+               for b in batches]
+        ax.bar([i + (k - 0.5) * width for i in range(len(batches))], med, width, label=name)
+    load = statistics.median(r["load_1m"] for r in rows)
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel("decode tokens/s (median of rounds)")
+    ax.set_title(f"paged_decode, SmolLM2 Q4_1, f32 activations (load ~{load:.1f}, shared 2 cores)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(OUT.with_suffix(".png"), dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
