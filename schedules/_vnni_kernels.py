@@ -41,9 +41,13 @@ def plan(K: int, G: int) -> dict[str, int]:
 
 
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
-         units: int, tasks: int, unroll: int, prefetch: int = 0) -> Any:
+         units: int, tasks: int, unroll: int, prefetch: int = 0, split: int = 1, hinib: bool = False) -> Any:
     """The GEMV PrimFunc (x, q, scale[, zero|min], y) for one configuration; ``prefetch``: software
-    prefetch of each unit's codes that many 64-byte steps ahead (0: none)."""
+    prefetch of each unit's codes that many 64-byte steps ahead (0: none); ``split``: float
+    accumulators per row, taken by turns over the steps (each step's FMA waits only for the one
+    ``split`` steps back, not for the previous one); ``hinib`` (int4): the odd row's codes are used as
+    ``q & 0xF0`` = 16 x code, the 1/16 folded into its scale vector (exact: a power of two), which
+    saves one shift per 64-byte step."""
     from tvm.script import tirx as T
 
     p = plan(K, G)
@@ -62,6 +66,17 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     QW = (N2 // 2) if pair else N
     zconst = 128.0 if bits == 8 else 8.0
     GV = G // 16  # 16-lane vectors per group
+    A = split
+    hi = pair and hinib
+
+    def hmask(h: Any) -> Any:  # code mask of row h of a pair (after hshift)
+        return T.Select(h == 0, T.uint8(15), T.uint8(240)) if hi else T.uint8(15 if pair else 255)
+
+    def hshift(h: Any) -> Any:
+        return T.uint8(0) if hi else T.Cast("uint8", 4 * h)
+
+    def hscale(h: Any) -> Any:
+        return T.Select(h == 0, T.float32(1), T.float32(1.0 / 16)) if hi else T.float32(1)
 
     def lane_group(s_local: int, h: int) -> int:
         """Group (relative to the chunk's first) of lane half h in the chunk's s_local-th step."""
@@ -128,14 +143,15 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                         T.Select(c < F, c * 16 + ln, BT + ln) < NGE
                         and (c < F or BT + ln >= F * 16),
                         gds[bm * NGE + T.min(T.Select(c < F, c * 16 + ln, BT + ln), NGE - 1)], T.float32(0))
-        # 2. rows
+        # 2. rows (the prefetch runs on past a row's end into the next rows of the task: flat index)
+        Qf = T.decl_buffer((QW * KP,), "uint8", data=Q.data)
         for t in T.parallel(tasks):
-            acc = T.decl_buffer((M * RW * 16,), "float32", scope="local")
+            acc = T.decl_buffer((M * RW * A * 16,), "float32", scope="local")
             cb = T.decl_buffer((M * RW * 16,), "float32", scope="local")
             red = T.decl_buffer((4,), "float32", scope="local")
             for it in T.serial(IPT):
                 if t * IPT + it < NIT:
-                    for i in T.unroll(M * RW):
+                    for i in T.unroll(M * RW * A):
                         acc[T.Ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
                     for c in T.serial(NCH):
                         # chunk scales: cb = s_w * dx (16 groups), zero/min term into acc
@@ -146,25 +162,26 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                                         "float32x16",
                                         Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
                                                   T.min(c * 16, NGP - 16)], "float16x16"),
-                                    ) * DXC.vload([(bm * NCH + c) * 16], "float32x16")
+                                    ) * (DXC.vload([(bm * NCH + c) * 16], "float32x16")
+                                         * T.Broadcast(hscale(h), 16))
                                     if offset:
-                                        acc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = acc.vload(
-                                            [((bm * units + u) * RPU + h) * 16], "float32x16") + T.Cast(
+                                        acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
+                                            [((bm * units + u) * RPU + h) * A * 16], "float32x16") + T.Cast(
                                             "float32x16",
                                             Z.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
                                                      T.min(c * 16, NGP - 16)], "float16x16"),
                                         ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
                                     elif sym or bits == 8:
-                                        acc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = acc.vload(
-                                            [((bm * units + u) * RPU + h) * 16], "float32x16") - T.Broadcast(
+                                        acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
+                                            [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Broadcast(
                                             T.float32(zconst), 16) * T.Cast(
                                             "float32x16",
                                             Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
                                                       T.min(c * 16, NGP - 16)], "float16x16"),
                                         ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
                                     else:
-                                        acc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = acc.vload(
-                                            [((bm * units + u) * RPU + h) * 16], "float32x16") - T.Cast(
+                                        acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
+                                            [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Cast(
                                             "float32x16",
                                             Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
                                                       T.min(c * 16, NGP - 16)], "float16x16"),
@@ -180,21 +197,21 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                                         if prefetch > 0:
                                             T.evaluate(T.call_llvm_intrin(
                                                 "void", "llvm.prefetch.p0",
-                                                T.address_of(Q[T.min((t * IPT + it) * units, NU - units) + u,
-                                                               T.min((c * SPC + so * unroll + si + prefetch) * STEP,
-                                                                     KP - STEP)]),
+                                                T.address_of(Qf[T.min((T.min((t * IPT + it) * units, NU - units) + u) * KP
+                                                                      + (c * SPC + so * unroll + si + prefetch) * STEP,
+                                                                      QW * KP - STEP)]),
                                                 T.int32(0), T.int32(3), T.int32(1)))
                                         for bm in T.unroll(M):
                                             for h in T.unroll(RPU):
-                                                acc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = acc.vload(
-                                                    [((bm * units + u) * RPU + h) * 16], "float32x16") + T.Cast(
+                                                acc[T.Ramp((((bm * units + u) * RPU + h) * A + si % A) * 16, 1, 16)] = acc.vload(
+                                                    [(((bm * units + u) * RPU + h) * A + si % A) * 16], "float32x16") + T.Cast(
                                                     "float32x16",
                                                     vdot(
                                                         T.shift_right(
                                                             Q.vload([T.min((t * IPT + it) * units, NU - units) + u,
                                                                      (c * SPC + so * unroll + si) * STEP], "uint8x64"),
-                                                            T.Broadcast(T.uint8(4 * h), 64))
-                                                        & T.Broadcast(T.uint8(15 if pair else 255), 64),
+                                                            T.Broadcast(hshift(h), 64))
+                                                        & T.Broadcast(hmask(h), 64),
                                                         XQ.vload([bm * KP + (c * SPC + so * unroll + si) * STEP], "int8x64"),
                                                     ),
                                                 ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"),
@@ -204,29 +221,33 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                                 for u in T.unroll(units):
                                     for bm in T.unroll(M):
                                         for h in T.unroll(RPU):
-                                            acc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = acc.vload(
-                                                [((bm * units + u) * RPU + h) * 16], "float32x16") + T.Cast(
+                                            acc[T.Ramp((((bm * units + u) * RPU + h) * A + si % A) * 16, 1, 16)] = acc.vload(
+                                                [(((bm * units + u) * RPU + h) * A + si % A) * 16], "float32x16") + T.Cast(
                                                 "float32x16",
                                                 vdot(
                                                     T.shift_right(
                                                         Q.vload([T.min((t * IPT + it) * units, NU - units) + u,
                                                                  (F * SPC + si) * STEP], "uint8x64"),
-                                                        T.Broadcast(T.uint8(4 * h), 64))
-                                                    & T.Broadcast(T.uint8(15 if pair else 255), 64),
+                                                        T.Broadcast(hshift(h), 64))
+                                                    & T.Broadcast(hmask(h), 64),
                                                     XQ.vload([bm * KP + (F * SPC + si) * STEP], "int8x64"),
                                                 ),
                                             ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"),
                                                      idx_vec(T.int32(F * 16 - BT), si))
-                    # 3. horizontal sums
+                    # 3. horizontal sums (the split accumulators first added into the first)
+                    for i in T.unroll(M * RW):
+                        for a in T.unroll(A - 1):
+                            acc[T.Ramp(i * A * 16, 1, 16)] = acc.vload([i * A * 16], "float32x16") + acc.vload(
+                                [(i * A + a + 1) * 16], "float32x16")
                     for u in T.unroll(units):
                         for h in T.unroll(RPU):
                             for bm in T.unroll(M):
                                 red[T.Ramp(0, 1, 4)] = T.vectorlow("float32x4", T.vectorlow(
-                                    "float32x8", acc.vload([((bm * units + u) * RPU + h) * 16], "float32x16")) + T.vectorhigh(
-                                    "float32x8", acc.vload([((bm * units + u) * RPU + h) * 16], "float32x16"))) + T.vectorhigh(
+                                    "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")) + T.vectorhigh(
+                                    "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16"))) + T.vectorhigh(
                                     "float32x4", T.vectorlow(
-                                        "float32x8", acc.vload([((bm * units + u) * RPU + h) * 16], "float32x16")) + T.vectorhigh(
-                                        "float32x8", acc.vload([((bm * units + u) * RPU + h) * 16], "float32x16")))
+                                        "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")) + T.vectorhigh(
+                                        "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")))
                                 if (T.min((t * IPT + it) * units, NU - units) + u) * RPU + h < N:
                                     Y[bm // MM, bm % MM, (T.min((t * IPT + it) * units, NU - units) + u) * RPU + h] = (
                                         red[0] + red[2]) + (red[1] + red[3])

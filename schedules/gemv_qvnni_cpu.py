@@ -7,7 +7,9 @@ q8 — the ``--activations int8`` path).
   int4, a row for int8); per-group float scales through one ``vpermps`` per step, zero point /
   min once per 16 groups (see ``_vnni_kernels``). Knobs: ``units`` per iteration (rows sharing
   each activation load), ``tasks`` (parallel chunks of rows), ``unroll`` (steps per inner loop),
-  ``prefetch`` (software prefetch distance of the codes; 0 = hardware prefetch only).
+  ``prefetch`` (software prefetch distance of the codes; 0 = hardware prefetch only), ``split``
+  (float accumulators per row, by turns over the steps: shorter FMA dependency chains), ``hinib``
+  (int4: the odd row's codes as ``q & 0xF0``, 1/16 in its scale: no shift per step).
 * Dequantize (prefill) and the embedding gather read the same layout.
 
 ``match`` declines targets without AVX-512 VNNI (their passes never produce this layout: the
@@ -35,6 +37,7 @@ PRIORITY = 4  # before gemv_int4_cpu / gemv_int8_cpu (which decline this layout 
 QUANT_ATTR = "perfx.quant"
 GEMV_MAX_ROWS = 8
 MAX_ACC = 16  # rows x activation rows held in zmm accumulators (x2 with the scale vectors)
+MAX_REGS = 24  # zmm registers for accumulators and scale vectors (of 32: the rest for codes/activations)
 
 
 def _info(func: Any) -> dict[str, Any] | None:
@@ -90,6 +93,8 @@ class GemvQVnniCPU(ScheduleTemplate):
             "tasks": tasks,
             "unroll": [1, 2, 4, 8],
             "prefetch": [0, 16],  # software prefetch of the codes, in 64-byte steps ahead (0: off)
+            "split": [1, 2],
+            "hinib": [0, 1] if d["bits"] == 4 else [0],
         }
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
@@ -104,7 +109,10 @@ class GemvQVnniCPU(ScheduleTemplate):
         while units > 1 and (units * (2 if d["bits"] == 4 else 1) * m > MAX_ACC or units > self._units(d)):
             units //= 2
         unroll = max(4, d["G"] // vk.STEP)
-        return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0}
+        # two accumulators per row while they fit the registers with the scale vectors
+        split = 2 if units * (2 if d["bits"] == 4 else 1) * m * 3 <= MAX_REGS else 1
+        return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0, "split": split,
+                "hinib": 1 if d["bits"] == 4 else 0}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         return self._why_invalid(workload, config) is None
@@ -126,6 +134,11 @@ class GemvQVnniCPU(ScheduleTemplate):
             return f"units={units} exceeds the {self._units(d)} row units"
         if units * (2 if d["bits"] == 4 else 1) * d["B"] * d["MM"] > MAX_ACC:
             return f"units={units} x {d['B'] * d['MM']} activation rows needs more than {MAX_ACC} accumulators"
+        split = int(config.get("split", 1))
+        if split not in (1, 2) or (split > 1 and units * (2 if d["bits"] == 4 else 1) * d["B"] * d["MM"] * 3 > MAX_REGS):
+            return f"split={split} must be 1 or 2, and 2 only while 3 vectors per row fit {MAX_REGS} registers"
+        if int(config.get("hinib", 0)) not in (0, 1) or (config.get("hinib") and d["bits"] != 4):
+            return "hinib is 0 or 1, and 1 only for int4 codes"
         if unroll < 1 or (unroll * vk.STEP) % d["G"] or spc % unroll:
             return f"unroll={unroll} must cover whole groups (G={d['G']}) and divide {spc} steps per chunk"
         return None
@@ -143,7 +156,8 @@ class GemvQVnniCPU(ScheduleTemplate):
             kernel = vk.dequant(*args, int(config["tasks"]), int(info.get("nb", 0)))
         else:
             kernel = vk.gemv(*args, (d["B"], d["MM"]), int(config["units"]), int(config["tasks"]),
-                             int(config["unroll"]), int(config.get("prefetch", 0)))
+                             int(config["unroll"]), int(config.get("prefetch", 0)), int(config.get("split", 1)),
+                             bool(config.get("hinib", 0)))
         return _like(kernel, func)
 
 

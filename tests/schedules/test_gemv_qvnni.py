@@ -121,7 +121,10 @@ def test_gemv_matches_int8_reference_over_configs(template, target, fmt, n, k):
     space = template.space(wl, target)
     assert all(len(space[k]) > 1 for k in ("units", "tasks", "unroll", "prefetch"))
     configs = [template.default_config(wl, target), {"units": 1, "tasks": 3, "unroll": max(1, group // 64)},
-               {"units": 4, "tasks": 16, "unroll": 8 if group <= 64 else 2, "prefetch": 16}]
+               {"units": 4, "tasks": 16, "unroll": 8 if group <= 64 else 2, "prefetch": 16},
+               # split accumulators / masked high nibble each on their own (the default takes both)
+               {"units": 2, "tasks": 5, "unroll": max(1, group // 64), "split": 2, "hinib": 0},
+               {"units": 1, "tasks": 2, "unroll": max(1, group // 64), "split": 1, "hinib": 1, "prefetch": 16}]
     for config in configs:
         if template.is_valid(wl, config, target):
             _run(template, target, packed, wd, (1, 1), config, rng, group)
@@ -140,6 +143,10 @@ def test_generated_code_uses_vpdpbusd(template, target):
     ex = tvm.compile(tvm.IRModule({"main": sched.with_attr("global_symbol", "main")}), target.tvm())
     asm = ex.mod.inspect_source("asm")
     assert "vpdpbusd" in asm and "vpermps" in asm
+    # hinib: the odd row's codes are masked with 0xF0, not shifted (one vector op less per step)
+    base = template.apply(func, wl, {**template.default_config(wl, target), "hinib": 0}, target)
+    asm0 = tvm.compile(tvm.IRModule({"main": base.with_attr("global_symbol", "main")}), target.tvm()).mod.inspect_source("asm")
+    assert asm.count("vpsrlw") < asm0.count("vpsrlw")
 
 
 def test_invalid_configs_are_rejected(template, target):
