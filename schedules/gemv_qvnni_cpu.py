@@ -19,6 +19,7 @@ pipeline resolves activations to f32 there).
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from perfx_compiler.passes._qvnni import has_avx512_vnni
@@ -111,6 +112,8 @@ class GemvQVnniCPU(ScheduleTemplate):
         unroll = max(4, d["G"] // vk.STEP)
         # two accumulators per row while they fit the registers with the scale vectors
         split = 2 if units * (2 if d["bits"] == 4 else 1) * m * 3 <= MAX_REGS else 1
+        if os.environ.get("PERFX_VNNI_GEMV_BASE") == "1":  # A/B baseline: the kernel before split/hinib
+            return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0}
         return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0, "split": split,
                 "hinib": 1 if d["bits"] == 4 else 0}
 
