@@ -10,7 +10,9 @@ argument tensors (the VM's own buffers). Then, per round, at the same sequence p
 * ``vm_ms``       one call of the VM's decode function, made as ``Engine.decode`` makes it (on arguments
                    bound once), minus the Python around it;
 * ``step_ms``     ``Engine.decode(token)`` + ``argmax`` of the logits, i.e. a greedy token as
-                   ``perfx-bench`` times it (Python, argument passing, logits copy, sampling).
+                   ``perfx-bench`` times it (Python, argument passing, logits copy, sampling);
+* ``step_callpath_ms`` the same step made the way Engine.decode made it before binding its
+                   arguments once (the whole argument list per call, logits copied), for comparison.
 
 ``overhead = 1 - kernels_ms / step_ms`` (everything that is not a kernel); it splits into
 ``vm_interp = vm_ms - kernels_ms`` (VM dispatch, builtins such as alloc_tensor) and
@@ -153,6 +155,22 @@ class Subject:
         e.position = self.position
         return statistics.median(ts)
 
+    def time_step_callpath(self, steps: int, cpu: bool) -> float:
+        """The greedy step as Engine.decode made it before arguments were bound once: the VM
+        function called with its whole argument list (~490 tensors), the logits copied out."""
+        e, clock = self.engine, _clock(cpu)
+        fn = e._decode
+        ids, pos = np.array([[self.token]], dtype=e.index_dtype), np.array([self.position], dtype=e.index_dtype)
+        ts = []
+        for _ in range(steps):
+            t = clock()
+            e._pos_dev.copyfrom(pos)
+            e._one_token_dev.copyfrom(ids)
+            out = fn(e._one_token_dev, e._pos_dev, *e._tail)
+            int(np.argmax(out[0].numpy()[0][0]))
+            ts.append(clock() - t)
+        return statistics.median(ts)
+
 
 def _clock(cpu: bool) -> Any:
     # CPU time of this thread: with one thread every kernel runs on it, and time spent descheduled
@@ -192,18 +210,21 @@ def main() -> None:
             # three measurements in a rotating order, so slow drift does not favour one
             meas = [("kernels", lambda s=s: s.time_kernels(replay, args.steps, cpu)),
                     ("vm", lambda s=s: s.time_vm(args.steps, cpu)),
-                    ("step", lambda s=s: s.time_step(args.steps, cpu))]
-            k = r % 3
+                    ("step", lambda s=s: s.time_step(args.steps, cpu)),
+                    ("step_callpath", lambda s=s: s.time_step_callpath(args.steps, cpu))]
+            k = r % len(meas)
             got = {name: fn() for name, fn in meas[k:] + meas[:k]}
             row = {"round": r, "variant": s.label, "artifact": s.art, "threads": args.threads, "clock": args.clock,
                    "position": s.position, "kernel_calls": len(s.calls), "vm_builtin_calls": s.builtins,
                    "kernels_ms": got["kernels"] * 1e3, "vm_ms": got["vm"] * 1e3, "step_ms": got["step"] * 1e3,
+                   "step_callpath_ms": got["step_callpath"] * 1e3,
                    "load_avg_1m": os.getloadavg()[0]}
             rows.append(_derive(row))
             print(_fmt(rows[-1]), flush=True)
     for s in subjects:
         mine = [x for x in rows if x["variant"] == s.label]
-        med = {k: statistics.median(x[k] for x in mine) for k in ("kernels_ms", "vm_ms", "step_ms", "load_avg_1m")}
+        keys = ("kernels_ms", "vm_ms", "step_ms", "step_callpath_ms", "load_avg_1m")
+        med = {k: statistics.median(x[k] for x in mine) for k in keys}
         row = {**mine[0], "round": "median", **med}
         rows.append(_derive(row))
         print("median " + _fmt(rows[-1]), flush=True)
