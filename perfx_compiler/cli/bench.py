@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         for eng, path in paths.items():
             opts: dict[str, Any] = {}
             if eng == "llama.cpp":
-                opts = {"n_ctx": args.max_context, "n_batch": max(512, *prefill_lens)}
+                opts = {"n_ctx": args.max_context, "n_batch": max([512, *prefill_lens])}
             elif eng == "ort-genai":
                 opts = {"max_length": args.max_context}
             try:
