@@ -1,5 +1,7 @@
 """Batched decode throughput of ``paged_decode`` (BatchEngine.decode) before/after the batched
-quantized GEMV: SmolLM2-135M GGUF Q4_1, host target, f32 activations.
+quantized GEMV: SmolLM2-135M GGUF Q4_1, host target, f32 activations (``--activations int8``:
+the VNNI GEMM over the batch vs ``PERFX_VNNI_GEMM=0``'s dequantize + GEMM, written to
+batched_decode_int8.csv/.png).
 
 Two artifacts are compiled (batching=True): ``gemv`` (default: paged_decode's int4/int8 linears call
 the quantized GEMV over the symbolic batch) and ``dequant`` (``PERFX_BATCH_GEMV=0``: each linear
@@ -28,16 +30,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "bench-batched-decode"
 OUT = REPO / "benchmarks" / "results" / "batched_decode.csv"
-VARIANTS = {"gemv": "1", "dequant": "0"}  # PERFX_BATCH_GEMV
+VARIANTS = {"gemv": "1", "dequant": "0"}  # PERFX_BATCH_GEMV (f32) / PERFX_VNNI_GEMM (int8)
+SWITCH = {"f32": "PERFX_BATCH_GEMV", "int8": "PERFX_VNNI_GEMM"}
 
 
-def compile_variant(name: str, model: str) -> Path:
-    out = BUILD / f"smollm2-q4_1-{name}"
+def compile_variant(name: str, model: str, act: str) -> Path:
+    out = BUILD / f"smollm2-q4_1-{act}-{name}"
     if not (out / "model.so").exists():
-        env = {**os.environ, "PERFX_BATCH_GEMV": VARIANTS[name]}
-        code = ("import sys; from perfx_compiler.pipeline import compile_model; "
-                "compile_model(sys.argv[1], 'host', sys.argv[2], progress=False, batching=True, activations='f32')")
-        subprocess.run([sys.executable, "-c", code, model, str(out)], env=env, check=True)
+        env = {**os.environ, SWITCH[act]: VARIANTS[name]}
+        code = ("import sys; from perfx_compiler.pipeline import compile_model; compile_model(sys.argv[1], 'host', "
+                "sys.argv[2], progress=False, batching=True, activations=sys.argv[3])")
+        subprocess.run([sys.executable, "-c", code, model, str(out), act], env=env, check=True)
     return out
 
 
@@ -67,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--activations", choices=["f32", "int8"], default="f32",
+                   help="int8: gemv = the VNNI GEMM over the batch, dequant = PERFX_VNNI_GEMM=0")
     p.add_argument("--child", nargs=3, metavar=("ARTIFACT", "BATCH", "STEPS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps({"tok_s": measure(Path(args.child[0]), int(args.child[1]), int(args.child[2]))}))
         return 0
-    arts = {name: compile_variant(name, args.model) for name in VARIANTS}
+    arts = {name: compile_variant(name, args.model, args.activations) for name in VARIANTS}
+    out = OUT if args.activations == "f32" else OUT.with_name(f"batched_decode_{args.activations}.csv")
     rows = []
     for rnd in range(args.rounds):
         for batch in args.batches:
@@ -82,20 +88,20 @@ def main(argv: list[str] | None = None) -> int:
                                      capture_output=True, text=True, check=True)
                 tok_s = json.loads(res.stdout.strip().splitlines()[-1])["tok_s"]
                 row = {"variant": name, "batch": batch, "round": rnd, "decode_tok_s": round(tok_s, 2),
-                       "load_1m": round(os.getloadavg()[0], 2), "steps": args.steps, "activations": "f32",
+                       "load_1m": round(os.getloadavg()[0], 2), "steps": args.steps, "activations": args.activations,
                        "model": "SmolLM2-135M-Instruct Q4_1 (gguf)"}
                 rows.append(row)
                 print(row, flush=True)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    with OUT.open("w", newline="") as f:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    plot(rows, args.batches)
+    plot(rows, args.batches, out)
     return 0
 
 
-def plot(rows: list[dict], batches: list[int]) -> None:
+def plot(rows: list[dict], batches: list[int], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,10 +116,11 @@ def plot(rows: list[dict], batches: list[int]) -> None:
     load = statistics.median(r["load_1m"] for r in rows)
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax.set_ylabel("decode tokens/s (median of rounds)")
-    ax.set_title(f"paged_decode, SmolLM2 Q4_1, f32 activations (load ~{load:.1f}, shared 2 cores)")
+    ax.set_title(f"paged_decode, SmolLM2 Q4_1, {rows[0]['activations']} act. (load ~{load:.1f}, 2 shared cores)",
+                 fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(OUT.with_suffix(".png"), dpi=110)
+    fig.savefig(out.with_suffix(".png"), dpi=110)
 
 
 if __name__ == "__main__":
