@@ -55,8 +55,9 @@ def test_gemm_half_matches_numpy_over_configs(cpu_target, family, n, k, rows):
             got = _run(sched, cpu_target, x, wp, n)
             want = x.astype(np.float64) @ wd.T
             err = np.abs(got - want).max() / np.abs(want).max()
-            # exact fp32 products of widened halves, fp32 sums: only the summation order differs
-            assert err < 2e-6, (family, n, k, count, cfg, err)
+            # exact fp32 products of widened halves, fp32 sums: only the summation order differs (a wrong
+            # widening or tile is off by > 1e-3)
+            assert err < 1e-5, (family, n, k, count, cfg, err)
 
 
 def test_wrong_configs_are_rejected(cpu_target):
