@@ -44,6 +44,18 @@ def _i64(d: Any) -> Any:
     return tirx.IntImm("int64", int(d)) if isinstance(d, int) or isinstance(d, tirx.IntImm) else d
 
 
+def _own_dims(shape: list[Any]) -> list[Any]:
+    """The call site's dims with each compound symbolic one (``min(.., seq) - ..``: the last-token
+    slice of prefill) as a fresh var of the PrimFunc, bound from its own ``x``. Kept as is it
+    would reference the caller's ``seq``, which no PrimFunc argument defines; plain vars are
+    renamed too so one kernel serves call sites of different functions."""
+    return [d if isinstance(d, (int, tirx.IntImm)) else tirx.Var(f"n{i}", "int64") for i, d in enumerate(shape)]
+
+
+def _rows_key(shape: list[Any]) -> str:
+    return "x".join(str(int(d)) if isinstance(d, (int, tirx.IntImm)) else "n" for d in shape)
+
+
 def half_panel_matmul(x_shape: list[Any], n: int, k: int, nb: int, family: str) -> Any:
     """PrimFunc ``y[..., n] = sum_k x[..., k] * widen(Wp[n // nb, k, n % nb])`` with Wp the half
     panels; ``x_shape`` may hold symbolic dims (prefill rows) or constants (decode)."""
@@ -79,7 +91,7 @@ def half_panel_take(ids_shape: list[Any], ids_dtype: str, n: int, k: int, nb: in
 
 
 def _shape(expr: Any) -> list[Any]:
-    return list(expr.ty.shape.values)
+    return _own_dims(list(expr.ty.shape.values))
 
 
 def pack_half_weights(mod: tvm.IRModule, weights: dict[str, Any], nb: int,
@@ -176,22 +188,22 @@ def pack_half_weights(mod: tvm.IRModule, weights: dict[str, Any], nb: int,
                 wp, q = self.deq[targs[nt_args[name]]]
                 x = self.visit_expr(targs[0])
                 n, k, fam = int(q["N"]), int(q["K"]), q["dtype"]
-                pf = half_panel_matmul(_shape(targs[0]), n, k, nb, fam)
-                gv = self._add(f"{fam}_gemm_{n}_{k}{SUFFIX}", pf)
+                shape = _shape(targs[0])
+                pf = half_panel_matmul(shape, n, k, nb, fam)
+                gv = self._add(f"{fam}_gemm_{n}_{k}_{_rows_key(shape[:-1])}{SUFFIX}", pf)
                 return relax.call_tir(gv, [x, wp], call.ty)
             if q is not None and q["kind"] == "matmul" and self._panels(targs[1]) is not None:
                 n, k, fam = int(q["N"]), int(q["K"]), q["dtype"]
                 shape = _shape(targs[0])
-                rows = "x".join(str(int(d)) if isinstance(d, tirx.IntImm) else "n" for d in shape[:-1])
                 pf = half_panel_matmul(shape, n, k, nb, fam)
-                gv = self._add(f"{fam}_gemv_{n}_{k}_{rows}{SUFFIX}", pf)
+                gv = self._add(f"{fam}_gemv_{n}_{k}_{_rows_key(shape[:-1])}{SUFFIX}", pf)
                 return relax.call_tir(gv, [self.visit_expr(targs[0]), self._panels(targs[1])], call.ty)
             if q is not None and q["kind"] == "take" and self._panels(targs[0]) is not None:
                 n, k, fam = int(q["N"]), int(q["K"]), q["dtype"]
                 ids = targs[1]
-                dims = [int(d) if isinstance(d, tirx.IntImm) else "n" for d in _shape(ids)]
-                pf = half_panel_take(_shape(ids), str(ids.ty.dtype), n, k, nb, fam)
-                key = f"{fam}_take_{n}_{k}_{'x'.join(map(str, dims))}_{ids.ty.dtype}{SUFFIX}"
+                shape = _shape(ids)
+                pf = half_panel_take(shape, str(ids.ty.dtype), n, k, nb, fam)
+                key = f"{fam}_take_{n}_{k}_{_rows_key(shape)}_{ids.ty.dtype}{SUFFIX}"
                 return relax.call_tir(self._add(key, pf), [self._panels(targs[0]), self.visit_expr(ids)], call.ty)
             return super().visit_call_(call)
 

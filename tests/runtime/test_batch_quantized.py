@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from perfx_compiler.errors import PerfXError
 from perfx_compiler.model.gguf import load_gguf
 from perfx_compiler.model.testing import write_tiny_gguf
 from perfx_compiler.pipeline import compile_model
@@ -56,15 +55,8 @@ def built(request, tmp_path_factory):
                               qtype=qtype, vocab=320)
     desc = load_gguf(path)
     kw = {"quantization": quant} if quant else {}
-    try:
-        art = compile_model(desc, "host", root / "art", progress=False, batching=True, activations=act,
-                            dump_ir=root / "ir", **kw)
-    except PerfXError as e:
-        # known (half panels, batching=True): paged_prefill's last-token lm-head GEMV keeps the
-        # symbolic ``seq`` it no longer takes as an argument; remove once it builds
-        if quant == "bf16" and "variables (seq,) are used" in str(e):
-            pytest.xfail(f"bf16 + batching does not build yet: {str(e)[:160]}")
-        raise
+    art = compile_model(desc, "host", root / "art", progress=False, batching=True, activations=act,
+                        dump_ir=root / "ir", **kw)
     return request.param, desc, art, root / "ir"
 
 
