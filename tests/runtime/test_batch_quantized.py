@@ -3,7 +3,7 @@ calls the kernels that read the packed weights, and each sequence's logits equal
 single-sequence Engine's on the same artifact.
 
 Models: tiny GGUF checkpoints (random weights, fresh random prompts each run) in GGUF Q4_1 and
-Q8_0 (passthrough), F32 quantized to q4_g128 and to bf16 (half weights), under f32 activations
+Q8_0 (passthrough), F32 quantized to q4_g128 and to bf16 / f16 (half weights), under f32 activations
 (the batched GEMV path) and, where the CPU has AVX-512 VNNI, int8 activations (the VNNI GEMM).
 """
 
@@ -26,6 +26,7 @@ CASES = {  # id: (GGUF qtype, compile quantization or None, activations)
     "gguf-q8_0-f32": ("Q8_0", None, "f32"),
     "q4_g128-f32": ("F32", "q4_g128", "f32"),
     "bf16-f32": ("F32", "bf16", "f32"),  # half weights: compile-time half panels (gemm_half_cpu)
+    "f16-f32": ("F32", "f16", "f32"),
     "gguf-q4_1-int8": ("Q4_1", None, "int8"),
 }
 
@@ -65,7 +66,9 @@ def test_paged_decode_reads_packed_weights(built):
     name, _, _, ir = built
     kernels = _paged_decode_kernels(ir)
     assert not [k for k in kernels if "dequant" in k], sorted(kernels)
-    if name.endswith("-f32") and not name.startswith("bf16"):
+    if name.startswith(("bf16", "f16")):  # the batch's GEMMs read the half panels
+        assert any(k.endswith("_nx1_panels") for k in kernels), sorted(kernels)
+    elif name.endswith("-f32"):
         assert any(k.endswith("_nx1") and "_matmul_" in k for k in kernels), sorted(kernels)
 
 
