@@ -48,6 +48,21 @@ def _stamp(path: Path) -> str:
     return f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
 
 
+def compiler_stamp() -> str:
+    """Digest of the compiler's own sources (package, schedule templates, target files, tuning records):
+    a cached PerfX artifact is rebuilt when the code that compiled it has changed since."""
+    import hashlib
+
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha1()
+    for folder, pattern in (("perfx_compiler", "*.py"), ("schedules", "*.py"), ("targets", "*"), ("tuning_logs", "*")):
+        for f in sorted((root / folder).rglob(pattern)):
+            if f.is_file() and "__pycache__" not in f.parts:
+                digest.update(f.relative_to(root).as_posix().encode())
+                digest.update(f.read_bytes())
+    return digest.hexdigest()[:12]
+
+
 def _fresh(marker: Path, stamp: str) -> bool:
     return marker.is_file() and marker.read_text() == stamp
 
@@ -210,7 +225,7 @@ def compile_perfx(
     for q in cands:
         out = work / f"perfx-{model_key(gguf_path)}-{q}-ctx{max_context}"
         marker = out / ".bench-stamp"
-        stamp = _stamp(gguf_path) + f":{q}:{max_context}"
+        stamp = _stamp(gguf_path) + f":{q}:{max_context}:{compiler_stamp()}"
         if not rebuild and _fresh(marker, stamp):
             manifest = json.loads((out / "perfx-config.json").read_text())
         else:
