@@ -20,6 +20,7 @@ summation order (``_qvnni.quantize_activations`` is the numpy reference of xq).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 STEP = 64
@@ -38,6 +39,44 @@ def plan(K: int, G: int) -> dict[str, int]:
     NCH = F + (1 if TS else 0)
     return {"KP": KP, "S": S, "NGE": NGE, "NGP": NGP, "SPC": SPC, "F": F, "TS": TS, "NCH": NCH,
             "BASE_T": min(CHUNK * F, NGP - CHUNK)}
+
+
+@functools.cache
+def quantize_group_macro() -> Any:
+    """The TVMScript macro ``quantize_group`` shared by the VNNI GEMV and GEMM (built on first use:
+    this module imports without TVM)."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def quantize_group(X, XQ, DX, dx_at, bm, g, mx, sm, inv, G, GV, K, KP, MM):  # noqa: ANN001, N803
+        """int8 codes of row ``bm``'s group ``g`` of x into XQ (x beyond K counts as 0, codes up to KP
+        are written), its scale amax/127 into DX[dx_at], and the sum of its codes left in sm[0] (for the
+        weights' offset term). mx/sm (16 lanes) and inv (1) are the caller's scratch."""
+        for ln in T.vectorized(16):
+            mx[ln] = T.float32(0)
+            sm[ln] = 0
+        for c in T.serial(GV):
+            if g * G + c * 16 < K:
+                for ln in T.vectorized(16):
+                    mx[ln] = T.max(mx[ln], T.fabs(X[bm // MM, bm % MM, g * G + c * 16 + ln]))
+        for ln in T.serial(15):
+            mx[0] = T.max(mx[0], mx[ln + 1])
+        DX[dx_at] = mx[0] / T.float32(127)
+        inv[0] = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
+        for c in T.serial(GV):
+            if g * G + c * 16 < KP:
+                if g * G + c * 16 < K:
+                    for ln in T.vectorized(16):
+                        XQ[bm * KP + g * G + c * 16 + ln] = T.Cast(
+                            "int8", T.round(X[bm // MM, bm % MM, g * G + c * 16 + ln] * inv[0]))
+                        sm[ln] = sm[ln] + T.Cast("int32", XQ[bm * KP + g * G + c * 16 + ln])
+                else:
+                    for ln in T.vectorized(16):
+                        XQ[bm * KP + g * G + c * 16 + ln] = T.int8(0)
+        for ln in T.serial(15):
+            sm[0] = sm[0] + sm[ln + 1]
+
+    return quantize_group
 
 
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
@@ -67,6 +106,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     zconst = 128.0 if bits == 8 else 8.0
     GV = G // 16  # 16-lane vectors per group
     A = split
+    quantize_group = quantize_group_macro()
     hi = pair and hinib
 
     def hmask(h: Any) -> Any:  # code mask of row h of a pair (after hshift)
@@ -110,29 +150,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         # 1. int8 activations per group (x beyond K counts as 0)
         for bm in T.serial(M):
             for g in T.serial(NGE):
-                for ln in T.vectorized(16):
-                    mx[ln] = T.float32(0)
-                    sm[ln] = 0
-                for c in T.serial(GV):
-                    if g * G + c * 16 < K:
-                        for ln in T.vectorized(16):
-                            mx[ln] = T.max(mx[ln], T.fabs(X[bm // MM, bm % MM, g * G + c * 16 + ln]))
-                for ln in T.serial(15):
-                    mx[0] = T.max(mx[0], mx[ln + 1])
-                gdx[bm * NGE + g] = mx[0] / T.float32(127)
-                inv[0] = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
-                for c in T.serial(GV):
-                    if g * G + c * 16 < KP:
-                        if g * G + c * 16 < K:
-                            for ln in T.vectorized(16):
-                                XQ[bm * KP + g * G + c * 16 + ln] = T.Cast(
-                                    "int8", T.round(X[bm // MM, bm % MM, g * G + c * 16 + ln] * inv[0]))
-                                sm[ln] = sm[ln] + T.Cast("int32", XQ[bm * KP + g * G + c * 16 + ln])
-                        else:
-                            for ln in T.vectorized(16):
-                                XQ[bm * KP + g * G + c * 16 + ln] = T.int8(0)
-                for ln in T.serial(15):
-                    sm[0] = sm[0] + sm[ln + 1]
+                quantize_group(X, XQ, gdx, bm * NGE + g, bm, g, mx, sm, inv, G, GV, K, KP, MM)
                 gds[bm * NGE + g] = gdx[bm * NGE + g] * T.Cast("float32", sm[0])
             for c in T.serial(NCH):
                 for ln in T.serial(16):

@@ -44,7 +44,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules._vnni_kernels import plan, transpose_tile
+from schedules._vnni_kernels import plan, quantize_group_macro, transpose_tile
 from schedules.gemv_int4_cpu import _like
 
 PRIORITY = 3  # before gemv_qvnni_cpu, which rejects rows it cannot hold
@@ -76,6 +76,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     (x, panels, panel_scales[, panel_zero|panel_min], y) over ``prepack``'s arrays."""
     from tvm.script import tirx as T
 
+    quantize_group = quantize_group_macro()
     KP = plan(K, G)["KP"]
     NGP = plan(K, G)["NGP"]
     NG = -(-KP // G)  # groups over the padded row (the last may be short when G > 64)
@@ -110,29 +111,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
             sm = T.decl_buffer((16,), "int32", scope="local")
             inv = T.decl_buffer((1,), "float32", scope="local")
             for g in T.serial(NG):
-                for ln in T.vectorized(16):
-                    mx[ln] = T.float32(0)
-                    sm[ln] = 0
-                for c in T.serial(GV):
-                    if g * G + c * 16 < K:
-                        for ln in T.vectorized(16):
-                            mx[ln] = T.max(mx[ln], T.fabs(X[bm // MM, bm % MM, g * G + c * 16 + ln]))
-                for ln in T.serial(15):
-                    mx[0] = T.max(mx[0], mx[ln + 1])
-                DX[bm * NG + g] = mx[0] / T.float32(127)
-                inv[0] = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
-                for c in T.serial(GV):
-                    if g * G + c * 16 < KP:
-                        if g * G + c * 16 < K:
-                            for ln in T.vectorized(16):
-                                XQ[bm * KP + g * G + c * 16 + ln] = T.Cast(
-                                    "int8", T.round(X[bm // MM, bm % MM, g * G + c * 16 + ln] * inv[0]))
-                                sm[ln] = sm[ln] + T.Cast("int32", XQ[bm * KP + g * G + c * 16 + ln])
-                        else:
-                            for ln in T.vectorized(16):
-                                XQ[bm * KP + g * G + c * 16 + ln] = T.int8(0)
-                for ln in T.serial(15):
-                    sm[0] = sm[0] + sm[ln + 1]
+                quantize_group(X, XQ, DX, bm * NG + g, bm, g, mx, sm, inv, G, GV, K, KP, MM)
                 SQ[bm * NG + g] = sm[0]
 
     @T.macro
