@@ -74,7 +74,10 @@ def _static_rows(func: Any, kind: str) -> int | None:
     return static_rows_of(func.params[0] if kind == "matmul" else func.params[3])
 
 
-def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool = False) -> Any:
+def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool = False, batch: bool = False) -> Any:
+    """Int4 GEMV over the rows of x [b, m, K]. One row after another, each a parallel launch; with
+    ``batch`` (paged_decode's symbolic batch) one parallel launch with the rows innermost, so each
+    task's R-row weight block is read from memory once per call and from L1 per row."""
     from tvm.script import tirx as T
 
     NG = -(-K // G)
@@ -83,6 +86,95 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
     NV = K // L
     NB = K // (8 * L)  # packed blocks per row
     PER = N // tasks
+
+    @T.macro
+    def prepare_x(X, xr, xs, xr0, xs0, bm, m):
+        # x copied into a buffer zero-padded to whole groups (the ragged last group then runs the
+        # same unrolled loop: its clamped weight reads are multiplied by zeros), and its lane sums
+        # per group (the zero point's term)
+        for c in T.serial(NG * VPG):
+            for lane in T.vectorized(L):
+                xr[xr0 + c * L + lane] = T.if_then_else(c < NV, X[bm // m, bm % m, T.min(c, NV - 1) * L + lane], T.float32(0))
+        for g in T.serial(NG):
+            for lane in T.vectorized(L):
+                xs[xs0 + g * L + lane] = T.float32(0)
+        for c in T.serial(NV):
+            for lane in T.vectorized(L):
+                xs[xs0 + (c * L // G) * L + lane] = xs[xs0 + (c * L // G) * L + lane] + xr[xr0 + c * L + lane]
+
+    @T.macro
+    def row_block(Q, S, Z, Y, xr, xs, xr0, xs0, acc, accg, t, nj, bm, m):
+        # R weight rows against one row of x: R independent FMA chains sharing each x load
+        for r in T.unroll(R):
+            for lane in T.vectorized(L):
+                acc[r * L + lane] = T.float32(0)
+        for g in T.serial(NG):
+            for r in T.unroll(R):
+                for lane in T.vectorized(L):
+                    accg[r * L + lane] = T.float32(0)
+            for u in T.unroll(VPG):
+                for r in T.unroll(R):
+                    for lane in T.vectorized(L):
+                        accg[r * L + lane] = accg[r * L + lane] + (
+                            T.Cast(
+                                "float32",
+                                T.Cast(
+                                    "int32",
+                                    T.bitwise_and(
+                                        T.shift_right(
+                                            Q[t * PER + nj * R + r, T.min((g * VPG + u) // 8, NB - 1) * L + lane],
+                                            T.Cast("uint32", ((g * VPG + u) % 8) * 4),
+                                        ),
+                                        T.uint32(15),
+                                    ),
+                                ),
+                            ) * xr[xr0 + (g * VPG + u) * L + lane]
+                        )
+            if offset:
+                for r in T.unroll(R):
+                    for lane in T.vectorized(L):
+                        acc[r * L + lane] = acc[r * L + lane] + (
+                            T.Cast("float32", S[t * PER + nj * R + r, g]) * accg[r * L + lane]
+                            + T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[xs0 + g * L + lane]
+                        )
+            else:
+                for r in T.unroll(R):
+                    for lane in T.vectorized(L):
+                        acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
+                            accg[r * L + lane] - T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[xs0 + g * L + lane]
+                        )
+        for r in T.unroll(R):
+            for lane in T.serial(L - 1):
+                acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
+            Y[bm // m, bm % m, t * PER + nj * R + r] = acc[r * L]
+
+    if batch:
+
+        @T.prim_func(private=True)
+        def q4_gemv_batch(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            b = T.int64()
+            m = T.int64()
+            X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
+            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
+            S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+            Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
+            Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
+            # every row's padded x and group sums first (one workspace for the call), so the rows
+            # can be the innermost loop below
+            xs = T.decl_buffer((b * m * NG * L,), "float32")
+            xr = T.decl_buffer((b * m * NG * G,), "float32")
+            for bm in T.serial(b * m):
+                prepare_x(X, xr, xs, bm * NG * G, bm * NG * L, bm, m)
+            # accumulators once per task, not per row: inside a parallel loop each allocation is
+            # a TVMBackendAllocWorkspace call, which cost more than the row itself
+            for t in T.parallel(tasks):
+                acc = T.decl_buffer((R * L,), "float32", scope="local")
+                accg = T.decl_buffer((R * L,), "float32", scope="local")
+                for nj, bm in T.grid(PER // R, b * m):
+                    row_block(Q, S, Z, Y, xr, xs, bm * NG * G, bm * NG * L, acc, accg, t, nj, bm, m)
+
+        return q4_gemv_batch
 
     @T.prim_func(private=True)
     def q4_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
@@ -95,161 +187,16 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
         xs = T.decl_buffer((NG * L,), "float32")
-        # x copied into a buffer zero-padded to whole groups: the ragged last group then runs the
-        # same unrolled loop (its clamped weight reads are multiplied by zeros).
         xr = T.decl_buffer((NG * G,), "float32")
         for bm in T.serial(b * m):
-            for c in T.serial(NG * VPG):
-                for lane in T.vectorized(L):
-                    xr[c * L + lane] = T.if_then_else(c < NV, X[bm // m, bm % m, T.min(c, NV - 1) * L + lane], T.float32(0))
-            for g in T.serial(NG):
-                for lane in T.vectorized(L):
-                    xs[g * L + lane] = T.float32(0)
-            for c in T.serial(NV):
-                for lane in T.vectorized(L):
-                    xs[(c * L // G) * L + lane] = xs[(c * L // G) * L + lane] + xr[c * L + lane]
-            # Accumulators are allocated once per task, not per row: inside a parallel loop each
-            # allocation is a TVMBackendAllocWorkspace call, which cost more than the row itself.
-            # R rows at a time: R independent FMA chains (hides FMA latency) sharing each x load.
+            prepare_x(X, xr, xs, 0, 0, bm, m)
             for t in T.parallel(tasks):
                 acc = T.decl_buffer((R * L,), "float32", scope="local")
                 accg = T.decl_buffer((R * L,), "float32", scope="local")
                 for nj in T.serial(PER // R):
-                    for r in T.unroll(R):
-                        for lane in T.vectorized(L):
-                            acc[r * L + lane] = T.float32(0)
-                    for g in T.serial(NG):
-                        for r in T.unroll(R):
-                            for lane in T.vectorized(L):
-                                accg[r * L + lane] = T.float32(0)
-                        for u in T.unroll(VPG):
-                            for r in T.unroll(R):
-                                for lane in T.vectorized(L):
-                                    accg[r * L + lane] = accg[r * L + lane] + (
-                                        T.Cast(
-                                            "float32",
-                                            T.Cast(
-                                                "int32",
-                                                T.bitwise_and(
-                                                    T.shift_right(
-                                                        Q[t * PER + nj * R + r, T.min((g * VPG + u) // 8, NB - 1) * L + lane],
-                                                        T.Cast("uint32", ((g * VPG + u) % 8) * 4),
-                                                    ),
-                                                    T.uint32(15),
-                                                ),
-                                            ),
-                                        ) * xr[(g * VPG + u) * L + lane]
-                                    )
-                        if offset:
-                            for r in T.unroll(R):
-                                for lane in T.vectorized(L):
-                                    acc[r * L + lane] = acc[r * L + lane] + (
-                                        T.Cast("float32", S[t * PER + nj * R + r, g]) * accg[r * L + lane]
-                                        + T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[g * L + lane]
-                                    )
-                        else:
-                            for r in T.unroll(R):
-                                for lane in T.vectorized(L):
-                                    acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
-                                        accg[r * L + lane] - T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[g * L + lane]
-                                    )
-                    for r in T.unroll(R):
-                        for lane in T.serial(L - 1):
-                            acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
-                        Y[bm // m, bm % m, t * PER + nj * R + r] = acc[r * L]
+                    row_block(Q, S, Z, Y, xr, xs, 0, 0, acc, accg, t, nj, bm, m)
 
     return q4_gemv
-
-
-def _gemv_batch(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool = False) -> Any:
-    """``_gemv`` for a symbolic batch of rows (paged_decode): one parallel launch, rows innermost,
-    so each task's R-row weight block is read from memory once per call and from L1 per row."""
-    from tvm.script import tirx as T
-
-    NG = -(-K // G)
-    ZT = "float16" if offset else "uint8"  # offset (GGUF Q4_1): w = code * s + min
-    VPG = G // L  # vectors per full group
-    NV = K // L
-    NB = K // (8 * L)  # packed blocks per row
-    PER = N // tasks
-
-    @T.prim_func(private=True)
-    def q4_gemv_batch(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        b = T.int64()
-        m = T.int64()
-        X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
-        Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-        # every row's padded x and per-group lane sums first (one workspace for the call), so
-        # the rows can be the innermost loop below
-        xs = T.decl_buffer((b * m * NG * L,), "float32")
-        xr = T.decl_buffer((b * m * NG * G,), "float32")
-        for bm in T.serial(b * m):
-            for c in T.serial(NG * VPG):
-                for lane in T.vectorized(L):
-                    xr[bm * NG * G + c * L + lane] = T.if_then_else(
-                        c < NV, X[bm // m, bm % m, T.min(c, NV - 1) * L + lane], T.float32(0))
-            for g in T.serial(NG):
-                for lane in T.vectorized(L):
-                    xs[bm * NG * L + g * L + lane] = T.float32(0)
-            for c in T.serial(NV):
-                for lane in T.vectorized(L):
-                    xs[bm * NG * L + (c * L // G) * L + lane] = (
-                        xs[bm * NG * L + (c * L // G) * L + lane] + xr[bm * NG * G + c * L + lane])
-        # Accumulators are allocated once per task, not per row: inside a parallel loop each
-        # allocation is a TVMBackendAllocWorkspace call, which cost more than the row itself.
-        # R rows at a time: R independent FMA chains (hides FMA latency) sharing each x load.
-        for t in T.parallel(tasks):
-            acc = T.decl_buffer((R * L,), "float32", scope="local")
-            accg = T.decl_buffer((R * L,), "float32", scope="local")
-            for nj, bm in T.grid(PER // R, b * m):
-                for r in T.unroll(R):
-                    for lane in T.vectorized(L):
-                        acc[r * L + lane] = T.float32(0)
-                for g in T.serial(NG):
-                    for r in T.unroll(R):
-                        for lane in T.vectorized(L):
-                            accg[r * L + lane] = T.float32(0)
-                    for u in T.unroll(VPG):
-                        for r in T.unroll(R):
-                            for lane in T.vectorized(L):
-                                accg[r * L + lane] = accg[r * L + lane] + (
-                                    T.Cast(
-                                        "float32",
-                                        T.Cast(
-                                            "int32",
-                                            T.bitwise_and(
-                                                T.shift_right(
-                                                    Q[t * PER + nj * R + r, T.min((g * VPG + u) // 8, NB - 1) * L + lane],
-                                                    T.Cast("uint32", ((g * VPG + u) % 8) * 4),
-                                                ),
-                                                T.uint32(15),
-                                            ),
-                                        ),
-                                    ) * xr[bm * NG * G + (g * VPG + u) * L + lane]
-                                )
-                    if offset:
-                        for r in T.unroll(R):
-                            for lane in T.vectorized(L):
-                                acc[r * L + lane] = acc[r * L + lane] + (
-                                    T.Cast("float32", S[t * PER + nj * R + r, g]) * accg[r * L + lane]
-                                    + T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[bm * NG * L + g * L + lane]
-                                )
-                    else:
-                        for r in T.unroll(R):
-                            for lane in T.vectorized(L):
-                                acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
-                                    accg[r * L + lane] - T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[bm * NG * L + g * L + lane]
-                                )
-                for r in T.unroll(R):
-                    for lane in T.serial(L - 1):
-                        acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
-                    Y[bm // m, bm % m, t * PER + nj * R + r] = acc[r * L]
-
-    return q4_gemv_batch
 
 
 def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False) -> Any:
@@ -443,7 +390,7 @@ class GemvInt4CPU(ScheduleTemplate):
         elif kind == "dequant":
             kernel = _dequant(N, K, G, L, tasks, offset)
         elif workload.info.get("batch"):
-            kernel = _gemv_batch(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0), offset=offset)
+            kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0), offset=offset, batch=True)
         elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
             kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0), offset=offset)
         else:
