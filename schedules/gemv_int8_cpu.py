@@ -42,12 +42,60 @@ def _info(func: Any) -> dict[str, Any] | None:
     return info if info.get("bits") == 8 and info.get("layout") is None else None
 
 
-def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int) -> Any:
+def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = False) -> Any:
+    """Int8 GEMV over the rows of x [b, m, K]: one parallel launch per row, or with ``batch``
+    (paged_decode's symbolic batch) one launch with the rows innermost, so each task's R-row
+    weight block is read from memory once per call and from L1 per row."""
     from tvm.script import tirx as T
 
     NG = K // G
     VPG = G // L
     PER = N // tasks
+
+    @T.macro
+    def row_block(X, Q, S, Y, acc, accg, t, nj, bm, m):
+        # R weight rows against one row of x: R independent FMA chains sharing each x load
+        for r in T.unroll(R):
+            for lane in T.vectorized(L):
+                acc[r * L + lane] = T.float32(0)
+        for g in T.serial(NG):
+            for r in T.unroll(R):
+                for lane in T.vectorized(L):
+                    accg[r * L + lane] = T.float32(0)
+            for u in T.unroll(VPG):
+                for r in T.unroll(R):
+                    for lane in T.vectorized(L):
+                        accg[r * L + lane] = accg[r * L + lane] + T.Cast(
+                            "float32", Q[t * PER + nj * R + r, g * G + u * L + lane]
+                        ) * X[bm // m, bm % m, g * G + u * L + lane]
+            for r in T.unroll(R):
+                for lane in T.vectorized(L):
+                    acc[r * L + lane] = acc[r * L + lane] + T.Cast(
+                        "float32", S[t * PER + nj * R + r, g]
+                    ) * accg[r * L + lane]
+        for r in T.unroll(R):
+            for lane in T.serial(L - 1):
+                acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
+            Y[bm // m, bm % m, t * PER + nj * R + r] = acc[r * L]
+
+    if batch:
+
+        @T.prim_func(private=True)
+        def q8_gemv_batch(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            b = T.int64()
+            m = T.int64()
+            X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
+            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
+            S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+            Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
+            for t in T.parallel(tasks):
+                acc = T.decl_buffer((R * L,), "float32", scope="local")
+                accg = T.decl_buffer((R * L,), "float32", scope="local")
+                for nj, bm in T.grid(PER // R, b * m):
+                    row_block(X, Q, S, Y, acc, accg, t, nj, bm, m)
+
+        return q8_gemv_batch
 
     @T.prim_func(private=True)
     def q8_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
@@ -63,78 +111,9 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int) -> Any:
                 acc = T.decl_buffer((R * L,), "float32", scope="local")
                 accg = T.decl_buffer((R * L,), "float32", scope="local")
                 for nj in T.serial(PER // R):
-                    for r in T.unroll(R):
-                        for lane in T.vectorized(L):
-                            acc[r * L + lane] = T.float32(0)
-                    for g in T.serial(NG):
-                        for r in T.unroll(R):
-                            for lane in T.vectorized(L):
-                                accg[r * L + lane] = T.float32(0)
-                        for u in T.unroll(VPG):
-                            for r in T.unroll(R):
-                                for lane in T.vectorized(L):
-                                    accg[r * L + lane] = accg[r * L + lane] + T.Cast(
-                                        "float32", Q[t * PER + nj * R + r, g * G + u * L + lane]
-                                    ) * X[bm // m, bm % m, g * G + u * L + lane]
-                        for r in T.unroll(R):
-                            for lane in T.vectorized(L):
-                                acc[r * L + lane] = acc[r * L + lane] + T.Cast(
-                                    "float32", S[t * PER + nj * R + r, g]
-                                ) * accg[r * L + lane]
-                    for r in T.unroll(R):
-                        for lane in T.serial(L - 1):
-                            acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
-                        Y[bm // m, bm % m, t * PER + nj * R + r] = acc[r * L]
+                    row_block(X, Q, S, Y, acc, accg, t, nj, bm, m)
 
     return q8_gemv
-
-
-def _gemv_batch(N: int, K: int, G: int, L: int, tasks: int, R: int) -> Any:
-    """``_gemv`` for a symbolic batch of rows (paged_decode): one parallel launch, rows innermost,
-    so each task's R-row weight block is read from memory once per call and from L1 per row."""
-    from tvm.script import tirx as T
-
-    NG = K // G
-    VPG = G // L
-    PER = N // tasks
-
-    @T.prim_func(private=True)
-    def q8_gemv_batch(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        b = T.int64()
-        m = T.int64()
-        X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-        for t in T.parallel(tasks):
-            acc = T.decl_buffer((R * L,), "float32", scope="local")
-            accg = T.decl_buffer((R * L,), "float32", scope="local")
-            for nj, bm in T.grid(PER // R, b * m):
-                for r in T.unroll(R):
-                    for lane in T.vectorized(L):
-                        acc[r * L + lane] = T.float32(0)
-                for g in T.serial(NG):
-                    for r in T.unroll(R):
-                        for lane in T.vectorized(L):
-                            accg[r * L + lane] = T.float32(0)
-                    for u in T.unroll(VPG):
-                        for r in T.unroll(R):
-                            for lane in T.vectorized(L):
-                                accg[r * L + lane] = accg[r * L + lane] + T.Cast(
-                                    "float32", Q[t * PER + nj * R + r, g * G + u * L + lane]
-                                ) * X[bm // m, bm % m, g * G + u * L + lane]
-                    for r in T.unroll(R):
-                        for lane in T.vectorized(L):
-                            acc[r * L + lane] = acc[r * L + lane] + T.Cast(
-                                "float32", S[t * PER + nj * R + r, g]
-                            ) * accg[r * L + lane]
-                for r in T.unroll(R):
-                    for lane in T.serial(L - 1):
-                        acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
-                    Y[bm // m, bm % m, t * PER + nj * R + r] = acc[r * L]
-
-    return q8_gemv_batch
 
 
 def _dequant(N: int, K: int, G: int, L: int, tasks: int) -> Any:
@@ -267,7 +246,7 @@ class GemvInt8CPU(ScheduleTemplate):
         elif kind == "dequant":
             kernel = _dequant(N, K, G, L, tasks)
         elif workload.info.get("batch"):
-            kernel = _gemv_batch(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0))
+            kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0), batch=True)
         elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
             kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0))
         else:
