@@ -2,7 +2,7 @@
 
 SmolLM2-135M is lowered as the README's first command builds it (the shipped GGUF Q4_1, int8
 activations on AVX-512 VNNI) and with ``--quantization bf16``. For every function of the tuned
-templates (gemv_qvnni_cpu, attention_cpu, gemm_half_cpu) the committed records hold a best record,
+templates (attention_cpu, gemm_half_cpu; gemv_qvnni_cpu has none, see below) the committed records hold a best record,
 and the scheduler builds the function with exactly that record's configuration (per M bucket for a
 symbolic-M GEMM). A function whose structure changed has no record and gets the template default.
 Slow: each lowering takes minutes on the 2-core machine.
@@ -57,6 +57,10 @@ def _check_module(mod, target, templates):
         best = db.best(wl.key, wl.target_key, bucket=TYPICAL_M if wl.symbolic else None, nearest=True)
         if best is None or best.template != template.name:
             missing.append(f"{gv.name_hint} ({template.name} {wl.dims})")  # e.g. failed to measure
+            default = template.apply(func, wl, template.default_config(wl, target), target)
+            assert tvm_ffi.structural_equal(built[gv.name_hint], default.with_attr(SCHEDULED_ATTR, True)), (
+                f"{gv.name_hint} has no record but was not built with the template default")
+            seen["default:" + template.name] = seen.get("default:" + template.name, 0) + 1
             continue
         dispatched = _dispatch_by_bucket(func, target, db)
         if dispatched is not None:  # one variant per bucket: each the bucket's best record
@@ -72,11 +76,14 @@ def _check_module(mod, target, templates):
     return seen, missing
 
 
-def test_readme_model_uses_committed_vnni_and_attention_records():
+def test_readme_model_uses_committed_attention_records_and_vnni_defaults():
+    """The VNNI GEMV records were removed: tuned with warm caches (and under load) they picked
+    one-task configs that ran 1.21x slower in the model than the defaults
+    (benchmarks/results/vnni_records_ab.csv), so its GEMVs are built with the template default."""
     mod, state = _lowered("auto")  # the README's first command: the GGUF's Q4_1, int8 activations
     seen, missing = _check_module(mod, state.target, TUNED)
-    # SmolLM2's 5 decode GEMVs + prefill dequantizes, and both attention kernels
-    assert seen.get("gemv_qvnni_cpu", 0) >= 5 and seen.get("attention_cpu", 0) >= 2, (seen, missing)
+    # both attention kernels from records; SmolLM2's 5 decode GEMVs (and the lm-head) at defaults
+    assert seen.get("attention_cpu", 0) >= 2 and seen.get("default:gemv_qvnni_cpu", 0) >= 5, (seen, missing)
 
 
 def test_bf16_model_uses_committed_half_records_and_rejects_changed_structure():
