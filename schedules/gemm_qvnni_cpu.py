@@ -30,7 +30,6 @@ fit the 32 zmm registers with the weight vectors), ``tasks`` (parallel chunks of
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -45,7 +44,7 @@ from perfx_compiler.schedule_template import (
 )
 from perfx_compiler.targets import TargetDescription
 from schedules._vnni_kernels import plan, quantize_group_macro, transpose_tile
-from schedules.gemv_int4_cpu import _like
+from schedules.gemv_int4_cpu import _like, quant_info, static_rows_of
 
 PRIORITY = 3  # before gemv_qvnni_cpu, which rejects rows it cannot hold
 QUANT_ATTR = "perfx.quant"
@@ -54,20 +53,15 @@ MAX_ZMM = 28  # 2 mr nr accumulators + the weight vectors of one step (32 zmm, s
 
 
 def _info(func: Any) -> dict[str, Any] | None:
-    attrs = func.attrs
-    if attrs is None or QUANT_ATTR not in attrs:
-        return None
-    try:
-        info = json.loads(str(attrs[QUANT_ATTR]))
-    except ValueError:
+    info = quant_info(func)
+    if info is None:
         return None
     ok = info.get("layout") == "vnni" and info.get("bits") in (4, 8) and info.get("kind", "matmul") == "matmul"
     return info if ok else None
 
 
 def _static_rows(func: Any) -> int | None:
-    dims = [getattr(d, "value", None) for d in list(func.params[0].shape)[:2]]
-    return dims[0] * dims[1] if all(isinstance(d, int) for d in dims) else None
+    return static_rows_of(func.params[0])
 
 
 def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, nr: int, tasks: int,

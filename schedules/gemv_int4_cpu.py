@@ -38,13 +38,21 @@ QUANT_ATTR = "perfx.quant"
 GEMV_MAX_ROWS = 8
 
 
-def _info(func: Any) -> dict[str, Any] | None:
+def quant_info(func: Any) -> dict[str, Any] | None:
+    """The ``perfx.quant`` attribute the quantization passes put on a function, parsed; else None."""
     attrs = func.attrs
     if attrs is None or QUANT_ATTR not in attrs:
         return None
     try:
         info = json.loads(str(attrs[QUANT_ATTR]))
     except ValueError:
+        return None
+    return info
+
+
+def _info(func: Any) -> dict[str, Any] | None:
+    info = quant_info(func)
+    if info is None:
         return None
     # the VNNI layout (int8 activations) is gemv_qvnni_cpu's
     return info if info.get("bits") == 4 and info.get("layout") is None else None

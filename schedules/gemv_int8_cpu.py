@@ -12,7 +12,6 @@ the ``q8`` scheme and GGUF Q8_0 passthrough) and the int8 embedding gather.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from perfx_compiler.schedule_template import (
@@ -23,7 +22,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules.gemv_int4_cpu import batch_rows, panel_of, rows_divisor, static_rows_of
+from schedules.gemv_int4_cpu import batch_rows, panel_of, quant_info, rows_divisor, static_rows_of
 
 PRIORITY = 5
 QUANT_ATTR = "perfx.quant"
@@ -31,12 +30,8 @@ GEMV_MAX_ROWS = 8
 
 
 def _info(func: Any) -> dict[str, Any] | None:
-    attrs = func.attrs
-    if attrs is None or QUANT_ATTR not in attrs:
-        return None
-    try:
-        info = json.loads(str(attrs[QUANT_ATTR]))
-    except ValueError:
+    info = quant_info(func)
+    if info is None:
         return None
     # the VNNI layout (int8 activations) is gemv_qvnni_cpu's
     return info if info.get("bits") == 8 and info.get("layout") is None else None

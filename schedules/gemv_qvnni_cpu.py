@@ -18,7 +18,6 @@ pipeline resolves activations to f32 there).
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -32,7 +31,7 @@ from perfx_compiler.schedule_template import (
 )
 from perfx_compiler.targets import TargetDescription
 from schedules import _vnni_kernels as vk
-from schedules.gemv_int4_cpu import _like, panel_of
+from schedules.gemv_int4_cpu import _like, panel_of, quant_info
 
 PRIORITY = 4  # before gemv_int4_cpu / gemv_int8_cpu (which decline this layout anyway)
 QUANT_ATTR = "perfx.quant"
@@ -42,12 +41,8 @@ MAX_REGS = 24  # zmm registers for accumulators and scale vectors (of 32: the re
 
 
 def _info(func: Any) -> dict[str, Any] | None:
-    attrs = func.attrs
-    if attrs is None or QUANT_ATTR not in attrs:
-        return None
-    try:
-        info = json.loads(str(attrs[QUANT_ATTR]))
-    except ValueError:
+    info = quant_info(func)
+    if info is None:
         return None
     return info if info.get("layout") == "vnni" and info.get("bits") in (4, 8) else None
 
