@@ -79,6 +79,7 @@ def test_tiny_gguf_prefill_runs_the_int8_gemm(tmp_path, qtype):
         got = np.asarray(eng.prefill(ids[:n])).reshape(-1)
         diff = np.abs(got - steps[n - 1]) / np.abs(steps[n - 1]).max()
         # GEMM and GEMV sum in different orders (~1e-7 apart); now and then that moves an int8
-        # activation across a rounding step, and the KV cache carries it (one CI run saw 7.7e-3 max).
-        # Typical logits stay at float32 level (median check); the old dequantize path was 1.5e-2 off (max).
-        assert float(np.median(diff)) < 1e-4 and float(diff.max()) < 5e-2, (n, float(np.median(diff)), float(diff.max()))
+        # activation across a rounding step, and the KV cache carries it to every later logit.
+        # CI runs saw 7.7e-3 / 8.7e-3 max with a 1.6e-3 median after such a flip; most draws agree to 1e-6.
+        # A wrong tile, tail or zero point puts whole logits O(1) off, far past these bounds.
+        assert float(np.median(diff)) < 5e-3 and float(diff.max()) < 5e-2, (n, float(np.median(diff)), float(diff.max()))

@@ -43,6 +43,7 @@ class FakeBatchEngine:
         max_batch: int = 16,
         eos_after: int | None = None,
         step_delay: float = 0.0,
+        decode_gate: threading.Event | None = None,
         chat_template: str | None = CHAT_TEMPLATE,
         seed: int = 0,
     ) -> None:
@@ -66,6 +67,7 @@ class FakeBatchEngine:
         self.eos = eos_token_id
         self.eos_after = eos_after  # force EOS after this many generated tokens
         self.step_delay = step_delay
+        self.decode_gate = decode_gate  # decode blocks until the test sets it: timing-free queueing tests
         rng = np.random.default_rng(seed)
         self.table = rng.normal(0.0, 2.0, size=(vocab_size, vocab_size)).astype(np.float32)
         self.mix = rng.normal(0.0, 1.0, size=(997, vocab_size)).astype(np.float32)
@@ -139,6 +141,8 @@ class FakeBatchEngine:
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         with self.lock:
             assert len(seq_ids) == len(token_ids) and len(set(seq_ids)) == len(seq_ids)
+            if self.decode_gate is not None and not self.decode_gate.wait(60):
+                raise TimeoutError("the test never opened the decode gate")
             for sid in seq_ids:
                 self._reserve(sid, 1)
             for sid, t in zip(seq_ids, token_ids, strict=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -187,15 +188,20 @@ def test_disconnect_while_waiting_non_streaming_cancels(serve: Any) -> None:
 def test_pool_exhausted_queues_and_queue_full_is_503(serve: Any) -> None:
     # 10 pages of 4 tokens: a request needs 6 to start (BOS + 20 prompt tokens + 1) and 9 at its end,
     # so one runs at a time and the others wait for pages.
-    srv = serve(engine_kw={"num_pages": 10, "step_delay": 0.02}, max_queue=2, retry_after=3)
+    # Decode is held shut until the 503 is seen, so the first request cannot finish early on a slow machine.
+    gate = threading.Event()
+    srv = serve(engine_kw={"num_pages": 10, "decode_gate": gate}, max_queue=2, retry_after=3)
     body = {"prompt": "abcdefghijklmnopqrst", "max_tokens": 15, "temperature": 0}
     with ThreadPoolExecutor(3) as pool:
-        futs = [pool.submit(httpx.post, f"{srv.url}/v1/completions", json=body, timeout=30) for _ in range(3)]
-        assert wait_for(lambda: metric(srv, "perfx_queue_depth") == 2, 30)  # one runs, two wait for pages
-        assert metric(srv, "perfx_running_sequences") == 1
-        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=10)
-        assert r.status_code == 503 and r.headers["retry-after"] == "3"
-        assert r.json()["error"]["code"] == "queue_full"
+        futs = [pool.submit(httpx.post, f"{srv.url}/v1/completions", json=body, timeout=90) for _ in range(3)]
+        try:
+            assert wait_for(lambda: metric(srv, "perfx_queue_depth") == 2, 60)  # one runs, two wait for pages
+            assert metric(srv, "perfx_running_sequences") == 1
+            r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=10)
+            assert r.status_code == 503 and r.headers["retry-after"] == "3"
+            assert r.json()["error"]["code"] == "queue_full"
+        finally:
+            gate.set()
         results = [f.result() for f in futs]
     assert [x.status_code for x in results] == [200, 200, 200]
     assert len({x.json()["choices"][0]["text"] for x in results}) == 1
