@@ -17,7 +17,6 @@ exact in fp32, so the results equal a bf16 dot product up to fp32 summation orde
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from perfx_compiler.schedule_template import (
@@ -29,20 +28,15 @@ from perfx_compiler.schedule_template import (
     vector_lanes,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules.gemv_int4_cpu import panel_of, static_rows_of
+from schedules.gemv_int4_cpu import panel_of, quant_info, static_rows_of
 
 PRIORITY = 5  # before the float templates
-QUANT_ATTR = "perfx.quant"
 GEMV_MAX_ROWS = 8
 
 
 def _info(func: Any) -> dict[str, Any] | None:
-    attrs = func.attrs
-    if attrs is None or QUANT_ATTR not in attrs:
-        return None
-    try:
-        info = json.loads(str(attrs[QUANT_ATTR]))
-    except ValueError:
+    info = quant_info(func)
+    if info is None:
         return None
     return info if info.get("bits") == 16 and info.get("dtype") in ("f16", "bf16") else None
 
