@@ -25,7 +25,6 @@ from perfx_compiler.targets import TargetDescription
 from schedules.gemv_int4_cpu import batch_rows, panel_of, quant_info, rows_divisor, static_rows_of
 
 PRIORITY = 5
-QUANT_ATTR = "perfx.quant"
 GEMV_MAX_ROWS = 8
 
 
