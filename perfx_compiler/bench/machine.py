@@ -4,8 +4,13 @@ The probes are a small C/OpenMP file compiled at run time with the system C comp
 (``gcc -O3 -fopenmp -march=native``) into a cache directory and called through ctypes:
 numpy's single-threaded reductions reach well under the machine's read bandwidth.
 
-* ``read_bandwidth(threads)``: GB/s of a multi-threaded sum over a 1 GiB float array
-  (AVX-512/AVX2 loads through the compiler's vectorizer, 8 independent accumulators).
+* ``read_bandwidth(threads)`` / ``BandwidthProbe``: GB/s of a multi-threaded sequential sum over a
+  1 GiB float array (32x the 32 MiB L3 here, so every pass streams from DRAM; AVX-512/AVX2 loads
+  through the compiler's vectorizer, 8 independent accumulators; static split, one contiguous
+  half per thread, as the engines' GEMVs split rows). Best of ``reps`` passes: the ceiling is the
+  fastest the machine read in that window. The buffer is advised to transparent huge pages so the
+  ceiling is not lowered by TLB misses the engines might avoid. ``BandwidthProbe`` keeps the buffer
+  between measurements so a probe next to every benchmark turn costs ~0.1 s, not a 1 GiB first touch.
 * ``pingpong_ns()``: one-way latency of a cache line bouncing between two threads pinned to
   CPUs 0 and 1. On the shared 2-vCPU machines it tells the two placements apart: "shared"
   (same L3, ~50-70 ns) vs "split" (~110-400 ns). See /work/shared/notes/peers.md.
@@ -37,6 +42,7 @@ _C_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <omp.h>
 
@@ -46,9 +52,12 @@ static double now(void) {
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-float *px_alloc(size_t n) {
+float *px_alloc(size_t n, int huge) {
     float *p = NULL;
-    if (posix_memalign((void **)&p, 4096, n * sizeof(float))) return NULL;
+    if (posix_memalign((void **)&p, 2u << 20, n * sizeof(float))) return NULL;
+#ifdef MADV_HUGEPAGE
+    if (huge) madvise(p, n * sizeof(float), MADV_HUGEPAGE);  /* best effort: THP may be off */
+#endif
     #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++) p[i] = (float)(i & 1023) * 1e-3f;  /* first touch by the readers */
     return p;
@@ -163,7 +172,7 @@ def load_probe_library() -> ctypes.CDLL:
             shutil.move(str(tmp_so), str(out))
     lib = ctypes.CDLL(str(out))
     lib.px_alloc.restype = ctypes.c_void_p
-    lib.px_alloc.argtypes = [ctypes.c_size_t]
+    lib.px_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int]
     lib.px_free.argtypes = [ctypes.c_void_p]
     lib.px_read.restype = ctypes.c_double
     lib.px_read.argtypes = [
@@ -179,19 +188,44 @@ def load_probe_library() -> ctypes.CDLL:
     return lib
 
 
+class BandwidthProbe:
+    """A read-bandwidth probe that keeps its buffer: ``measure()`` next to every benchmark turn.
+
+    ``threads`` should be the engines' thread count; ``size_bytes`` >> the last-level cache.
+    """
+
+    def __init__(self, threads: int = 2, size_bytes: int = 1 << 30, huge: bool = True):
+        self.lib = load_probe_library()
+        self.threads = int(threads)
+        self.n = size_bytes // 4 // 128 * 128
+        self._ptr = self.lib.px_alloc(self.n, int(huge))
+        if not self._ptr:
+            raise MemoryError(f"cannot allocate {size_bytes} bytes for the bandwidth probe")
+
+    def measure(self, reps: int = 3, threads: int | None = None) -> float:
+        """GB/s (10^9 bytes/s) of the fastest of ``reps`` full reads of the buffer."""
+        if not self._ptr:
+            raise RuntimeError("the bandwidth probe was closed")
+        sink = ctypes.c_double(0.0)
+        secs = self.lib.px_read(self._ptr, self.n, int(threads or self.threads), int(reps), ctypes.byref(sink))
+        return self.n * 4 / secs / 1e9
+
+    def close(self) -> None:
+        if self._ptr:
+            self.lib.px_free(self._ptr)
+            self._ptr = None
+
+    def __enter__(self) -> BandwidthProbe:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def read_bandwidth(threads: int = 2, size_bytes: int = 1 << 30, reps: int = 5) -> float:
     """Read bandwidth in GB/s (10^9 bytes/s): best of ``reps`` full reads of a ``size_bytes`` array."""
-    lib = load_probe_library()
-    n = size_bytes // 4 // 128 * 128
-    ptr = lib.px_alloc(n)
-    if not ptr:
-        raise MemoryError(f"cannot allocate {size_bytes} bytes for the bandwidth probe")
-    try:
-        sink = ctypes.c_double(0.0)
-        secs = lib.px_read(ptr, n, int(threads), int(reps), ctypes.byref(sink))
-    finally:
-        lib.px_free(ptr)
-    return n * 4 / secs / 1e9
+    with BandwidthProbe(threads, size_bytes) as probe:
+        return probe.measure(reps)
 
 
 def pingpong_ns(rounds: int = 20000, repeats: int = 5, settle_s: float = 0.0) -> float:
@@ -247,8 +281,9 @@ class MachineInfo:
 def probe_machine(threads: int = 2, size_bytes: int = 1 << 30) -> MachineInfo:
     """Bandwidth (1 and ``threads`` threads) and placement, measured now."""
     ns = pingpong_ns()
-    bw1 = read_bandwidth(1, size_bytes)
-    bw = read_bandwidth(threads, size_bytes) if threads != 1 else bw1
+    with BandwidthProbe(threads, size_bytes) as probe:
+        bw1 = probe.measure(5, threads=1)
+        bw = probe.measure(5) if threads != 1 else bw1
     return MachineInfo(cpu_model(), os.cpu_count() or 1, bw1, bw, threads, ns)
 
 

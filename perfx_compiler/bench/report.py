@@ -21,6 +21,9 @@ ROUND_COLUMNS = [
     "pingpong_ns",
     "placement",
     "round_bw_gbs",
+    "bw_before_gbs",
+    "bw_after_gbs",
+    "bw_fraction",
     "other_cpu",
     "redone",
     "disturbed",
@@ -41,6 +44,12 @@ SUMMARY_COLUMNS = [
     "achieved_gbs",
     "bw_ceiling_gbs",
     "bw_fraction",
+    "bw_fraction_min",
+    "bw_fraction_max",
+    "bw_fraction_pooled",
+    "bw_probe_min_gbs",
+    "bw_probe_max_gbs",
+    "bw_probe_turn_change",
     "perfx_decode_ratio",
     "perfx_prefill128_ratio",
     "perfx_prefill512_ratio",
@@ -77,7 +86,7 @@ def summarize(
     for r in rounds:
         by_engine.setdefault(r["engine"], []).append(r)
     perfx = {r["round"]: r for r in by_engine.get("perfx", [])}
-    bw_ceiling = _median([r["round_bw_gbs"] for r in rounds])
+    bw_all = _median([r["round_bw_gbs"] for r in rounds])
     out = []
     for name, rows in by_engine.items():
         meta = engines.get(name, {})
@@ -91,7 +100,8 @@ def summarize(
             "rounds": len(rows),
             "ttft_ms": round(_median([r["ttft_ms"] for r in rows]), 2),
             "peak_rss_mb": round(meta.get("peak_rss_mb", float("nan")), 0),
-            "bw_ceiling_gbs": round(bw_ceiling, 2),
+            # the probes that bracketed this engine's own decodes (median of the per-turn means)
+            "bw_ceiling_gbs": round(_median([r["round_bw_gbs"] for r in rows]), 2),
             "threads": threads,
             "cpu": machine.get("cpu", ""),
             "cores": machine.get("cores", ""),
@@ -106,9 +116,7 @@ def summarize(
         for m in METRICS:
             row[m] = round(_median([r[m] for r in rows]), 2)
         row["achieved_gbs"] = round(_median([r["achieved_gbs"] for r in rows]), 2)
-        row["bw_fraction"] = (
-            round(row["achieved_gbs"] / bw_ceiling, 3) if bw_ceiling == bw_ceiling and bw_ceiling else ""
-        )
+        row.update(_bw_fraction(rows, row["achieved_gbs"], bw_all))
         for m, col in zip(
             METRICS, ("perfx_decode_ratio", "perfx_prefill128_ratio", "perfx_prefill512_ratio"), strict=True
         ):
@@ -126,6 +134,35 @@ def summarize(
         out.append(row)
     order = {"perfx": 0, "llama.cpp": 1, "ort-genai": 2, "ort": 3}
     return sorted(out, key=lambda r: order.get(r["engine"], 9))
+
+
+def _bw_fraction(rows: Sequence[dict[str, Any]], achieved: float, bw_all: float) -> dict[str, Any]:
+    """Weights streamed as a fraction of the read-bandwidth probe, and the probe's own spread.
+
+    ``bw_fraction``: median over turns of achieved / that turn's probe (mean of the probes just
+    before and after its decode), so a turn is only compared with the machine state around it.
+    ``bw_fraction_pooled``: median achieved over the median of every probe in the run (the
+    unpaired figure, for comparison). ``bw_probe_turn_change``: median |after - before| / mean,
+    how much the ceiling moved during one decode.
+    """
+    pairs = [r["bw_fraction"] for r in rows if r.get("bw_fraction") == r.get("bw_fraction") and r.get("bw_fraction")]
+    if not pairs:  # rounds without a bracket (probe off): ratio of medians
+        pairs = [r["achieved_gbs"] / r["round_bw_gbs"] for r in rows if r.get("round_bw_gbs")]
+    probes = [v for r in rows for v in (r.get("bw_before_gbs"), r.get("bw_after_gbs")) if v is not None and v == v]
+    moves = [
+        abs(r["bw_after_gbs"] - r["bw_before_gbs"]) / r["round_bw_gbs"]
+        for r in rows
+        if r.get("round_bw_gbs") and r.get("bw_after_gbs") == r.get("bw_after_gbs") and "bw_before_gbs" in r
+    ]
+    return {
+        "bw_fraction": round(_median(pairs), 3) if pairs else "",
+        "bw_fraction_min": round(min(pairs), 3) if pairs else "",
+        "bw_fraction_max": round(max(pairs), 3) if pairs else "",
+        "bw_fraction_pooled": round(achieved / bw_all, 3) if bw_all == bw_all and bw_all else "",
+        "bw_probe_min_gbs": round(min(probes), 2) if probes else "",
+        "bw_probe_max_gbs": round(max(probes), 2) if probes else "",
+        "bw_probe_turn_change": round(_median(moves), 3) if moves else "",
+    }
 
 
 def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> Path:
@@ -185,11 +222,21 @@ def plot_summary(summary: Sequence[dict[str, Any]], path: str | Path, title: str
 def print_summary(summary: Sequence[dict[str, Any]]) -> None:
     print(
         f"\n{'engine':<10} {'quant':<22} {'decode':>8} {'pf128':>8} {'pf512':>8} {'ttft ms':>8} {'RSS MB':>7} "
-        f"{'GB/s':>6} {'ceil':>6} {'perfx/x':>8} placements"
+        f"{'GB/s':>6} {'ceil':>6} {'%ceil':>6} {'perfx/x':>8} placements"
     )
     for r in summary:
         print(
             f"{r['engine']:<10} {str(r['quantization'])[:22]:<22} {r['decode_tok_s']:>8} {r['prefill128_tok_s']:>8} "
             f"{r['prefill512_tok_s']:>8} {r['ttft_ms']:>8} {r['peak_rss_mb']:>7} {r['achieved_gbs']:>6} "
-            f"{r['bw_ceiling_gbs']:>6} {r['perfx_decode_ratio']!s:>8} {r['placements']}"
+            f"{r['bw_ceiling_gbs']:>6} {_pct(r['bw_fraction']):>6} {r['perfx_decode_ratio']!s:>8} {r['placements']}"
         )
+    print(
+        "%ceil: median over turns of decode weight GB/s / the read-bandwidth probe bracketing that decode; "
+        "probe range per engine: " + ", ".join(
+            f"{r['engine']} {r['bw_probe_min_gbs']}-{r['bw_probe_max_gbs']} GB/s" for r in summary
+        )
+    )
+
+
+def _pct(v: Any) -> str:
+    return f"{100 * float(v):.0f}%" if v not in ("", None) else "n/a"

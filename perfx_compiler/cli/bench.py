@@ -6,9 +6,14 @@
 Each engine runs in its own worker process (``perfx_compiler.bench.worker``). Every round
 measures every engine once (order reversed on odd rounds): decode (``--decode-tokens`` greedy
 tokens after a ``--prompt-tokens`` prompt, EOS ignored), time to first token of that prompt, and
-prefill of 128 and 512 tokens. Before each engine's turn the placement probe (ping-pong) runs;
-each round starts with the read-bandwidth probe. A measurement during which other processes
-used more than ``--busy`` CPUs is redone (``--max-redo`` times, then kept and flagged).
+prefill of 128 and 512 tokens. Before each engine's turn the placement probe (ping-pong) runs.
+The read-bandwidth probe (same thread count, a buffer far larger than the LLC) brackets every
+engine's decode: once just before it and once just after it (after a settle pause, so neither
+the probe's nor the engine's spinning pool threads overlap the other), and that turn's ceiling is
+the mean of the two. On a shared VM the probe moves 2x between minutes; pairing each decode with
+its own bracket is what makes "weights streamed / ceiling" comparable between turns. A
+measurement during which other processes used more than ``--busy`` CPUs is redone
+(``--max-redo`` times, then kept and flagged).
 
 Writes ``bench_<model>.csv`` (medians, PerfX/peer ratios taken round by round), ``_rounds.csv``,
 ``_machine.json`` and ``bench_<model>.png``; with ``--profile`` also ``profile_<model>.csv`` and
@@ -148,14 +153,35 @@ def _prepare(
     return paths, meta
 
 
+PROBE_SETTLE_S = 0.3  # idle time before a probe: the engine's pool threads stop spinning
+
+
 def _measure(
-    w: Worker, prompt: list[int], n_decode: int, prefill_ids: dict[int, list[int]], weight_bytes: int
+    w: Worker,
+    prompt: list[int],
+    n_decode: int,
+    prefill_ids: dict[int, list[int]],
+    weight_bytes: int,
+    probe: Any = None,
 ) -> dict[str, Any]:
+    """One turn of one engine: decode (bracketed by bandwidth probes when ``probe`` is given), prefills."""
+    bw_before = probe.measure(3) if probe is not None else float("nan")
+    if probe is not None:
+        time.sleep(0.05)  # the probe's OpenMP threads spin a little after their last pass
     d = w.ask("decode", prompt=prompt, n=n_decode)
+    if probe is not None:
+        time.sleep(PROBE_SETTLE_S)
+    bw_after = probe.measure(3) if probe is not None else float("nan")
+    achieved = weight_bytes * n_decode / d["decode_s"] / 1e9
+    ceiling = (bw_before + bw_after) / 2
     row: dict[str, Any] = {
         "decode_tok_s": n_decode / d["decode_s"],
         "ttft_ms": d["ttft_s"] * 1e3,
-        "achieved_gbs": weight_bytes * n_decode / d["decode_s"] / 1e9,
+        "achieved_gbs": achieved,
+        "bw_before_gbs": round(bw_before, 2),
+        "bw_after_gbs": round(bw_after, 2),
+        "round_bw_gbs": round(ceiling, 2),
+        "bw_fraction": round(achieved / ceiling, 4) if ceiling > 0 else float("nan"),
     }
     for n in PREFILL_LENS:
         ids = prefill_ids.get(n)
@@ -191,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     paths, meta = _prepare(args, gguf, work, peers)
 
     workers: dict[str, Worker] = {}
+    probes: list[Any] = []
     try:
         for eng, path in paths.items():
             opts: dict[str, Any] = {}
@@ -228,15 +255,16 @@ def run(args: argparse.Namespace) -> int:
                 w.ask("prefill", ids=prefill_ids[prefill_lens[0]])
         rounds: list[dict[str, Any]] = []
         names = list(workers)
+        probe = mach.BandwidthProbe(args.threads, size)  # one buffer for all the probes of the run
+        probes.append(probe)
         for r in range(args.rounds):
-            bw = mach.read_bandwidth(args.threads, size, reps=3)
             order = names if r % 2 == 0 else names[::-1]
             for eng in order:
                 w = workers[eng]
                 for redone in range(args.max_redo + 1):  # noqa: B007 (kept: how many redos it took)
                     ns = mach.pingpong_ns(settle_s=0.3)
                     watch = mach.CpuWatch(pids).start()
-                    row = _measure(w, prompt, args.decode_tokens, prefill_ids, meta[eng]["weight_bytes"])
+                    row = _measure(w, prompt, args.decode_tokens, prefill_ids, meta[eng]["weight_bytes"], probe)
                     other = watch.stop()
                     if other <= args.busy:
                         break
@@ -247,7 +275,6 @@ def run(args: argparse.Namespace) -> int:
                     round=r,
                     pingpong_ns=round(ns, 1),
                     placement=mach.placement(ns),
-                    round_bw_gbs=round(bw, 2),
                     other_cpu=round(other, 3),
                     redone=redone,
                     disturbed=other > args.busy,
@@ -257,9 +284,11 @@ def run(args: argparse.Namespace) -> int:
                 print(
                     f"  round {r} {eng:<10} decode {row['decode_tok_s']:7.1f} tok/s  prefill "
                     + " ".join(f"{row.get(f'prefill{n}_tok_s', 0):7.1f}" for n in prefill_lens)
-                    + f"  ttft {row['ttft_ms']:6.1f} ms  {row['achieved_gbs']:5.1f} GB/s  bw {bw:5.1f}  "
+                    + f"  ttft {row['ttft_ms']:6.1f} ms  {row['achieved_gbs']:5.1f} GB/s  bw {row['bw_before_gbs']:5.1f}"
+                    f"/{row['bw_after_gbs']:5.1f} ({100 * row['bw_fraction']:3.0f}%)  "
                     f"pp {ns:5.0f} ns ({row['placement']}) other {other:.2f}"
                 )
+        probe.close()  # free the 1 GiB before the profile
         profiles = None
         if args.profile:
             print(f"{PROG}: profiling PerfX kernels ...")
@@ -269,6 +298,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for w in workers.values():
             w.close()
+        for pr in probes:
+            pr.close()
 
     m1 = mach.probe_machine(args.threads, size)
     machine = {
@@ -281,6 +312,9 @@ def run(args: argparse.Namespace) -> int:
         "pingpong_start_ns": m0.pingpong_ns,
         "pingpong_end_ns": m1.pingpong_ns,
         "bw_rounds_gbs": [r["round_bw_gbs"] for r in rounds],
+        "bw_probes_gbs": [[r["bw_before_gbs"], r["bw_after_gbs"]] for r in rounds],
+        "bw_probe_note": "per turn: best of 3 passes over the buffer just before and just after the decode; "
+        "the turn's ceiling is their mean; bw_fraction = median over turns of achieved / that ceiling",
         "line": m0.line(),
         "model_file": str(gguf),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

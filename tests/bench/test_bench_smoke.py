@@ -6,6 +6,8 @@ import csv
 import json
 import math
 
+import pytest
+
 from perfx_compiler.bench.machine import pingpong_ns, placement, read_bandwidth
 from perfx_compiler.bench.report import ROUND_COLUMNS, SUMMARY_COLUMNS
 from perfx_compiler.cli.bench import main
@@ -61,5 +63,10 @@ def test_bench_cli_writes_csv(tmp_path):
     assert rows[0]["quantization"]
     rounds = list(csv.DictReader(open(out / "bench_tiny_rounds.csv")))
     assert len(rounds) == 1 and list(rounds[0]) == ROUND_COLUMNS
+    # the decode is bracketed by two probes; its ratio is taken against their mean
+    r0 = rounds[0]
+    assert float(r0["bw_before_gbs"]) > 0 and float(r0["bw_after_gbs"]) > 0
+    ceiling = (float(r0["bw_before_gbs"]) + float(r0["bw_after_gbs"])) / 2
+    assert float(r0["bw_fraction"]) == pytest.approx(float(r0["achieved_gbs"]) / ceiling, rel=2e-2)
     machine = json.loads((out / "bench_tiny_machine.json").read_text())
     assert machine["bw_start_gbs"] > 1.0 and machine["cores"] >= 1
