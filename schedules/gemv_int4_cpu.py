@@ -373,6 +373,8 @@ class GemvInt4CPU(ScheduleTemplate):
         )
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
+        if workload.info.get("kind") == "take":
+            return {}  # the gather (_take) has no knob: apply ignores tasks, nothing to tune
         N = workload.dims["N"]
         return {"tasks": [t for t in (2, 4, 8, 16, 32, 64) if N % t == 0]}
 
