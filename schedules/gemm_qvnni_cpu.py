@@ -152,6 +152,28 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                     elif asym:
                         ZP[(g * nr + t) * 16 + c] = T.Cast("int32", Z[n0 + t * 16 + c, g])
 
+    def lane(i: int, t: int) -> int:  # accumulator (row i, column tile t) of a register tile
+        return (i * nr + t) * 16
+
+    def at(mt: Any, i: int, M: Any, g: Any) -> Any:  # (row, group) index of DX / SQ; rows past M repeat the last
+        return T.min(mt * mr + i, M - 1) * NG + g
+
+    @T.macro
+    def dots(ia, XQ32, PKB, M, mt, wbase, g, n):
+        # n panel steps of group g: per step, nr x (2 for int4) weight vectors times mr broadcast dwords
+        for s in T.unroll(n):
+            for t in T.unroll(nr):
+                for h in T.unroll(2 if pair else 1):
+                    for i in T.unroll(mr):
+                        ia[T.Ramp(lane(i, t), 1, 16)] = vdot(
+                            ia.vload([lane(i, t)], "int32x16"),
+                            T.shift_right(
+                                T.reinterpret("uint8x64", PKB.vload(
+                                    [wbase + (g * (G // KS) + s) * nr * 16 + t * 16], "uint32x16")),
+                                T.Broadcast(T.uint8(4 * h), 64)) & T.Broadcast(T.uint8(15 if pair else 255), 64),
+                            T.reinterpret("int8x64", T.Broadcast(
+                                XQ32[T.min(mt * mr + i, M - 1) * (KP // 4) + (g * G + s * KS) // 4 + h], 16)))
+
     @T.macro
     def tiles(XQ32, DX, SQ, PKB, SPB, ZPB, Y, MM, M, n0, wbase, sbase):
         # 3. mr x nr register tiles over the block's panel: word (s, t, c) at wbase + (s nr + t) 16 + c,
@@ -162,126 +184,86 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
             for j in T.unroll(mr * nr):
                 acc[T.Ramp(j * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
             for g in T.serial(NG):
+                # the format's offset term: -8 / -128 sum(q) (Q4_0, int8), -z sum(q) (asym int4), none (Q4_1)
                 for i in T.unroll(mr):
                     for t in T.unroll(nr):
                         if offset:
-                            ia[T.Ramp((i * nr + t) * 16, 1, 16)] = T.Broadcast(T.int32(0), 16)
+                            ia[T.Ramp(lane(i, t), 1, 16)] = T.Broadcast(T.int32(0), 16)
                         elif asym:
-                            ia[T.Ramp((i * nr + t) * 16, 1, 16)] = T.Broadcast(T.int32(0), 16) - ZPB.vload(
-                                [sbase + g * nr * 16 + t * 16], "int32x16") * T.Broadcast(
-                                SQ[T.min(mt * mr + i, M - 1) * NG + g], 16)
+                            ia[T.Ramp(lane(i, t), 1, 16)] = T.Broadcast(T.int32(0), 16) - ZPB.vload(
+                                [sbase + g * nr * 16 + t * 16], "int32x16") * T.Broadcast(SQ[at(mt, i, M, g)], 16)
                         else:
-                            ia[T.Ramp((i * nr + t) * 16, 1, 16)] = T.Broadcast(
-                                SQ[T.min(mt * mr + i, M - 1) * NG + g] * T.int32(-zconst), 16)
+                            ia[T.Ramp(lane(i, t), 1, 16)] = T.Broadcast(SQ[at(mt, i, M, g)] * T.int32(-zconst), 16)
                 if g * G + G <= KP:
-                    for s in T.unroll(G // KS):
-                        for t in T.unroll(nr):
-                            for h in T.unroll(2 if pair else 1):
-                                for i in T.unroll(mr):
-                                    ia[T.Ramp((i * nr + t) * 16, 1, 16)] = vdot(
-                                        ia.vload([(i * nr + t) * 16], "int32x16"),
-                                        T.shift_right(
-                                            T.reinterpret("uint8x64", PKB.vload(
-                                                [wbase + (g * (G // KS) + s) * nr * 16 + t * 16], "uint32x16")),
-                                            T.Broadcast(T.uint8(4 * h), 64)) & T.Broadcast(
-                                            T.uint8(15 if pair else 255), 64),
-                                        T.reinterpret("int8x64", T.Broadcast(
-                                            XQ32[T.min(mt * mr + i, M - 1) * (KP // 4) + (g * G + s * KS) // 4 + h],
-                                            16)))
+                    dots(ia, XQ32, PKB, M, mt, wbase, g, G // KS)
                 else:
-                    for s in T.unroll(steps(NG - 1)):
-                        for t in T.unroll(nr):
-                            for h in T.unroll(2 if pair else 1):
-                                for i in T.unroll(mr):
-                                    ia[T.Ramp((i * nr + t) * 16, 1, 16)] = vdot(
-                                        ia.vload([(i * nr + t) * 16], "int32x16"),
-                                        T.shift_right(
-                                            T.reinterpret("uint8x64", PKB.vload(
-                                                [wbase + ((NG - 1) * (G // KS) + s) * nr * 16 + t * 16], "uint32x16")),
-                                            T.Broadcast(T.uint8(4 * h), 64)) & T.Broadcast(
-                                            T.uint8(15 if pair else 255), 64),
-                                        T.reinterpret("int8x64", T.Broadcast(
-                                            XQ32[T.min(mt * mr + i, M - 1) * (KP // 4) + ((NG - 1) * G + s * KS) // 4 + h],
-                                            16)))
+                    dots(ia, XQ32, PKB, M, mt, wbase, NG - 1, steps(NG - 1))
                 for i in T.unroll(mr):
                     for t in T.unroll(nr):
-                        acc[T.Ramp((i * nr + t) * 16, 1, 16)] = acc.vload([(i * nr + t) * 16], "float32x16") + T.Cast(
-                            "float32x16", ia.vload([(i * nr + t) * 16], "int32x16")) * (
+                        acc[T.Ramp(lane(i, t), 1, 16)] = acc.vload([lane(i, t)], "float32x16") + T.Cast(
+                            "float32x16", ia.vload([lane(i, t)], "int32x16")) * (
                             SPB.vload([sbase + g * nr * 16 + t * 16], "float32x16")
-                            * T.Broadcast(DX[T.min(mt * mr + i, M - 1) * NG + g], 16))
-                        if offset:
-                            acc[T.Ramp((i * nr + t) * 16, 1, 16)] = acc.vload(
-                                [(i * nr + t) * 16], "float32x16") + T.reinterpret(
+                            * T.Broadcast(DX[at(mt, i, M, g)], 16))
+                        if offset:  # Q4_1: + min * dx * sum(q)
+                            acc[T.Ramp(lane(i, t), 1, 16)] = acc.vload([lane(i, t)], "float32x16") + T.reinterpret(
                                 "float32x16", ZPB.vload([sbase + g * nr * 16 + t * 16], "int32x16")) * T.Broadcast(
-                                DX[T.min(mt * mr + i, M - 1) * NG + g]
-                                * T.Cast("float32", SQ[T.min(mt * mr + i, M - 1) * NG + g]), 16)
+                                DX[at(mt, i, M, g)] * T.Cast("float32", SQ[at(mt, i, M, g)]), 16)
             for i in T.unroll(mr):
                 for t in T.unroll(nr):
                     Y[T.min(mt * mr + i, M - 1) // MM, T.min(mt * mr + i, M - 1) % MM,
-                      T.Ramp(n0 + t * 16, 1, 16)] = acc.vload([(i * nr + t) * 16], "float32x16")
+                      T.Ramp(n0 + t * 16, 1, 16)] = acc.vload([lane(i, t)], "float32x16")
 
     @T.macro
-    def body(X, Q, Sc, Z, Y, B, MM):
+    def body(X, W, Sc, Z, Y, B, MM):
         XQ = T.decl_buffer((B * MM * KP,), "int8")
         XQ32 = T.decl_buffer((B * MM * (KP // 4),), "int32", data=XQ.data)
         DX = T.decl_buffer((B * MM * NG,), "float32")
         SQ = T.decl_buffer((B * MM * NG,), "int32")
         quantize(X, XQ, DX, SQ, MM, B * MM)
-        Q32 = T.decl_buffer((QW, KP // 4), "uint32", data=Q.data)
-        for tk in T.parallel(tasks):
-            PK = T.decl_buffer((S * nr * 16,), "uint32")
-            SP = T.decl_buffer((NG * nr * 16,), "float32")
-            ZP = T.decl_buffer((NG * nr * 16,), "int32")
-            for bb in T.serial(BPT):
-                if tk * BPT + bb < NB:
-                    repack(Q32, Sc, Z, PK, SP, ZP, T.min((tk * BPT + bb) * nr, NT - nr) * 16)
-                    tiles(XQ32, DX, SQ, PK, SP, ZP, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16, 0, 0)
+        if prepacked:
+            # W, Sc, Z: panels [NB, S, nr, 16] words and scales [NB, NG, nr, 16] (``prepack``)
+            for tk in T.parallel(tasks):
+                for bb in T.serial(BPT):
+                    if tk * BPT + bb < NB:
+                        tiles(XQ32, DX, SQ, W, Sc, Z, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
+                              (tk * BPT + bb) * (S * nr * 16), (tk * BPT + bb) * (NG * nr * 16))
+        else:
+            Q32 = T.decl_buffer((QW, KP // 4), "uint32", data=W.data)
+            for tk in T.parallel(tasks):
+                PK = T.decl_buffer((S * nr * 16,), "uint32")
+                SP = T.decl_buffer((NG * nr * 16,), "float32")
+                ZP = T.decl_buffer((NG * nr * 16,), "int32")
+                for bb in T.serial(BPT):
+                    if tk * BPT + bb < NB:
+                        repack(Q32, Sc, Z, PK, SP, ZP, T.min((tk * BPT + bb) * nr, NT - nr) * 16)
+                        tiles(XQ32, DX, SQ, PK, SP, ZP, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
+                              0, 0)
 
-    @T.macro
-    def body_pre(X, P, SPg, ZPg, Y, B, MM):
-        XQ = T.decl_buffer((B * MM * KP,), "int8")
-        XQ32 = T.decl_buffer((B * MM * (KP // 4),), "int32", data=XQ.data)
-        DX = T.decl_buffer((B * MM * NG,), "float32")
-        SQ = T.decl_buffer((B * MM * NG,), "int32")
-        quantize(X, XQ, DX, SQ, MM, B * MM)
-        # panels [NB, S, nr, 16] words and scales [NB, NG, nr, 16] (``prepack``)
-        for tk in T.parallel(tasks):
-            for bb in T.serial(BPT):
-                if tk * BPT + bb < NB:
-                    tiles(XQ32, DX, SQ, P, SPg, ZPg, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
-                          (tk * BPT + bb) * (S * nr * 16), (tk * BPT + bb) * (NG * nr * 16))
-
-    if prepacked:
+    if prepacked or pair:
+        # (x, weights, scales, zero|min, y): the row layout's arrays, or ``prepack``'s panels
+        i64 = T.int64
+        if prepacked:
+            W_SHAPE, W_DT = (i64(NB * S * nr * 16),), "uint32"
+            S_SHAPE, S_DT = (i64(NB * NG * nr * 16),), "float32"
+            Z_SHAPE, Z_DT = S_SHAPE, "int32"
+        else:
+            W_SHAPE, W_DT = (i64(QW), i64(KP)), "uint8"
+            S_SHAPE, S_DT = (i64(N2), i64(NGP)), "float16"
+            Z_SHAPE, Z_DT = S_SHAPE, ZT
 
         @T.prim_func(private=True)
-        def qv_gemm_pre(x_h: T.handle, p_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+        def qv_gemm(x_h: T.handle, w_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             B = T.int64()
             MM = T.int64()
             X = T.match_buffer(x_h, (B, MM, T.int64(K)), "float32")
-            P = T.match_buffer(p_h, (T.int64(NB * S * nr * 16),), "uint32")
-            SPg = T.match_buffer(s_h, (T.int64(NB * NG * nr * 16),), "float32")
-            ZPg = T.match_buffer(z_h, (T.int64(NB * NG * nr * 16),), "int32")
+            W = T.match_buffer(w_h, W_SHAPE, W_DT)
+            Sc = T.match_buffer(s_h, S_SHAPE, S_DT)
+            Z = T.match_buffer(z_h, Z_SHAPE, Z_DT)
             Y = T.match_buffer(y_h, (B, MM, T.int64(N)), "float32")
-            body_pre(X, P, SPg, ZPg, Y, B, MM)
+            body(X, W, Sc, Z, Y, B, MM)
 
-        return qv_gemm_pre
-
-    if pair:
-
-        @T.prim_func(private=True)
-        def qv_gemm4(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            B = T.int64()
-            MM = T.int64()
-            X = T.match_buffer(x_h, (B, MM, T.int64(K)), "float32")
-            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
-            Y = T.match_buffer(y_h, (B, MM, T.int64(N)), "float32")
-            body(X, Q, Sc, Z, Y, B, MM)
-
-        return qv_gemm4
+        return qv_gemm
 
     @T.prim_func(private=True)
     def qv_gemm8(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
