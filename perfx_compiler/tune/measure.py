@@ -4,7 +4,8 @@ Builds run in a process pool (each candidate: apply template -> tvm.compile -> e
 timeout, so a pathological configuration cannot hang or crash the tuner. Timing runs in this
 process, one candidate at a time, with ``time_evaluator``. Every candidate is checked against the
 unscheduled function (TVM's default lowering is the reference semantics) on random inputs at a
-small M, including an M tail, before it is timed.
+small M, including an M tail, before it is timed. Decode GEMVs are timed with cold caches and
+physically impossible times are recorded as errors (``tune/traffic.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.targets import TargetDescription
+from perfx_compiler.tune.traffic import KernelTraffic, implausible, kernel_traffic
 
 log = logging.getLogger(__name__)
 VERIFY_M = 7  # odd on purpose: exercises the M tail of every tiled schedule
@@ -203,25 +205,40 @@ def max_rel_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     return err
 
 
-def time_module(rt: Any, func: Any, m_value: int, number: int = 0, repeat: int = 5, min_ms: int = 20) -> tuple[float, float]:
+FLUSH_PREPROC = "cache_flush_cpu_non_first_arg"  # TVM builtin: clflush every argument but the first
+
+
+def time_module(
+    rt: Any, func: Any, m_value: int, number: int = 0, repeat: int = 5, min_ms: int = 20, cold: bool = False
+) -> tuple[float, float]:
     """(fastest single call, std of the calls) in seconds at M = m_value.
 
     Single calls, not means over batches of calls: on a shared 2-core machine a mean includes
     preemptions, and those hit a 2-thread kernel (the whole call waits for its slower thread)
     far more than a 1-thread one, so min-of-means systematically picked serial schedules. The
     number of calls is ``repeat`` rounds of about ``min_ms`` each (at least ``repeat``, at most 400).
-    ``number`` > 1 keeps the old batched statistic for callers that ask for it."""
+    ``number`` > 1 keeps the old batched statistic for callers that ask for it.
+
+    ``cold`` (decode GEMVs, see ``tune/traffic.py``): before every call, every argument but the
+    first (x) is flushed from the caches, so the weights come from DRAM as they do in the model.
+    The flush is time_evaluator's ``f_preproc``, which runs outside the timed region (TVM's
+    WrapTimeEvaluator starts its timer after it); it costs ~1.2 ms per 30 MB (the lm-head
+    weight), ~20 us for a 0.2 MB one, so a cold candidate adds at most ~0.5 s of wall time.
+    Rotating copies of the weights would evict just as well but need more than the LLC in copies
+    per workload and a Python loop per call (microseconds of dispatch on a 3 us kernel)."""
     import tvm
 
     dev = tvm.cpu()
     tensors = [_to_arg(a, dev) for a in random_inputs(func, m_value, seed=1)]
-    if number > 1:
+    preproc = FLUSH_PREPROC if cold else ""
+    if number > 1:  # batched means: a flush per repeat would only reach the first call of each
         res = rt.time_evaluator("main", dev, number=number, repeat=repeat, min_repeat_ms=min_ms)(*tensors)
         samples = np.asarray(res.results, dtype=np.float64)
         return float(samples.min()), float(samples.std())
-    first = min(rt.time_evaluator("main", dev, number=1, repeat=2)(*tensors).results)
+    first = min(rt.time_evaluator("main", dev, number=1, repeat=2, f_preproc=preproc)(*tensors).results)
     calls = int(min(400, max(repeat, repeat * min_ms * 1e-3 / max(float(first), 1e-7))))
-    samples = np.asarray(rt.time_evaluator("main", dev, number=1, repeat=calls)(*tensors).results, dtype=np.float64)
+    samples = np.asarray(rt.time_evaluator("main", dev, number=1, repeat=calls, f_preproc=preproc)(*tensors).results,
+                         dtype=np.float64)
     # min is robust to the other tenants of a shared machine; std shows the noise.
     return float(samples.min()), float(samples.std())
 
@@ -282,6 +299,7 @@ class LocalMeasurer:
         self.min_repeat_ms = min_repeat_ms
         self.tolerance = tolerance
         self._refs: dict[str, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+        self._traffics: dict[str, KernelTraffic | None] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="perfx-measure-")
         self._executor: cf.ProcessPoolExecutor | None = None
         self.threads = configure_threads(target.cores or os.cpu_count() or 1)
@@ -370,6 +388,20 @@ class LocalMeasurer:
             self._refs[key] = (inputs, want)
         return self._refs[key]
 
+    def _traffic(self, func: Any, template_name: str, workload_key: str, m_value: int) -> KernelTraffic | None:
+        """Bytes / flops of the workload (cold timing and the plausibility guard), per workload and M."""
+        key = f"{workload_key}@{m_value}"
+        if key not in self._traffics:
+            from perfx_compiler.schedule_template import template_by_name
+
+            try:
+                workload = template_by_name(template_name).match(func, self.target)
+            except Exception as err:  # noqa: BLE001 - unknown template (a test's fake): no guard, warm timing
+                log.debug("no workload for %s: %s", template_name, err)
+                workload = None
+            self._traffics[key] = None if workload is None else kernel_traffic(func, workload, m_value)
+        return self._traffics[key]
+
     def measure(
         self,
         func: Any,
@@ -391,6 +423,8 @@ class LocalMeasurer:
         paths = [os.path.join(self._tmp.name, f"c{time.time_ns()}_{i}.so") for i in range(len(configs))]
         self._build_all(payload_base, configs, paths, results)
         inputs, want = self._reference(workload_key, func, m_verify)
+        traffic = self._traffic(func, template_name, workload_key, m_value)
+        cold = traffic is not None and traffic.cold
         for res, path in zip(results, paths, strict=True):
             if not res.ok:
                 continue
@@ -402,7 +436,14 @@ class LocalMeasurer:
                 if not err <= self.tolerance:
                     res.error = f"wrong result: max relative error {err:.2e}"
                     continue
-                res.mean_s, res.std_s = time_module(rt, func, m_value, repeat=self.repeat, min_ms=self.min_repeat_ms)
+                res.mean_s, res.std_s = time_module(rt, func, m_value, repeat=self.repeat, min_ms=self.min_repeat_ms,
+                                                    cold=cold)
+                res.extra["cold_cache"] = cold
+                why = implausible(res.mean_s, traffic, self.target, cold)
+                if why is not None:  # a measurement error: recorded as such, never a best config
+                    log.warning("%s %s: %s", template_name, res.config, why)
+                    res.extra["implausible_s"] = res.mean_s
+                    res.error, res.mean_s, res.std_s = why, float("inf"), 0.0
             except Exception as err:  # noqa: BLE001
                 res.error = f"run failed: {type(err).__name__}: {str(err)[:200]}"
             finally:
