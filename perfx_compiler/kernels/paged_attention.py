@@ -34,28 +34,26 @@ def _kb(ctx: Any, j: Any) -> Any:
     return ((T.Cast("int64", pt[b, j // ps]) * ps + j % ps) * kvh + kh) * d
 
 
-def paged_attention_kernel(
+def paged_attention_func(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
     max_context: int,
     page_size: int,
-    dtype: str = "float32",
-    index_dtype: str = "int64",
-):
-    """``index_dtype``: element type of ``positions`` and ``page_table`` (the graph's integer inputs).
-
-    One task per (sequence, kv head, query): its rows are the query heads sharing the kv head (each
-    key/value row is read once for all of them), keys in tiles with an online softmax; the task's
-    buffers are allocated once per task, none is max_context long."""
+    dtype: str,
+    index_dtype: str,
+    body: Any,
+) -> Any:
+    """The PrimFunc of a paged attention kernel whose loop nest is the TVMScript macro
+    ``body(Q, K, V, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, pages)``: one signature and buffer
+    declaration for the CPU and GPU kernels (``kernels/paged_attention_gpu.py``), so the Relax call
+    that binds them (``frontend/perfx_ops.py``) sees the same arguments whatever the target.
+    Arguments: q, k, v [batch, seq, heads * D]; the k and v pools [pages, PS, KVH, D] (updated in
+    place); positions [batch] and page_table [batch, pages per sequence] (``index_dtype``); the RoPE
+    cos and sin tables [max_context, D / 2]; out [batch, seq, H * D]."""
     H, KVH, D, MAXC, PS = num_heads, num_kv_heads, head_dim, max_context, page_size
     NPP = -(-MAXC // PS)  # pages per sequence
-    G = H // KVH
     HALF = D // 2
-    L = lanes_for(D)
-    KT = KEY_TILE
-    scale = 1.0 / math.sqrt(D)
-    exp = fast_exp
 
     @T.prim_func(private=True)
     def paged_attention(
@@ -76,6 +74,35 @@ def paged_attention_kernel(
         COS = T.match_buffer(cos_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         SIN = T.match_buffer(sin_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         OUT = T.match_buffer(out_h, (batch, seq, T.int64(H * D)), dtype)
+        body(Q, K, V, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, pages)
+
+    return paged_attention
+
+
+def paged_attention_kernel(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_context: int,
+    page_size: int,
+    dtype: str = "float32",
+    index_dtype: str = "int64",
+):
+    """``index_dtype``: element type of ``positions`` and ``page_table`` (the graph's integer inputs).
+
+    One task per (sequence, kv head, query): its rows are the query heads sharing the kv head (each
+    key/value row is read once for all of them), keys in tiles with an online softmax; the task's
+    buffers are allocated once per task, none is max_context long."""
+    H, KVH, D, MAXC, PS = num_heads, num_kv_heads, head_dim, max_context, page_size
+    G = H // KVH
+    HALF = D // 2
+    L = lanes_for(D)
+    KT = KEY_TILE
+    scale = 1.0 / math.sqrt(D)
+    exp = fast_exp
+
+    @T.macro
+    def body(Q, K, V, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, pages):
         KF = T.decl_buffer((pages * T.int64(PS * KVH * D),), dtype, data=KP.data)
         VF = T.decl_buffer((pages * T.int64(PS * KVH * D),), dtype, data=VP.data)
         # 1) rotate k, append k and v at each token's (page, slot)
@@ -111,4 +138,4 @@ def paged_attention_kernel(
                 for d in T.vectorized(D):
                     OUT[b, s, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
 
-    return paged_attention
+    return paged_attention_func(H, KVH, D, MAXC, PS, dtype, index_dtype, body)

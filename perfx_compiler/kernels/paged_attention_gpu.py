@@ -1,20 +1,26 @@
 """Fused RoPE + paged-KV append + causal GQA attention for a batch of sequences, for GPUs.
 
-Same contract as ``kernels/paged_attention.py`` (the CPU kernel): sequence ``b`` has ``positions[b]``
-tokens cached in the pages ``page_table[b]`` lists; its ``seq`` new tokens are rotated, written to
-(page, slot) = (page_table[b, p // PS], p % PS) of the [pages, PS, KVH, D] pools in place, and
-query ``s`` attends over cache positions ``0 .. positions[b] + s``. Two launches (the append must be
-complete before any block reads the pools):
+Same contract and signature as ``kernels/paged_attention.py`` (the CPU kernel; both are built by its
+``paged_attention_func``): sequence ``b`` has ``positions[b]`` tokens cached in the pages
+``page_table[b]`` lists; its ``seq`` new tokens are rotated, written to (page, slot) =
+(page_table[b, p // PS], p % PS) of the [pages, PS, KVH, D] pools in place, and query ``s`` attends
+over cache positions ``0 .. positions[b] + s``. Two launches (the append must be complete before any
+block reads the pools):
 
 1. append: one block per (kv head, sequence), ``D/2`` threads; thread ``t`` rotates the pair
    (t, t + D/2) of each new k row and copies v[t], v[t + D/2].
-2. attention: one block per (head, sequence), ``T`` threads (the power of two >= D, at most
-   ``max_threads``), the sequence's queries in turn (decode: one). Keys come in tiles of ``T``:
-   thread ``t`` scores key ``tile*T + t`` against the rotated query in shared memory; the tile's
-   max and the sum of its weights are tree reductions across the block's threads in shared memory
-   (log2 T steps); then thread ``d < D`` adds ``sum_j p_j * V[j, d]`` to its output dimension,
-   all under an online softmax (running max and sum, rescaled per tile). Shared memory is
-   ``D + 2T`` floats, whatever the context length (WebGPU's 16 KiB holds it).
+2. attention: grid (query tile, sequence * heads + head), ``T`` threads (the power of two >= D, at
+   most ``max_threads``). A block takes ``QT`` consecutive queries of one head (a prefill chunk's
+   tiles run in parallel; decode has one tile of one query). Keys come in tiles of ``T``: thread
+   ``t`` loads key ``tile*T + t`` once and scores it against every rotated query of the tile held in
+   shared memory, masked causally per query (key position <= the query's); each query's tile max is
+   a tree reduction across the block's threads in shared memory (log2 T steps, the tile's queries
+   side by side); then thread ``d < D`` loads ``V[j, d]`` once and adds ``p_qj * V[j, d]`` to each
+   query's output dimension ``d`` and ``p_qj`` to its weight sum, under an online softmax per query
+   (running max and sum, rescaled per tile). K and V are read once per tile of queries instead of
+   once per query. Shared memory is ``QT * (D + 3T)`` floats whatever the context length, and
+   ``QT`` is chosen so that it fits WebGPU's 16 KiB. A tile holding a single query (decode, or a
+   chunk's last tile) takes a one-query copy of the loop, so decode does no work for idle rows.
 
 The kernel carries ``tirx.is_scheduled`` so no template touches it.
 """
@@ -22,10 +28,15 @@ The kernel carries ``tirx.is_scheduled`` so no template touches it.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from tvm.script import tirx as T
 
+from perfx_compiler.kernels.paged_attention import paged_attention_func
+
 NEG = -3.0e38  # finite "minus infinity": exp(NEG - m) is 0, never NaN
+SHARED_BYTES = 16384  # WebGPU's guaranteed workgroup storage, the smallest of the GPU targets
+MAX_QUERY_TILE = 8  # queries a block: registers hold 5 floats per query per thread
 
 
 def paged_threads(head_dim: int, max_threads: int = 256) -> int:
@@ -38,6 +49,15 @@ def paged_threads(head_dim: int, max_threads: int = 256) -> int:
     return t
 
 
+def paged_query_tile(head_dim: int, threads: int) -> int:
+    """Queries per attention block: the largest power of two <= MAX_QUERY_TILE whose shared memory
+    (queries, two tree-max buffers and weights: ``QT * (D + 3T)`` floats) fits SHARED_BYTES."""
+    qt = MAX_QUERY_TILE
+    while qt > 1 and 4 * qt * (head_dim + 3 * threads) > SHARED_BYTES:
+        qt //= 2
+    return qt
+
+
 def paged_attention_kernel_gpu(
     num_heads: int,
     num_kv_heads: int,
@@ -47,38 +67,101 @@ def paged_attention_kernel_gpu(
     dtype: str = "float32",
     index_dtype: str = "int64",
     threads: int | None = None,
-):
+    query_tile: int | None = None,
+) -> Any:
     """The GPU PrimFunc for one configuration (shape constants baked in). ``index_dtype``: element
-    type of ``positions`` and ``page_table`` (int32 on WebGPU, where the compiler narrows every index)."""
-    H, KVH, D, MAXC, PS = num_heads, num_kv_heads, head_dim, max_context, page_size
-    NPP = -(-MAXC // PS)  # pages per sequence
+    type of ``positions`` and ``page_table`` (int32 on WebGPU, where the compiler narrows every index).
+    ``query_tile``: queries a block (default :func:`paged_query_tile`)."""
+    H, KVH, D, PS = num_heads, num_kv_heads, head_dim, page_size
     G = H // KVH
     HALF = D // 2
     TS = threads or paged_threads(D)
     LOG = TS.bit_length() - 1
+    QT = query_tile or paged_query_tile(D, TS)
     scale = 1.0 / math.sqrt(D)
-    if H % KVH or D % 2 or TS < D or TS & (TS - 1):
-        raise ValueError(f"paged attention (GPU): bad shape H={H} KVH={KVH} D={D} threads={TS}")
+    if H % KVH or D % 2 or TS < D or TS & (TS - 1) or QT < 1:
+        raise ValueError(f"paged attention (GPU): bad shape H={H} KVH={KVH} D={D} threads={TS} query tile={QT}")
 
-    @T.prim_func(private=True)
-    def paged_attention_gpu(
-        q_h: T.handle, k_h: T.handle, v_h: T.handle, kp_h: T.handle, vp_h: T.handle,
-        pos_h: T.handle, pt_h: T.handle, cos_h: T.handle, sin_h: T.handle, out_h: T.handle,
-    ):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        batch = T.int64()
-        seq = T.int64()
-        pages = T.int64()
-        Q = T.match_buffer(q_h, (batch, seq, T.int64(H * D)), dtype)
-        K = T.match_buffer(k_h, (batch, seq, T.int64(KVH * D)), dtype)
-        V = T.match_buffer(v_h, (batch, seq, T.int64(KVH * D)), dtype)
-        KP = T.match_buffer(kp_h, (pages, T.int64(PS), T.int64(KVH), T.int64(D)), dtype)
-        VP = T.match_buffer(vp_h, (pages, T.int64(PS), T.int64(KVH), T.int64(D)), dtype)
-        POS = T.match_buffer(pos_h, (batch,), index_dtype)
-        PT = T.match_buffer(pt_h, (batch, T.int64(NPP)), index_dtype)
-        COS = T.match_buffer(cos_h, (T.int64(MAXC), T.int64(HALF)), dtype)
-        SIN = T.match_buffer(sin_h, (T.int64(MAXC), T.int64(HALF)), dtype)
-        OUT = T.match_buffer(out_h, (batch, seq, T.int64(H * D)), dtype)
+    @T.macro
+    def halve(NQ, src, dst, off, tx):
+        """One tree-max level for NQ rows: dst[r*TS + t] = max(src[r*TS + t], src[r*TS + t + off]),
+        t < off. Reading one buffer and writing another keeps the rows' statements free of
+        read-after-write conflicts, so TVM's barrier insertion accepts them under the ``if``."""
+        if tx < off:
+            for r in T.unroll(T.int64(NQ)):
+                dst[r * TS + tx] = T.max(src[r * TS + tx], src[r * TS + tx + off])
+
+    @T.macro
+    def keys(NQ, tiles, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt):
+        """Key tiles 0 .. tiles - 1 for the first NQ rotated queries in ``qs`` (query r at position
+        p0 + r; rows r >= nq hold zeros and are never written), then their outputs. NQ is a Python
+        int: the row loops unroll and the per-row state stays in registers. ``tiles`` is 0 unless
+        this variant serves the block's tile (see ``body``)."""
+        m = T.decl_buffer((NQ,), "float32", scope="local")  # running max
+        lsum = T.decl_buffer((NQ,), "float32", scope="local")  # running sum
+        acc = T.decl_buffer((NQ,), "float32", scope="local")  # output dimension tx, unnormalised
+        sc = T.decl_buffer((NQ,), "float32", scope="local")  # this thread's key's scores
+        tm = T.decl_buffer((NQ,), "float32", scope="local")  # max after this tile
+        kh: T.let[T.int64] = h // G
+        for r in T.unroll(T.int64(NQ)):
+            m[r] = T.float32(NEG)
+            lsum[r] = T.float32(0)
+            acc[r] = T.float32(0)
+        for kt in T.serial(tiles):
+            j: T.let[T.int64] = kt * T.int64(TS) + tx
+            for r in T.unroll(T.int64(NQ)):
+                sc[r] = T.float32(NEG)
+            if j <= last:
+                kb: T.let[T.int64] = T.Cast("int64", PT[b, j // PS])
+                for r in T.unroll(T.int64(NQ)):
+                    sc[r] = T.float32(0)
+                for d in T.serial(D):  # key j is read once for all the tile's queries
+                    kv: T.let[T.float32] = KP[kb, j % PS, kh, d]
+                    for r in T.unroll(T.int64(NQ)):
+                        sc[r] = sc[r] + qs[r * D + d] * kv
+                for r in T.unroll(T.int64(NQ)):  # causal: query r sees keys up to its own position
+                    sc[r] = T.if_then_else(j <= p0 + r, sc[r], T.float32(NEG))
+            for r in T.unroll(T.int64(NQ)):
+                ra[r * TS + tx] = sc[r]
+            T.tvm_storage_sync("shared")
+            # tree max, two levels a step (ra -> rb -> ra): each row's tile max ends in ra[r * TS]
+            # (rb[r * TS] after the odd last level)
+            for lv in T.serial(LOG // 2):
+                halve(NQ, ra, rb, T.shift_right(T.int64(TS // 2), lv * T.int64(2)), tx)
+                T.tvm_storage_sync("shared")
+                halve(NQ, rb, ra, T.shift_right(T.int64(TS // 4), lv * T.int64(2)), tx)
+                T.tvm_storage_sync("shared")
+            if LOG % 2 == 1:
+                halve(NQ, ra, rb, T.int64(1), tx)
+                T.tvm_storage_sync("shared")
+                for r in T.unroll(T.int64(NQ)):
+                    tm[r] = T.max(m[r], rb[r * TS])
+            else:
+                for r in T.unroll(T.int64(NQ)):
+                    tm[r] = T.max(m[r], ra[r * TS])
+            for r in T.unroll(T.int64(NQ)):  # a masked key (score NEG) weighs 0
+                wt[r * TS + tx] = T.if_then_else(sc[r] > T.float32(NEG), T.exp(sc[r] - tm[r]), T.float32(0))
+            T.tvm_storage_sync("shared")
+            for r in T.unroll(T.int64(NQ)):
+                alpha: T.let[T.float32] = T.exp(m[r] - tm[r])
+                lsum[r] = lsum[r] * alpha
+                acc[r] = acc[r] * alpha
+                m[r] = tm[r]
+            if tx < T.int64(D):  # the weight sums are summed here (only output threads need them)
+                for jj in T.serial(T.min(T.int64(TS), last + T.int64(1) - kt * T.int64(TS))):
+                    vb: T.let[T.int64] = T.Cast("int64", PT[b, (kt * T.int64(TS) + jj) // PS])
+                    vv: T.let[T.float32] = VP[vb, (kt * T.int64(TS) + jj) % PS, kh, tx]
+                    for r in T.unroll(T.int64(NQ)):  # v row j is read once for all the queries
+                        lsum[r] = lsum[r] + wt[r * TS + jj]
+                        acc[r] = acc[r] + wt[r * TS + jj] * vv
+            T.tvm_storage_sync("shared")  # ra / wt are rewritten by the next tile
+        if tiles > T.int64(0) and tx < T.int64(D):
+            for r in T.unroll(T.int64(NQ)):
+                if r < nq:
+                    OUT[b, s0 + r, h * D + tx] = acc[r] / lsum[r]
+
+    @T.macro
+    def body(Q, K, V, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, pages):
         # 1) rotate k, append k and v at each new token's (page, slot): grid (kv head, sequence)
         for kh in T.thread_binding(T.int64(KVH), thread="blockIdx.x"):
             for b in T.thread_binding(batch, thread="blockIdx.y"):
@@ -94,61 +177,41 @@ def paged_attention_kernel_gpu(
                         KP[page, p % PS, kh, tx + HALF] = x2 * c + x1 * sn
                         VP[page, p % PS, kh, tx] = V[b, s, kh * D + tx]
                         VP[page, p % PS, kh, tx + HALF] = V[b, s, kh * D + tx + HALF]
-        # 2) attention: grid (head, sequence), TS threads, the sequence's queries in turn
-        for h in T.thread_binding(T.int64(H), thread="blockIdx.x"):
-            for b in T.thread_binding(batch, thread="blockIdx.y"):
+        # 2) attention: grid (query tile, sequence * H + head), TS threads. The symbolic extent is
+        # blockIdx.x's, so only the constant H divides a block index (int64 division by a symbolic
+        # extent costs registers; WebGPU reserves blockIdx.z)
+        for qt in T.thread_binding((seq + T.int64(QT - 1)) // T.int64(QT), thread="blockIdx.x"):
+            for bh in T.thread_binding(batch * T.int64(H), thread="blockIdx.y"):
                 for tx in T.thread_binding(T.int64(TS), thread="threadIdx.x"):
-                    qs = T.decl_buffer((D,), "float32", scope="shared")  # rotated, scaled query
-                    red = T.decl_buffer((TS,), "float32", scope="shared")  # tree reductions
-                    wt = T.decl_buffer((TS,), "float32", scope="shared")  # the tile's weights
-                    st = T.decl_buffer((5,), "float32", scope="local")  # max, sum, acc, score, tile max
-                    kh: T.let[T.int64] = h // G
-                    for s in T.serial(seq):
-                        p: T.let[T.int64] = T.Cast("int64", POS[b]) + s
+                    qs = T.decl_buffer((QT * D,), "float32", scope="shared")  # rotated, scaled queries
+                    ra = T.decl_buffer((QT * TS,), "float32", scope="shared")  # tree max, even levels
+                    rb = T.decl_buffer((QT * TS,), "float32", scope="shared")  # tree max, odd levels
+                    wt = T.decl_buffer((QT * TS,), "float32", scope="shared")  # the tile's weights
+                    b: T.let[T.int64] = bh // T.int64(H)
+                    h: T.let[T.int64] = bh % T.int64(H)
+                    s0: T.let[T.int64] = qt * T.int64(QT)
+                    nq: T.let[T.int64] = T.min(T.int64(QT), seq - s0)
+                    p0: T.let[T.int64] = T.Cast("int64", POS[b]) + s0  # the tile's first query position
+                    last: T.let[T.int64] = p0 + nq - T.int64(1)  # keys 0 .. last are read
+                    for r in T.unroll(T.int64(QT)):
                         if tx < T.int64(HALF):
-                            x1: T.let[T.float32] = Q[b, s, h * D + tx]
-                            x2: T.let[T.float32] = Q[b, s, h * D + tx + HALF]
-                            c: T.let[T.float32] = COS[p, tx]
-                            sn: T.let[T.float32] = SIN[p, tx]
-                            qs[tx] = (x1 * c - x2 * sn) * T.float32(scale)
-                            qs[tx + HALF] = (x2 * c + x1 * sn) * T.float32(scale)
-                        T.tvm_storage_sync("shared")
-                        st[0] = T.float32(NEG)
-                        st[1] = T.float32(0)
-                        st[2] = T.float32(0)
-                        for kt in T.serial(p // T.int64(TS) + T.int64(1)):
-                            j: T.let[T.int64] = kt * T.int64(TS) + tx
-                            st[3] = T.float32(NEG)
-                            if j <= p:
-                                kb: T.let[T.int64] = T.Cast("int64", PT[b, j // PS])
-                                st[3] = T.float32(0)
-                                for d in T.serial(D):
-                                    st[3] = st[3] + qs[d] * KP[kb, j % PS, kh, d]
-                            red[tx] = st[3]
-                            T.tvm_storage_sync("shared")
-                            for lv in T.serial(LOG):  # tree max: red[0] = the tile's max score
-                                if tx < T.shift_right(T.int64(TS // 2), lv):
-                                    red[tx] = T.max(red[tx], red[tx + T.shift_right(T.int64(TS // 2), lv)])
-                                T.tvm_storage_sync("shared")
-                            st[4] = T.max(st[0], red[0])
-                            T.tvm_storage_sync("shared")  # every thread has red[0] before it is rewritten
-                            wt[tx] = T.if_then_else(j <= p, T.exp(st[3] - st[4]), T.float32(0))
-                            red[tx] = wt[tx]
-                            T.tvm_storage_sync("shared")
-                            for lv in T.serial(LOG):  # tree sum: red[0] = the tile's weight sum
-                                if tx < T.shift_right(T.int64(TS // 2), lv):
-                                    red[tx] = red[tx] + red[tx + T.shift_right(T.int64(TS // 2), lv)]
-                                T.tvm_storage_sync("shared")
-                            alpha: T.let[T.float32] = T.exp(st[0] - st[4])
-                            st[1] = st[1] * alpha + red[0]
-                            st[2] = st[2] * alpha
-                            if tx < T.int64(D):
-                                for jj in T.serial(T.min(T.int64(TS), p + T.int64(1) - kt * T.int64(TS))):
-                                    vb: T.let[T.int64] = T.Cast("int64", PT[b, (kt * T.int64(TS) + jj) // PS])
-                                    st[2] = st[2] + wt[jj] * VP[vb, (kt * T.int64(TS) + jj) % PS, kh, tx]
-                            st[0] = st[4]
-                            T.tvm_storage_sync("shared")  # red / wt are rewritten by the next tile
-                        if tx < T.int64(D):
-                            OUT[b, s, h * D + tx] = st[2] / st[1]
+                            if r < nq:
+                                x1: T.let[T.float32] = Q[b, s0 + r, h * D + tx]
+                                x2: T.let[T.float32] = Q[b, s0 + r, h * D + tx + HALF]
+                                c: T.let[T.float32] = COS[p0 + r, tx]
+                                sn: T.let[T.float32] = SIN[p0 + r, tx]
+                                qs[r * D + tx] = (x1 * c - x2 * sn) * T.float32(scale)
+                                qs[r * D + tx + HALF] = (x2 * c + x1 * sn) * T.float32(scale)
+                            else:
+                                qs[r * D + tx] = T.float32(0)
+                                qs[r * D + tx + HALF] = T.float32(0)
+                    T.tvm_storage_sync("shared")
+                    # One of two variants runs, chosen by trip counts rather than an if (TVM inserts
+                    # no barrier under a condition; a loop with a block-uniform trip count is fine):
+                    # one query (decode, a chunk's 1-query last tile: no work for idle rows), or QT.
+                    tiles: T.let[T.int64] = last // T.int64(TS) + T.int64(1)
+                    many: T.let[T.int64] = T.min(tiles, (nq - T.int64(1)) * tiles)  # 0 if nq == 1, else tiles
+                    keys(1, tiles - many, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt)
+                    keys(QT, many, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt)
 
-    return paged_attention_gpu
+    return paged_attention_func(H, KVH, D, max_context, PS, dtype, index_dtype, body)

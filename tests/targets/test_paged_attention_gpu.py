@@ -1,8 +1,11 @@
-"""kernels/paged_attention_gpu.py (batched serving's attention on GPU targets): one block per (head,
-sequence) with tree reductions across its threads. On lavapipe (vulkan: WGSL, int32 indices) and PoCL
-(mali / adreno / intel-igpu OpenCL), with SmolLM2's attention shape, random page tables (distinct pages,
-as the serving runtime allocates them) and fresh random inputs: output and both pools vs a float64
-numpy reference; decode (one query per sequence, one of them at position 0) and a 5-token chunk."""
+"""kernels/paged_attention_gpu.py (batched serving's attention on GPU targets): one block per (query
+tile, sequence, head) with tree reductions across its threads. On lavapipe (vulkan: WGSL, int32
+indices) and PoCL (mali / adreno / intel-igpu OpenCL), with SmolLM2's attention shape (GQA 9/3) and a
+second GQA shape (8/2, head_dim 32, 8-token pages), random page tables (distinct pages, as the serving
+runtime allocates them) and fresh random inputs: output and both pools vs a float64 numpy reference.
+Cases: decode (one query per sequence, one of them at position 0); chunks shorter than a query tile,
+of several tiles with a partial last one (including a last tile of one query, the decode path inside
+a prefill launch), spanning several pages, starting mid-sequence and mid-page."""
 
 from __future__ import annotations
 
@@ -11,12 +14,17 @@ import pytest
 
 pytestmark = pytest.mark.targets
 
-H, KVH, D, MAXC, PS = 9, 3, 64, 256, 16  # SmolLM2-135M's attention, 16-token pages
+MAXC = 256
+SHAPES = {"smollm2": (9, 3, 64, 16), "gqa4": (8, 2, 32, 8)}  # (heads, kv heads, head_dim, page size)
 TOL = 2e-5  # relative to the largest |value|
+# (batch, chunk, first position of sequence 1 or None = random): decode; a chunk inside one query
+# tile; 21 = 8 + 8 + 5 and 17 = 8 + 8 + 1 queries (partial last tiles) starting mid-page, over pages
+CASES = ((3, 1, None), (2, 5, None), (2, 21, 37), (3, 17, 100))
 
 
-def paged_reference(q, k, v, kp, vp, pos, table, cos, sin):
+def paged_reference(q, k, v, kp, vp, pos, table, cos, sin, shape=SHAPES["smollm2"]):
     """float64: (out, k pool, v pool) after appending the rotated k and v at (page, slot)."""
+    H, KVH, D, PS = shape
     B, S, _ = q.shape
     half, G = D // 2, H // KVH
     kp, vp = kp.astype(np.float64), vp.astype(np.float64)
@@ -62,14 +70,20 @@ def _launcher(target: str):
 
 
 @pytest.mark.parametrize("target", ["vulkan", "mali", "adreno", "intel-igpu"])
-def test_paged_attention_gpu_matches_numpy(target: str) -> None:
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_paged_attention_gpu_matches_numpy(target: str, shape: str) -> None:
     import tvm
 
-    from perfx_compiler.kernels.paged_attention_gpu import paged_attention_kernel_gpu, paged_threads
+    from perfx_compiler.kernels.paged_attention_gpu import (
+        paged_attention_kernel_gpu,
+        paged_query_tile,
+        paged_threads,
+    )
     from perfx_compiler.narrow_index import narrow_to_int32
     from perfx_compiler.targets import load_target
     from perfx_compiler.targets_exec.kernels import compile_primfunc
 
+    H, KVH, D, PS = SHAPES[shape]
     launcher = _launcher(target)
     index_dtype = "int32" if target == "vulkan" else "int64"
     func = paged_attention_kernel_gpu(H, KVH, D, MAXC, PS, "float32", index_dtype)
@@ -82,13 +96,17 @@ def test_paged_attention_gpu_matches_numpy(target: str) -> None:
 
     rng = np.random.default_rng()
     npp = -(-MAXC // PS)
+    qt = paged_query_tile(D, paged_threads(D))
+    assert qt == 8  # the cases below are sized for 8-query tiles
     ang = np.arange(MAXC)[:, None] / 10000.0 ** (np.arange(0, D, 2) / D)[None]
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-    for batch, seq in ((3, 1), (2, 5)):
+    for batch, seq, start in CASES:
         pages = batch * npp + 3
         table = rng.permutation(pages)[: batch * npp].reshape(batch, npp)
         pos = rng.integers(0, MAXC - seq, size=batch)
-        pos[0] = 0  # a sequence's first token: a one-key softmax
+        pos[0] = 0  # a sequence's first token(s): a one-key softmax for its first query
+        if start is not None:
+            pos[1] = start
         q = rng.standard_normal((batch, seq, H * D)).astype(np.float32)
         k = rng.standard_normal((batch, seq, KVH * D)).astype(np.float32)
         v = rng.standard_normal((batch, seq, KVH * D)).astype(np.float32)
@@ -97,12 +115,12 @@ def test_paged_attention_gpu_matches_numpy(target: str) -> None:
         args = [q, k, v, kp, vp, pos.astype(index_dtype), table.astype(index_dtype), cos, sin, np.zeros_like(q)]
         launches = cf.plan(args)
         attention = launches[-1]  # the append launch comes first
-        assert attention.grid[:2] == (H, batch) and attention.block[0] == paged_threads(D), attention
+        assert attention.grid[:2] == (-(-seq // qt), batch * H) and attention.block[0] == paged_threads(D), attention
         got = dict(zip([n for n, _, _ in cf.param_info()], launcher.run_numpy(cf, [a.copy() for a in args]), strict=True))
-        want = dict(zip(("OUT", "KP", "VP"), paged_reference(q, k, v, kp, vp, pos, table, cos, sin), strict=True))
-        for name, ref in want.items():
-            err = np.abs(got[name] - ref).max() / max(1.0, np.abs(ref).max())
-            assert err < TOL, f"{target} batch={batch} seq={seq} {name}: error {err:.2e}"
+        ref = paged_reference(q, k, v, kp, vp, pos, table, cos, sin, SHAPES[shape])
+        for name, want in zip(("OUT", "KP", "VP"), ref, strict=True):
+            err = np.abs(got[name] - want).max() / max(1.0, np.abs(want).max())
+            assert err < TOL, f"{target} {shape} batch={batch} seq={seq} pos={pos} {name}: error {err:.2e}"
 
 
 @pytest.fixture(scope="module")
