@@ -171,6 +171,40 @@ def texture_gemv_kernel(n: int, k: int, threads: int = 64, layout: ImageLayout |
     return texture_gemv
 
 
+def _quant_image_gemv(N: int, K: int, texels: int, codes: ImageLayout, scales: ImageLayout, threads: int,
+                      accumulate: Any) -> Any:
+    """The quantized GEMV shared by the int4 and int8 formats: one thread per output row reads the row's
+    code texels (two per step, see the module note on the unroll) and hands each to the format's
+    ``accumulate`` macro (X, S, word, sv, part, acc, row, t, HS): texel ``t`` of row ``row`` is in
+    ``word``; ``sv`` (a texel of scales) and ``part`` are its scratch."""
+    TH, HC, HS = threads, codes.height, scales.height
+    BLOCKS = -(-N // TH)
+
+    @T.prim_func(private=True)
+    def texture_quant_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
+        X = T.match_buffer(x_h, (1, 1, K), "float32")
+        Q = T.match_buffer(q_h, codes.shape, "uint32", scope="global.texture")
+        S = T.match_buffer(s_h, scales.shape, "float32", scope="global.texture")
+        Y = T.match_buffer(y_h, (1, 1, N), "float32")
+        for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
+            for tx in T.thread_binding(TH, thread="threadIdx.x"):
+                acc = T.decl_buffer((1,), "float32", scope="local")
+                part = T.decl_buffer((1,), "float32", scope="local")
+                word = T.decl_buffer((TEXEL,), "uint32", scope="local")
+                sv = T.decl_buffer((TEXEL,), "float32", scope="local")
+                if bx * TH + tx < N:
+                    acc[0] = T.float32(0)
+                    for ko in range(texels // 2):
+                        for ki in T.unroll(2):
+                            for c in T.vectorized(TEXEL):
+                                word[c] = Q[(bx * TH + tx) // HC, (bx * TH + tx) % HC, ko * 2 + ki, c]
+                            accumulate(X, S, word, sv, part, acc, bx * TH + tx, ko * 2 + ki, HS)
+                    Y[0, 0, bx * TH + tx] = acc[0]
+
+    return texture_quant_gemv
+
+
 def texture_q4_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: ImageLayout, threads: int = 64) -> Any:
     """int4 GEMV (``perfx.quant`` info of ``passes/_quant.py``) with codes and scales in images:
     w = code * scale + min (``offset``) or (code - zero) * scale."""
@@ -179,8 +213,6 @@ def texture_q4_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
     texels = K // 8 // TEXEL
     if K % 32 or texels % 2 or L % TEXEL or G % TEXEL:
         raise TextureLimitError(f"texture q4 GEMV needs K % 64 == 0 and lanes, group multiples of 4 (K={K})")
-    TH, HC, HS = threads, codes.height, scales.height
-    BLOCKS = -(-N // TH)
 
     # Expressions are built here and written inline: an assignment inside the prim_func becomes a
     # local buffer, and TVM's CSE then merges texture reads whose indices load it at different points.
@@ -192,38 +224,21 @@ def texture_q4_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
             return code * sz[g % 2 * 2] + sz[g % 2 * 2 + 1]
         return (code - sz[g % 2 * 2 + 1]) * sz[g % 2 * 2]
 
-    @T.prim_func(private=True)
-    def texture_q4_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
-        X = T.match_buffer(x_h, (1, 1, K), "float32")
-        Q = T.match_buffer(q_h, codes.shape, "uint32", scope="global.texture")
-        S = T.match_buffer(s_h, scales.shape, "float32", scope="global.texture")
-        Y = T.match_buffer(y_h, (1, 1, N), "float32")
-        for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
-            for tx in T.thread_binding(TH, thread="threadIdx.x"):
-                acc = T.decl_buffer((1,), "float32", scope="local")
-                word = T.decl_buffer((TEXEL,), "uint32", scope="local")
-                sz = T.decl_buffer((TEXEL,), "float32", scope="local")
-                if bx * TH + tx < N:
-                    acc[0] = T.float32(0)
-                    for ko in range(texels // 2):
-                        for ki in T.unroll(2):
-                            for c in T.vectorized(TEXEL):
-                                word[c] = Q[(bx * TH + tx) // HC, (bx * TH + tx) % HC, ko * 2 + ki, c]
-                            # the texel's 4 words share block kb and lanes l0..l0+3: per nibble j they
-                            # hold 4 consecutive columns of one group
-                            for j in T.unroll(8):
-                                for c in T.vectorized(TEXEL):
-                                    sz[c] = S[(bx * TH + tx) // HS, (bx * TH + tx) % HS, col0(ko * 2 + ki, j) // G // 2, c]
-                                for c in range(TEXEL):
-                                    acc[0] = acc[0] + X[0, 0, col0(ko * 2 + ki, j) + c] * weight(
-                                        T.Cast("float32", (word[c] >> T.uint32(4) * T.Cast("uint32", j)) & T.uint32(15)),
-                                        sz,
-                                        col0(ko * 2 + ki, j) // G,
-                                    )
-                    Y[0, 0, bx * TH + tx] = acc[0]
+    @T.macro
+    def accumulate(X, S, word, sz, part, acc, row, t, HS):
+        # the texel's 4 words share block kb and lanes l0..l0+3: per nibble j they hold 4 consecutive
+        # columns of one group; sz = (scale, zero|min) of that group and the next
+        for j in T.unroll(8):
+            for c in T.vectorized(TEXEL):
+                sz[c] = S[row // HS, row % HS, col0(t, j) // G // 2, c]
+            for c in range(TEXEL):
+                acc[0] = acc[0] + X[0, 0, col0(t, j) + c] * weight(
+                    T.Cast("float32", (word[c] >> T.uint32(4) * T.Cast("uint32", j)) & T.uint32(15)),
+                    sz,
+                    col0(t, j) // G,
+                )
 
-    return texture_q4_gemv
+    return _quant_image_gemv(N, K, texels, codes, scales, threads, accumulate)
 
 
 def texture_q8_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: ImageLayout, threads: int = 64) -> Any:
@@ -232,42 +247,22 @@ def texture_q8_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
     texels = K // 16
     if K % 32 or texels % 2 or G % 16:
         raise TextureLimitError(f"texture q8 GEMV needs K % 32 == 0 and a group multiple of 16 (K={K}, G={G})")
-    TH, HC, HS = threads, codes.height, scales.height
-    BLOCKS = -(-N // TH)
 
     def code(w: Any, b: Any) -> Any:  # byte b of word w, sign-extended without 8-bit types
         return T.Cast("float32", (T.Cast("int32", (w >> T.uint32(8) * T.Cast("uint32", b)) & T.uint32(255)) ^ 128) - 128)
 
-    @T.prim_func(private=True)
-    def texture_q8_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
-        X = T.match_buffer(x_h, (1, 1, K), "float32")
-        Q = T.match_buffer(q_h, codes.shape, "uint32", scope="global.texture")
-        S = T.match_buffer(s_h, scales.shape, "float32", scope="global.texture")
-        Y = T.match_buffer(y_h, (1, 1, N), "float32")
-        for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
-            for tx in T.thread_binding(TH, thread="threadIdx.x"):
-                acc = T.decl_buffer((1,), "float32", scope="local")
-                part = T.decl_buffer((1,), "float32", scope="local")
-                word = T.decl_buffer((TEXEL,), "uint32", scope="local")
-                sc = T.decl_buffer((TEXEL,), "float32", scope="local")
-                if bx * TH + tx < N:
-                    acc[0] = T.float32(0)
-                    for ko in range(texels // 2):
-                        for ki in T.unroll(2):
-                            for c in T.vectorized(TEXEL):
-                                word[c] = Q[(bx * TH + tx) // HC, (bx * TH + tx) % HC, ko * 2 + ki, c]
-                            # 16 columns a texel, all in one group
-                            for c in T.vectorized(TEXEL):
-                                sc[c] = S[(bx * TH + tx) // HS, (bx * TH + tx) % HS, (ko * 2 + ki) * 16 // G // 4, c]
-                            part[0] = T.float32(0)
-                            for c in range(TEXEL):
-                                for b in T.unroll(4):
-                                    part[0] = part[0] + X[0, 0, (ko * 2 + ki) * 16 + c * 4 + b] * code(word[c], b)
-                            acc[0] = acc[0] + part[0] * sc[(ko * 2 + ki) * 16 // G % 4]
-                    Y[0, 0, bx * TH + tx] = acc[0]
+    @T.macro
+    def accumulate(X, S, word, sc, part, acc, row, t, HS):
+        # 16 columns a texel, all in one group: sum them, then one multiply by the group's scale
+        for c in T.vectorized(TEXEL):
+            sc[c] = S[row // HS, row % HS, t * 16 // G // 4, c]
+        part[0] = T.float32(0)
+        for c in range(TEXEL):
+            for b in T.unroll(4):
+                part[0] = part[0] + X[0, 0, t * 16 + c * 4 + b] * code(word[c], b)
+        acc[0] = acc[0] + part[0] * sc[t * 16 // G % 4]
 
-    return texture_q8_gemv
+    return _quant_image_gemv(N, K, texels, codes, scales, threads, accumulate)
 
 
 def to_texels(weight: np.ndarray) -> np.ndarray:
