@@ -56,8 +56,13 @@ class TaskGroup:
 
     @property
     def label(self) -> str:
-        dims = ",".join(f"{k}={v}" for k, v in self.rep.workload.dims.items() if k != "M")
-        return f"{self.rep.workload.template}[{dims}]@M={self.rep.m_value}"
+        wl = self.rep.workload
+        dims = ",".join(f"{k}={v}" for k, v in wl.dims.items() if k != "M")
+        # The kind tells a gather / dequantize from the GEMV over the same table (SmolLM2's tied
+        # embedding: the N=49152 K=576 take read as an lm-head with 40 ns timings).
+        kind = wl.info.get("kind")
+        name = wl.template if kind in (None, "matmul") else f"{wl.template}:{kind}"
+        return f"{name}[{dims}]@M={self.rep.m_value}"
 
     def weight(self) -> float:
         """Seconds this kernel costs per model call (baseline x functions using it); before a
