@@ -50,13 +50,35 @@ class BenchEngine(ABC):
 
 
 # ----------------------------------------------------------------------------------------- PerfX
-def perfx_weight_bytes(manifest: dict[str, Any]) -> int:
-    """Decode-step weight bytes of an artifact: everything but RoPE tables and an untied embedding."""
+def _unread_sym_zeros(manifest: dict[str, Any], artifact: str | Path | None) -> set[str]:
+    """Names of int4 zero-point arrays the decode GEMVs never read: with int8 activations (the VNNI
+    GEMV) a symmetric format's zero point is the constant 8 in the kernel (``_vnni_kernels.gemv``,
+    ``sym``), so its ``*_q4_zero`` array (uint8, all 8: e.g. GGUF Q4_0, 1 byte per 32 weights) is
+    stored but not streamed. Counting it would overstate the weight GB/s by 1/18."""
+    if artifact is None or manifest.get("activations") != "int8":
+        return set()
+    path = Path(artifact) / "weights.bin"
+    if not path.is_file():
+        return set()
+    out = set()
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    for w in manifest["weights"]:
+        if w["name"].endswith("_q4_zero") and w["dtype"] == "uint8":
+            a = blob[int(w["offset"]) : int(w["offset"]) + int(w["nbytes"])]
+            if a.size and bool(np.all(a == 8)):
+                out.add(w["name"])
+    return out
+
+
+def perfx_weight_bytes(manifest: dict[str, Any], artifact: str | Path | None = None) -> int:
+    """Decode-step weight bytes of an artifact: everything but RoPE tables, an untied embedding and
+    (given the artifact folder) zero-point arrays the kernels do not read (``_unread_sym_zeros``)."""
     tied = bool(manifest["model"].get("tie_word_embeddings", True))
+    skip = _unread_sym_zeros(manifest, artifact)
     total = 0
     for w in manifest["weights"]:
         name = w["name"]
-        if name.startswith("rope_") or (not tied and name.startswith("model_embed_tokens")):
+        if name.startswith("rope_") or (not tied and name.startswith("model_embed_tokens")) or name in skip:
             continue
         total += int(w["nbytes"])
     return total
@@ -78,6 +100,7 @@ class PerfXEngine(BenchEngine):
         from perfx_compiler.runtime.engine import Engine
 
         self.engine = Engine(artifact, verify=False)
+        self.artifact = Path(artifact)
 
     def reset(self) -> None:
         self.engine.reset()
@@ -89,7 +112,7 @@ class PerfXEngine(BenchEngine):
         return int(np.argmax(self.engine.decode(token)))
 
     def weight_bytes_per_token(self) -> int:
-        return perfx_weight_bytes(self.engine.manifest)
+        return perfx_weight_bytes(self.engine.manifest, self.artifact)
 
     def info(self) -> dict[str, Any]:
         m = self.engine.manifest

@@ -49,3 +49,24 @@ def test_probe_reuses_its_buffer():
     assert 0.5 < a < 5000.0 and 0.5 < b < 5000.0
     with pytest.raises(RuntimeError):
         probe.measure(1)
+
+
+def test_weight_bytes_skip_unread_symmetric_zeros(tmp_path):
+    import numpy as np
+
+    from perfx_compiler.bench.engines import perfx_weight_bytes
+
+    arrays = {"a_q4": np.arange(64, dtype=np.uint8), "a_q4_scale": np.ones(8, np.float16),
+              "a_q4_zero": np.full(4, 8, np.uint8),  # symmetric: the VNNI GEMV uses the constant 8
+              "b_q4": np.arange(32, dtype=np.uint8), "b_q4_zero": np.array([8, 7, 8, 8], np.uint8)}  # asymmetric
+    weights, blob, off = [], b"", 0
+    for name, a in arrays.items():
+        weights.append({"name": name, "shape": list(a.shape), "dtype": str(a.dtype), "offset": off, "nbytes": a.nbytes})
+        blob += a.tobytes()
+        off += a.nbytes
+    (tmp_path / "weights.bin").write_bytes(blob)
+    manifest = {"model": {"tie_word_embeddings": True}, "weights": weights, "activations": "int8"}
+    assert perfx_weight_bytes(manifest) == off
+    assert perfx_weight_bytes(manifest, tmp_path) == off - 4
+    # float activations: the int4 GEMV (gemv_int4_cpu) reads the zero array, symmetric or not
+    assert perfx_weight_bytes({**manifest, "activations": "float32"}, tmp_path) == off
