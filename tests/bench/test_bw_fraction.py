@@ -70,3 +70,21 @@ def test_weight_bytes_skip_unread_symmetric_zeros(tmp_path):
     assert perfx_weight_bytes(manifest, tmp_path) == off - 4
     # float activations: the int4 GEMV (gemv_int4_cpu) reads the zero array, symmetric or not
     assert perfx_weight_bytes({**manifest, "activations": "float32"}, tmp_path) == off
+
+
+def test_profile_bytes_skip_unread_symmetric_zeros():
+    import numpy as np
+
+    from perfx_compiler.bench.profile import _Estimator
+
+    n, k = 256, 2048
+    manifest = {"weights": [{"name": "w_q4", "shape": [n // 2, k]}, {"name": "w_q4_scale", "shape": [n, k // 32]},
+                            {"name": "w_q4_zero", "shape": [n, k // 32]}],
+                "kv_cache": {"shape": [1, 4, 1024, 64]},
+                "model": {"max_context": 1024, "num_heads": 32, "head_dim": 64}}
+    est = _Estimator(manifest)
+    args = [np.zeros((1, 1, k), np.float32), np.zeros((n // 2, k), np.uint8), np.zeros((n, k // 32), np.float16),
+            np.zeros((n, k // 32), np.uint8), np.zeros((1, 1, n), np.float32)]
+    full = sum(a.nbytes for a in args)
+    assert est.estimate("q4_matmul_256_2048_g32v_1x1", args, 1, 33)[0] == full  # asymmetric: zeros are read
+    assert est.estimate("q4_matmul_256_2048_g32sv_1x1", args, 1, 33)[0] == full - args[3].nbytes
