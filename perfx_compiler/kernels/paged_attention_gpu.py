@@ -4,8 +4,8 @@ Same contract and signature as ``kernels/paged_attention.py`` (the CPU kernel; b
 ``paged_attention_func``): sequence ``b`` has ``positions[b]`` tokens cached in the pages
 ``page_table[b]`` lists; its ``seq`` new tokens are rotated, written to (page, slot) =
 (page_table[b, p // PS], p % PS) of the [pages, PS, KVH, D] pools in place, and query ``s`` attends
-over cache positions ``0 .. positions[b] + s``. Two launches (the append must be complete before any
-block reads the pools):
+over cache positions ``0 .. positions[b] + s``. The append must be complete before any block reads
+the pools, so it is a launch of its own:
 
 1. append: one block per (kv head, sequence), ``D/2`` threads; thread ``t`` rotates the pair
    (t, t + D/2) of each new k row and copies v[t], v[t + D/2].
@@ -19,8 +19,10 @@ block reads the pools):
    query's output dimension ``d`` and ``p_qj`` to its weight sum, under an online softmax per query
    (running max and sum, rescaled per tile). K and V are read once per tile of queries instead of
    once per query. Shared memory is ``QT * (D + 3T)`` floats whatever the context length, and
-   ``QT`` is chosen so that it fits WebGPU's 16 KiB. A tile holding a single query (decode, or a
-   chunk's last tile) takes a one-query copy of the loop, so decode does no work for idle rows.
+   ``QT`` is chosen so that it fits WebGPU's 16 KiB. Tiles of a single query (decode, or a chunk's
+   last tile) are served by a one-query copy of the kernel (its own launch over the same grid, where
+   the other kind's blocks read no keys), so decode does no work for idle rows and keeps a small
+   kernel.
 
 The kernel carries ``tirx.is_scheduled`` so no template touches it.
 """
@@ -161,6 +163,42 @@ def paged_attention_kernel_gpu(
                     OUT[b, s0 + r, h * D + tx] = acc[r] / lsum[r]
 
     @T.macro
+    def attention(NQ, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq):
+        """The attention kernel for tiles of exactly one query (NQ = 1) or of 2 .. QT (NQ = QT)."""
+        for qt in T.thread_binding((seq + T.int64(QT - 1)) // T.int64(QT), thread="blockIdx.x"):
+            for bh in T.thread_binding(batch * T.int64(H), thread="blockIdx.y"):
+                for tx in T.thread_binding(T.int64(TS), thread="threadIdx.x"):
+                    qs = T.decl_buffer((NQ * D,), "float32", scope="shared")  # rotated, scaled queries
+                    ra = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # tree max, even levels
+                    rb = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # tree max, odd levels
+                    wt = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # the tile's weights
+                    b: T.let[T.int64] = bh // T.int64(H)
+                    h: T.let[T.int64] = bh % T.int64(H)
+                    s0: T.let[T.int64] = qt * T.int64(QT)
+                    nq: T.let[T.int64] = T.min(T.int64(QT), seq - s0)
+                    p0: T.let[T.int64] = T.Cast("int64", POS[b]) + s0  # the tile's first query position
+                    last: T.let[T.int64] = p0 + nq - T.int64(1)  # keys 0 .. last are read
+                    for r in T.unroll(T.int64(NQ)):
+                        if tx < T.int64(HALF):
+                            if r < nq:
+                                x1: T.let[T.float32] = Q[b, s0 + r, h * D + tx]
+                                x2: T.let[T.float32] = Q[b, s0 + r, h * D + tx + HALF]
+                                c: T.let[T.float32] = COS[p0 + r, tx]
+                                sn: T.let[T.float32] = SIN[p0 + r, tx]
+                                qs[r * D + tx] = (x1 * c - x2 * sn) * T.float32(scale)
+                                qs[r * D + tx + HALF] = (x2 * c + x1 * sn) * T.float32(scale)
+                            else:
+                                qs[r * D + tx] = T.float32(0)
+                                qs[r * D + tx + HALF] = T.float32(0)
+                    T.tvm_storage_sync("shared")
+                    tiles: T.let[T.int64] = last // T.int64(TS) + T.int64(1)
+                    many: T.let[T.int64] = T.min(tiles, (nq - T.int64(1)) * tiles)  # 0 if nq == 1, else tiles
+                    if NQ == 1:
+                        keys(1, tiles - many, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt)
+                    else:
+                        keys(NQ, many, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt)
+
+    @T.macro
     def body(Q, K, V, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, pages):
         # 1) rotate k, append k and v at each new token's (page, slot): grid (kv head, sequence)
         for kh in T.thread_binding(T.int64(KVH), thread="blockIdx.x"):
@@ -177,41 +215,15 @@ def paged_attention_kernel_gpu(
                         KP[page, p % PS, kh, tx + HALF] = x2 * c + x1 * sn
                         VP[page, p % PS, kh, tx] = V[b, s, kh * D + tx]
                         VP[page, p % PS, kh, tx + HALF] = V[b, s, kh * D + tx + HALF]
-        # 2) attention: grid (query tile, sequence * H + head), TS threads. The symbolic extent is
+        # 2) attention, two kernels over the same grid (query tile, sequence * H + head), TS threads:
+        # one for tiles of one query (decode; a chunk's 1-query last tile), one for tiles of 2..QT.
+        # Each block of the other kind runs zero key tiles (TVM inserts no barrier under an if, but a
+        # loop with a block-uniform trip count is fine). Two kernels rather than two loops in one keep
+        # decode's kernel as small as before (registers, shared memory). The symbolic extent is
         # blockIdx.x's, so only the constant H divides a block index (int64 division by a symbolic
         # extent costs registers; WebGPU reserves blockIdx.z)
-        for qt in T.thread_binding((seq + T.int64(QT - 1)) // T.int64(QT), thread="blockIdx.x"):
-            for bh in T.thread_binding(batch * T.int64(H), thread="blockIdx.y"):
-                for tx in T.thread_binding(T.int64(TS), thread="threadIdx.x"):
-                    qs = T.decl_buffer((QT * D,), "float32", scope="shared")  # rotated, scaled queries
-                    ra = T.decl_buffer((QT * TS,), "float32", scope="shared")  # tree max, even levels
-                    rb = T.decl_buffer((QT * TS,), "float32", scope="shared")  # tree max, odd levels
-                    wt = T.decl_buffer((QT * TS,), "float32", scope="shared")  # the tile's weights
-                    b: T.let[T.int64] = bh // T.int64(H)
-                    h: T.let[T.int64] = bh % T.int64(H)
-                    s0: T.let[T.int64] = qt * T.int64(QT)
-                    nq: T.let[T.int64] = T.min(T.int64(QT), seq - s0)
-                    p0: T.let[T.int64] = T.Cast("int64", POS[b]) + s0  # the tile's first query position
-                    last: T.let[T.int64] = p0 + nq - T.int64(1)  # keys 0 .. last are read
-                    for r in T.unroll(T.int64(QT)):
-                        if tx < T.int64(HALF):
-                            if r < nq:
-                                x1: T.let[T.float32] = Q[b, s0 + r, h * D + tx]
-                                x2: T.let[T.float32] = Q[b, s0 + r, h * D + tx + HALF]
-                                c: T.let[T.float32] = COS[p0 + r, tx]
-                                sn: T.let[T.float32] = SIN[p0 + r, tx]
-                                qs[r * D + tx] = (x1 * c - x2 * sn) * T.float32(scale)
-                                qs[r * D + tx + HALF] = (x2 * c + x1 * sn) * T.float32(scale)
-                            else:
-                                qs[r * D + tx] = T.float32(0)
-                                qs[r * D + tx + HALF] = T.float32(0)
-                    T.tvm_storage_sync("shared")
-                    # One of two variants runs, chosen by trip counts rather than an if (TVM inserts
-                    # no barrier under a condition; a loop with a block-uniform trip count is fine):
-                    # one query (decode, a chunk's 1-query last tile: no work for idle rows), or QT.
-                    tiles: T.let[T.int64] = last // T.int64(TS) + T.int64(1)
-                    many: T.let[T.int64] = T.min(tiles, (nq - T.int64(1)) * tiles)  # 0 if nq == 1, else tiles
-                    keys(1, tiles - many, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt)
-                    keys(QT, many, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt)
+        attention(1, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq)
+        if QT > 1:
+            attention(QT, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq)
 
     return paged_attention_func(H, KVH, D, max_context, PS, dtype, index_dtype, body)
