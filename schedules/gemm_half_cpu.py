@@ -23,11 +23,18 @@ from perfx_compiler.schedule_template import (
     ScheduleTemplate,
     Workload,
     is_cpu_target,
-    make_workload,
     vector_lanes,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules._matmul import analyze_matmul, schedule_register_tiled, vector_registers
+from schedules._matmul import analyze_matmul, vector_registers
+from schedules.gemm_cpu import (
+    apply_register_tiled,
+    matmul_workload,
+    packed_prefill_default,
+    packed_tiles,
+    panel_vectors,
+    tile_is_valid,
+)
 
 PRIORITY = 15  # before gemm_cpu / gemv_cpu (which decline half B anyway)
 GEMV_MAX_M = 8
@@ -48,41 +55,22 @@ class GemmHalfCPU(ScheduleTemplate):
         lanes = vector_lanes(target)
         if facts.N % lanes or facts.nb % lanes:
             return None
-        return make_workload(
-            self.name,
-            func,
-            target,
-            {"M": facts.M or 0, "N": facts.N, "K": facts.K},
-            symbolic="M" if facts.M is None else None,
-            info=facts.info(),
-            version=self.version,
-        )
+        return matmul_workload(self.name, func, target, facts, self.version)
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
         lanes = vector_lanes(target)
         N, nb = workload.dims["N"], int(workload.info["nb"])
-        nrs = [v * lanes for v in range(1, nb // lanes + 1) if nb % (v * lanes) == 0]
-        ncs = sorted({c for c in nrs if nb % c == 0} | {nb * f for f in (1, 2, 3, 4, 6, 8) if (N // nb) % f == 0})
+        nrs, ncs = packed_tiles(N, nb, lanes, (1, 2, 3, 4, 6, 8))
         M = workload.dims["M"]
         mrs = [M] if 0 < M <= GEMV_MAX_M else [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14]
         return {"mr": mrs, "nr": nrs, "nc": ncs, "parallel": ["n", "nm"], "pack_x": [True, False], "k_unroll": [1, 2, 4]}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
-        lanes = vector_lanes(target)
-        N, K, M = workload.dims["N"], workload.dims["K"], workload.dims["M"]
-        nb = int(workload.info["nb"])
-        mr, nr, nc = int(config.get("mr", 0)), int(config.get("nr", 0)), int(config.get("nc", 0))
-        if not (mr >= 1 and nr >= lanes and nr % lanes == 0 and nc >= nr and nc % nr == 0 and N % nc == 0):
-            return False
-        if nb % nr or (nc % nb and nb % nc):
-            return False  # a micro-tile lies inside one compile-time panel
-        if 0 < M <= GEMV_MAX_M and mr != M:
+        M = workload.dims["M"]
+        if 0 < M <= GEMV_MAX_M and int(config.get("mr", 0)) != M:
             return False  # static rows: the tile is all of them (padding would only add work)
-        ku = int(config.get("k_unroll", 1))
-        if ku < 1 or K % ku:
-            return False
-        # Accumulators + the widened B vectors + a broadcast x fit the register file.
-        return mr * (nr // lanes) + nr // lanes + 1 <= vector_registers(target)
+        # a micro-tile lies inside one compile-time panel; the B vectors are the widened halves
+        return tile_is_valid(workload.dims, config, int(workload.info["nb"]), target)
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
         lanes = vector_lanes(target)
@@ -93,22 +81,14 @@ class GemmHalfCPU(ScheduleTemplate):
         if 0 < M <= GEMV_MAX_M:
             # Decode: every weight byte is read once, so the only concern is splitting N evenly
             # over the cores: the widest nc (a divisor of nb) leaving >= 4 tasks per core.
-            nv = nb // lanes
-            while nv > 1 and (nb % (nv * lanes) or M * nv + nv + 1 > regs):
-                nv -= 1
-            nr = nv * lanes
+            nr = panel_vectors(nb, lanes, regs, M) * lanes
             nc = nr
             for c in sorted({c for c in range(nr, nb + 1, nr) if nb % c == 0}, reverse=True):
                 if N // c >= 4 * cores:
                     nc = c
                     break
             return {"mr": M, "nr": nr, "nc": nc, "parallel": "n", "pack_x": True, "k_unroll": 1}
-        # Prefill: the panel as the micro-tile width, as many rows as the registers hold.
-        nv = nb // lanes
-        while nv > 1 and (nb % (nv * lanes) or 2 * nv + nv + 1 > regs):
-            nv -= 1
-        mr = max(1, min(8, (regs - nv - 1) // nv))
-        return {"mr": mr, "nr": nv * lanes, "nc": nb, "parallel": "nm", "pack_x": True, "k_unroll": 1}
+        return packed_prefill_default(nb, lanes, regs)  # prefill: gemm_cpu's over packed panels
 
     def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
         facts = analyze_matmul(func, allow_half=True)
@@ -116,18 +96,7 @@ class GemmHalfCPU(ScheduleTemplate):
             raise ScheduleConfigError("function is no longer a half-weight matmul this template understands")
         if not self.is_valid(workload, config, target):
             raise ScheduleConfigError(f"invalid gemm_half_cpu config {config} for {workload.dims}")
-        return schedule_register_tiled(
-            func,
-            facts,
-            mr=int(config["mr"]),
-            nr=int(config["nr"]),
-            nc=int(config["nc"]),
-            lanes=vector_lanes(target),
-            parallel=str(config["parallel"]),
-            pack_x=bool(config.get("pack_x", True)),
-            pack_b=False,
-            k_unroll=int(config.get("k_unroll", 1)),
-        )
+        return apply_register_tiled(func, facts, config, target, pack_b=False)
 
 
 TEMPLATE = GemmHalfCPU()
