@@ -34,6 +34,7 @@ from typing import Any
 
 from tvm.script import tirx as T
 
+from perfx_compiler.errors import UnsupportedModelError
 from perfx_compiler.kernels.paged_attention import paged_attention_func
 
 NEG = -3.0e38  # finite "minus infinity": exp(NEG - m) is 0, never NaN
@@ -47,7 +48,9 @@ def paged_threads(head_dim: int, max_threads: int = 256) -> int:
     while t < head_dim:
         t *= 2
     if t > max_threads:
-        raise ValueError(f"head_dim {head_dim} needs {t} threads a block, more than the target's {max_threads}")
+        raise UnsupportedModelError(
+            f"paged attention (GPU): head_dim {head_dim} needs {t} threads a block, more than the target's {max_threads}"
+        )
     return t
 
 
@@ -82,7 +85,10 @@ def paged_attention_kernel_gpu(
     QT = query_tile or paged_query_tile(D, TS)
     scale = 1.0 / math.sqrt(D)
     if H % KVH or D % 2 or TS < D or TS & (TS - 1) or QT < 1:
-        raise ValueError(f"paged attention (GPU): bad shape H={H} KVH={KVH} D={D} threads={TS} query tile={QT}")
+        raise UnsupportedModelError(
+            f"paged attention (GPU): unsupported shape heads={H} kv_heads={KVH} head_dim={D} threads={TS} "
+            f"query tile={QT} (heads must be a multiple of kv_heads, head_dim even, threads a power of two >= head_dim)"
+        )
 
     @T.macro
     def halve(NQ, src, dst, off, tx):

@@ -123,6 +123,18 @@ def test_paged_attention_gpu_matches_numpy(target: str, shape: str) -> None:
             assert err < TOL, f"{target} {shape} batch={batch} seq={seq} pos={pos} {name}: error {err:.2e}"
 
 
+def test_paged_attention_gpu_bad_shapes_are_one_line_errors() -> None:
+    from perfx_compiler.errors import UnsupportedModelError
+    from perfx_compiler.kernels.paged_attention_gpu import paged_attention_kernel_gpu, paged_query_tile
+
+    with pytest.raises(UnsupportedModelError, match="multiple of kv_heads"):
+        paged_attention_kernel_gpu(9, 2, 64, MAXC, 16)
+    with pytest.raises(UnsupportedModelError, match="head_dim 300 needs 512 threads"):
+        paged_attention_kernel_gpu(4, 4, 300, MAXC, 16)
+    # the query tile shrinks so that a block's shared memory fits WebGPU's 16 KiB
+    assert [paged_query_tile(d, t) for d, t in ((64, 64), (128, 128), (256, 256))] == [8, 8, 4]
+
+
 @pytest.fixture(scope="module")
 def host_streams(tiny_gguf, tmp_path_factory) -> dict:
     """x86 decode logits of two token streams (each from an empty cache): the batched step's reference."""
