@@ -24,8 +24,14 @@ of the residual stream, all tokens) and at the logits (max |dlogit| / max |logit
 position, like the engine check; and the share of positions whose argmax changed); for int8 the
 share of int8 codes that differ from the base at each layer's linears is recorded.
 
+Reading the plot: the residual metric is normalized by max |x|, so SmolLM2's massive activations (one
+channel ~100x the rest from layer ~11 on) push every curve down there; the logits rows of the CSV are
+the comparable numbers. ``i8 vs f64`` is the int8 quantization error itself: the level a flip cascade
+saturates at.
+
 With ``--engine`` it also runs the compiled int8 artifact: prefill logits vs token-by-token decode
-(the number the issue reports) and both vs the numpy ``i8`` / ``f64`` references.
+(the number the issue reports), both vs the numpy ``i8`` / ``f64`` references, and how many of 32
+greedy tokens after a text prompt agree when the prompt's KV cache comes from prefill or from decode.
 
     python benchmarks/int8_drift.py [--models tinyllama,smollm2] [--tokens 32] [--layers 0] [--engine]
 
@@ -54,6 +60,7 @@ MODELS = {  # name -> (GGUF, int8-activation artifact the peer benchmarks build 
     "smollm2-q4_0": (BENCH / "models/SmolLM2-135M-Instruct.Q4_0.gguf",
                      BENCH / "perfx-smollm2-135m-instruct.q4_0-gguf-ctx1024"),
 }
+PROMPT = "Once upon a time, there was a little girl named"  # models.md's SmolLM2 greedy check
 GROUP = 32  # activation group of every GGUF Q4_0/Q4_1/Q8_0 VNNI kernel (the weight block)
 
 
@@ -199,6 +206,33 @@ def engine_logits(art: Path, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return pre, np.stack(steps)
 
 
+def engine_greedy(art: Path, prompt: str, n: int) -> tuple[list[int], list[int]]:
+    """Greedy tokens after ``prompt`` with its KV cache written by prefill (GEMM) and by token-by-token
+    decode (GEMV); the generated tokens run through decode either way."""
+    from tokenizers import Tokenizer
+
+    from perfx_compiler.runtime.engine import Engine
+
+    ids = Tokenizer.from_file(str(art / "tokenizer.json")).encode(prompt).ids
+    eng = Engine(art)
+    outs = []
+    for via_prefill in (True, False):
+        eng.reset()
+        if via_prefill:
+            logits = np.asarray(eng.prefill(ids)).reshape(-1)
+        else:
+            logits = np.asarray(eng.prefill(ids[:1])).reshape(-1)
+            for t in ids[1:]:
+                logits = np.asarray(eng.decode(t)).reshape(-1)
+        toks = []
+        for _ in range(n):
+            toks.append(int(np.argmax(logits)))
+            logits = np.asarray(eng.decode(toks[-1])).reshape(-1)
+        outs.append(toks)
+    del eng
+    return outs[0], outs[1]
+
+
 def study(name: str, tokens: int, layers: int, eps: float, engine: bool, seed: int) -> list[dict[str, Any]]:
     from perfx_compiler.model.gguf import load_gguf
 
@@ -235,6 +269,11 @@ def study(name: str, tokens: int, layers: int, eps: float, engine: bool, seed: i
     logits = ls.run(nl, on_layer)
     print(f"  {name}: {nl} layers x {tokens} tokens x {len(ls.vs)} variants in {time.time() - t0:.0f} s", flush=True)
     add("i8", "f64", "logits", "logit_rel_last", rel(logits["i8"][-1], logits["f64"][-1]))  # int8 error itself
+    # how close greedy decoding is to a tie: (top1 - top2) / max |logit| per position, float reference
+    top = np.sort(logits["f64"], axis=1)[:, -2:]
+    gap = (top[:, 1] - top[:, 0]) / np.abs(logits["f64"]).max(axis=1)
+    add("f64", "", "logits", "top2_gap_median", float(np.median(gap)))
+    add("f64", "", "logits", "top2_gap_min", float(gap.min()))
     add("i8", "f64", "logits", "argmax_changed", float(np.mean(logits["i8"].argmax(1) != logits["f64"].argmax(1))))
     for v in ls.vs:
         if not v.base:
@@ -258,8 +297,11 @@ def study(name: str, tokens: int, layers: int, eps: float, engine: bool, seed: i
             for b in ("i8", "f64"):
                 add(en, b, "logits", "logit_rel_last", rel(e[-1], logits[b][-1]))
                 add(en, b, "logits", "argmax_changed", float(np.mean(e.argmax(1) != logits[b].argmax(1))))
+        a, b = engine_greedy(art, PROMPT, 32)
+        same = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        add("engine_prefill", "engine_decode", "greedy", "greedy_same_prefix", float(same))
     for r in rows:
-        if r["layer"] == "logits":
+        if r["layer"] in ("logits", "greedy"):
             print(f"  {name} {r['variant']} vs {r['vs']}: {r['metric']} = {r['value']:.3g}", flush=True)
     return rows
 
