@@ -152,6 +152,8 @@ def tune_task(
                 error=res.error,
                 dims=dict(wl.dims),
             )
+            if res.extra.get("cold_cache"):  # provenance: weights flushed before each call (tune/traffic.py)
+                record.versions["timing"] = "cold"
             db.add(record)
             result.measured += 1
             if res.ok:

@@ -108,6 +108,7 @@ def test_measurer_times_gemvs_cold_and_records_impossible_times_as_errors(target
     assert res.measured == 1 and res.best is None
     (record,) = db.records()
     assert not record.ok and "implausible" in record.error and "GB/s" in record.error
+    assert record.versions.get("timing") == "cold"
     assert db.best(wl.key, wl.target_key) is None
 
 
