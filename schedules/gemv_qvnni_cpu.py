@@ -7,7 +7,8 @@ q8 — the ``--activations int8`` path).
   int4, a row for int8); per-group float scales through one ``vpermps`` per step, zero point /
   min once per 16 groups (see ``_vnni_kernels``). Knobs: ``units`` per iteration (rows sharing
   each activation load), ``tasks`` (parallel chunks of rows), ``unroll`` (steps per inner loop),
-  ``prefetch`` (software prefetch distance of the codes; 0 = hardware prefetch only), ``split``
+  ``prefetch`` (software prefetch distance of the codes in 64-byte steps, default 128; 0 = hardware
+  prefetch only), ``split``
   (float accumulators per row, by turns over the steps: shorter FMA dependency chains), ``hinib``
   (int4: the odd row's codes as ``q & 0xF0``, 1/16 in its scale: no shift per step).
 * Dequantize (prefill) and the embedding gather read the same layout.
@@ -90,7 +91,7 @@ class GemvQVnniCPU(ScheduleTemplate):
             "units": [1, 2, 4] if d["bits"] == 4 else [1, 2, 4, 8],
             "tasks": tasks,
             "unroll": [1, 2, 4, 8],
-            "prefetch": [0, 16],  # software prefetch of the codes, in 64-byte steps ahead (0: off)
+            "prefetch": [0, 16, 64, 128, 256],  # software prefetch of the codes, in 64-byte steps ahead (0: off)
             "split": [1, 2],
             "hinib": [0, 1] if d["bits"] == 4 else [0],
         }
@@ -111,7 +112,12 @@ class GemvQVnniCPU(ScheduleTemplate):
         split = 2 if units * (2 if d["bits"] == 4 else 1) * m * 3 <= MAX_REGS else 1
         if os.environ.get("PERFX_VNNI_GEMV_BASE") == "1":  # A/B baseline: the kernel before split/hinib
             return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0}
-        return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0, "split": split,
+        # Codes prefetched 128 steps (8 KiB) ahead: the hardware prefetchers alone keep too few lines in
+        # flight while the core also computes; one thread read ~75% of the probe's one-thread bandwidth
+        # without it. At TinyLlama's shapes, 2 threads, per-call best and 10th percentile GB/s rose
+        # 6-27% (benchmarks/gemv_qvnni_shapes_bw.py); 16 steps (1 KiB) did not help.
+        prefetch = int(os.environ.get("PERFX_VNNI_GEMV_PREFETCH", "128"))  # A/B: 0 = hardware only
+        return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": prefetch, "split": split,
                 "hinib": 1 if d["bits"] == 4 else 0}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:

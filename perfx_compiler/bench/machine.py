@@ -210,6 +210,22 @@ class BandwidthProbe:
         secs = self.lib.px_read(self._ptr, self.n, int(threads or self.threads), int(reps), ctypes.byref(sink))
         return self.n * 4 / secs / 1e9
 
+    def chunk_gbs(self, chunk_bytes: int, count: int, threads: int | None = None) -> list[float]:
+        """GB/s of ``count`` single reads of ``chunk_bytes`` windows, walking through the buffer (each
+        window is cold: the buffer is far larger than the LLC). Their best / upper percentiles are a
+        ceiling for kernels timed per call on a busy machine, where a 1 GiB pass is rarely undisturbed."""
+        if not self._ptr:
+            raise RuntimeError("the bandwidth probe was closed")
+        n = max(128, chunk_bytes // 4 // 128 * 128)
+        windows = max(1, self.n // n)
+        sink = ctypes.c_double(0.0)
+        out = []
+        for i in range(count):
+            ptr = self._ptr + (i % windows) * n * 4
+            secs = self.lib.px_read(ptr, n, int(threads or self.threads), 1, ctypes.byref(sink))
+            out.append(n * 4 / secs / 1e9)
+        return out
+
     def close(self) -> None:
         if self._ptr:
             self.lib.px_free(self._ptr)
