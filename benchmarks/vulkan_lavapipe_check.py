@@ -10,6 +10,10 @@ lm_head read as uint32 words). The same tokens go through an x86 build of the sa
 (``--host-build`` reuses one) and :class:`perfx_compiler.model.reference.ReferenceModel` (float64 on the
 file's dequantized weights). Exits 1 when the logits differ from x86's by more than 1e-3 x scale or the
 greedy tokens differ; appends one row to ``--csv``.
+
+Other weights: ``--model /tmp/perfx-bench/models/SmolLM2-135M-Instruct.Q4_0.gguf`` (a GGUF path: its Q4_0
+blocks, symmetric int4 with one scale per 32), ``--quantization q4_g128`` (asymmetric int4, a scale and
+zero point per 128, quantized from the shipped file's dequantized weights), ``q8``.
 """
 
 from __future__ import annotations
