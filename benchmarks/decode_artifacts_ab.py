@@ -1,0 +1,159 @@
+"""Decode A/B of PerfX artifacts of one model (e.g. a template knob at two values), alternated in one
+process, each decode bracketed by the read-bandwidth probe; per-token times kept.
+
+    PERFX_VNNI_GEMV_PREFETCH=0 perfx-compile model.gguf -o /tmp/a ...   (and the other build to /tmp/b)
+    python benchmarks/decode_artifacts_ab.py /tmp/a /tmp/b --labels prefetch0,prefetch128 --name tinyllama-q4_0
+        [--rounds 8] [--tokens 64] [--prompt-tokens 32] [--threads 2]
+
+Per round and artifact (order reversed every round): probe (1 GiB, best of 3), greedy decode of
+``--tokens`` tokens after the prompt, each token timed, probe again. Reported per artifact:
+
+* ``tok_s``: median over rounds of the round's tokens/s; ``frac_of_probe``: median over rounds of
+  weight GB/s (bytes the decode step reads, ``perfx_weight_bytes``) over the round's probe mean;
+* ``token_p10_ms`` / ``p10_gbs``: the 10th-percentile token time over all rounds, and its GB/s: on a
+  busy machine the fastest tokens are the ones no other process disturbed;
+* ``speedup``: per round, the first artifact's time over this one's (paired), median.
+
+Both artifacts must produce the same greedy tokens (the count of equal tokens is recorded).
+Writes benchmarks/results/decode_ab_<name>.csv (every round, then the summary) and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifacts", nargs="+")
+    ap.add_argument("--labels", default=None)
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    from perfx_compiler.bench.engines import perfx_weight_bytes
+    from perfx_compiler.bench.machine import BandwidthProbe
+    from perfx_compiler.runtime.engine import Engine
+
+    labels = args.labels.split(",") if args.labels else [Path(a).name for a in args.artifacts]
+    engines = [Engine(a, verify=False) for a in args.artifacts]
+    wbytes = [perfx_weight_bytes(e.manifest, a) for e, a in zip(engines, args.artifacts, strict=True)]
+    vocab = int(engines[0].manifest["model"]["vocab_size"])
+    prompt = np.random.default_rng(0).integers(100, max(101, min(vocab, 20000)), args.prompt_tokens).tolist()
+
+    def decode(e: Any) -> tuple[list[float], list[int]]:
+        e.reset()
+        tok = int(np.argmax(e.prefill(prompt)))
+        times, toks = [], []
+        for _ in range(args.tokens):
+            t = time.perf_counter()
+            tok = int(np.argmax(e.decode(tok)))
+            times.append(time.perf_counter() - t)
+            toks.append(tok)
+        return times, toks
+
+    for e in engines:  # warm-up: page in the weights
+        decode(e)
+    rows: list[dict[str, Any]] = []
+    all_times: dict[str, list[float]] = {lb: [] for lb in labels}
+    ref_tokens: list[int] | None = None
+    same: dict[str, int] = {}
+    with BandwidthProbe(args.threads, 1 << 30) as probe:
+        for r in range(args.rounds):
+            order = list(range(len(engines))) if r % 2 == 0 else list(range(len(engines)))[::-1]
+            for i in order:
+                before = probe.measure(3)
+                time.sleep(0.05)
+                times, toks = decode(engines[i])
+                time.sleep(0.3)  # the engine's pool threads stop spinning before the probe
+                after = probe.measure(3)
+                if i == 0 or ref_tokens is None:  # greedy tokens are deterministic: any round's will do
+                    ref_tokens = toks if i == 0 else ref_tokens
+                same[labels[i]] = sum(a == b for a, b in zip(toks, ref_tokens or toks, strict=False))
+                total = sum(times)
+                gbs = wbytes[i] * len(times) / total / 1e9
+                all_times[labels[i]] += times
+                rows.append({"round": r, "variant": labels[i], "artifact": args.artifacts[i], "tok_s": round(len(times) / total, 3),
+                             "gbs": round(gbs, 2), "probe_before_gbs": round(before, 2), "probe_after_gbs": round(after, 2),
+                             "frac_of_probe": round(gbs / ((before + after) / 2), 4),
+                             "token_p10_ms": round(1e3 * float(np.percentile(times, 10)), 3),
+                             "weight_mb": round(wbytes[i] / 1e6, 1), "load_avg_1m": round(os.getloadavg()[0], 2),
+                             "threads": args.threads})
+                print(f"round {r} {labels[i]:<14} {rows[-1]['tok_s']:7.2f} tok/s  {gbs:5.1f} GB/s  probe {before:5.1f}/"
+                      f"{after:5.1f}  {100 * rows[-1]['frac_of_probe']:4.0f}%  p10 {rows[-1]['token_p10_ms']:.2f} ms  "
+                      f"load {rows[-1]['load_avg_1m']}", flush=True)
+    summary = []
+    for i, lb in enumerate(labels):
+        mine = [r for r in rows if r["variant"] == lb]
+        base = [r for r in rows if r["variant"] == labels[0]]
+        p10 = float(np.percentile(all_times[lb], 10))
+        summary.append({"round": "median", "variant": lb, "artifact": args.artifacts[i],
+                        "tok_s": round(statistics.median(r["tok_s"] for r in mine), 3),
+                        "gbs": round(statistics.median(r["gbs"] for r in mine), 2),
+                        "probe_before_gbs": round(statistics.median(r["probe_before_gbs"] for r in mine), 2),
+                        "probe_after_gbs": round(statistics.median(r["probe_after_gbs"] for r in mine), 2),
+                        "frac_of_probe": round(statistics.median(r["frac_of_probe"] for r in mine), 4),
+                        "token_p10_ms": round(1e3 * p10, 3), "p10_gbs": round(wbytes[i] / p10 / 1e9, 2),
+                        "speedup": round(statistics.median(m["tok_s"] / b["tok_s"] for m, b in zip(mine, base, strict=True)), 4),
+                        "same_greedy_tokens": f"{same.get(lb, 0)}/{args.tokens}",
+                        "weight_mb": round(wbytes[i] / 1e6, 1),
+                        "load_avg_1m": round(statistics.median(r["load_avg_1m"] for r in mine), 2), "threads": args.threads})
+    out = Path(args.out) if args.out else RESULTS / f"decode_ab_{args.name}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(summary[0]), restval="")
+        w.writeheader()
+        w.writerows(rows + summary)
+    for s in summary:
+        print(f"{s['variant']:<14} {s['tok_s']:7.2f} tok/s  x{s['speedup']:.3f} paired  {100 * s['frac_of_probe']:4.0f}% of "
+              f"probe  p10 token {s['token_p10_ms']:.2f} ms = {s['p10_gbs']:.1f} GB/s  same tokens {s['same_greedy_tokens']}"
+              f"  load {s['load_avg_1m']}")
+    _plot(rows, labels, out.with_suffix(".png"), args.name)
+    print(f"wrote {out}")
+    return 0
+
+
+def _plot(rows: list[dict[str, Any]], labels: list[str], path: Path, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for lb in labels:
+        mine = [r for r in rows if r["variant"] == lb]
+        axes[0].plot([r["round"] for r in mine], [r["tok_s"] for r in mine], "o-", label=lb)
+        axes[1].plot([r["round"] for r in mine], [100 * r["frac_of_probe"] for r in mine], "o-", label=lb)
+    axes[0].set_ylabel("decode tok/s")
+    axes[1].set_ylabel("weight GB/s, % of the bracketing probe")
+    for a in axes:
+        a.set_xlabel("round (alternated)")
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+    load = statistics.median(r["load_avg_1m"] for r in rows)
+    fig.suptitle(f"{name}: decode A/B, {rows[0]['threads']} threads, load {load:.1f}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
