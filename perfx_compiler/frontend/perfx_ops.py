@@ -107,7 +107,7 @@ class PagedAttention(OnnxOpConverter):
         heads = _static(q.ty.shape[2]) // d
         maxc = _static(cos.ty.shape[0])
         name, builder = "paged_attention", paged_attention_kernel
-        if TARGET_FAMILY == "gpu":  # a block per (head, sequence), tree reductions across its threads
+        if TARGET_FAMILY == "gpu":  # a block per (query tile, sequence, head), tree reductions across threads
             name, builder = "paged_attention_gpu", paged_attention_kernel_gpu
         gv = kernel_global_var(name, builder, heads, kvh, d, maxc, page_size, q.ty.dtype, *_index_args(pos))
         out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kp.ty, vp.ty]
