@@ -18,8 +18,10 @@ MAXC = 256
 SHAPES = {"smollm2": (9, 3, 64, 16), "gqa4": (8, 2, 32, 8)}  # (heads, kv heads, head_dim, page size)
 TOL = 2e-5  # relative to the largest |value|
 # (batch, chunk, first position of sequence 1 or None = random): decode; a chunk inside one query
-# tile; 21 = 8 + 8 + 5 and 17 = 8 + 8 + 1 queries (partial last tiles) starting mid-page, over pages
-CASES = ((3, 1, None), (2, 5, None), (2, 21, 37), (3, 17, 100))
+# tile; 21 = 8 + 8 + 5 and 17 = 8 + 8 + 1 queries (partial last tiles) starting mid-page, over pages;
+# a 250-token chunk from position 0 (the per-query loop kernel this replaced went wrong on lavapipe
+# from query 234 of a 256-token chunk)
+CASES = ((3, 1, None), (2, 5, None), (2, 21, 37), (3, 17, 100), (1, 250, None))
 
 
 def paged_reference(q, k, v, kp, vp, pos, table, cos, sin, shape=SHAPES["smollm2"]):
