@@ -205,7 +205,24 @@ def max_rel_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     return err
 
 
-FLUSH_PREPROC = "cache_flush_cpu_non_first_arg"  # TVM builtin: clflush every argument but the first
+FLUSH_PREPROC = "perfx.tune.flush_but_first"
+
+
+def _register_flush() -> str:
+    """time_evaluator's preproc for cold timing: TVM's ``cache_flush_cpu_non_first_arg`` (clflush
+    of every buffer) over the tensor arguments after the first; the builtin alone casts every
+    argument to a tensor and throws on a scalar one (a shape var passed explicitly)."""
+    import tvm
+    import tvm_ffi
+
+    if tvm_ffi.get_global_func(FLUSH_PREPROC, allow_missing=True) is None:
+        builtin = tvm_ffi.get_global_func("cache_flush_cpu_non_first_arg")
+
+        def flush(*args: Any) -> None:
+            builtin(args[0], *(a for a in args[1:] if isinstance(a, tvm.runtime.Tensor)))
+
+        tvm_ffi.register_global_func(FLUSH_PREPROC, flush)
+    return FLUSH_PREPROC
 
 
 def time_module(
@@ -219,8 +236,8 @@ def time_module(
     number of calls is ``repeat`` rounds of about ``min_ms`` each (at least ``repeat``, at most 400).
     ``number`` > 1 keeps the old batched statistic for callers that ask for it.
 
-    ``cold`` (decode GEMVs, see ``tune/traffic.py``): before every call, every argument but the
-    first (x) is flushed from the caches, so the weights come from DRAM as they do in the model.
+    ``cold`` (decode GEMVs, see ``tune/traffic.py``): before every call, every tensor argument but
+    the first (x) is flushed from the caches, so the weights come from DRAM as they do in the model.
     The flush is time_evaluator's ``f_preproc``, which runs outside the timed region (TVM's
     WrapTimeEvaluator starts its timer after it); it costs ~1.2 ms per 30 MB (the lm-head
     weight), ~20 us for a 0.2 MB one, so a cold candidate adds at most ~0.5 s of wall time.
@@ -230,7 +247,7 @@ def time_module(
 
     dev = tvm.cpu()
     tensors = [_to_arg(a, dev) for a in random_inputs(func, m_value, seed=1)]
-    preproc = FLUSH_PREPROC if cold else ""
+    preproc = _register_flush() if cold else ""
     if number > 1:  # batched means: a flush per repeat would only reach the first call of each
         res = rt.time_evaluator("main", dev, number=number, repeat=repeat, min_repeat_ms=min_ms)(*tensors)
         samples = np.asarray(res.results, dtype=np.float64)

@@ -83,12 +83,13 @@ def kernel_traffic(func: Any, workload: Any, m_value: int) -> KernelTraffic | No
     specs = [(name, shape, dtype) for name, shape, dtype in every if shape is not None]
     inputs = [(name, _nbytes(shape, dtype)) for name, shape, dtype in specs if name not in outs]
     total = sum(b for _, b in inputs)
-    # The flush (TVM's cache_flush_cpu_non_first_arg) keeps the first argument hot, as the model
-    # does with x (written by the previous kernel): only right when the first argument is x, not
-    # a weight; otherwise time warm rather than flush the wrong buffers.
-    first_small = bool(specs) and specs[0][0] not in outs and 4 * _nbytes(specs[0][1], specs[0][2]) <= total
-    # ... and it casts every argument to a tensor: a scalar one (a shape var passed explicitly) throws.
-    cold = rows <= COLD_MAX_ROWS and first_small and len(specs) == len(every)
+    # The flush (measure.time_module) keeps the first argument hot, as the model does with x
+    # (written by the previous kernel): only right when the first argument is x, not a weight;
+    # otherwise time warm rather than flush the wrong buffers.
+    first = every[0] if every else None
+    first_small = (first is not None and first[1] is not None and first[0] not in outs
+                   and 4 * _nbytes(first[1], first[2]) <= total)
+    cold = rows <= COLD_MAX_ROWS and first_small
     return KernelTraffic(total, 2.0 * rows * dims["N"] * dims["K"], rows, cold)
 
 
