@@ -54,6 +54,8 @@ class RelaxKernelRunner:
         values: dict[Any, Any] = dict(zip(func.params, args, strict=True))
 
         def get(expr: Any) -> Any:
+            if isinstance(expr, relax.Var) and expr not in values and getattr(expr, "name", None) in env:
+                return int(env[expr.name])  # a shape variable passed as a scalar (the last-token lm_head's seq)
             if isinstance(expr, relax.Var):
                 return values[expr]
             if isinstance(expr, relax.Tuple):

@@ -137,6 +137,9 @@ def test_paged_attention_gpu_bad_shapes_are_one_line_errors() -> None:
     assert [paged_query_tile(d, t) for d, t in ((64, 64), (128, 128), (256, 256))] == [8, 8, 4]
 
 
+LONG_STREAM = [(7 * i + 3) % 100 for i in range(20)]  # prefilled as chunks of 11 (8 + 3) and 9 (8 + 1)
+
+
 @pytest.fixture(scope="module")
 def host_streams(tiny_gguf, tmp_path_factory) -> dict:
     """x86 decode logits of two token streams (each from an empty cache): the batched step's reference."""
@@ -152,7 +155,9 @@ def host_streams(tiny_gguf, tmp_path_factory) -> dict:
     for stream in streams:
         engine = Engine(out)
         refs.append(np.stack([engine.decode(t) for t in stream]))
-    return {"streams": streams, "logits": np.stack(refs, axis=1)}  # [steps, sequences, vocab]
+    engine = Engine(out)
+    long = np.stack([engine.decode(t) for t in LONG_STREAM])
+    return {"streams": streams, "logits": np.stack(refs, axis=1), "long": long}  # [steps, sequences, vocab]
 
 
 @pytest.mark.parametrize("target", ["vulkan", "mali"])
@@ -172,3 +177,37 @@ def test_paged_decode_steps_match_x86(target: str, tiny_gguf, host_streams) -> N
     err = np.abs(got - want).max()
     assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"{target} paged decode: logits differ from x86 by {err}"
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("target", ["vulkan", "mali"])
+def test_paged_prefill_chunks_match_x86(target: str, tiny_gguf, host_streams) -> None:
+    """Whole ``paged_prefill`` calls (batched serving's chunked prefill) through our launcher: a
+    20-token prompt as a chunk of 11 from position 0 then one of 9 from position 11 (the second starts
+    mid-sequence; both span query tiles, the last of them partial), on shuffled pages. Each chunk's
+    last logits = the x86 build's decode logits of the same token after the same prefix."""
+    from targets_common import MAX_CONTEXT
+
+    from perfx_compiler.model.onnx_emit import pages_per_sequence, pool_shape
+    from perfx_compiler.pipeline import index_dtype_of
+    from perfx_compiler.targets_exec.reference import lowered_module
+    from perfx_compiler.targets_exec.relax_exec import RelaxKernelRunner
+
+    launcher = _launcher(target)
+    state, _ = lowered_module(str(tiny_gguf), target, max_context=MAX_CONTEXT)
+    cfg = state.desc.config
+    index = np.dtype(index_dtype_of(state.target))
+    runner = RelaxKernelRunner(state.mod, state.target.tvm(), launcher)
+    npp = pages_per_sequence(cfg)
+    table = np.random.default_rng().permutation(2 * npp)[:npp].reshape(1, npp).astype(index)
+    pools = [launcher.to_device(np.zeros(pool_shape(cfg, 2 * npp), np.float32)) for _ in range(2 * cfg.num_layers)]
+    weights = [launcher.to_device(np.asarray(w)) for w in state.weights.values()]
+    want = host_streams["long"]
+    for start, end in ((0, 11), (11, 20)):
+        ids = launcher.to_device(np.array([LONG_STREAM[start:end]], index))
+        pos = launcher.to_device(np.array([start], index))
+        out = runner.run("paged_prefill", [ids, pos, launcher.to_device(table), *pools, *weights])
+        got = launcher.to_host(out[0] if isinstance(out, list) else out).reshape(-1)[-want.shape[1] :]
+        ref = want[end - 1]
+        err = np.abs(got - ref).max()
+        assert err < 1e-4 * max(1.0, float(np.abs(ref).max())), f"{target} chunk {start}:{end}: logits differ by {err}"
+        assert got.argmax() == ref.argmax()
