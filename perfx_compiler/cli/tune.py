@@ -163,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     if summary.failed:
         note += f"; {len(summary.failed)} workloads could not be measured (left at defaults): {', '.join(summary.failed[:4])}"
     print(f"measured {summary.measured} candidates in {summary.seconds:.0f} s, shared {summary.shared} records "
-          f"with equivalent workloads; log {path}{note}")
+          f"with equivalent workloads, confirmed {summary.confirmed} winners ({summary.confirm_s:.0f} s); "
+          f"log {path}{note}")
     return 0
 
 

@@ -81,7 +81,9 @@ class CostModel:
         for r in records:
             wl = workloads.get(r.workload_key)
             dims = wl.dims if wl is not None else r.dims
-            if r.ok and dims:
+            # Confirmations repeat a measured config with another statistic (a median); stale
+            # records rank configurations by a method no longer used (warm decode GEMVs).
+            if r.ok and dims and not r.confirmed and not r.stale:
                 self.add(r.template, dims, r.config, r.bucket, r.mean_s)
 
     def _matrix(self, rows: list[dict[str, float]]) -> np.ndarray:

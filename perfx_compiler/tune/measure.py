@@ -247,17 +247,24 @@ def time_module(
 
     dev = tvm.cpu()
     tensors = [_to_arg(a, dev) for a in random_inputs(func, m_value, seed=1)]
-    preproc = _register_flush() if cold else ""
     if number > 1:  # batched means: a flush per repeat would only reach the first call of each
         res = rt.time_evaluator("main", dev, number=number, repeat=repeat, min_repeat_ms=min_ms)(*tensors)
         samples = np.asarray(res.results, dtype=np.float64)
         return float(samples.min()), float(samples.std())
-    first = min(rt.time_evaluator("main", dev, number=1, repeat=2, f_preproc=preproc)(*tensors).results)
-    calls = int(min(400, max(repeat, repeat * min_ms * 1e-3 / max(float(first), 1e-7))))
-    samples = np.asarray(rt.time_evaluator("main", dev, number=1, repeat=calls, f_preproc=preproc)(*tensors).results,
-                         dtype=np.float64)
+    first = float(time_calls(rt, tensors, 2, cold).min())
+    calls = int(min(400, max(repeat, repeat * min_ms * 1e-3 / max(first, 1e-7))))
+    samples = time_calls(rt, tensors, calls, cold)
     # min is robust to the other tenants of a shared machine; std shows the noise.
     return float(samples.min()), float(samples.std())
+
+
+def time_calls(rt: Any, tensors: list[Any], calls: int, cold: bool) -> np.ndarray:
+    """Seconds of ``calls`` single calls of ``main`` on ``tensors`` (cold: see ``time_module``)."""
+    import tvm
+
+    preproc = _register_flush() if cold else ""
+    res = rt.time_evaluator("main", tvm.cpu(), number=1, repeat=int(calls), f_preproc=preproc)(*tensors)
+    return np.asarray(res.results, dtype=np.float64)
 
 
 # ----------------------------------------------------------------------------- worker side
@@ -319,6 +326,9 @@ class LocalMeasurer:
         self._traffics: dict[str, KernelTraffic | None] = {}
         self._tmp = tempfile.TemporaryDirectory(prefix="perfx-measure-")
         self._executor: cf.ProcessPoolExecutor | None = None
+        # Verified builds kept for the confirmation stage (time_rounds): (workload, config) -> .so
+        self._built: dict[tuple[str, str], str] = {}
+        self.round_ms = 10.0  # time_rounds: calls per candidate and round last about this long
         self.threads = configure_threads(target.cores or os.cpu_count() or 1)
 
     # ------------------------------------------------------------------ build pool
@@ -419,6 +429,56 @@ class LocalMeasurer:
             self._traffics[key] = None if workload is None else kernel_traffic(func, workload, m_value)
         return self._traffics[key]
 
+    def _prepare(
+        self, func: Any, template_name: str, workload_key: str, configs: list[dict[str, Any]], m_verify: int
+    ) -> tuple[list[MeasureResult], list[Any]]:
+        """Build (or reuse a kept build of) every config and check it against the reference;
+        returns the results (errors set) and the loaded modules (None where a candidate failed).
+        Verified builds are kept until ``forget``, so confirming a search's winners rebuilds nothing."""
+        import tvm
+
+        from perfx_compiler.tune.records import config_key
+
+        results = [MeasureResult(config=c) for c in configs]
+        keys = [(workload_key, config_key(c)) for c in configs]
+        paths = [self._built.get(k) for k in keys]
+        kept = {i for i, p in enumerate(paths) if p is not None and os.path.exists(p)}
+        todo = [i for i in range(len(configs)) if i not in kept]
+        if todo:
+            fresh = [os.path.join(self._tmp.name, f"c{time.time_ns()}_{i}.so") for i in todo]
+            base = {"func": tvm.ir.save_json(func), "target": _target_payload(self.target), "template": template_name}
+            sub = [results[i] for i in todo]
+            self._build_all(base, [configs[i] for i in todo], fresh, sub)
+            for i, path in zip(todo, fresh, strict=True):
+                paths[i] = path
+        inputs, want = self._reference(workload_key, func, m_verify)
+        modules: list[Any] = [None] * len(configs)
+        for i, (res, path) in enumerate(zip(results, paths, strict=True)):
+            try:
+                if not res.ok:
+                    continue
+                rt = tvm.runtime.load_module(path)
+                if i not in kept:
+                    err = max_rel_error(run_func(rt, func, [a.copy() for a in inputs]), want)
+                    res.extra["max_rel_error"] = err
+                    if not err <= self.tolerance:
+                        res.error = f"wrong result: max relative error {err:.2e}"
+                        continue
+                modules[i] = rt
+                self._built[keys[i]] = str(path)
+            except Exception as err:  # noqa: BLE001
+                res.error = f"run failed: {type(err).__name__}: {str(err)[:200]}"
+            finally:
+                if modules[i] is None:
+                    self._built.pop(keys[i], None)
+                    _remove(path)
+        return results, modules
+
+    def forget(self, workload_key: str) -> None:
+        """Delete the builds kept for ``workload_key`` (its confirmation is done)."""
+        for key in [k for k in self._built if k[0] == workload_key]:
+            _remove(self._built.pop(key))
+
     def measure(
         self,
         func: Any,
@@ -428,31 +488,14 @@ class LocalMeasurer:
         m_value: int,
         m_verify: int | None = None,
     ) -> list[MeasureResult]:
-        import tvm
-
         m_verify = m_verify if m_verify is not None else min(m_value, VERIFY_M) if m_value else VERIFY_M
-        payload_base = {
-            "func": tvm.ir.save_json(func),
-            "target": _target_payload(self.target),
-            "template": template_name,
-        }
-        results = [MeasureResult(config=c) for c in configs]
-        paths = [os.path.join(self._tmp.name, f"c{time.time_ns()}_{i}.so") for i in range(len(configs))]
-        self._build_all(payload_base, configs, paths, results)
-        inputs, want = self._reference(workload_key, func, m_verify)
+        results, modules = self._prepare(func, template_name, workload_key, configs, m_verify)
         traffic = self._traffic(func, template_name, workload_key, m_value)
         cold = traffic is not None and traffic.cold
-        for res, path in zip(results, paths, strict=True):
-            if not res.ok:
+        for res, rt in zip(results, modules, strict=True):
+            if rt is None:
                 continue
             try:
-                rt = tvm.runtime.load_module(path)
-                got = run_func(rt, func, [a.copy() for a in inputs])
-                err = max_rel_error(got, want)
-                res.extra["max_rel_error"] = err
-                if not err <= self.tolerance:
-                    res.error = f"wrong result: max relative error {err:.2e}"
-                    continue
                 res.mean_s, res.std_s = time_module(rt, func, m_value, repeat=self.repeat, min_ms=self.min_repeat_ms,
                                                     cold=cold)
                 res.extra["cold_cache"] = cold
@@ -463,9 +506,63 @@ class LocalMeasurer:
                     res.error, res.mean_s, res.std_s = why, float("inf"), 0.0
             except Exception as err:  # noqa: BLE001
                 res.error = f"run failed: {type(err).__name__}: {str(err)[:200]}"
-            finally:
-                try:
-                    os.remove(path)
-                except OSError:
-                    pass
         return results
+
+    def time_rounds(
+        self,
+        func: Any,
+        template_name: str,
+        workload_key: str,
+        configs: list[dict[str, Any]],
+        m_value: int,
+        rounds: int,
+    ) -> list[MeasureResult]:
+        """Re-time ``configs`` in alternation (the confirmation stage, tune/confirm.py): ``rounds``
+        rounds, each timing every candidate once for about ``round_ms`` of calls, in an order that
+        rotates per round, so load changes hit every candidate alike. A round's value is the
+        median of its calls (a preemption is one slow call, not the round's value); the result's
+        ``mean_s`` is the median over rounds, ``extra["rounds"]`` the per-round values. Same cold /
+        warm mode and plausibility guard as ``measure``."""
+        import tvm
+
+        m_verify = min(m_value, VERIFY_M) if m_value else VERIFY_M
+        results, modules = self._prepare(func, template_name, workload_key, configs, m_verify)
+        traffic = self._traffic(func, template_name, workload_key, m_value)
+        cold = traffic is not None and traffic.cold
+        tensors = [_to_arg(a, tvm.cpu()) for a in random_inputs(func, m_value, seed=1)]
+        live = [i for i, rt in enumerate(modules) if rt is not None]
+        calls: dict[int, int] = {}
+        per_round: dict[int, list[float]] = {i: [] for i in live}
+        for r in range(-1, rounds):  # round -1 sizes the call counts
+            order = live[r % len(live):] + live[: r % len(live)] if live else []
+            for i in order:
+                if results[i].error is not None:
+                    continue
+                try:
+                    if r < 0:
+                        first = float(time_calls(modules[i], tensors, 2, cold).min())
+                        calls[i] = int(min(200, max(3, self.round_ms * 1e-3 / max(first, 1e-7))))
+                        continue
+                    per_round[i].append(float(np.median(time_calls(modules[i], tensors, calls[i], cold))))
+                except Exception as err:  # noqa: BLE001
+                    results[i].error = f"run failed: {type(err).__name__}: {str(err)[:200]}"
+        for i in live:
+            res = results[i]
+            if res.error is not None or not per_round[i]:
+                continue
+            res.mean_s = float(np.median(per_round[i]))
+            res.std_s = float(np.std(per_round[i]))
+            res.extra.update(rounds=per_round[i], cold_cache=cold)
+            why = implausible(res.mean_s, traffic, self.target, cold)
+            if why is not None:
+                res.error, res.mean_s = why, float("inf")
+        return results
+
+
+def _remove(path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        os.remove(path)
+    except OSError:
+        pass

@@ -5,6 +5,15 @@ mean/std seconds (or the error that disqualified it), versions and a timestamp. 
 flushed and fsync'ed so a crash loses at most the line being written; a torn last line is
 skipped with a warning. Records whose target key or workload key differs from what is asked
 for are never returned: a changed function structure or another target simply has no records.
+
+A record whose measurement method changed is stale the same way: ``versions["timing"]`` says how
+it was timed (``cold``: weights flushed before each call, ``warm``); a measured record without it
+predates that field and, when its workload is decode-shaped (``traffic.decode_shaped``: timed
+cold now), was timed warm: it is never returned (nor counted as measured, so a retune re-times it).
+
+A confirmation record (``confirm`` set, written by ``tune/confirm.py`` at the end of a workload's
+search) names the winner of the top candidates and the template default re-timed in alternation;
+``best`` returns the latest confirmation of a (workload, bucket) over the fastest raw record.
 """
 
 from __future__ import annotations
@@ -58,10 +67,26 @@ class TuningRecord:
     source: str = "measured"
     versions: dict[str, str] = field(default_factory=_versions)
     timestamp: float = field(default_factory=time.time)
+    # Confirmation records only (tune/confirm.py): rounds, timing mode and every candidate's
+    # per-round seconds and median; mean_s is then the winner's median, not a fastest call.
+    confirm: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None and math.isfinite(self.mean_s)
+
+    @property
+    def confirmed(self) -> bool:
+        """A confirmation record: its config won the paired re-timing of the top candidates."""
+        return self.confirm is not None
+
+    @property
+    def stale(self) -> bool:
+        """Measured with a method the tuner no longer uses: a decode-shaped workload (timed cold
+        now) whose record carries no timing provenance (timed warm, before cold timing existed)."""
+        from perfx_compiler.tune.traffic import decode_shaped
+
+        return self.source != "predicted" and "timing" not in self.versions and decode_shaped(self.dims, self.bucket)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -88,6 +113,7 @@ class TuningRecord:
             source=str(data.get("source") or "measured"),
             versions=dict(data.get("versions") or {}),
             timestamp=float(data.get("timestamp") or 0.0),
+            confirm=data.get("confirm") if isinstance(data.get("confirm"), dict) else None,
         )
 
 
@@ -179,28 +205,42 @@ class TuningDatabase:
             self.add(record)
 
     def for_workload(
-        self, workload_key: str, target_key: str, bucket: int | None = None
+        self, workload_key: str, target_key: str, bucket: int | None = None, include_stale: bool = False
     ) -> list[TuningRecord]:
+        """Records of (workload, target[, bucket]); stale ones (see module doc) only when asked."""
         return [
             r
             for r in self._records
             if r.workload_key == workload_key
             and r.target_key == target_key
             and (bucket is None or r.bucket == bucket)
+            and (include_stale or not r.stale)
         ]
 
     def measured_configs(self, workload_key: str, target_key: str, bucket: int | None = None) -> set[str]:
         """Configs already measured (successfully or not): a resumed search skips them."""
-        return {config_key(r.config) for r in self.for_workload(workload_key, target_key, bucket)}
+        return {config_key(r.config) for r in self.for_workload(workload_key, target_key, bucket) if not r.confirmed}
+
+    def confirmation(self, workload_key: str, target_key: str, bucket: int | None = None) -> TuningRecord | None:
+        """The latest confirmation record of (workload, target, bucket), or None."""
+        rows = [r for r in self.for_workload(workload_key, target_key, bucket) if r.confirmed and r.bucket == bucket]
+        return max(rows, key=lambda r: r.timestamp) if rows else None
 
     def buckets(self, workload_key: str, target_key: str) -> list[int]:
         """M buckets with at least one valid record for (workload, target), ascending."""
         return sorted({r.bucket for r in self.for_workload(workload_key, target_key) if r.ok and r.bucket is not None})
 
     def best(
-        self, workload_key: str, target_key: str, bucket: int | None = None, nearest: bool = False
+        self,
+        workload_key: str,
+        target_key: str,
+        bucket: int | None = None,
+        nearest: bool = False,
+        confirmed: bool = True,
     ) -> TuningRecord | None:
-        """Fastest valid record for (workload, target); measured records beat predicted ones.
+        """The record to build (workload, target) with: the latest confirmation record when one
+        exists (``confirmed=False``: ignore them, the search's view), else the fastest valid
+        record; measured records beat predicted ones, stale ones never count.
 
         For symbolic-M workloads without a bucket, the largest measured bucket decides (prefill
         shapes dominate the time). ``nearest``: when ``bucket`` has no records, use the bucket
@@ -210,6 +250,8 @@ class TuningDatabase:
             if have and bucket not in have:
                 bucket = min(have, key=lambda b: (abs(math.log2(max(b, 1)) - math.log2(max(bucket, 1))), -b))
         rows = [r for r in self.for_workload(workload_key, target_key, bucket) if r.ok]
+        if not confirmed:
+            rows = [r for r in rows if not r.confirmed]
         if not rows:
             return None
         measured = [r for r in rows if r.source != "predicted"]
@@ -219,6 +261,11 @@ class TuningDatabase:
             if buckets:
                 top = max(buckets)
                 rows = [r for r in rows if r.bucket == top]
+        # A confirmation's mean_s is a median over paired rounds, not comparable with a raw
+        # fastest call: when one exists it decides, whatever the raw minimum says.
+        confirmations = [r for r in rows if r.confirmed]
+        if confirmations:
+            return max(confirmations, key=lambda r: r.timestamp)
         return min(rows, key=lambda r: r.mean_s)
 
 

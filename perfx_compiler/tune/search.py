@@ -110,7 +110,7 @@ def tune_task(
     # The default goes first, so every task has a baseline even with a tiny budget.
     candidates.sort(key=lambda c: config_key(c) != config_key(default))
     start = time.perf_counter()
-    best_prev = db.best(wl.key, wl.target_key, bucket)
+    best_prev = db.best(wl.key, wl.target_key, bucket, confirmed=False)  # raw times compare with raw times
     result.best = best_prev
     first = True
     while candidates and result.measured < trials:
@@ -152,8 +152,9 @@ def tune_task(
                 error=res.error,
                 dims=dict(wl.dims),
             )
-            if res.extra.get("cold_cache"):  # provenance: weights flushed before each call (tune/traffic.py)
-                record.versions["timing"] = "cold"
+            # Provenance (records.py: a record whose timing method changed is stale): cold = weights
+            # flushed before each call (tune/traffic.py); measurers that do not say time warm.
+            record.versions["timing"] = "cold" if res.extra.get("cold_cache") else "warm"
             db.add(record)
             result.measured += 1
             if res.ok:

@@ -8,9 +8,13 @@
    every kernel, builds in parallel). Phase B spends the rest of the time budget where the model's
    run time is: groups in order of (baseline seconds x functions using it), each getting a share
    of the remaining time proportional to that weight, the XGBoost model ranking the candidates.
-4. Everything is appended to the log as it is measured (fsync per record), and configurations in
+4. Confirmation (``tune/confirm.py``): when a group's search ends, its top candidates and the
+   template default are re-timed in alternation and the median winner is appended as a
+   confirmation record, which the compiler prefers to the raw fastest record. Groups whose search
+   ended earlier (a resumed session, the budget) are confirmed after phase B.
+5. Everything is appended to the log as it is measured (fsync per record), and configurations in
    the log are never measured again, so a killed session resumes where it stopped; ``trials``
-   counts the records already in the log.
+   counts the records already in the log, a current confirmation is not redone.
 
 ``predict_groups`` is the ``--no-measure`` path; ``import_records`` the ``--import-records`` one.
 """
@@ -30,6 +34,7 @@ from typing import Any
 from perfx_compiler.errors import TuningLogError
 from perfx_compiler.schedule_template import target_key
 from perfx_compiler.targets import TargetDescription
+from perfx_compiler.tune.confirm import confirm_task, is_confirmed
 from perfx_compiler.tune.cost_model import MIN_TRAIN, CostModel, _work
 from perfx_compiler.tune.records import TuningDatabase, TuningRecord, config_key, read_records
 from perfx_compiler.tune.search import EARLY_STOP_GAIN, Measurer, enumerate_space, tune_task
@@ -86,22 +91,33 @@ def group_tasks(tasks: list[TuningTask]) -> list[TaskGroup]:
     return list(groups.values())
 
 
+def _identity(r: TuningRecord) -> tuple[str, bool, float | None]:
+    """What makes a record distinct for copying / importing: its config, whether it is a
+    prediction, and for a confirmation which one (a later one may name an earlier winner again)."""
+    return config_key(r.config), r.source == "predicted", r.timestamp if r.confirmed else None
+
+
 def sync_members(db: TuningDatabase, group: TaskGroup) -> int:
-    """Copy the representative's records to equivalent workloads that lack them; returns how many."""
+    """Copy the representative's records to equivalent workloads that lack them; returns how many.
+    Copies keep the timing provenance, confirmation and (for confirmations) the timestamp."""
     rep = group.rep
     rows = db.for_workload(rep.workload.key, rep.workload.target_key, rep.bucket)
     added = 0
     for member in group.members:
         wl = member.workload
-        have = {(config_key(r.config), r.source == "predicted") for r in db.for_workload(wl.key, wl.target_key, member.bucket)}
+        have = {_identity(r) for r in db.for_workload(wl.key, wl.target_key, member.bucket)}
         for r in rows:
-            if (config_key(r.config), r.source == "predicted") in have:
+            if _identity(r) in have:
                 continue
-            db.add(TuningRecord(
+            copy = TuningRecord(
                 workload_key=wl.key, target_key=wl.target_key, template=r.template, config=dict(r.config),
                 mean_s=r.mean_s, std_s=r.std_s, bucket=member.bucket, error=r.error, dims=dict(wl.dims),
-                source="predicted" if r.source == "predicted" else "shared",
-            ))
+                source="predicted" if r.source == "predicted" else "shared", versions=dict(r.versions),
+                confirm=r.confirm,
+            )
+            if r.confirmed:
+                copy.timestamp = r.timestamp  # the latest confirmation decides: keep the order
+            db.add(copy)
             added += 1
     return added
 
@@ -109,7 +125,8 @@ def sync_members(db: TuningDatabase, group: TaskGroup) -> int:
 def _baseline(db: TuningDatabase, task: TuningTask, target: TargetDescription) -> float | None:
     wl = task.workload
     default = config_key(task.template.default_config(wl, target))
-    rows = [r for r in db.for_workload(wl.key, wl.target_key, task.bucket) if r.ok and r.source != "predicted"]
+    rows = [r for r in db.for_workload(wl.key, wl.target_key, task.bucket)
+            if r.ok and r.source != "predicted" and not r.confirmed]
     for r in rows:
         if config_key(r.config) == default:
             return r.mean_s
@@ -130,6 +147,8 @@ class SessionSummary:
     stopped_by_budget: bool = False
     rows: list[dict[str, Any]] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)  # groups whose reference run failed (left at defaults)
+    confirmed: int = 0  # confirmation records written by this session
+    confirm_s: float = 0.0  # seconds spent confirming
 
 
 def _guarded(group: TaskGroup, fn: Any) -> Any:
@@ -169,6 +188,32 @@ def tune_groups(
     def left() -> float | None:
         return None if time_budget_s is None else time_budget_s - (time.perf_counter() - start)
 
+    can_confirm = hasattr(measurer, "time_rounds")
+    open_groups: dict[str, int] = {}  # rep workload key -> groups not yet confirmed (kept builds)
+    for g in groups:
+        open_groups[g.rep.workload.key] = open_groups.get(g.rep.workload.key, 0) + 1
+
+    confirmed: set[int] = set()
+
+    def confirm(g: TaskGroup) -> None:
+        """The group's confirmation stage (once; a current one is not redone), then its copies."""
+        if not can_confirm or id(g) in broken or id(g) in confirmed:
+            return
+        confirmed.add(id(g))
+        key = g.rep.workload.key
+        if not is_confirmed(db, g.rep, target):
+            t0 = time.perf_counter()
+            rec = _guarded(g, lambda: confirm_task(g.rep, target, db, measurer))
+            summary.confirm_s += time.perf_counter() - t0
+            if rec is not None:
+                summary.confirmed += 1
+                summary.shared += sync_members(db, g)
+                log.info("%s confirmed %s (%s)", g.label, rec.config,
+                         "default" if rec.confirm.get("winner_is_default") else "tuned")
+        open_groups[key] -= 1
+        if open_groups[key] == 0 and hasattr(measurer, "forget"):
+            measurer.forget(key)  # the kept builds of this workload are no longer needed
+
     with tqdm(total=planned, disable=not show_progress, desc="tuning", unit="trial", dynamic_ncols=True) as bar:
         # Phase A: a measured baseline (the default first) for every group, heaviest guesses first.
         for i, g in enumerate(sorted(groups, key=lambda g: -g.weight())):
@@ -201,7 +246,10 @@ def tune_groups(
             share = None if remaining is None else remaining * weight / max(pending_weight, 1e-30)
             pending_weight -= weight
             todo = trials - _known(db, g.rep)
-            if todo <= 0 or (share is not None and share < 1.0):
+            if todo <= 0:
+                confirm(g)  # searched before (a resumed session): confirm it unless already done
+                continue
+            if share is not None and share < 1.0:
                 continue
             res = _guarded(g, lambda g=g, todo=todo, share=share, i=i: tune_task(
                 g.rep, target, db, measurer, model, trials=todo, batch=batch, time_budget_s=share,
@@ -212,6 +260,11 @@ def tune_groups(
                 continue
             summary.measured += res.measured
             summary.shared += sync_members(db, g)
+            confirm(g)  # the end of this workload's search
+    # Groups whose search the budget ended early: confirm what they have (seconds each; the
+    # raw fastest record of a short search is the likeliest noise winner).
+    for g in groups:
+        confirm(g)
     summary.seconds = time.perf_counter() - start
     summary.rows = summary_rows(groups, target, db)
     return summary
@@ -223,13 +276,18 @@ def summary_rows(groups: list[TaskGroup], target: TargetDescription, db: TuningD
         wl = g.rep.workload
         best = db.best(wl.key, wl.target_key, g.rep.bucket)
         base = _baseline(db, g.rep, target)
+        source = None if best is None else best.source
+        if best is not None and best.confirmed:  # paired medians: the default's from the same rounds
+            paired = best.confirm.get("default_median_s")
+            base = paired if paired is not None else base
+            source = "confirmed default" if best.confirm.get("winner_is_default") else "confirmed"
         rows.append({
             "workload": g.label,
             "functions": g.count,
             "trials": _known(db, g.rep),
             "default_us": None if base is None else base * 1e6,
             "best_us": None if best is None else best.mean_s * 1e6,
-            "source": None if best is None else best.source,
+            "source": source,
             "speedup": None if best is None or base is None else base / best.mean_s,
             "config": None if best is None else best.config,
         })
@@ -330,10 +388,10 @@ def import_records(path: Path, db: TuningDatabase, tasks: list[TuningTask], targ
             raise TuningLogError(f"{path}: line {number} has workload {record.workload_key}, which is not a "
                                  f"workload of this model on {target.name} (other model, template or TVM version)")
         incoming.append(record)
-    present = {(r.workload_key, r.bucket, config_key(r.config), r.source) for r in db.records()}
+    present = {(r.workload_key, r.bucket, r.source, *_identity(r)) for r in db.records()}
     added = 0
     for r in incoming:
-        k = (r.workload_key, r.bucket, config_key(r.config), r.source)
+        k = (r.workload_key, r.bucket, r.source, *_identity(r))
         if k in present:
             continue
         db.add(r)

@@ -65,6 +65,23 @@ def _nbytes(shape: tuple[int, ...] | None, dtype: str) -> int:
     return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
+def matmul_rows(dims: dict[str, int], m_value: int | None) -> int:
+    """Rows of a matmul workload: its static M (gemv_qvnni_cpu: batch x rows), else the M it is
+    timed at (a symbolic-M function's bucket); 0 when neither is known."""
+    if "B" in dims and "MM" in dims:  # gemv_qvnni_cpu: static batch x rows
+        return int(dims["B"]) * int(dims["MM"]) or int(m_value or 0)
+    return int(dims.get("M") or 0) or int(m_value or 0)
+
+
+def decode_shaped(dims: dict[str, int] | None, bucket: int | None) -> bool:
+    """Whether a record's workload (its dims and M bucket) is one the measurer times cold, judged
+    from the record alone: a matmul (N and K dims) over at most ``COLD_MAX_ROWS`` rows. Used for
+    records that predate the ``timing`` provenance field (records.py: such records are stale)."""
+    if not dims or not {"N", "K"} <= dims.keys():
+        return False
+    return 0 < matmul_rows(dims, bucket) <= COLD_MAX_ROWS
+
+
 def kernel_traffic(func: Any, workload: Any, m_value: int) -> KernelTraffic | None:
     """Input bytes and flops of a matmul-kind workload at M = m_value; None for other kernels
     (a gather reads one row of its table, attention a pinned cache length: their inputs' size
@@ -74,10 +91,7 @@ def kernel_traffic(func: Any, workload: Any, m_value: int) -> KernelTraffic | No
     dims = workload.dims
     if not {"N", "K"} <= dims.keys() or workload.info.get("kind", "matmul") != "matmul":
         return None
-    if "B" in dims and "MM" in dims:  # gemv_qvnni_cpu: static batch x rows
-        rows = int(dims["B"]) * int(dims["MM"]) or int(m_value)
-    else:
-        rows = int(dims.get("M") or 0) or int(m_value)
+    rows = matmul_rows(dims, m_value)
     outs = output_names(func)
     every = param_specs(func, m_value)
     specs = [(name, shape, dtype) for name, shape, dtype in every if shape is not None]
