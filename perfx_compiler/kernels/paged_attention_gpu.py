@@ -20,9 +20,10 @@ the pools, so it is a launch of its own:
    (running max and sum, rescaled per tile). K and V are read once per tile of queries instead of
    once per query. Shared memory is ``QT * (D + 3T)`` floats whatever the context length, and
    ``QT`` is chosen so that it fits WebGPU's 16 KiB. Tiles of a single query (decode, or a chunk's
-   last tile) are served by a one-query copy of the kernel (its own launch over the same grid, where
-   the other kind's blocks read no keys), so decode does no work for idle rows and keeps a small
-   kernel.
+   last tile) are served by a one-query copy of the kernel (its own launch, one block per (sequence,
+   head) for the last tile; a block whose tile is of the other kind reads no keys), so decode does no
+   work for idle rows and keeps a small kernel; the multi-query kernel's grid is a single idle block
+   when ``seq`` is 1.
 
 The kernel carries ``tirx.is_scheduled`` so no template touches it.
 """
@@ -91,22 +92,38 @@ def paged_attention_kernel_gpu(
         )
 
     @T.macro
-    def halve(NQ, src, dst, off, tx):
-        """One tree-max level for NQ rows: dst[r*TS + t] = max(src[r*TS + t], src[r*TS + t + off]),
+    def halve(NQ, add, src, dst, off, tx):
+        """One tree level for NQ rows: dst[r*TS + t] = src[r*TS + t] (+ or max) src[r*TS + t + off],
         t < off. Reading one buffer and writing another keeps the rows' statements free of
         read-after-write conflicts, so TVM's barrier insertion accepts them under the ``if``."""
         if tx < off:
             for r in T.unroll(T.int64(NQ)):
-                dst[r * TS + tx] = T.max(src[r * TS + tx], src[r * TS + tx + off])
+                if add:
+                    dst[r * TS + tx] = src[r * TS + tx] + src[r * TS + tx + off]
+                else:
+                    dst[r * TS + tx] = T.max(src[r * TS + tx], src[r * TS + tx + off])
+
+    @T.macro
+    def tree(NQ, add, ra, rb, tx):
+        """Sum (add) or max of ra[r*TS : (r+1)*TS] for each of NQ rows, two levels a step (ra -> rb ->
+        ra): the result ends in ra[r*TS], or rb[r*TS] when log2(TS) is odd."""
+        for lv in T.serial(LOG // 2):
+            halve(NQ, add, ra, rb, T.shift_right(T.int64(TS // 2), lv * T.int64(2)), tx)
+            T.tvm_storage_sync("shared")
+            halve(NQ, add, rb, ra, T.shift_right(T.int64(TS // 4), lv * T.int64(2)), tx)
+            T.tvm_storage_sync("shared")
+        if LOG % 2 == 1:
+            halve(NQ, add, ra, rb, T.int64(1), tx)
+            T.tvm_storage_sync("shared")
 
     @T.macro
     def keys(NQ, tiles, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt):
         """Key tiles 0 .. tiles - 1 for the first NQ rotated queries in ``qs`` (query r at position
         p0 + r; rows r >= nq hold zeros and are never written), then their outputs. NQ is a Python
         int: the row loops unroll and the per-row state stays in registers. ``tiles`` is 0 unless
-        this variant serves the block's tile (see ``body``)."""
+        this variant serves the block's tile (see ``attention``)."""
         m = T.decl_buffer((NQ,), "float32", scope="local")  # running max
-        lsum = T.decl_buffer((NQ,), "float32", scope="local")  # running sum
+        lsum = T.decl_buffer((NQ,), "float32", scope="local")  # running sum of this thread's keys
         acc = T.decl_buffer((NQ,), "float32", scope="local")  # output dimension tx, unnormalised
         sc = T.decl_buffer((NQ,), "float32", scope="local")  # this thread's key's scores
         tm = T.decl_buffer((NQ,), "float32", scope="local")  # max after this tile
@@ -132,47 +149,46 @@ def paged_attention_kernel_gpu(
             for r in T.unroll(T.int64(NQ)):
                 ra[r * TS + tx] = sc[r]
             T.tvm_storage_sync("shared")
-            # tree max, two levels a step (ra -> rb -> ra): each row's tile max ends in ra[r * TS]
-            # (rb[r * TS] after the odd last level)
-            for lv in T.serial(LOG // 2):
-                halve(NQ, ra, rb, T.shift_right(T.int64(TS // 2), lv * T.int64(2)), tx)
-                T.tvm_storage_sync("shared")
-                halve(NQ, rb, ra, T.shift_right(T.int64(TS // 4), lv * T.int64(2)), tx)
-                T.tvm_storage_sync("shared")
-            if LOG % 2 == 1:
-                halve(NQ, ra, rb, T.int64(1), tx)
-                T.tvm_storage_sync("shared")
-                for r in T.unroll(T.int64(NQ)):
+            tree(NQ, False, ra, rb, tx)  # each row's max score of the tile
+            for r in T.unroll(T.int64(NQ)):
+                if LOG % 2 == 1:
                     tm[r] = T.max(m[r], rb[r * TS])
-            else:
-                for r in T.unroll(T.int64(NQ)):
+                else:
                     tm[r] = T.max(m[r], ra[r * TS])
             for r in T.unroll(T.int64(NQ)):  # a masked key (score NEG) weighs 0
-                wt[r * TS + tx] = T.if_then_else(sc[r] > T.float32(NEG), T.exp(sc[r] - tm[r]), T.float32(0))
-            T.tvm_storage_sync("shared")
-            for r in T.unroll(T.int64(NQ)):
+                w: T.let[T.float32] = T.if_then_else(sc[r] > T.float32(NEG), T.exp(sc[r] - tm[r]), T.float32(0))
+                wt[r * TS + tx] = w
                 alpha: T.let[T.float32] = T.exp(m[r] - tm[r])
-                lsum[r] = lsum[r] * alpha
+                lsum[r] = lsum[r] * alpha + w  # this thread's keys only: summed across threads at the end
                 acc[r] = acc[r] * alpha
                 m[r] = tm[r]
-            if tx < T.int64(D):  # the weight sums are summed here (only output threads need them)
+            T.tvm_storage_sync("shared")
+            if tx < T.int64(D):
                 for jj in T.serial(T.min(T.int64(TS), last + T.int64(1) - kt * T.int64(TS))):
                     vb: T.let[T.int64] = T.Cast("int64", PT[b, (kt * T.int64(TS) + jj) // PS])
                     vv: T.let[T.float32] = VP[vb, (kt * T.int64(TS) + jj) % PS, kh, tx]
                     for r in T.unroll(T.int64(NQ)):  # v row j is read once for all the queries
-                        lsum[r] = lsum[r] + wt[r * TS + jj]
                         acc[r] = acc[r] + wt[r * TS + jj] * vv
             T.tvm_storage_sync("shared")  # ra / wt are rewritten by the next tile
+        # the weight sums: one tree over the threads' partial sums (all rescaled to the same final max)
+        for r in T.unroll(T.int64(NQ)):
+            ra[r * TS + tx] = lsum[r]
+        T.tvm_storage_sync("shared")
+        tree(NQ, True, ra, rb, tx)
         if tiles > T.int64(0) and tx < T.int64(D):
             for r in T.unroll(T.int64(NQ)):
                 if r < nq:
-                    OUT[b, s0 + r, h * D + tx] = acc[r] / lsum[r]
+                    if LOG % 2 == 1:
+                        OUT[b, s0 + r, h * D + tx] = acc[r] / rb[r * TS]
+                    else:
+                        OUT[b, s0 + r, h * D + tx] = acc[r] / ra[r * TS]
 
     @T.macro
-    def attention(NQ, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq):
-        """The attention kernel for tiles of exactly one query (NQ = 1) or of 2 .. QT (NQ = QT)."""
-        for qt in T.thread_binding((seq + T.int64(QT - 1)) // T.int64(QT), thread="blockIdx.x"):
-            for bh in T.thread_binding(batch * T.int64(H), thread="blockIdx.y"):
+    def attention(NQ, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, gx, gy, base):
+        """The attention kernel for tiles of exactly one query (NQ = 1) or of 2 .. QT (NQ = QT): grid
+        (gx tiles from query ``base`` on, gy = sequence * H + head)."""
+        for qt in T.thread_binding(gx, thread="blockIdx.x"):
+            for bh in T.thread_binding(gy, thread="blockIdx.y"):
                 for tx in T.thread_binding(T.int64(TS), thread="threadIdx.x"):
                     qs = T.decl_buffer((NQ * D,), "float32", scope="shared")  # rotated, scaled queries
                     ra = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # tree max, even levels
@@ -180,13 +196,13 @@ def paged_attention_kernel_gpu(
                     wt = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # the tile's weights
                     b: T.let[T.int64] = bh // T.int64(H)
                     h: T.let[T.int64] = bh % T.int64(H)
-                    s0: T.let[T.int64] = qt * T.int64(QT)
+                    s0: T.let[T.int64] = base + qt * T.int64(QT)
                     nq: T.let[T.int64] = T.min(T.int64(QT), seq - s0)
                     p0: T.let[T.int64] = T.Cast("int64", POS[b]) + s0  # the tile's first query position
                     last: T.let[T.int64] = p0 + nq - T.int64(1)  # keys 0 .. last are read
                     for r in T.unroll(T.int64(NQ)):
                         if tx < T.int64(HALF):
-                            if r < nq:
+                            if r < nq and (NQ == 1 or nq > 1):  # the other kind's blocks load nothing
                                 x1: T.let[T.float32] = Q[b, s0 + r, h * D + tx]
                                 x2: T.let[T.float32] = Q[b, s0 + r, h * D + tx + HALF]
                                 c: T.let[T.float32] = COS[p0 + r, tx]
@@ -221,15 +237,19 @@ def paged_attention_kernel_gpu(
                         KP[page, p % PS, kh, tx + HALF] = x2 * c + x1 * sn
                         VP[page, p % PS, kh, tx] = V[b, s, kh * D + tx]
                         VP[page, p % PS, kh, tx + HALF] = V[b, s, kh * D + tx + HALF]
-        # 2) attention, two kernels over the same grid (query tile, sequence * H + head), TS threads:
-        # one for tiles of one query (decode; a chunk's 1-query last tile), one for tiles of 2..QT.
-        # Each block of the other kind runs zero key tiles (TVM inserts no barrier under an if, but a
-        # loop with a block-uniform trip count is fine). Two kernels rather than two loops in one keep
-        # decode's kernel as small as before (registers, shared memory). The symbolic extent is
+        # 2) attention, two kernels over grids (query tile, sequence * H + head), TS threads: one for
+        # tiles of one query (decode; a chunk's 1-query last tile), one for tiles of 2..QT. A block
+        # whose tile is of the other kind runs zero key tiles (TVM inserts no barrier under an if, but
+        # a loop with a block-uniform trip count is fine). Two kernels rather than two loops in one
+        # keep decode's kernel as small as before (registers, shared memory). The symbolic extent is
         # blockIdx.x's, so only the constant H divides a block index (int64 division by a symbolic
         # extent costs registers; WebGPU reserves blockIdx.z)
-        attention(1, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq)
-        if QT > 1:
-            attention(QT, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq)
+        # only a chunk's last tile can hold one query: one block per (sequence, head) for it
+        attention(1, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, T.int64(1), batch * T.int64(H),
+                  (seq - T.int64(1)) // T.int64(QT) * T.int64(QT))  # fmt: skip
+        if QT > 1:  # decode (seq 1) launches one idle block here, not one per (sequence, head)
+            attention(QT, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, (seq + T.int64(QT - 1)) // T.int64(QT),
+                      T.min(seq - T.int64(1), T.int64(1)) * (batch * T.int64(H) - T.int64(1)) + T.int64(1),
+                      T.int64(0))  # fmt: skip
 
     return paged_attention_func(H, KVH, D, max_context, PS, dtype, index_dtype, body)
