@@ -10,7 +10,7 @@ the pools, so it is a launch of its own:
 1. append: one block per (kv head, sequence), ``D/2`` threads; thread ``t`` rotates the pair
    (t, t + D/2) of each new k row and copies v[t], v[t + D/2].
 2. attention: grid (query tile, sequence * heads + head), ``T`` threads (the power of two >= D, at
-   most ``max_threads``). A block takes ``QT`` consecutive queries of one head (a prefill chunk's
+   most ``max_threads``; one-query tiles: grid (head, sequence), see below). A block takes ``QT`` consecutive queries of one head (a prefill chunk's
    tiles run in parallel; decode has one tile of one query). Keys come in tiles of ``T``: thread
    ``t`` loads key ``tile*T + t`` once and scores it against every rotated query of the tile held in
    shared memory, masked causally per query (key position <= the query's); each query's tile max is
@@ -20,10 +20,10 @@ the pools, so it is a launch of its own:
    (running max and sum, rescaled per tile). K and V are read once per tile of queries instead of
    once per query. Shared memory is ``QT * (D + 3T)`` floats whatever the context length, and
    ``QT`` is chosen so that it fits WebGPU's 16 KiB. Tiles of a single query (decode, or a chunk's
-   last tile) are served by a one-query copy of the kernel (its own launch, one block per (sequence,
-   head) for the last tile; a block whose tile is of the other kind reads no keys), so decode does no
-   work for idle rows and keeps a small kernel; the multi-query kernel's grid is a single idle block
-   when ``seq`` is 1.
+   last tile) are served by a one-query copy of the kernel (its own launch, one block per (head,
+   sequence) for the last tile; a block whose tile is of the other kind reads no keys), so decode does
+   no work for idle rows and keeps a small kernel; the multi-query kernel's grid is a single idle
+   block when ``seq`` is 1.
 
 The kernel carries ``tirx.is_scheduled`` so no template touches it.
 """
@@ -184,41 +184,35 @@ def paged_attention_kernel_gpu(
                         OUT[b, s0 + r, h * D + tx] = acc[r] / ra[r * TS]
 
     @T.macro
-    def attention(NQ, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, gx, gy, base):
-        """The attention kernel for tiles of exactly one query (NQ = 1) or of 2 .. QT (NQ = QT): grid
-        (gx tiles from query ``base`` on, gy = sequence * H + head)."""
-        for qt in T.thread_binding(gx, thread="blockIdx.x"):
-            for bh in T.thread_binding(gy, thread="blockIdx.y"):
-                for tx in T.thread_binding(T.int64(TS), thread="threadIdx.x"):
-                    qs = T.decl_buffer((NQ * D,), "float32", scope="shared")  # rotated, scaled queries
-                    ra = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # tree max, even levels
-                    rb = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # tree max, odd levels
-                    wt = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # the tile's weights
-                    b: T.let[T.int64] = bh // T.int64(H)
-                    h: T.let[T.int64] = bh % T.int64(H)
-                    s0: T.let[T.int64] = base + qt * T.int64(QT)
-                    nq: T.let[T.int64] = T.min(T.int64(QT), seq - s0)
-                    p0: T.let[T.int64] = T.Cast("int64", POS[b]) + s0  # the tile's first query position
-                    last: T.let[T.int64] = p0 + nq - T.int64(1)  # keys 0 .. last are read
-                    for r in T.unroll(T.int64(NQ)):
-                        if tx < T.int64(HALF):
-                            if r < nq and (NQ == 1 or nq > 1):  # the other kind's blocks load nothing
-                                x1: T.let[T.float32] = Q[b, s0 + r, h * D + tx]
-                                x2: T.let[T.float32] = Q[b, s0 + r, h * D + tx + HALF]
-                                c: T.let[T.float32] = COS[p0 + r, tx]
-                                sn: T.let[T.float32] = SIN[p0 + r, tx]
-                                qs[r * D + tx] = (x1 * c - x2 * sn) * T.float32(scale)
-                                qs[r * D + tx + HALF] = (x2 * c + x1 * sn) * T.float32(scale)
-                            else:
-                                qs[r * D + tx] = T.float32(0)
-                                qs[r * D + tx + HALF] = T.float32(0)
-                    T.tvm_storage_sync("shared")
-                    tiles: T.let[T.int64] = last // T.int64(TS) + T.int64(1)
-                    many: T.let[T.int64] = T.min(tiles, (nq - T.int64(1)) * tiles)  # 0 if nq == 1, else tiles
-                    if NQ == 1:
-                        keys(1, tiles - many, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt)
-                    else:
-                        keys(NQ, many, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt)
+    def block(NQ, Q, KP, VP, POS, PT, COS, SIN, OUT, seq, b, h, s0, tx):
+        """One block of the attention kernel for tiles of exactly one query (NQ = 1) or of 2 .. QT
+        (NQ = QT): head h of sequence b, the tile of queries from s0."""
+        qs = T.decl_buffer((NQ * D,), "float32", scope="shared")  # rotated, scaled queries
+        ra = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # tree levels (even), partial sums
+        rb = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # tree levels (odd)
+        wt = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # the tile's weights
+        nq: T.let[T.int64] = T.min(T.int64(QT), seq - s0)
+        p0: T.let[T.int64] = T.Cast("int64", POS[b]) + s0  # the tile's first query position
+        last: T.let[T.int64] = p0 + nq - T.int64(1)  # keys 0 .. last are read
+        for r in T.unroll(T.int64(NQ)):
+            if tx < T.int64(HALF):
+                if r < nq and (NQ == 1 or nq > 1):  # the other kind's blocks load nothing
+                    x1: T.let[T.float32] = Q[b, s0 + r, h * D + tx]
+                    x2: T.let[T.float32] = Q[b, s0 + r, h * D + tx + HALF]
+                    c: T.let[T.float32] = COS[p0 + r, tx]
+                    sn: T.let[T.float32] = SIN[p0 + r, tx]
+                    qs[r * D + tx] = (x1 * c - x2 * sn) * T.float32(scale)
+                    qs[r * D + tx + HALF] = (x2 * c + x1 * sn) * T.float32(scale)
+                else:
+                    qs[r * D + tx] = T.float32(0)
+                    qs[r * D + tx + HALF] = T.float32(0)
+        T.tvm_storage_sync("shared")
+        tiles: T.let[T.int64] = last // T.int64(TS) + T.int64(1)
+        many: T.let[T.int64] = T.min(tiles, (nq - T.int64(1)) * tiles)  # 0 if nq == 1, else tiles
+        if NQ == 1:
+            keys(1, tiles - many, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt)
+        else:
+            keys(NQ, many, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt)
 
     @T.macro
     def body(Q, K, V, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, pages):
@@ -237,19 +231,25 @@ def paged_attention_kernel_gpu(
                         KP[page, p % PS, kh, tx + HALF] = x2 * c + x1 * sn
                         VP[page, p % PS, kh, tx] = V[b, s, kh * D + tx]
                         VP[page, p % PS, kh, tx + HALF] = V[b, s, kh * D + tx + HALF]
-        # 2) attention, two kernels over grids (query tile, sequence * H + head), TS threads: one for
-        # tiles of one query (decode; a chunk's 1-query last tile), one for tiles of 2..QT. A block
-        # whose tile is of the other kind runs zero key tiles (TVM inserts no barrier under an if, but
-        # a loop with a block-uniform trip count is fine). Two kernels rather than two loops in one
-        # keep decode's kernel as small as before (registers, shared memory). The symbolic extent is
-        # blockIdx.x's, so only the constant H divides a block index (int64 division by a symbolic
-        # extent costs registers; WebGPU reserves blockIdx.z)
-        # only a chunk's last tile can hold one query: one block per (sequence, head) for it
-        attention(1, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, T.int64(1), batch * T.int64(H),
-                  (seq - T.int64(1)) // T.int64(QT) * T.int64(QT))  # fmt: skip
-        if QT > 1:  # decode (seq 1) launches one idle block here, not one per (sequence, head)
-            attention(QT, Q, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, (seq + T.int64(QT - 1)) // T.int64(QT),
-                      T.min(seq - T.int64(1), T.int64(1)) * (batch * T.int64(H) - T.int64(1)) + T.int64(1),
-                      T.int64(0))  # fmt: skip
+        # 2) attention, two kernels, TS threads: one for tiles of one query (decode; a chunk's
+        # 1-query last tile), one for tiles of 2..QT. A block whose tile is of the other kind runs
+        # zero key tiles (TVM inserts no barrier under an if, but a loop with a block-uniform trip
+        # count is fine). Two kernels rather than two loops in one keep decode's kernel as small as
+        # before (registers, shared memory).
+        # 2a) one query: grid (head, sequence), at the chunk's last tile (the only one that can hold one)
+        for h in T.thread_binding(T.int64(H), thread="blockIdx.x"):
+            for b in T.thread_binding(batch, thread="blockIdx.y"):
+                for tx in T.thread_binding(T.int64(TS), thread="threadIdx.x"):
+                    block(1, Q, KP, VP, POS, PT, COS, SIN, OUT, seq, b, h, (seq - T.int64(1)) // T.int64(QT) * T.int64(QT), tx)
+        # 2b) 2..QT queries: grid (query tile, sequence * H + head), a single idle block when seq is
+        # 1. The symbolic extent is blockIdx.x's, so only the constant H divides a block index
+        # (int64 division by a symbolic extent costs registers; WebGPU reserves blockIdx.z)
+        if QT > 1:
+            for qt in T.thread_binding((seq + T.int64(QT - 1)) // T.int64(QT), thread="blockIdx.x"):
+                for bh in T.thread_binding(
+                    T.min(seq - T.int64(1), T.int64(1)) * (batch * T.int64(H) - T.int64(1)) + T.int64(1), thread="blockIdx.y"
+                ):
+                    for tx in T.thread_binding(T.int64(TS), thread="threadIdx.x"):
+                        block(QT, Q, KP, VP, POS, PT, COS, SIN, OUT, seq, bh // T.int64(H), bh % T.int64(H), qt * T.int64(QT), tx)
 
     return paged_attention_func(H, KVH, D, max_context, PS, dtype, index_dtype, body)

@@ -118,7 +118,7 @@ def test_paged_attention_gpu_matches_numpy(target: str, shape: str) -> None:
         vp = rng.standard_normal((pages, PS, KVH, D)).astype(np.float32)
         args = [q, k, v, kp, vp, pos.astype(index_dtype), table.astype(index_dtype), cos, sin, np.zeros_like(q)]
         _, single, multi = cf.plan(args)  # append, then the 1-query and the multi-query attention kernels
-        assert single.grid[:2] == (1, batch * H) and single.block[0] == paged_threads(D), single
+        assert single.grid[:2] == (H, batch) and single.block[0] == paged_threads(D), single
         assert multi.grid[:2] == (-(-seq // qt), batch * H if seq > 1 else 1), multi
         got = dict(zip([n for n, _, _ in cf.param_info()], launcher.run_numpy(cf, [a.copy() for a in args]), strict=True))
         ref = paged_reference(q, k, v, kp, vp, pos, table, cos, sin, SHAPES[shape])
