@@ -92,28 +92,25 @@ def paged_attention_kernel_gpu(
         )
 
     @T.macro
-    def halve(NQ, add, src, dst, off, tx):
-        """One tree level for NQ rows: dst[r*TS + t] = src[r*TS + t] (+ or max) src[r*TS + t + off],
+    def halve(NQ, src, dst, off, tx):
+        """One tree-max level for NQ rows: dst[r*TS + t] = max(src[r*TS + t], src[r*TS + t + off]),
         t < off. Reading one buffer and writing another keeps the rows' statements free of
         read-after-write conflicts, so TVM's barrier insertion accepts them under the ``if``."""
         if tx < off:
             for r in T.unroll(T.int64(NQ)):
-                if add:
-                    dst[r * TS + tx] = src[r * TS + tx] + src[r * TS + tx + off]
-                else:
-                    dst[r * TS + tx] = T.max(src[r * TS + tx], src[r * TS + tx + off])
+                dst[r * TS + tx] = T.max(src[r * TS + tx], src[r * TS + tx + off])
 
     @T.macro
-    def tree(NQ, add, ra, rb, tx):
-        """Sum (add) or max of ra[r*TS : (r+1)*TS] for each of NQ rows, two levels a step (ra -> rb ->
-        ra): the result ends in ra[r*TS], or rb[r*TS] when log2(TS) is odd."""
+    def tree_max(NQ, ra, rb, tx):
+        """Max of ra[r*TS : (r+1)*TS] for each of NQ rows, two levels a step (ra -> rb -> ra): the
+        result ends in ra[r*TS], or rb[r*TS] when log2(TS) is odd."""
         for lv in T.serial(LOG // 2):
-            halve(NQ, add, ra, rb, T.shift_right(T.int64(TS // 2), lv * T.int64(2)), tx)
+            halve(NQ, ra, rb, T.shift_right(T.int64(TS // 2), lv * T.int64(2)), tx)
             T.tvm_storage_sync("shared")
-            halve(NQ, add, rb, ra, T.shift_right(T.int64(TS // 4), lv * T.int64(2)), tx)
+            halve(NQ, rb, ra, T.shift_right(T.int64(TS // 4), lv * T.int64(2)), tx)
             T.tvm_storage_sync("shared")
         if LOG % 2 == 1:
-            halve(NQ, add, ra, rb, T.int64(1), tx)
+            halve(NQ, ra, rb, T.int64(1), tx)
             T.tvm_storage_sync("shared")
 
     @T.macro
@@ -123,7 +120,7 @@ def paged_attention_kernel_gpu(
         int: the row loops unroll and the per-row state stays in registers. ``tiles`` is 0 unless
         this variant serves the block's tile (see ``attention``)."""
         m = T.decl_buffer((NQ,), "float32", scope="local")  # running max
-        lsum = T.decl_buffer((NQ,), "float32", scope="local")  # running sum of this thread's keys
+        lsum = T.decl_buffer((NQ,), "float32", scope="local")  # running sum
         acc = T.decl_buffer((NQ,), "float32", scope="local")  # output dimension tx, unnormalised
         sc = T.decl_buffer((NQ,), "float32", scope="local")  # this thread's key's scores
         tm = T.decl_buffer((NQ,), "float32", scope="local")  # max after this tile
@@ -149,7 +146,7 @@ def paged_attention_kernel_gpu(
             for r in T.unroll(T.int64(NQ)):
                 ra[r * TS + tx] = sc[r]
             T.tvm_storage_sync("shared")
-            tree(NQ, False, ra, rb, tx)  # each row's max score of the tile
+            tree_max(NQ, ra, rb, tx)  # each row's max score of the tile
             for r in T.unroll(T.int64(NQ)):
                 if LOG % 2 == 1:
                     tm[r] = T.max(m[r], rb[r * TS])
@@ -159,37 +156,30 @@ def paged_attention_kernel_gpu(
                 w: T.let[T.float32] = T.if_then_else(sc[r] > T.float32(NEG), T.exp(sc[r] - tm[r]), T.float32(0))
                 wt[r * TS + tx] = w
                 alpha: T.let[T.float32] = T.exp(m[r] - tm[r])
-                lsum[r] = lsum[r] * alpha + w  # this thread's keys only: summed across threads at the end
+                lsum[r] = lsum[r] * alpha
                 acc[r] = acc[r] * alpha
                 m[r] = tm[r]
             T.tvm_storage_sync("shared")
-            if tx < T.int64(D):
+            if tx < T.int64(D):  # the weight sums are summed here too (only output threads need them)
                 for jj in T.serial(T.min(T.int64(TS), last + T.int64(1) - kt * T.int64(TS))):
                     vb: T.let[T.int64] = T.Cast("int64", PT[b, (kt * T.int64(TS) + jj) // PS])
                     vv: T.let[T.float32] = VP[vb, (kt * T.int64(TS) + jj) % PS, kh, tx]
                     for r in T.unroll(T.int64(NQ)):  # v row j is read once for all the queries
+                        lsum[r] = lsum[r] + wt[r * TS + jj]
                         acc[r] = acc[r] + wt[r * TS + jj] * vv
             T.tvm_storage_sync("shared")  # ra / wt are rewritten by the next tile
-        # the weight sums: one tree over the threads' partial sums (all rescaled to the same final max)
-        for r in T.unroll(T.int64(NQ)):
-            ra[r * TS + tx] = lsum[r]
-        T.tvm_storage_sync("shared")
-        tree(NQ, True, ra, rb, tx)
         if tiles > T.int64(0) and tx < T.int64(D):
             for r in T.unroll(T.int64(NQ)):
                 if r < nq:
-                    if LOG % 2 == 1:
-                        OUT[b, s0 + r, h * D + tx] = acc[r] / rb[r * TS]
-                    else:
-                        OUT[b, s0 + r, h * D + tx] = acc[r] / ra[r * TS]
+                    OUT[b, s0 + r, h * D + tx] = acc[r] / lsum[r]
 
     @T.macro
     def block(NQ, Q, KP, VP, POS, PT, COS, SIN, OUT, seq, b, h, s0, tx):
         """One block of the attention kernel for tiles of exactly one query (NQ = 1) or of 2 .. QT
         (NQ = QT): head h of sequence b, the tile of queries from s0."""
         qs = T.decl_buffer((NQ * D,), "float32", scope="shared")  # rotated, scaled queries
-        ra = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # tree levels (even), partial sums
-        rb = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # tree levels (odd)
+        ra = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # tree-max levels (even)
+        rb = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # tree-max levels (odd)
         wt = T.decl_buffer((NQ * TS,), "float32", scope="shared")  # the tile's weights
         nq: T.let[T.int64] = T.min(T.int64(QT), seq - s0)
         p0: T.let[T.int64] = T.Cast("int64", POS[b]) + s0  # the tile's first query position
