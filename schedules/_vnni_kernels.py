@@ -80,13 +80,16 @@ def quantize_group_macro() -> Any:
 
 
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
-         units: int, tasks: int, unroll: int, prefetch: int = 0, split: int = 1, hinib: bool = False) -> Any:
+         units: int, tasks: int, unroll: int, prefetch: int = 0, split: int = 1, hinib: bool = False,
+         sprefetch: int = 0, pquant: int = 0) -> Any:
     """The GEMV PrimFunc (x, q, scale[, zero|min], y) for one configuration; ``prefetch``: software
     prefetch of each unit's codes that many 64-byte steps ahead (0: none); ``split``: float
     accumulators per row, taken by turns over the steps (each step's FMA waits only for the one
     ``split`` steps back, not for the previous one); ``hinib`` (int4): the odd row's codes are used as
     ``q & 0xF0`` = 16 x code, the 1/16 folded into its scale vector (exact: a power of two), which
-    saves one shift per 64-byte step."""
+    saves one shift per 64-byte step; ``sprefetch``: also prefetch each row's scale (and zero/min)
+    chunk as far ahead as the codes (in rows); ``pquant``: quantize x's groups in a parallel loop of
+    its own before the row loop (a second pool launch) instead of on the calling thread."""
     from tvm.script import tirx as T
 
     p = plan(K, G)
@@ -108,6 +111,10 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     A = split
     quantize_group = quantize_group_macro()
     hi = pair and hinib
+    QT = max(1, min(pquant, M * NGE))  # parallel tasks of the quantization (pquant > 0)
+    QPT = -(-(M * NGE) // QT)
+    # scale prefetch distance in elements of the flat [N2 * NGP] arrays: the codes' distance in rows
+    SPD = max(1, prefetch * STEP // KP) * RPU * NGP if sprefetch else 0
 
     def hmask(h: Any) -> Any:  # code mask of row h of a pair (after hshift)
         return T.Select(h == 0, T.uint8(15), T.uint8(240)) if hi else T.uint8(15 if pair else 255)
@@ -144,14 +151,26 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         DSC = T.decl_buffer((M * NCH * 16,), "float32")
         gdx = T.decl_buffer((M * NGE,), "float32")
         gds = T.decl_buffer((M * NGE,), "float32")
-        mx = T.decl_buffer((16,), "float32", scope="local")
-        sm = T.decl_buffer((16,), "int32", scope="local")
-        inv = T.decl_buffer((1,), "float32", scope="local")
         # 1. int8 activations per group (x beyond K counts as 0)
+        if pquant > 0:
+            for pt in T.parallel(QT):
+                mx = T.decl_buffer((16,), "float32", scope="local")
+                sm = T.decl_buffer((16,), "int32", scope="local")
+                inv = T.decl_buffer((1,), "float32", scope="local")
+                for j in T.serial(QPT):
+                    if pt * QPT + j < M * NGE:
+                        quantize_group(X, XQ, gdx, pt * QPT + j, (pt * QPT + j) // NGE, (pt * QPT + j) % NGE,
+                                       mx, sm, inv, G, GV, K, KP, MM)
+                        gds[pt * QPT + j] = gdx[pt * QPT + j] * T.Cast("float32", sm[0])
+        else:
+            mx = T.decl_buffer((16,), "float32", scope="local")
+            sm = T.decl_buffer((16,), "int32", scope="local")
+            inv = T.decl_buffer((1,), "float32", scope="local")
+            for bm in T.serial(M):
+                for g in T.serial(NGE):
+                    quantize_group(X, XQ, gdx, bm * NGE + g, bm, g, mx, sm, inv, G, GV, K, KP, MM)
+                    gds[bm * NGE + g] = gdx[bm * NGE + g] * T.Cast("float32", sm[0])
         for bm in T.serial(M):
-            for g in T.serial(NGE):
-                quantize_group(X, XQ, gdx, bm * NGE + g, bm, g, mx, sm, inv, G, GV, K, KP, MM)
-                gds[bm * NGE + g] = gdx[bm * NGE + g] * T.Cast("float32", sm[0])
             for c in T.serial(NCH):
                 for ln in T.serial(16):
                     DXC[(bm * NCH + c) * 16 + ln] = T.if_then_else(
@@ -163,6 +182,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                         gds[bm * NGE + T.min(T.Select(c < F, c * 16 + ln, BT + ln), NGE - 1)], T.float32(0))
         # 2. rows (the prefetch runs on past a row's end into the next rows of the task: flat index)
         Qf = T.decl_buffer((QW * KP,), "uint8", data=Q.data)
+        Scf = T.decl_buffer((N2 * NGP,), "float16", data=Sc.data)
+        Zf = T.decl_buffer((N2 * NGP,), ZT, data=Z.data)
         for t in T.parallel(tasks):
             acc = T.decl_buffer((M * RW * A * 16,), "float32", scope="local")
             cb = T.decl_buffer((M * RW * 16,), "float32", scope="local")
@@ -175,6 +196,19 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                         # chunk scales: cb = s_w * dx (16 groups), zero/min term into acc
                         for u in T.unroll(units):
                             for h in T.unroll(RPU):
+                                if SPD > 0:
+                                    T.evaluate(T.call_llvm_intrin(
+                                        "void", "llvm.prefetch.p0",
+                                        T.address_of(Scf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU + h)
+                                                               * NGP + T.min(c * 16, NGP - 16) + SPD, N2 * NGP - 16)]),
+                                        T.int32(0), T.int32(3), T.int32(1)))
+                                    if offset or not (sym or bits == 8):
+                                        T.evaluate(T.call_llvm_intrin(
+                                            "void", "llvm.prefetch.p0",
+                                            T.address_of(Zf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU
+                                                                   + h) * NGP + T.min(c * 16, NGP - 16) + SPD,
+                                                                  N2 * NGP - 16)]),
+                                            T.int32(0), T.int32(3), T.int32(1)))
                                 for bm in T.unroll(M):
                                     cb[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = T.Cast(
                                         "float32x16",

@@ -94,6 +94,8 @@ class GemvQVnniCPU(ScheduleTemplate):
             "prefetch": [0, 16, 64, 128, 256],  # software prefetch of the codes, in 64-byte steps ahead (0: off)
             "split": [1, 2],
             "hinib": [0, 1] if d["bits"] == 4 else [0],
+            "sprefetch": [0, 1],  # scales (and zero/min) prefetched as far ahead as the codes
+            "pquant": [0, 2],  # x's int8 quantization: 0 on the calling thread, n in a parallel loop of n tasks
         }
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
@@ -117,8 +119,10 @@ class GemvQVnniCPU(ScheduleTemplate):
         # without it. At TinyLlama's shapes, 2 threads, per-call best and 10th percentile GB/s rose
         # 6-27% (benchmarks/gemv_qvnni_shapes_bw.py); 16 steps (1 KiB) did not help.
         prefetch = int(os.environ.get("PERFX_VNNI_GEMV_PREFETCH", "128"))  # A/B: 0 = hardware only
+        sprefetch = int(os.environ.get("PERFX_VNNI_GEMV_SPREFETCH", "0"))  # A/B switch
+        pquant = int(os.environ.get("PERFX_VNNI_GEMV_PQUANT", "0"))  # A/B switch
         return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": prefetch, "split": split,
-                "hinib": 1 if d["bits"] == 4 else 0}
+                "hinib": 1 if d["bits"] == 4 else 0, "sprefetch": sprefetch, "pquant": pquant}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         return self._why_invalid(workload, config) is None
@@ -143,6 +147,8 @@ class GemvQVnniCPU(ScheduleTemplate):
         split = int(config.get("split", 1))
         if split not in (1, 2) or (split > 1 and units * (2 if d["bits"] == 4 else 1) * d["B"] * d["MM"] * 3 > MAX_REGS):
             return f"split={split} must be 1 or 2, and 2 only while 3 vectors per row fit {MAX_REGS} registers"
+        if int(config.get("sprefetch", 0)) not in (0, 1) or int(config.get("pquant", 0)) < 0:
+            return "sprefetch is 0 or 1, pquant >= 0"
         if int(config.get("hinib", 0)) not in (0, 1) or (config.get("hinib") and d["bits"] != 4):
             return "hinib is 0 or 1, and 1 only for int4 codes"
         if unroll < 1 or (unroll * vk.STEP) % d["G"] or spc % unroll:
@@ -163,7 +169,8 @@ class GemvQVnniCPU(ScheduleTemplate):
         else:
             kernel = vk.gemv(*args, (d["B"], d["MM"]), int(config["units"]), int(config["tasks"]),
                              int(config["unroll"]), int(config.get("prefetch", 0)), int(config.get("split", 1)),
-                             bool(config.get("hinib", 0)))
+                             bool(config.get("hinib", 0)), int(config.get("sprefetch", 0)),
+                             int(config.get("pquant", 0)))
         return _like(kernel, func)
 
 
