@@ -42,10 +42,39 @@ def plan(K: int, G: int) -> dict[str, int]:
 
 
 @functools.cache
-def quantize_group_macro() -> Any:
+def quantize_group_macro(tree: bool = False) -> Any:
     """The TVMScript macro ``quantize_group`` shared by the VNNI GEMV and GEMM (built on first use:
-    this module imports without TVM)."""
+    this module imports without TVM). ``tree``: the 16-lane max and code sum reduced in 4 halving
+    steps instead of a 15-step chain (the same values: max and integer sums are exact in any order)."""
     from tvm.script import tirx as T
+
+    @T.macro
+    def lanes_max(mx):  # noqa: ANN001
+        if tree:
+            for ln in T.vectorized(8):
+                mx[ln] = T.max(mx[ln], mx[ln + 8])
+            for ln in T.vectorized(4):
+                mx[ln] = T.max(mx[ln], mx[ln + 4])
+            for ln in T.vectorized(2):
+                mx[ln] = T.max(mx[ln], mx[ln + 2])
+            mx[0] = T.max(mx[0], mx[1])
+        else:
+            for ln in T.serial(15):
+                mx[0] = T.max(mx[0], mx[ln + 1])
+
+    @T.macro
+    def lanes_sum(sm):  # noqa: ANN001
+        if tree:
+            for ln in T.vectorized(8):
+                sm[ln] = sm[ln] + sm[ln + 8]
+            for ln in T.vectorized(4):
+                sm[ln] = sm[ln] + sm[ln + 4]
+            for ln in T.vectorized(2):
+                sm[ln] = sm[ln] + sm[ln + 2]
+            sm[0] = sm[0] + sm[1]
+        else:
+            for ln in T.serial(15):
+                sm[0] = sm[0] + sm[ln + 1]
 
     @T.macro
     def quantize_group(X, XQ, DX, dx_at, bm, g, mx, sm, inv, G, GV, K, KP, MM):  # noqa: ANN001, N803
@@ -59,8 +88,7 @@ def quantize_group_macro() -> Any:
             if g * G + c * 16 < K:
                 for ln in T.vectorized(16):
                     mx[ln] = T.max(mx[ln], T.fabs(X[bm // MM, bm % MM, g * G + c * 16 + ln]))
-        for ln in T.serial(15):
-            mx[0] = T.max(mx[0], mx[ln + 1])
+        lanes_max(mx)
         DX[dx_at] = mx[0] / T.float32(127)
         inv[0] = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
         for c in T.serial(GV):
@@ -73,15 +101,14 @@ def quantize_group_macro() -> Any:
                 else:
                     for ln in T.vectorized(16):
                         XQ[bm * KP + g * G + c * 16 + ln] = T.int8(0)
-        for ln in T.serial(15):
-            sm[0] = sm[0] + sm[ln + 1]
+        lanes_sum(sm)
 
     return quantize_group
 
 
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
          units: int, tasks: int, unroll: int, prefetch: int = 0, split: int = 1, hinib: bool = False,
-         sprefetch: int = 0, pquant: int = 0) -> Any:
+         sprefetch: int = 0, pquant: int = 0, qtree: int = 0) -> Any:
     """The GEMV PrimFunc (x, q, scale[, zero|min], y) for one configuration; ``prefetch``: software
     prefetch of each unit's codes that many 64-byte steps ahead (0: none); ``split``: float
     accumulators per row, taken by turns over the steps (each step's FMA waits only for the one
@@ -89,7 +116,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     ``q & 0xF0`` = 16 x code, the 1/16 folded into its scale vector (exact: a power of two), which
     saves one shift per 64-byte step; ``sprefetch``: also prefetch each row's scale (and zero/min)
     chunk as far ahead as the codes (in rows); ``pquant``: quantize x's groups in a parallel loop of
-    its own before the row loop (a second pool launch) instead of on the calling thread."""
+    its own before the row loop (a second pool launch) instead of on the calling thread; ``qtree``:
+    x's per-group max and code sums reduced as trees (same codes, see ``quantize_group_macro``)."""
     from tvm.script import tirx as T
 
     p = plan(K, G)
@@ -109,7 +137,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     zconst = 128.0 if bits == 8 else 8.0
     GV = G // 16  # 16-lane vectors per group
     A = split
-    quantize_group = quantize_group_macro()
+    quantize_group = quantize_group_macro(bool(qtree))
     hi = pair and hinib
     QT = max(1, min(pquant, M * NGE))  # parallel tasks of the quantization (pquant > 0)
     QPT = -(-(M * NGE) // QT)

@@ -96,6 +96,7 @@ class GemvQVnniCPU(ScheduleTemplate):
             "hinib": [0, 1] if d["bits"] == 4 else [0],
             "sprefetch": [0, 1],  # scales (and zero/min) prefetched as far ahead as the codes
             "pquant": [0, 2],  # x's int8 quantization: 0 on the calling thread, n in a parallel loop of n tasks
+            "qtree": [0, 1],  # x's per-group max / code sum: 15-step chain or 4-step tree (same codes)
         }
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
@@ -119,10 +120,17 @@ class GemvQVnniCPU(ScheduleTemplate):
         # without it. At TinyLlama's shapes, 2 threads, per-call best and 10th percentile GB/s rose
         # 6-27% (benchmarks/gemv_qvnni_shapes_bw.py); 16 steps (1 KiB) did not help.
         prefetch = int(os.environ.get("PERFX_VNNI_GEMV_PREFETCH", "128"))  # A/B: 0 = hardware only
-        sprefetch = int(os.environ.get("PERFX_VNNI_GEMV_SPREFETCH", "0"))  # A/B switch
+        # Scale (and zero/min) chunks prefetched as far ahead as the codes, for N <= 4096: at TinyLlama's
+        # qkv / o / down, 2 threads, paired x1.02-1.08 and call p10 x1.02-1.06 over two runs (load 0.6
+        # and 1.6); gate_up (N=11264) x0.99-1.00 and lm_head (N=32000) x0.98-1.02: no gain there
+        # (benchmarks/results/gemv_qvnni_sprefetch_ab.csv, ..._sprefetch_pquant_ab.csv).
+        sprefetch = int(os.environ.get("PERFX_VNNI_GEMV_SPREFETCH", "1" if d["N"] <= 4096 else "0"))
+        # x quantized on the calling thread: a parallel loop of its own (pquant=2) lost 3% at qkv and o,
+        # a second pool launch costing more than the quantization it splits (same CSVs)
         pquant = int(os.environ.get("PERFX_VNNI_GEMV_PQUANT", "0"))  # A/B switch
+        qtree = int(os.environ.get("PERFX_VNNI_GEMV_QTREE", "0"))  # A/B switch
         return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": prefetch, "split": split,
-                "hinib": 1 if d["bits"] == 4 else 0, "sprefetch": sprefetch, "pquant": pquant}
+                "hinib": 1 if d["bits"] == 4 else 0, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         return self._why_invalid(workload, config) is None
@@ -147,8 +155,9 @@ class GemvQVnniCPU(ScheduleTemplate):
         split = int(config.get("split", 1))
         if split not in (1, 2) or (split > 1 and units * (2 if d["bits"] == 4 else 1) * d["B"] * d["MM"] * 3 > MAX_REGS):
             return f"split={split} must be 1 or 2, and 2 only while 3 vectors per row fit {MAX_REGS} registers"
-        if int(config.get("sprefetch", 0)) not in (0, 1) or int(config.get("pquant", 0)) < 0:
-            return "sprefetch is 0 or 1, pquant >= 0"
+        if int(config.get("sprefetch", 0)) not in (0, 1) or int(config.get("qtree", 0)) not in (0, 1) \
+                or int(config.get("pquant", 0)) < 0:
+            return "sprefetch and qtree are 0 or 1, pquant >= 0"
         if int(config.get("hinib", 0)) not in (0, 1) or (config.get("hinib") and d["bits"] != 4):
             return "hinib is 0 or 1, and 1 only for int4 codes"
         if unroll < 1 or (unroll * vk.STEP) % d["G"] or spc % unroll:
@@ -170,7 +179,7 @@ class GemvQVnniCPU(ScheduleTemplate):
             kernel = vk.gemv(*args, (d["B"], d["MM"]), int(config["units"]), int(config["tasks"]),
                              int(config["unroll"]), int(config.get("prefetch", 0)), int(config.get("split", 1)),
                              bool(config.get("hinib", 0)), int(config.get("sprefetch", 0)),
-                             int(config.get("pquant", 0)))
+                             int(config.get("pquant", 0)), int(config.get("qtree", 0)))
         return _like(kernel, func)
 
 

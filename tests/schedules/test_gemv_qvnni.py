@@ -126,7 +126,7 @@ def test_gemv_matches_int8_reference_over_configs(template, target, fmt, n, k):
                {"units": 2, "tasks": 5, "unroll": max(1, group // 64), "split": 2, "hinib": 0},
                {"units": 1, "tasks": 2, "unroll": max(1, group // 64), "split": 1, "hinib": 1, "prefetch": 16},
                # scale/zero prefetch and the parallel quantization of x (2 and an uneven 3 tasks)
-               {"units": 1, "tasks": 3, "unroll": max(1, group // 64), "prefetch": 16, "sprefetch": 1, "pquant": 2},
+               {"units": 1, "tasks": 3, "unroll": max(1, group // 64), "prefetch": 16, "sprefetch": 1, "pquant": 2, "qtree": 1},
                {"units": 2, "tasks": 4, "unroll": max(1, group // 64), "prefetch": 128, "sprefetch": 1, "pquant": 3}]
     for config in configs:
         if template.is_valid(wl, config, target):
@@ -134,7 +134,7 @@ def test_gemv_matches_int8_reference_over_configs(template, target, fmt, n, k):
     # batched decode rows (1 x 3) share the weight loads
     _run(template, target, packed, wd, (1, 3), {"units": 1, "tasks": 4, "unroll": max(1, group // 64)}, rng, group)
     _run(template, target, packed, wd, (1, 3), {"units": 1, "tasks": 4, "unroll": max(1, group // 64), "pquant": 2,
-                                                "sprefetch": 1, "prefetch": 64}, rng, group)
+                                                "sprefetch": 1, "prefetch": 64, "qtree": 1}, rng, group)
 
 
 @needs_vnni
