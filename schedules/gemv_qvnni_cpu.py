@@ -8,7 +8,9 @@ q8 — the ``--activations int8`` path).
   min once per 16 groups (see ``_vnni_kernels``). Knobs: ``units`` per iteration (rows sharing
   each activation load), ``tasks`` (parallel chunks of rows), ``unroll`` (steps per inner loop),
   ``prefetch`` (software prefetch distance of the codes in 64-byte steps, default 128; 0 = hardware
-  prefetch only), ``split``
+  prefetch only), ``sprefetch`` (the scale / zero chunks prefetched as far ahead, in rows),
+  ``pquant`` (x quantized in a parallel loop of its own; 0: on the calling thread), ``qtree`` (x's
+  per-group reductions as trees; same codes), ``split``
   (float accumulators per row, by turns over the steps: shorter FMA dependency chains), ``hinib``
   (int4: the odd row's codes as ``q & 0xF0``, 1/16 in its scale: no shift per step).
 * Dequantize (prefill) and the embedding gather read the same layout.
@@ -95,8 +97,9 @@ class GemvQVnniCPU(ScheduleTemplate):
             "split": [1, 2],
             "hinib": [0, 1] if d["bits"] == 4 else [0],
             "sprefetch": [0, 1],  # scales (and zero/min) prefetched as far ahead as the codes
-            "pquant": [0, 2],  # x's int8 quantization: 0 on the calling thread, n in a parallel loop of n tasks
-            "qtree": [0, 1],  # x's per-group max / code sum: 15-step chain or 4-step tree (same codes)
+            # pquant (x quantized in a parallel loop of its own) and qtree (its reductions as trees) are
+            # configs and env switches, not searched: neither beat an A/A pair at TinyLlama's shapes
+            # (benchmarks/results/gemv_qvnni_shared_copies_ab.csv), they would only quadruple the space
         }
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
@@ -122,12 +125,14 @@ class GemvQVnniCPU(ScheduleTemplate):
         prefetch = int(os.environ.get("PERFX_VNNI_GEMV_PREFETCH", "128"))  # A/B: 0 = hardware only
         # Scale (and zero/min) chunks prefetched as far ahead as the codes, for N <= 4096: at TinyLlama's
         # qkv / o / down, 2 threads, paired x1.02-1.08 and call p10 x1.02-1.06 over two runs (load 0.6
-        # and 1.6); gate_up (N=11264) x0.99-1.00 and lm_head (N=32000) x0.98-1.02: no gain there
-        # (benchmarks/results/gemv_qvnni_sprefetch_ab.csv, ..._sprefetch_pquant_ab.csv).
+        # and 1.6), reverting it lost 3-8% (call p10, shared weight copies); at gate_up (N=11264) and
+        # lm_head (N=32000) it lost 3-4% (call p10, vs an A/A pair within 2%): off there
+        # (benchmarks/results/gemv_qvnni_shared_copies_ab.csv, gemv_qvnni_sprefetch_large_ab.csv).
         sprefetch = int(os.environ.get("PERFX_VNNI_GEMV_SPREFETCH", "1" if d["N"] <= 4096 else "0"))
         # x quantized on the calling thread: a parallel loop of its own (pquant=2) lost 3% at qkv and o,
         # a second pool launch costing more than the quantization it splits (same CSVs)
         pquant = int(os.environ.get("PERFX_VNNI_GEMV_PQUANT", "0"))  # A/B switch
+        # per-group reductions of x as chains: trees (qtree=1) timed no better than an A/A pair
         qtree = int(os.environ.get("PERFX_VNNI_GEMV_QTREE", "0"))  # A/B switch
         return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": prefetch, "split": split,
                 "hinib": 1 if d["bits"] == 4 else 0, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree}
