@@ -257,3 +257,32 @@ def test_tuner_measures_vnni_configs(template, target):
     res = measurer.measure(func, template.name, wl.key, [*good, {"units": 2, "tasks": 4, "unroll": 3}], m_value=1)
     assert all(r.ok and r.extra["max_rel_error"] < 1e-5 for r in res[:2])
     assert not res[2].ok and "ScheduleConfigError" in res[2].error
+
+
+@needs_vnni
+def test_scale_prefetch_default_env_and_code(template, target, monkeypatch):
+    """sprefetch defaults on for N <= 4096 only (A/B: benchmarks/results/gemv_qvnni_shared_copies_ab.csv,
+    gemv_qvnni_sprefetch_large_ab.csv), the env switch overrides it, and it really emits prefetches."""
+    import tvm
+
+    rng = np.random.default_rng(0)
+    monkeypatch.delenv("PERFX_VNNI_GEMV_SPREFETCH", raising=False)
+    small = template.match(_weights("Q4_0", 64, 576, rng)[0].compute("matmul", (1, 1)), target)
+    big = template.match(_weights("Q4_0", 4098, 64, rng)[0].compute("matmul", (1, 1)), target)
+    assert template.builtin_default(small, target)["sprefetch"] == 1
+    assert template.builtin_default(big, target)["sprefetch"] == 0
+    assert template.builtin_default(small, target)["pquant"] == 0 and template.builtin_default(small, target)["qtree"] == 0
+    monkeypatch.setenv("PERFX_VNNI_GEMV_SPREFETCH", "0")
+    assert template.builtin_default(small, target)["sprefetch"] == 0
+    for bad in ({"sprefetch": 2}, {"qtree": 2}, {"pquant": -1}):
+        assert not template.is_valid(small, {**template.builtin_default(small, target), **bad}, target)
+    packed, _ = _weights("Q4_1", 64, 576, rng)  # Q4_1: the min stream is prefetched too
+    func = packed.compute("matmul", (1, 1))
+    wl = template.match(func, target)
+    cfg = {"units": 1, "tasks": 2, "unroll": 1, "prefetch": 16}
+
+    def n_prefetch(extra: dict) -> int:
+        f = template.apply(func, wl, {**cfg, **extra}, target).with_attr("global_symbol", "main")
+        return tvm.compile(tvm.IRModule({"main": f}), target.tvm()).mod.inspect_source("asm").count("prefetch")
+
+    assert n_prefetch({"sprefetch": 1}) >= n_prefetch({"sprefetch": 0}) + 2  # scale and min, per chunk
