@@ -116,6 +116,12 @@ class GemvQVnniCPU(ScheduleTemplate):
         unroll = max(4, d["G"] // vk.STEP)
         # two accumulators per row while they fit the registers with the scale vectors
         split = 2 if units * (2 if d["bits"] == 4 else 1) * m * 3 <= MAX_REGS else 1
+        hinib = 1 if d["bits"] == 4 else 0
+        # Long rows keep split/hinib: in the int4 GEMV bench at 4096x11008 split=1, hinib=0 read 93% vs 59%
+        # of the probe, but whole TinyLlama decodes 4% slower with it (8 alternated rounds, quiet:
+        # results/decode_ab_tinyllama-q4_0_long_rows.csv). The tuner searches both.
+        if units == 1 and os.environ.get("PERFX_VNNI_GEMV_LONG_ROWS", "split") == "plain":  # A/B switch
+            split, hinib = 1, 0
         if os.environ.get("PERFX_VNNI_GEMV_BASE") == "1":  # A/B baseline: the kernel before split/hinib
             return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0}
         # Codes prefetched 128 steps (8 KiB) ahead: the hardware prefetchers alone keep too few lines in
@@ -135,7 +141,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         # per-group reductions of x as chains: trees (qtree=1) timed no better than an A/A pair
         qtree = int(os.environ.get("PERFX_VNNI_GEMV_QTREE", "0"))  # A/B switch
         return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": prefetch, "split": split,
-                "hinib": 1 if d["bits"] == 4 else 0, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree}
+                "hinib": hinib, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         return self._why_invalid(workload, config) is None
