@@ -21,7 +21,6 @@ Writes benchmarks/results/decode_ab_<name>.csv (every round, then the summary) a
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -30,11 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-RESULTS = REPO / "benchmarks" / "results"
+from _common import RESULTS, alternated, figure, medians, write_csv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,8 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     same: dict[str, int] = {}
     with BandwidthProbe(args.threads, 1 << 30) as probe:
         for r in range(args.rounds):
-            order = list(range(len(engines))) if r % 2 == 0 else list(range(len(engines)))[::-1]
-            for i in order:
+            for i in alternated(range(len(engines)), r):
                 before = probe.measure(3)
                 time.sleep(0.05)
                 times, toks = decode(engines[i])
@@ -106,22 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         base = [r for r in rows if r["variant"] == labels[0]]
         p10 = float(np.percentile(all_times[lb], 10))
         summary.append({"round": "median", "variant": lb, "artifact": args.artifacts[i],
-                        "tok_s": round(statistics.median(r["tok_s"] for r in mine), 3),
-                        "gbs": round(statistics.median(r["gbs"] for r in mine), 2),
-                        "probe_before_gbs": round(statistics.median(r["probe_before_gbs"] for r in mine), 2),
-                        "probe_after_gbs": round(statistics.median(r["probe_after_gbs"] for r in mine), 2),
-                        "frac_of_probe": round(statistics.median(r["frac_of_probe"] for r in mine), 4),
+                        **medians(mine, tok_s=3, gbs=2, probe_before_gbs=2, probe_after_gbs=2, frac_of_probe=4),
                         "token_p10_ms": round(1e3 * p10, 3), "p10_gbs": round(wbytes[i] / p10 / 1e9, 2),
                         "speedup": round(statistics.median(m["tok_s"] / b["tok_s"] for m, b in zip(mine, base, strict=True)), 4),
                         "same_greedy_tokens": f"{same.get(lb, 0)}/{args.tokens}",
                         "weight_mb": round(wbytes[i] / 1e6, 1),
-                        "load_avg_1m": round(statistics.median(r["load_avg_1m"] for r in mine), 2), "threads": args.threads})
+                        **medians(mine, load_avg_1m=2), "threads": args.threads})
     out = Path(args.out) if args.out else RESULTS / f"decode_ab_{args.name}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]), restval="")
-        w.writeheader()
-        w.writerows(rows + summary)
+    write_csv(out, rows + summary, columns=list(summary[0]))
     for s in summary:
         print(f"{s['variant']:<14} {s['tok_s']:7.2f} tok/s  x{s['speedup']:.3f} paired  {100 * s['frac_of_probe']:4.0f}% of "
               f"probe  p10 token {s['token_p10_ms']:.2f} ms = {s['p10_gbs']:.1f} GB/s  same tokens {s['same_greedy_tokens']}"
@@ -132,27 +118,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows: list[dict[str, Any]], labels: list[str], path: Path, name: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for lb in labels:
-        mine = [r for r in rows if r["variant"] == lb]
-        axes[0].plot([r["round"] for r in mine], [r["tok_s"] for r in mine], "o-", label=lb)
-        axes[1].plot([r["round"] for r in mine], [100 * r["frac_of_probe"] for r in mine], "o-", label=lb)
-    axes[0].set_ylabel("decode tok/s")
-    axes[1].set_ylabel("weight GB/s, % of the bracketing probe")
-    for a in axes:
-        a.set_xlabel("round (alternated)")
-        a.grid(alpha=0.3)
-        a.legend(fontsize=8)
-    load = statistics.median(r["load_avg_1m"] for r in rows)
-    fig.suptitle(f"{name}: decode A/B, {rows[0]['threads']} threads, load {load:.1f}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, 1, 2, figsize=(11, 4)) as (fig, axes):
+        for lb in labels:
+            mine = [r for r in rows if r["variant"] == lb]
+            axes[0].plot([r["round"] for r in mine], [r["tok_s"] for r in mine], "o-", label=lb)
+            axes[1].plot([r["round"] for r in mine], [100 * r["frac_of_probe"] for r in mine], "o-", label=lb)
+        axes[0].set_ylabel("decode tok/s")
+        axes[1].set_ylabel("weight GB/s, % of the bracketing probe")
+        for a in axes:
+            a.set_xlabel("round (alternated)")
+            a.grid(alpha=0.3)
+            a.legend(fontsize=8)
+        load = statistics.median(r["load_avg_1m"] for r in rows)
+        fig.suptitle(f"{name}: decode A/B, {rows[0]['threads']} threads, load {load:.1f}", fontsize=10)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ Writes the CSV (every round, then the medians) and a PNG next to it.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -37,18 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import RESULTS, alternated, figure, medians, write_csv
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from perfx_compiler.bench.machine import BandwidthProbe
+from perfx_compiler.passes._gguf_blocks import Q4_0
+from perfx_compiler.passes._qvnni import q4_vnni_packed
+from perfx_compiler.targets import load_target
+from perfx_compiler.tune.measure import build_func
 
-from perfx_compiler.bench.machine import BandwidthProbe  # noqa: E402
-from perfx_compiler.passes._gguf_blocks import Q4_0  # noqa: E402
-from perfx_compiler.passes._qvnni import q4_vnni_packed  # noqa: E402
-from perfx_compiler.targets import load_target  # noqa: E402
-from perfx_compiler.tune.measure import build_func  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results"
 L3_BYTES = 32 << 20
 PROBE_WINDOW = 8 << 20
 SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
@@ -138,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             before = probe.measure(3)
             times: dict[int, list[float]] = {id(c): [] for c in cases}
             for rep in range(args.passes):  # configs of a shape back to back, order alternating: paired
-                order = cases if rep % 2 == 0 else cases[::-1]
-                for c in order:
+                for c in alternated(cases, rep):
                     times[id(c)].append(c.seconds(calls[(c.shape, c.label)]))
                 for c in cases:
                     base = next(b for b in cases if b.shape == c.shape and b.label == "default")
@@ -149,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 # first calls (that pass's first case read 40% slower per pass, its calls' p10 unharmed);
                 # then one untimed call wakes TVM's pool
                 time.sleep(0.05)
-                nxt = cases if (rep + 1) % 2 == 0 else cases[::-1]
+                nxt = alternated(cases, rep + 1)
                 nxt[0].rt["main"](nxt[0].x, *nxt[0].copies[-1], nxt[0].y)  # the copy read last: cold again by then
             after = probe.measure(3)
             bw = (before + after) / 2
@@ -173,22 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         base_p10 = base.bytes / float(np.percentile(calls[(base.shape, base.label)], 10)) / 1e9
         summary.append({"round": "median", "shape": c.shape, "N": mine[0]["N"], "K": mine[0]["K"], "config": c.label,
                         "knobs": mine[0]["knobs"], "weight_mb": mine[0]["weight_mb"], "copies": mine[0]["copies"],
-                        "pass_gbs": round(statistics.median(r["pass_gbs"] for r in mine), 2),
-                        "probe_before_gbs": round(statistics.median(r["probe_before_gbs"] for r in mine), 2),
-                        "probe_after_gbs": round(statistics.median(r["probe_after_gbs"] for r in mine), 2),
-                        "frac_of_probe": round(statistics.median(r["frac_of_probe"] for r in mine), 4),
+                        **medians(mine, pass_gbs=2, probe_before_gbs=2, probe_after_gbs=2, frac_of_probe=4),
                         "speedup_vs_default": round(statistics.median(ratios[(c.shape, c.label)]), 4),
                         "call_p10_gbs": round(p10, 2), "call_best_gbs": round(c.bytes / min(calls[(c.shape, c.label)]) / 1e9, 2),
                         "probe_window_p90_gbs": round(win_p90, 2), "probe_window_best_gbs": round(max(windows), 2),
                         "frac_call_p10": round(p10 / win_p90, 4), "call_p10_vs_default": round(p10 / base_p10, 4),
-                        "load_avg_1m": round(statistics.median(r["load_avg_1m"] for r in mine), 2),
-                        "threads": args.threads})
+                        **medians(mine, load_avg_1m=2), "threads": args.threads})
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]), restval="")
-        w.writeheader()
-        w.writerows(rows + summary)
+    write_csv(out, rows + summary, columns=list(summary[0]))
     for s in summary:
         print(f"{s['shape']:>8} {s['config']:<20} pass {s['pass_gbs']:5.1f} GB/s ({100 * s['frac_of_probe']:3.0f}% of "
               f"1 GiB probe), x{s['speedup_vs_default']:.3f} paired; call p10 {s['call_p10_gbs']:5.1f} GB/s = "
@@ -199,28 +185,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(summary: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     shapes = list(dict.fromkeys(s["shape"] for s in summary))
     configs = list(dict.fromkeys(s["config"] for s in summary))
-    fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(configs)
-    for i, cfg in enumerate(configs):
-        vals = [next((100 * s["frac_call_p10"] for s in summary if s["shape"] == sh and s["config"] == cfg), 0)
-                for sh in shapes]
-        ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=cfg)
-    ax.axhline(90, color="k", ls="--", lw=1)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
-    ax.set_xticklabels(shapes)
-    ax.set_ylabel("call p10 GB/s, % of probe windows p90")
-    ax.set_title(f"VNNI Q4_0 GEMV at TinyLlama decode shapes; load {summary[0]['load_avg_1m']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(9, 4)) as (_fig, ax):
+        for i, cfg in enumerate(configs):
+            vals = [next((100 * s["frac_call_p10"] for s in summary if s["shape"] == sh and s["config"] == cfg), 0)
+                    for sh in shapes]
+            ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=cfg)
+        ax.axhline(90, color="k", ls="--", lw=1)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
+        ax.set_xticklabels(shapes)
+        ax.set_ylabel("call p10 GB/s, % of probe windows p90")
+        ax.set_title(f"VNNI Q4_0 GEMV at TinyLlama decode shapes; load {summary[0]['load_avg_1m']}", fontsize=9)
+        ax.legend(fontsize=8)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ the load-robust figure. Writes benchmarks/results/probe_ab.csv (every round, the
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -19,14 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import RESULTS, alternated, figure, medians, write_csv
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from perfx_compiler.bench.machine import BandwidthProbe
 
-from perfx_compiler.bench.machine import BandwidthProbe  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = (("prefetch", True), ("hardware_only", False))
 
 
@@ -42,8 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     with BandwidthProbe(args.threads, 1 << 30) as probe:
         for r in range(args.rounds):
             for th in (args.threads, 1) if args.threads != 1 else (1,):
-                order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
-                for name, pf in order:
+                for name, pf in alternated(VARIANTS, r):
                     full = probe.measure(3, threads=th, prefetch=pf)
                     win = probe.chunk_gbs(8 << 20, args.windows, threads=th, prefetch=pf)
                     windows.setdefault((name, th), []).extend(win)
@@ -58,18 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         mine = [x for x in rows if x["variant"] == name and x["threads"] == th]
         base = [x for x in rows if x["variant"] == "hardware_only" and x["threads"] == th]
         summary.append({"round": "median", "variant": name, "threads": th,
-                        "pass_1gib_gbs": round(statistics.median(x["pass_1gib_gbs"] for x in mine), 2),
+                        **medians(mine, pass_1gib_gbs=2),
                         "window_p90_gbs": round(float(np.percentile(win, 90)), 2),
                         "window_median_gbs": round(float(np.median(win)), 2),
                         "pass_vs_hardware_only": round(statistics.median(
                             m["pass_1gib_gbs"] / b["pass_1gib_gbs"] for m, b in zip(mine, base, strict=True)), 4),
-                        "load_avg_1m": round(statistics.median(x["load_avg_1m"] for x in mine), 2)})
+                        **medians(mine, load_avg_1m=2)})
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]), restval="")
-        w.writeheader()
-        w.writerows(rows + summary)
+    write_csv(out, rows + summary, columns=list(summary[0]))
     for s in summary:
         print(f"{s['variant']:<14} {s['threads']}t  1 GiB pass {s['pass_1gib_gbs']:6.1f} GB/s (x{s['pass_vs_hardware_only']:.3f} "
               f"paired)  8 MiB windows p90 {s['window_p90_gbs']:6.1f}  median {s['window_median_gbs']:6.1f}  "
@@ -79,24 +69,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    for (name, _), th in [(v, t) for v in VARIANTS for t in sorted({x["threads"] for x in rows})]:
-        mine = [x for x in rows if x["variant"] == name and x["threads"] == th]
-        ax.plot([x["round"] for x in mine], [x["window_p90_gbs"] for x in mine], "o-", label=f"{name}, {th} thread(s)")
-    ax.set_xlabel("round (variants alternated)")
-    ax.set_ylabel("8 MiB windows, 90th percentile GB/s")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    load = statistics.median(x["load_avg_1m"] for x in rows)
-    ax.set_title(f"read-bandwidth probe: software prefetch vs hardware only (load {load:.1f})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with figure(path, figsize=(8, 4)) as (_fig, ax):
+        for (name, _), th in [(v, t) for v in VARIANTS for t in sorted({x["threads"] for x in rows})]:
+            mine = [x for x in rows if x["variant"] == name and x["threads"] == th]
+            ax.plot([x["round"] for x in mine], [x["window_p90_gbs"] for x in mine], "o-", label=f"{name}, {th} thread(s)")
+        ax.set_xlabel("round (variants alternated)")
+        ax.set_ylabel("8 MiB windows, 90th percentile GB/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        load = statistics.median(x["load_avg_1m"] for x in rows)
+        ax.set_title(f"read-bandwidth probe: software prefetch vs hardware only (load {load:.1f})", fontsize=10)
 
 
 if __name__ == "__main__":
