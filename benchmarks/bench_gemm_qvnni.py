@@ -21,15 +21,14 @@ activations move it by ~1e-2, a broken kernel by ~1).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import RESULTS, figure, write_csv
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # (model, format, K, N) of each prefill linear after merge_projections (q|k|v, gate|up merged)
 CASES = [
     ("smollm2", "Q4_1", 576, 960), ("smollm2", "Q4_1", 576, 576), ("smollm2", "Q4_1", 576, 3072),
@@ -141,26 +140,19 @@ def run_case(model: str, fmt: str, k: int, n: int, m: int, rounds: int, target: 
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cases = sorted({(r["model"], r["format"], r["K"], r["N"], r["M"]) for r in rows}, key=lambda c: (c[0], c[4], c[3]))
     variants = ["f32_dequant_gemm", "int8_gemm", "int8_gemm_prepacked"]
-    fig, ax = plt.subplots(figsize=(max(8, len(cases) * 0.9), 4.5))
     w = 0.8 / len(variants)
-    for i, v in enumerate(variants):
-        vals = [next((r["gops"] for r in rows if (r["model"], r["format"], r["K"], r["N"], r["M"]) == c
-                      and r["variant"] == v), 0) for c in cases]
-        ax.bar(np.arange(len(cases)) + i * w, vals, w, label=v)
-    ax.set_xticks(np.arange(len(cases)) + 0.4 - w / 2)
-    ax.set_xticklabels([f"{c[0]} {c[1]}\n{c[3]}x{c[2]} M={c[4]}" for c in cases], fontsize=7, rotation=30)
-    ax.set_ylabel("GOP/s (2 M N K / time)")
-    ax.set_title(f"Prefill linears, int8 VNNI GEMM vs dequantize + fp32 GEMM (2 threads, load ~{rows[0]['load_avg_1m']})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, figsize=(max(8, len(cases) * 0.9), 4.5)) as (_fig, ax):
+        for i, v in enumerate(variants):
+            vals = [next((r["gops"] for r in rows if (r["model"], r["format"], r["K"], r["N"], r["M"]) == c
+                          and r["variant"] == v), 0) for c in cases]
+            ax.bar(np.arange(len(cases)) + i * w, vals, w, label=v)
+        ax.set_xticks(np.arange(len(cases)) + 0.4 - w / 2)
+        ax.set_xticklabels([f"{c[0]} {c[1]}\n{c[3]}x{c[2]} M={c[4]}" for c in cases], fontsize=7, rotation=30)
+        ax.set_ylabel("GOP/s (2 M N K / time)")
+        ax.set_title(f"Prefill linears, int8 VNNI GEMM vs dequantize + fp32 GEMM (2 threads, load ~{rows[0]['load_avg_1m']})")
+        ax.legend()
 
 
 def main() -> None:
@@ -184,12 +176,7 @@ def main() -> None:
             continue
         for m in (int(v) for v in args.m.split(",")):
             rows.extend(run_case(model, fmt, k, n, m, args.rounds, target, records))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    out = write_csv(args.out, rows)
     plot(rows, out.with_suffix(".png"))
     for model in sorted({r["model"] for r in rows}):
         sp = [r["speedup_vs_f32"] for r in rows if r["model"] == model and r["variant"] == "int8_gemm"]

@@ -41,7 +41,6 @@ Writes benchmarks/results/int8_drift.csv (long format, with the 1-minute load av
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import time
 from dataclasses import dataclass, field
@@ -49,10 +48,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import RESULTS, figure, write_csv
 
 from perfx_compiler.model.reference import _apply_rope, _rms_norm, _silu
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BENCH = Path("/tmp/perfx-bench")
 MODELS = {  # name -> (GGUF, int8-activation artifact the peer benchmarks build from it)
     "tinyllama-random-q4_0": (BENCH / "models/tinyllama-1.1b-random.Q4_0-pure.gguf",
@@ -307,38 +306,31 @@ def study(name: str, tokens: int, layers: int, eps: float, engine: bool, seed: i
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 8), squeeze=False)
-    for j, m in enumerate(models):
-        mr = [r for r in rows if r["model"] == m and r["layer"] != "logits"]
-        for v in sorted({r["variant"] for r in mr if r["metric"] == "resid_rel"}):
-            vs = {r["vs"] for r in mr if r["variant"] == v and r["metric"] == "resid_rel"}
-            for b in vs:
-                pts = [(r["layer"], max(r["value"], 1e-17)) for r in mr
-                       if r["variant"] == v and r["vs"] == b and r["metric"] == "resid_rel"]
-                axes[0][j].semilogy(*zip(*pts, strict=True), marker=".", ls="-" if v.startswith("i8+") else "--",
-                                    label=f"{v} vs {b}")
-            fl = [(r["layer"], max(r["value"], 1e-9)) for r in mr if r["variant"] == v and r["metric"] == "flip_frac"]
-            if fl:
-                axes[1][j].semilogy(*zip(*fl, strict=True), marker=".", label=v)
-        lg = [r for r in rows if r["model"] == m and r["layer"] == "logits" and r["metric"] == "logit_rel_last"]
-        eng = next((r["value"] for r in lg if r["variant"] == "engine_prefill" and r["vs"] == "engine_decode"), None)
-        title = m + (f"\nengine prefill vs decode: {eng:.2g} of max|logit|" if eng is not None else "")
-        axes[0][j].set_title(title)
-        axes[0][j].set_xlabel("layer")
-        axes[0][j].set_ylabel("max |dx| / max |x| (residual stream)")
-        axes[0][j].legend(fontsize=7)
-        axes[1][j].set_xlabel("layer")
-        axes[1][j].set_ylabel("share of int8 codes differing from i8")
-        axes[1][j].legend(fontsize=7)
-    fig.suptitle("int8-activation drift: 1e-7 relative input noise / one int8 code step, float64 emulation")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, 2, len(models), figsize=(6 * len(models), 8), squeeze=False) as (fig, axes):
+        for j, m in enumerate(models):
+            mr = [r for r in rows if r["model"] == m and r["layer"] != "logits"]
+            for v in sorted({r["variant"] for r in mr if r["metric"] == "resid_rel"}):
+                vs = {r["vs"] for r in mr if r["variant"] == v and r["metric"] == "resid_rel"}
+                for b in vs:
+                    pts = [(r["layer"], max(r["value"], 1e-17)) for r in mr
+                           if r["variant"] == v and r["vs"] == b and r["metric"] == "resid_rel"]
+                    axes[0][j].semilogy(*zip(*pts, strict=True), marker=".", ls="-" if v.startswith("i8+") else "--",
+                                        label=f"{v} vs {b}")
+                fl = [(r["layer"], max(r["value"], 1e-9)) for r in mr if r["variant"] == v and r["metric"] == "flip_frac"]
+                if fl:
+                    axes[1][j].semilogy(*zip(*fl, strict=True), marker=".", label=v)
+            lg = [r for r in rows if r["model"] == m and r["layer"] == "logits" and r["metric"] == "logit_rel_last"]
+            eng = next((r["value"] for r in lg if r["variant"] == "engine_prefill" and r["vs"] == "engine_decode"), None)
+            title = m + (f"\nengine prefill vs decode: {eng:.2g} of max|logit|" if eng is not None else "")
+            axes[0][j].set_title(title)
+            axes[0][j].set_xlabel("layer")
+            axes[0][j].set_ylabel("max |dx| / max |x| (residual stream)")
+            axes[0][j].legend(fontsize=7)
+            axes[1][j].set_xlabel("layer")
+            axes[1][j].set_ylabel("share of int8 codes differing from i8")
+            axes[1][j].legend(fontsize=7)
+        fig.suptitle("int8-activation drift: 1e-7 relative input noise / one int8 code step, float64 emulation")
 
 
 def main() -> None:
@@ -354,12 +346,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for m in args.models.split(","):
         rows += study(m, args.tokens, args.layers, args.eps, args.engine, args.seed)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    out = write_csv(args.out, rows)
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
