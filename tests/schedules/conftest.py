@@ -19,6 +19,15 @@ def cpu_target():
     return load_target("x86-avx512" if _has_avx512() else "x86-avx2")
 
 
+@pytest.fixture(scope="session")
+def target():
+    """The AVX-512 target the VNNI kernel tests build for, whatever the host (``cpu_target`` is the host's);
+    the tests that run the kernels carry ``sched_helpers.needs_vnni``."""
+    from perfx_compiler.targets import load_target
+
+    return load_target("x86-avx512")
+
+
 def _has_avx512() -> bool:
     try:
         flags = Path("/proc/cpuinfo").read_text()

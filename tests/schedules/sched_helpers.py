@@ -4,11 +4,49 @@ from __future__ import annotations
 
 import itertools
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from perfx_compiler.tune.measure import build_func, random_inputs, run_func
+
+
+def has_vnni() -> bool:
+    try:
+        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+needs_vnni = pytest.mark.skipif(not has_vnni(), reason="this CPU has no AVX-512 VNNI")
+
+
+def vnni_weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> tuple[Any, np.ndarray]:
+    """(Random [N, K] weights packed in the VNNI layout, the float64 dequantized W) for a format name:
+    ``q8``/``Q8_0`` (the same blocks: int8 codes, one f16 scale per 32), ``Q4_1`` (random codes, scales
+    and mins), ``Q4_0`` or the PerfX int4 groups ``g128``, ``g64s`` (symmetric), ``g32``."""
+    from perfx_compiler.passes._gguf_blocks import Q4_0, Q4_1
+    from perfx_compiler.passes._quant import Int4Format, dequantize_int4, quantize_int4
+    from perfx_compiler.passes._quant8 import dequantize_int8, quantize_int8
+    from perfx_compiler.passes._qvnni import q4_vnni_packed, q8_vnni_packed
+
+    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+    if fmt in ("q8", "Q8_0"):
+        codes, scale = quantize_int8(w, 32)
+        return q8_vnni_packed(codes, scale, 32), dequantize_int8(codes, scale, 32).astype(np.float64)
+    if fmt == "Q4_1":  # GGUF offset format: w = q * d + m, random mins
+        codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+        d = (rng.random((n, k // 32)) * 0.01).astype(np.float16)
+        m = (-rng.random((n, k // 32)) * 0.08).astype(np.float16)
+        idx = np.arange(k) // 32
+        wd = codes * d.astype(np.float64)[:, idx] + m.astype(np.float64)[:, idx]
+        return q4_vnni_packed(codes, d, m, Q4_1), wd
+    f = {"Q4_0": Q4_0, "g128": Int4Format(128, False), "g64s": Int4Format(64, True),
+         "g32": Int4Format(32, False)}[fmt]
+    codes, scale, zero = quantize_int4(w, f)
+    return q4_vnni_packed(codes, scale, zero, f), dequantize_int4(codes, scale, zero, f.group).astype(np.float64)
 
 
 def _silu(x: np.ndarray) -> np.ndarray:

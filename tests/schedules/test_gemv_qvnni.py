@@ -11,19 +11,15 @@ Each GEMV runs against two numpy references:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from sched_helpers import needs_vnni, vnni_weights
 
-from perfx_compiler.passes._gguf_blocks import Q4_0, Q4_1
-from perfx_compiler.passes._quant import Int4Format, dequantize_int4, quantize_int4
-from perfx_compiler.passes._quant8 import dequantize_int8, quantize_int8
+from perfx_compiler.passes._gguf_blocks import Q4_1
 from perfx_compiler.passes._qvnni import (
     pack_q4_pairs,
     pack_q8_offset,
     q4_vnni_packed,
-    q8_vnni_packed,
     quantize_activations,
     unpack_q4_pairs,
     unpack_q8_offset,
@@ -33,46 +29,11 @@ from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
 
 
-def _has_vnni() -> bool:
-    try:
-        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-needs_vnni = pytest.mark.skipif(not _has_vnni(), reason="this CPU has no AVX-512 VNNI")
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target("x86-avx512")
-
-
 @pytest.fixture(scope="module")
 def template():
     from schedules.gemv_qvnni_cpu import TEMPLATE
 
     return TEMPLATE
-
-
-def _weights(fmt: str, n: int, k: int, rng: np.random.Generator):
-    """(Packed in the VNNI layout, float64 dequantized W) for a format name."""
-    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-    if fmt == "q8":
-        codes, scale = quantize_int8(w, 32)
-        return q8_vnni_packed(codes, scale, 32), dequantize_int8(codes, scale, 32).astype(np.float64)
-    if fmt == "Q4_1":  # GGUF offset format: w = q * d + m, random mins
-        f = Q4_1
-        codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
-        d = (rng.random((n, k // 32)) * 0.01).astype(np.float16)
-        m = (-rng.random((n, k // 32)) * 0.08).astype(np.float16)
-        idx = np.arange(k) // 32
-        wd = codes * d.astype(np.float64)[:, idx] + m.astype(np.float64)[:, idx]
-        return q4_vnni_packed(codes, d, m, f), wd
-    f = {"Q4_0": Q4_0, "g128": Int4Format(128, False), "g64s": Int4Format(64, True),
-         "g32": Int4Format(32, False)}[fmt]
-    codes, scale, zero = quantize_int4(w, f)
-    return q4_vnni_packed(codes, scale, zero, f), dequantize_int4(codes, scale, zero, f.group).astype(np.float64)
 
 
 def _run(template, target, packed, wd, rows, config, rng, group):
@@ -115,7 +76,7 @@ CASES = [
 @pytest.mark.parametrize("fmt,n,k", CASES)
 def test_gemv_matches_int8_reference_over_configs(template, target, fmt, n, k):
     rng = np.random.default_rng()  # fresh weights and inputs every run
-    packed, wd = _weights(fmt, n, k, rng)
+    packed, wd = vnni_weights(fmt, n, k, rng)
     group = {"q8": 32, "Q4_1": 32, "Q4_0": 32, "g128": 128, "g64s": 64, "g32": 32}[fmt]
     wl = template.match(packed.compute("matmul", (1, 1)), target)
     space = template.space(wl, target)
@@ -141,7 +102,7 @@ def test_gemv_matches_int8_reference_over_configs(template, target, fmt, n, k):
 def test_generated_code_uses_vpdpbusd(template, target):
     import tvm
 
-    packed, _ = _weights("Q4_1", 64, 576, np.random.default_rng(0))
+    packed, _ = vnni_weights("Q4_1", 64, 576, np.random.default_rng(0))
     func = packed.compute("matmul", (1, 1))
     wl = template.match(func, target)
     sched = template.apply(func, wl, template.default_config(wl, target), target)
@@ -155,7 +116,7 @@ def test_generated_code_uses_vpdpbusd(template, target):
 
 
 def test_invalid_configs_are_rejected(template, target):
-    packed, _ = _weights("g128", 64, 576, np.random.default_rng(0))
+    packed, _ = vnni_weights("g128", 64, 576, np.random.default_rng(0))
     func = packed.compute("matmul", (1, 1))
     wl = template.match(func, target)
     for bad in ({"units": 2, "tasks": 2, "unroll": 1},  # half a group of 128 per inner loop
@@ -171,7 +132,7 @@ def test_invalid_configs_are_rejected(template, target):
 
 
 def test_match_declines_targets_without_vnni(template):
-    packed, _ = _weights("Q4_1", 64, 576, np.random.default_rng(0))
+    packed, _ = vnni_weights("Q4_1", 64, 576, np.random.default_rng(0))
     func = packed.compute("matmul", (1, 1))
     for name in ("x86-avx2", "arm64-neon", "riscv64-rvv", "cuda-sm80"):
         assert template.match(func, load_target(name)) is None
@@ -204,7 +165,7 @@ def test_dequant_and_take_read_the_layout(template, target, fmt):
     import tvm
 
     rng = np.random.default_rng()
-    packed, wd = _weights(fmt, 37, 576, rng)
+    packed, wd = vnni_weights(fmt, 37, 576, rng)
     dev = tvm.cpu()
     args = [tvm.runtime.tensor(a, dev) for _, a in packed.arrays]
     for kind in ("dequant", "take"):
@@ -230,7 +191,7 @@ def test_reference_func_has_kernel_semantics(template, target, fmt, n, k):
     from perfx_compiler.tune.measure import random_inputs, run_func
 
     rng = np.random.default_rng()
-    packed, wd = _weights(fmt, n, k, rng)
+    packed, wd = vnni_weights(fmt, n, k, rng)
     group = {"q8": 32, "Q4_1": 32, "g128": 128}[fmt]
     func = packed.compute("matmul", (1, 2))
     wl = template.match(func, target)
@@ -249,7 +210,7 @@ def test_tuner_measures_vnni_configs(template, target):
     """perfx-tune's measurer: candidates verified against the reference (1e-4), a bad one refused."""
     from perfx_compiler.tune.measure import LocalMeasurer
 
-    packed, _ = _weights("Q4_1", 128, 576, np.random.default_rng(1))
+    packed, _ = vnni_weights("Q4_1", 128, 576, np.random.default_rng(1))
     func = packed.compute("matmul", (1, 1))
     wl = template.match(func, target)
     measurer = LocalMeasurer(target, workers=2, build_timeout_s=120, repeat=2, min_repeat_ms=1)
@@ -267,8 +228,8 @@ def test_scale_prefetch_default_env_and_code(template, target, monkeypatch):
 
     rng = np.random.default_rng(0)
     monkeypatch.delenv("PERFX_VNNI_GEMV_SPREFETCH", raising=False)
-    small = template.match(_weights("Q4_0", 64, 576, rng)[0].compute("matmul", (1, 1)), target)
-    big = template.match(_weights("Q4_0", 4098, 64, rng)[0].compute("matmul", (1, 1)), target)
+    small = template.match(vnni_weights("Q4_0", 64, 576, rng)[0].compute("matmul", (1, 1)), target)
+    big = template.match(vnni_weights("Q4_0", 4098, 64, rng)[0].compute("matmul", (1, 1)), target)
     assert template.builtin_default(small, target)["sprefetch"] == 1
     assert template.builtin_default(big, target)["sprefetch"] == 0
     assert template.builtin_default(small, target)["pquant"] == 0 and template.builtin_default(small, target)["qtree"] == 0
@@ -276,7 +237,7 @@ def test_scale_prefetch_default_env_and_code(template, target, monkeypatch):
     assert template.builtin_default(small, target)["sprefetch"] == 0
     for bad in ({"sprefetch": 2}, {"qtree": 2}, {"pquant": -1}):
         assert not template.is_valid(small, {**template.builtin_default(small, target), **bad}, target)
-    packed, _ = _weights("Q4_1", 64, 576, rng)  # Q4_1: the min stream is prefetched too
+    packed, _ = vnni_weights("Q4_1", 64, 576, rng)  # Q4_1: the min stream is prefetched too
     func = packed.compute("matmul", (1, 1))
     wl = template.match(func, target)
     cfg = {"units": 1, "tasks": 2, "unroll": 1, "prefetch": 16}
