@@ -259,7 +259,8 @@ def _plan(fn: str, g: _Graph, lanes: int, kernels: dict[str, Any]) -> list[tuple
         m = _match_layer_norm(g, var)
         if m is not None:
             name = _ln_name(m["H"], m["eps"], m["add"] is not None)
-            kernels.setdefault(name, layer_norm_kernel(m["H"], m["eps"], m["add"] is not None, lanes))
+            if name not in kernels:  # built once: parsing TVMScript is slow
+                kernels[name] = layer_norm_kernel(m["H"], m["eps"], m["add"] is not None, lanes)
             found.append(("ln", var, {**m, "kernel": name}))
     if not any(op_name(v) in ("relax.erf", "relax.tanh", *_GELU_OPS) for v in g.info.values.values()):
         return found  # no GeLU anywhere (Llama-family graphs): skip the matcher
@@ -277,7 +278,8 @@ def _plan(fn: str, g: _Graph, lanes: int, kernels: dict[str, Any]) -> list[tuple
             else _bias_source(g, m["x"], {var})
         src = bias["m"] if bias else m["x"]
         name = _gelu_name(fn, m["kind"], _shape(src), bias is not None)
-        kernels.setdefault(name, gelu_kernel(_shape(src), m["kind"], bias is not None))
+        if name not in kernels:
+            kernels[name] = gelu_kernel(_shape(src), m["kind"], bias is not None)
         claimed.update([var, *m["inner"]])
         found.append(("gelu", var, {**m, "bias": bias, "src": src, "kernel": name}))
     return found

@@ -76,7 +76,8 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         for var in list(info.values):
             m = _match(info, var)
             if m is not None:
-                kernels.setdefault(f"swiglu_{m['F']}", swiglu_kernel(m["F"]))
+                if f"swiglu_{m['F']}" not in kernels:  # built once: parsing TVMScript is slow
+                    kernels[f"swiglu_{m['F']}"] = swiglu_kernel(m["F"])
                 found.append((var, m))
         matches[fn] = found
     if not kernels:
