@@ -12,34 +12,16 @@ Each GEMM runs against two numpy references:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from sched_helpers import needs_vnni, vnni_weights
 
-from perfx_compiler.passes._gguf_blocks import Q4_0, Q4_1
-from perfx_compiler.passes._quant import Int4Format, dequantize_int4, quantize_int4
-from perfx_compiler.passes._quant8 import dequantize_int8, quantize_int8
-from perfx_compiler.passes._qvnni import q4_vnni_packed, q8_vnni_packed, quantize_activations
+from perfx_compiler.passes._qvnni import quantize_activations
 from perfx_compiler.schedule_template import ScheduleConfigError
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
 
-
-def _has_vnni() -> bool:
-    try:
-        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-needs_vnni = pytest.mark.skipif(not _has_vnni(), reason="this CPU has no AVX-512 VNNI")
 GROUP = {"q8": 32, "Q8_0": 32, "Q4_1": 32, "Q4_0": 32, "g128": 128, "g64s": 64, "g32": 32}
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target("x86-avx512")
 
 
 @pytest.fixture(scope="module")
@@ -47,25 +29,6 @@ def template():
     from schedules.gemm_qvnni_cpu import TEMPLATE
 
     return TEMPLATE
-
-
-def _weights(fmt: str, n: int, k: int, rng: np.random.Generator):
-    """(Packed in the VNNI layout, float64 dequantized W) for a format name."""
-    w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-    idx = np.arange(k) // 32
-    if fmt in ("q8", "Q8_0"):  # GGUF Q8_0 and PerfX q8 are the same blocks: int8 codes, one f16 scale per 32
-        codes, scale = quantize_int8(w, 32)
-        return q8_vnni_packed(codes, scale, 32), dequantize_int8(codes, scale, 32).astype(np.float64)
-    if fmt == "Q4_1":  # GGUF offset format: w = q * d + m, random mins
-        codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
-        d = (rng.random((n, k // 32)) * 0.01).astype(np.float16)
-        m = (-rng.random((n, k // 32)) * 0.08).astype(np.float16)
-        wd = codes * d.astype(np.float64)[:, idx] + m.astype(np.float64)[:, idx]
-        return q4_vnni_packed(codes, d, m, Q4_1), wd
-    f = {"Q4_0": Q4_0, "g128": Int4Format(128, False), "g64s": Int4Format(64, True),
-         "g32": Int4Format(32, False)}[fmt]
-    codes, scale, zero = quantize_int4(w, f)
-    return q4_vnni_packed(codes, scale, zero, f), dequantize_int4(codes, scale, zero, f.group).astype(np.float64)
 
 
 def _check(got: np.ndarray, x: np.ndarray, wd: np.ndarray, k: int, group: int, what: object) -> None:
@@ -101,7 +64,7 @@ CASES = [("Q4_1", 96, 576), ("Q4_0", 80, 1536), ("Q8_0", 48, 576), ("g128", 64, 
 @pytest.mark.parametrize("fmt,n,k", CASES)
 def test_gemm_matches_int8_reference_over_configs(template, target, fmt, n, k):
     rng = np.random.default_rng()  # fresh weights and inputs every run
-    packed, wd = _weights(fmt, n, k, rng)
+    packed, wd = vnni_weights(fmt, n, k, rng)
     group = GROUP[fmt]
     func = packed.compute("matmul", (1, None))  # prefill: rows symbolic
     wl = template.match(func, target)
@@ -123,7 +86,7 @@ def test_gemm_matches_int8_reference_over_configs(template, target, fmt, n, k):
 def test_static_rows_above_gemv_and_batch_dim(template, target):
     """Static rows > 8 (and a leading batch dim > 1) go to the GEMM too."""
     rng = np.random.default_rng()
-    packed, wd = _weights("Q4_1", 64, 576, rng)
+    packed, wd = vnni_weights("Q4_1", 64, 576, rng)
     func = packed.compute("matmul", (2, 12))
     wl = template.match(func, target)
     assert wl is not None and wl.symbolic is None
@@ -143,7 +106,7 @@ def test_prepacked_panels_give_the_same_result(template, target, fmt):
 
     rng = np.random.default_rng()
     n, k = 80, 576  # 5 tiles: with nr = 2 the last block overlaps the one before it
-    packed, wd = _weights(fmt, n, k, rng)
+    packed, wd = vnni_weights(fmt, n, k, rng)
     func = packed.compute("matmul", (1, None))
     wl = template.match(func, target)
     d, info = wl.dims, wl.info
@@ -165,7 +128,7 @@ def test_prepacked_panels_give_the_same_result(template, target, fmt):
 def test_generated_code_uses_vpdpbusd(template, target):
     import tvm
 
-    packed, _ = _weights("Q4_0", 64, 576, np.random.default_rng(0))
+    packed, _ = vnni_weights("Q4_0", 64, 576, np.random.default_rng(0))
     func = packed.compute("matmul", (1, None))
     wl = template.match(func, target)
     sched = template.apply(func, wl, template.default_config(wl, target), target)
@@ -176,7 +139,7 @@ def test_generated_code_uses_vpdpbusd(template, target):
 
 
 def test_invalid_configs_are_rejected_and_targets_declined(template, target):
-    packed, _ = _weights("g128", 64, 576, np.random.default_rng(0))
+    packed, _ = vnni_weights("g128", 64, 576, np.random.default_rng(0))
     func = packed.compute("matmul", (1, None))
     wl = template.match(func, target)
     for bad in ({"mr": 8, "nr": 2, "tasks": 2},  # 32 accumulators + 4 weight vectors
@@ -187,5 +150,5 @@ def test_invalid_configs_are_rejected_and_targets_declined(template, target):
             template.apply(func, wl, bad, target)
     for name in ("x86-avx2", "arm64-neon", "riscv64-rvv", "cuda-sm80"):
         assert template.match(func, load_target(name)) is None
-    odd, _ = _weights("Q4_0", 40, 576, np.random.default_rng(0))  # N not a multiple of 16
+    odd, _ = vnni_weights("Q4_0", 40, 576, np.random.default_rng(0))  # N not a multiple of 16
     assert template.match(odd.compute("matmul", (1, None)), target) is None

@@ -3,29 +3,12 @@ model), and physically impossible times recorded as measurement errors (tune/tra
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from sched_helpers import needs_vnni
 
-from perfx_compiler.targets import load_target
 from perfx_compiler.tune import measure
 from perfx_compiler.tune.traffic import MAX_BANDWIDTH_X, KernelTraffic, implausible, kernel_traffic, llc_bytes
-
-
-def _has_vnni() -> bool:
-    try:
-        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-needs_vnni = pytest.mark.skipif(not _has_vnni(), reason="this CPU has no AVX-512 VNNI")
-
-
-@pytest.fixture(scope="module")
-def target():
-    return load_target("x86-avx512")
 
 
 @pytest.fixture(scope="module")
