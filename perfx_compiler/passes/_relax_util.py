@@ -72,8 +72,9 @@ class FuncInfo:
                 relax.analysis.post_order_visit(b.value, lambda e, seen=seen: seen.append(e) if isinstance(e, relax.Var) else None)
                 for e in seen:
                     info.uses[e] = info.uses.get(e, 0) + 1
-                    if not any(r.same_as(b.var) for r in info.readers.get(e, [])):
-                        info.readers.setdefault(e, []).append(b.var)
+                    readers = info.readers.setdefault(e, [])
+                    if not readers or not readers[-1].same_as(b.var):  # b.var can only be the last reader so far
+                        readers.append(b.var)
         relax.analysis.post_order_visit(func.body.body, count)
         return info
 
