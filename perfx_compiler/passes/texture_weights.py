@@ -1,34 +1,46 @@
-"""Adreno texture path for decode GEMVs: the ``decode`` function's linear layers read their weights
-through OpenCL images instead of buffers, when the target file asks for it
-(``templates.gpu_gemv.texture: true``; targets/adreno.json).
+"""Adreno texture path: weights that the decode GEMVs read through OpenCL images are kept ONLY as
+images, and every other function reads the same images (``templates.gpu_gemv.texture: true``;
+targets/adreno.json).
 
-For every decode linear (one token: x is [1, 1, K]) whose weight fits the target's image limits
+A weight group (the float W, or int4 / int8 codes with their scales and zeros / mins) becomes images
+when ``decode`` has a GEMV on it (x is [1, 1, K]) and it fits the target's image limits
 (``tvm_target.texture_spatial_limit`` for width and height, ``templates.gpu_gemv.texture_max_layers``
-for the layers of an image array), the weight is packed at compile time into an extra weight
-parameter ``<name>__tex`` ([layers, height, width, 4]; layouts in ``kernels/gemv_texture.py``):
+for the layers of an image array). It is packed at compile time into ``<name>__tex``
+([layers, height, width, 4]; layouts in ``kernels/gemv_texture.py``):
 
-* float32 weights (``R.matmul(x, permute_dims(W))``) -> one RGBA32F image;
-* int4 / int8 linears (``call_tir`` of a ``perfx.quant`` PrimFunc: GGUF Q4_0/Q4_1/Q8_0 passthrough,
-  q4_* and q8 quantization) -> the code words as RGBA32UI and their scales (+ zeros / mins) as
-  RGBA32F (``<scale name>__tex``: OpenCL reads fp16 buffers only with cl_khr_fp16, images of float32
-  without it).
+* float32 weights (``R.matmul(x, permute_dims(W))``, ``R.take(W, ids)``) -> one RGBA32F image;
+* int4 / int8 weights (``call_tir`` of a ``perfx.quant`` PrimFunc: GGUF Q4_0/Q4_1/Q8_0 passthrough,
+  q4_* and q8) -> the code words as RGBA32UI and their scales (+ zeros / mins) as RGBA32F
+  (``<scale name>__tex``: OpenCL reads fp16 buffers only with cl_khr_fp16, images of float32 without it).
 
-The call becomes a ``call_tir`` of the matching texture kernel. Prefill and the paged functions keep
-the buffer weights (their GEMMs read buffers), so image weights are extra device memory: the codes
-once more, scales widened to fp32. Weights that do not fit (K not a multiple of the kernel's texel
-pair, or too many rows) keep their buffer GEMV.
+Every read of the group in every exported function is rewritten: one-token matmuls to the texture
+GEMVs (``kernels/gemv_texture.py``), multi-row matmuls of prefill and the batched paged functions to
+the texture GEMMs, embedding gathers of a tied embedding to the texture gathers
+(``kernels/gemm_texture.py``). The buffer form is then dropped from the weight table, so the
+artifact and the device hold one copy. A group with a read that no texture kernel replaces (another
+operator, a shape that does not fit) keeps its buffer form only, with its buffer GEMV: never both.
+The only growth is the scales widened from fp16 to fp32 (and padding rows of the last layer).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import tvm
 from tvm import relax
 
-from perfx_compiler.passes._relax_util import SKIP, FuncInfo, find_linears, replace_weight_params, rewrite_functions
+from perfx_compiler.passes._relax_util import (
+    SKIP,
+    FuncInfo,
+    exported,
+    find_linears,
+    op_name,
+    replace_weight_params,
+    rewrite_functions,
+)
 
 NAME = "texture_weights"
 ORDER = 88  # after quantization; before weight_layout, whose FuseTransposeMatmul hides float linears in call_tir
@@ -52,121 +64,274 @@ def texture_options(target: Any) -> dict[str, Any] | None:
     }
 
 
-def _static(expr: Any) -> list[int] | None:
-    dims = []
+def _static(expr: Any, partial: bool = False) -> list[Any] | None:
+    """Static dims of a tensor expression; a symbolic dim makes it None (``partial``: that dim None)."""
+    dims: list[Any] = []
     for d in expr.ty.shape.values:
         if not isinstance(d, tvm.tirx.IntImm):
-            return None
+            if not partial:
+                return None
+            dims.append(None)
+            continue
         dims.append(int(d.value))
     return dims
 
 
-def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
-    from perfx_compiler.kernels import gemv_texture as gt
+@dataclass
+class _Use:
+    """One read of a weight group that a texture kernel can replace. ``kind``: qmm (call_tir of a
+    perfx.quant matmul), qtake (its embedding gather), fmm (float linear), ftake (relax take)."""
 
+    kind: str  # or "shape": R.shape_of(W), replaced by W's static shape
+    names: list[str]  # weights read: codes (or the float W) first, then scale and zero|min
+    anchor: Any  # the binding var the plan replaces
+    rows: Any  # x (matmuls) or ids (gathers)
+    q: dict[str, Any] | None = None
+    pf: str = ""  # the perfx.quant PrimFunc replaced
+    lin: Any = None
+    skip: tuple[Any, ...] = ()  # bindings dropped with it (a prefill's dequantize and transpose)
+
+    @property
+    def gemv(self) -> bool:
+        return self.kind in ("qmm", "fmm") and _static(self.rows, partial=True)[:2] == [1, 1]
+
+
+def _quant_call(mod: tvm.IRModule, value: Any) -> tuple[str, dict[str, Any]] | None:
+    if not (isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.call_tir"):
+        return None
+    pf = mod[value.args[0]]
+    if pf.attrs is None or QUANT_ATTR not in pf.attrs:
+        return None
+    return value.args[0].name_hint, json.loads(str(pf.attrs[QUANT_ATTR]))
+
+
+def _uses(mod: tvm.IRModule, info: FuncInfo, weights: dict[str, Any]) -> list[_Use]:
+    """The reads of weights in one function that a texture kernel can replace."""
+    out: list[_Use] = []
+    for var, value in info.values.items():
+        found = _quant_call(mod, value)
+        if found is not None:
+            pf, q = found
+            args = list(value.args[1].fields)
+            if q.get("words") or q.get("kind") not in ("matmul", "take", "dequant") or q.get("bits") not in (4, 8):
+                continue
+            skip: tuple[Any, ...] = ()
+            if q["kind"] == "dequant":  # prefill on GPUs: matmul(x, permute_dims(dequantize(W)))
+                names, mm = [getattr(a, "name", "") for a in args], _only_reader(info, var, "relax.permute_dims")
+                mm_pt = _only_reader(info, mm, "relax.matmul") if mm is not None else None
+                if mm_pt is None or [int(a) for a in info.values[mm].attrs.axes or []] != [1, 0]:
+                    continue
+                rows = info.values[mm_pt].args[0]
+                if not info.values[mm_pt].args[1].same_as(mm):
+                    continue
+                skip, var = (var, mm), mm_pt
+                shape = _static(rows, partial=True)
+                if len(shape) != 3 or shape[2] != int(q["K"]) or str(rows.ty.dtype) != "float32":
+                    continue
+            elif q["kind"] == "matmul":
+                names, rows = [getattr(a, "name", "") for a in args[1:]], args[0]
+                shape = _static(rows, partial=True)
+                if len(shape) != 3 or shape[2] != int(q["K"]) or str(rows.ty.dtype) != "float32":
+                    continue
+            else:
+                names, rows = [getattr(a, "name", "") for a in args[:-1]], args[-1]
+                if len(rows.ty.shape.values) != 2:
+                    continue
+            if all(nm in weights for nm in names):
+                out.append(_Use("qtake" if q["kind"] == "take" else "qmm", names, var, rows, q=q, pf=pf, skip=skip))
+        elif op_name(value) == "relax.shape_of" and isinstance(value.args[0], relax.Var):
+            if value.args[0].name in weights and _static(value.args[0]) is not None:
+                out.append(_Use("shape", [value.args[0].name], var, None))
+        elif op_name(value) == "relax.take":
+            w, ids = value.args
+            if (isinstance(w, relax.Var) and w.name in weights and int(value.attrs.axis or 0) == 0
+                    and len(w.ty.shape.values) == 2 and str(w.ty.dtype) == "float32"
+                    and len(ids.ty.shape.values) == 2):
+                out.append(_Use("ftake", [w.name], var, ids))
+    for lin in find_linears(info):
+        shape_x, shape_w = _static(lin.x, partial=True), _static(lin.weight)
+        if shape_w is None or len(shape_w) != 2 or str(lin.weight.ty.dtype) != "float32":
+            continue
+        if len(shape_x) != 3 or shape_x[2] != shape_w[1] or lin.weight.name not in weights:
+            continue
+        out.append(_Use("fmm", [lin.weight.name], min(lin.vars[1:], key=lambda v: info.order[v]), lin.x, lin=lin))
+    return out
+
+
+def _only_reader(info: FuncInfo, var: Any, op: str) -> Any:
+    """The binding var of the one ``op`` call that reads ``var`` (read nowhere else), or None."""
+    readers = info.users(var)
+    if info.uses.get(var, 0) != 1 or len(readers) != 1 or op_name(info.values.get(readers[0])) != op:
+        return None
+    return readers[0]
+
+
+def _weight_reads(info: FuncInfo, weights: dict[str, Any]) -> dict[str, int]:
+    """How many bindings (and the function's result) read each weight."""
+    out: dict[str, int] = {}
+    for value in [*info.values.values(), info.func.body.body]:
+        seen: set[str] = set()
+        relax.analysis.post_order_visit(value, lambda e, seen=seen: seen.add(e.name) if isinstance(e, relax.Var) else None)
+        for name in seen & weights.keys():
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+class _Group:
+    """The images of one weight (codes + scales, or the float W) and the kernels that read them."""
+
+    def __init__(self, use: _Use, weights: dict[str, Any], opts: dict[str, Any]) -> None:
+        from perfx_compiler.kernels import gemv_texture as gt
+
+        self.names, self.opts, self.q = list(use.names), opts, use.q
+        if use.q is None:
+            n, k = np.asarray(weights[use.names[0]]).shape
+            self.fmt, self.n, self.k = "f32", int(n), int(k)
+            self.layouts = [gt.image_layout(self.n, self.k // 4, "RGBA32F", opts)]
+        else:
+            q = use.q
+            self.fmt, self.n, self.k = f"q{q['bits']}", int(q["N"]), int(q["K"])
+            ng = np.asarray(weights[use.names[1]]).shape[1]
+            per_texel = 32 if q["bits"] == 4 else 16  # codes a texel; scale groups a texel: 2 (q4) or 4 (q8)
+            self.layouts = [gt.image_layout(self.n, self.k // per_texel, "RGBA32UI", opts),
+                            gt.image_layout(self.n, -(-ng // (2 if q["bits"] == 4 else 4)), "RGBA32F", opts)]
+        self.images = [nm + TEX_SUFFIX for nm in self.names[: len(self.layouts)]]
+
+    def pack(self, weights: dict[str, Any]) -> dict[str, np.ndarray]:
+        from perfx_compiler.kernels import gemv_texture as gt
+
+        if self.fmt == "f32":
+            w = np.ascontiguousarray(weights[self.names[0]], np.float32)
+            return {self.images[0]: gt.pack_image(w, self.layouts[0])}
+        codes = np.ascontiguousarray(weights[self.names[0]])
+        words = codes.view(np.uint32) if codes.dtype != np.uint32 else codes
+        return {self.images[0]: gt.pack_image(words, self.layouts[0]),
+                self.images[1]: gt.pack_scales([weights[nm] for nm in self.names[1:]], self.layouts[1])}
+
+    def kernel(self, use: _Use) -> tuple[str, Any]:
+        """(name, PrimFunc) of the texture kernel replacing ``use``; TextureLimitError when none fits."""
+        from perfx_compiler.kernels import gemm_texture as gm
+        from perfx_compiler.kernels import gemv_texture as gt
+
+        th, lay = self.opts["threads"], self.layouts
+        if use.kind in ("qtake", "ftake"):
+            ids = str(use.rows.ty.dtype)
+            scales = lay[1] if self.q is not None else None
+            return (f"texture_take_{self.fmt}_{self.n}_{self.k}_l{lay[0].layers}_{ids}",
+                    gm.texture_take_kernel(self.fmt, self.k, lay[0], scales, self.q, ids, th))
+        if self.fmt == "f32":
+            if use.gemv:
+                return f"texture_gemv_{self.n}_{self.k}_l{lay[0].layers}", gt.texture_gemv_kernel(self.n, self.k, th, lay[0])
+            return f"texture_gemm_{self.n}_{self.k}_l{lay[0].layers}", gm.texture_gemm_kernel(self.n, self.k, lay[0], th)
+        if use.gemv:
+            make = gt.texture_q4_gemv_kernel if self.fmt == "q4" else gt.texture_q8_gemv_kernel
+            return f"texture_{use.pf}", make(self.q, lay[0], lay[1], th)
+        make = gm.texture_q4_gemm_kernel if self.fmt == "q4" else gm.texture_q8_gemm_kernel
+        return f"texture_{use.pf}_rows", make(self.q, lay[0], lay[1], th)
+
+
+def _plan_groups(mod: tvm.IRModule, weights: dict[str, Any], opts: dict[str, Any],
+                 uses: dict[str, list[_Use]]) -> tuple[dict[str, _Group], dict[tuple[str, Any], tuple[str, _Group]], dict[str, Any]]:
+    """The weight groups that become images-only: those with a decode GEMV whose every read, in
+    every exported function, a texture kernel replaces. Returns the groups, the kernel of each
+    replaced use (by function and anchor var) and the kernels by name."""
+    from perfx_compiler.kernels.gemv_texture import TextureLimitError
+
+    groups: dict[str, _Group] = {}
+    for u in uses.get(FUNCTION, []):
+        if u.gemv and u.names[0] not in groups:
+            try:
+                groups[u.names[0]] = _Group(u, weights, opts)
+            except TextureLimitError:
+                continue
+    reads = {fn: _weight_reads(FuncInfo.of(mod[fn]), weights) for fn in uses}
+    chosen: dict[tuple[str, Any], tuple[str, _Group]] = {}
+    kernels: dict[str, Any] = {}
+    for key, g in list(groups.items()):
+        mine = {fn: [u for u in us if u.names[0] in g.names] for fn, us in uses.items()}
+        # every read of the group's arrays must be one of these uses, each reading the whole group
+        whole = all(u.names == g.names for us in mine.values() for u in us if u.kind != "shape")
+        covered = whole and all(reads[fn].get(nm, 0) == sum(nm in u.names for u in mine[fn])
+                                for fn in uses for nm in g.names)
+        picks: dict[tuple[str, Any], tuple[str, Any]] = {}
+        try:
+            for fn, us in mine.items():
+                for u in us if covered else []:
+                    picks[(fn, u.anchor)] = ("", None) if u.kind == "shape" else g.kernel(u)
+        except TextureLimitError:
+            covered = False
+        if not covered:
+            del groups[key]  # keeps its buffer form (and its buffer kernels) only
+            continue
+        for where, (kname, kern) in picks.items():
+            if kern is not None:
+                kernels[kname] = kern
+            chosen[where] = (kname, g)
+    return groups, chosen, kernels
+
+
+def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
     opts = texture_options(ctx.target)
     if opts is None or FUNCTION not in [gv.name_hint for gv in mod.get_global_vars()]:
         return mod, weights
-    func = mod[FUNCTION]
-    info = FuncInfo.of(func)
-    new: dict[str, np.ndarray] = {}
-    kernels: dict[str, Any] = {}
-    todo: list[tuple[str, Any, str, list[str]]] = []  # (kind, binding var or Linear, kernel, image names)
-
-    def add_image(name: str, make: Any) -> str:
-        if name + TEX_SUFFIX not in new:
-            new[name + TEX_SUFFIX] = make()
-        return name + TEX_SUFFIX
-
-    for var, value in info.values.items():  # quantized linears: call_tir of a perfx.quant PrimFunc
-        if not (isinstance(value, relax.Call) and getattr(value.op, "name", "") == "relax.call_tir"):
-            continue
-        pf = mod[value.args[0]]
-        q = json.loads(str(pf.attrs[QUANT_ATTR])) if pf.attrs is not None and QUANT_ATTR in pf.attrs else None
-        args = list(value.args[1].fields)
-        if q is None or q.get("kind") != "matmul" or q.get("words") or _static(args[0]) != [1, 1, int(q["K"])]:
-            continue
-        n, k = int(q["N"]), int(q["K"])
-        names = [a.name for a in args[1:]]
-        if any(nm not in weights for nm in names):
-            continue
-        try:
-            if q["bits"] == 4:
-                cl = gt.image_layout(n, k // 32, "RGBA32UI", opts)
-                ng = weights[names[1]].shape[1]
-                sl = gt.image_layout(n, -(-ng // 2), "RGBA32F", opts)
-                kern = gt.texture_q4_gemv_kernel(q, cl, sl, opts["threads"])
-            elif q["bits"] == 8:
-                cl = gt.image_layout(n, k // 16, "RGBA32UI", opts)
-                ng = weights[names[1]].shape[1]
-                sl = gt.image_layout(n, -(-ng // 4), "RGBA32F", opts)
-                kern = gt.texture_q8_gemv_kernel(q, cl, sl, opts["threads"])
-            else:
-                continue
-        except gt.TextureLimitError:
-            continue
-        codes = np.ascontiguousarray(weights[names[0]])
-        words = codes.view(np.uint32) if codes.dtype != np.uint32 else codes
-        imgs = [add_image(names[0], lambda words=words, cl=cl: gt.pack_image(words, cl)),
-                add_image(names[1], lambda sl=sl, s=[weights[nm] for nm in names[1:]]: gt.pack_scales(s, sl))]
-        kname = f"texture_{value.args[0].name_hint}"
-        kernels[kname] = kern
-        todo.append(("quant", var, kname, imgs))
-
-    for lin in find_linears(info):  # float32 linears
-        shape_x, shape_w = _static(lin.x), _static(lin.weight)
-        if shape_w is None or len(shape_w) != 2 or str(lin.weight.ty.dtype) != "float32":
-            continue
-        n, k = shape_w
-        if shape_x != [1, 1, k] or lin.weight.name not in weights:
-            continue
-        try:
-            lay = gt.image_layout(n, k // 4, "RGBA32F", opts)
-            kern = gt.texture_gemv_kernel(n, k, opts["threads"], lay)
-        except gt.TextureLimitError:
-            continue
-        w = np.ascontiguousarray(weights[lin.weight.name], np.float32)
-        img = add_image(lin.weight.name, lambda w=w, lay=lay: gt.pack_image(w, lay))
-        kname = f"texture_gemv_{n}_{k}_l{lay.layers}"
-        kernels[kname] = kern
-        todo.append(("f32", lin, kname, [img]))
-
-    if not todo:
+    fns = exported(mod)
+    uses = {fn: _uses(mod, FuncInfo.of(mod[fn]), weights) for fn in fns}
+    groups, chosen, kernels = _plan_groups(mod, weights, opts, uses)
+    if not groups:
         return mod, weights
-    mod, table, params = replace_weight_params(mod, weights, {**weights, **new})
+    # one copy: a group's buffers leave the table; its images take the place of its first array
+    dropped = {nm: g for g in groups.values() for nm in g.names}
+    table: dict[str, Any] = {}
+    for name, arr in weights.items():
+        g = dropped.get(name)
+        if g is None:
+            table[name] = arr
+        elif name == g.names[0]:
+            table.update(g.pack(weights))
+    mod, table, params = replace_weight_params(mod, weights, table)
 
     def plan_for(fn: str, func: relax.Function, info: FuncInfo, gvars: dict[str, Any]) -> dict[Any, Any]:
-        if fn != FUNCTION:
-            return {}
         p = params[fn]
         plan: dict[Any, Any] = {}
-        for kind, item, kname, imgs in todo:
-            if kind == "quant":
+        for u in uses.get(fn, []):
+            if (fn, u.anchor) not in chosen:
+                continue
+            kname, g = chosen[(fn, u.anchor)]
+            imgs = [p[i] for i in g.images]
+            for v in u.skip:
+                plan[v] = SKIP
+            if u.kind == "shape":
 
-                def quant(rw: Any, binding: Any, kname=kname, imgs=imgs) -> None:
-                    x = rw.arg(binding.value.args[1].fields[0])
-                    call = relax.call_tir(gvars[kname], [x, *(p[i] for i in imgs)], binding.var.ty)
-                    rw.remap(binding.var, rw.emit(call, binding.var))
+                def shape(rw: Any, binding: Any, dims=_static(info.values[u.anchor].args[0])) -> None:
+                    rw.remap(binding.var, rw.emit(relax.ShapeExpr(dims), binding.var))
 
-                plan[item] = quant
-            else:
-                lin = item
-                for v in lin.vars:
-                    plan[v] = SKIP
+                plan[u.anchor] = shape
+                continue
+            if u.kind != "fmm":
 
-                def linear(rw: Any, binding: Any, lin=lin, kname=kname, imgs=imgs) -> None:
-                    ty = lin.matmul.ty
-                    y = rw.emit(relax.call_tir(gvars[kname], [rw.arg(lin.x), p[imgs[0]]],
-                                               relax.TensorType(ty.shape, "float32")),
-                                None if lin.add is not None else lin.matmul)
-                    if lin.add is not None:
-                        y = rw.emit(relax.op.add(y, rw.arg(lin.bias)), lin.add)
-                    rw.remap(lin.out, y)
+                def call(rw: Any, binding: Any, u=u, kname=kname, imgs=imgs) -> None:
+                    rows = rw.arg(u.rows)
+                    args = [rows, *imgs] if u.kind == "qmm" else [*imgs, rows]
+                    rw.remap(binding.var, rw.emit(relax.call_tir(gvars[kname], args, binding.var.ty), binding.var))
 
-                plan[min(lin.vars[1:], key=lambda v: info.order[v])] = linear
+                plan[u.anchor] = call
+                continue
+            lin = u.lin
+            for v in lin.vars:
+                plan[v] = SKIP
+
+            def linear(rw: Any, binding: Any, lin=lin, kname=kname, imgs=imgs) -> None:
+                ty = lin.matmul.ty
+                y = rw.emit(relax.call_tir(gvars[kname], [rw.arg(lin.x), *imgs], relax.TensorType(ty.shape, "float32")),
+                            None if lin.add is not None else lin.matmul)
+                if lin.add is not None:
+                    y = rw.emit(relax.op.add(y, rw.arg(lin.bias)), lin.add)
+                rw.remap(lin.out, y)
+
+            plan[u.anchor] = linear
         return plan
 
-    # the plan was made on the function before its parameters were extended: same binding vars
+    # the plans were made on the functions before their parameters changed: same binding vars
     mod, _ = rewrite_functions(mod, plan_for, kernels)
     return mod, table
 

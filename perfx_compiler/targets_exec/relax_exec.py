@@ -101,6 +101,13 @@ class RelaxKernelRunner:
         return outs if isinstance(out_ty, relax.TupleType) else outs[0]
 
 
+def upload_weights(launcher: Any, weights: dict[str, np.ndarray]) -> list[Any]:
+    """Every weight on the device, in table order: the image weights of the Adreno texture path
+    (``*__tex``, passes/texture_weights.py) as images, the others as buffers."""
+    return [launcher.to_image(np.asarray(w)) if name.endswith("__tex") else launcher.to_device(np.asarray(w))
+            for name, w in weights.items()]
+
+
 def run_decode_steps(
     state: Any,
     launcher: Any,
@@ -119,11 +126,7 @@ def run_decode_steps(
     if runner is None:
         runner = RelaxKernelRunner(state.mod, state.target.tvm(), launcher)
     caches = [launcher.to_device(np.zeros(cache_shape(cfg), np.float32)) for _ in range(2 * cfg.num_layers)]
-    # image weights of the texture GEMVs (passes/texture_weights.py) go up as images
-    dev_weights = [
-        launcher.to_image(np.asarray(w)) if name.endswith("__tex") else launcher.to_device(np.asarray(w))
-        for name, w in weights.items()
-    ]
+    dev_weights = upload_weights(launcher, weights)
     logits = []
     for pos, tok in enumerate(tokens):
         ids = launcher.to_device(np.array([[tok]], index))
@@ -155,7 +158,7 @@ def run_paged_decode_steps(
     batch, npp = len(streams), pages_per_sequence(cfg)
     table = np.random.default_rng(seed).permutation(batch * npp).reshape(batch, npp).astype(index)
     pools = [launcher.to_device(np.zeros(pool_shape(cfg, batch * npp), np.float32)) for _ in range(2 * cfg.num_layers)]
-    dev_weights = [launcher.to_device(np.asarray(w)) for w in weights.values()]
+    dev_weights = upload_weights(launcher, weights)
     logits = []
     for step in range(len(streams[0])):
         ids = launcher.to_device(np.array([[s[step]] for s in streams], index))
