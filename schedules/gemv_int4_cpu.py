@@ -21,9 +21,9 @@ L consecutive codes):
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from perfx_compiler.passes._quant_attr import QUANT_ATTR, read_quant_info
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -34,20 +34,8 @@ from perfx_compiler.schedule_template import (
 from perfx_compiler.targets import TargetDescription
 
 PRIORITY = 5  # before the float templates: they do not understand these functions anyway
-QUANT_ATTR = "perfx.quant"
 GEMV_MAX_ROWS = 8
-
-
-def quant_info(func: Any) -> dict[str, Any] | None:
-    """The ``perfx.quant`` attribute the quantization passes put on a function, parsed; else None."""
-    attrs = func.attrs
-    if attrs is None or QUANT_ATTR not in attrs:
-        return None
-    try:
-        info = json.loads(str(attrs[QUANT_ATTR]))
-    except ValueError:
-        return None
-    return info
+quant_info = read_quant_info  # the name the other quantized templates import from here
 
 
 def _info(func: Any) -> dict[str, Any] | None:

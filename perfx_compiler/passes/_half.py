@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-QUANT_ATTR = "perfx.quant"
+from perfx_compiler.passes._quant_attr import QUANT_ATTR
+
 FAMILIES = ("f16", "bf16")
 
 

@@ -15,28 +15,22 @@ Only weights whose every use is one of those three is packed; activations rounde
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
 import tvm
 from tvm import relax, te, tirx
 
-from perfx_compiler.passes._half import FAMILIES, QUANT_ATTR, storage_dtype, widen_expr
+from perfx_compiler.passes._half import FAMILIES, storage_dtype, widen_expr
+from perfx_compiler.passes._quant_attr import read_quant_info
 from perfx_compiler.passes._relax_util import FuncInfo, exported, replace_weight_params
 
 SUFFIX = "_panels"
 
 
 def _quant_info(func: Any) -> dict[str, Any] | None:
-    attrs = getattr(func, "attrs", None)
-    if not isinstance(func, tirx.PrimFunc) or attrs is None or QUANT_ATTR not in attrs:
-        return None
-    try:
-        info = json.loads(str(attrs[QUANT_ATTR]))
-    except ValueError:
-        return None
-    return info if info.get("bits") == 16 and info.get("dtype") in FAMILIES else None
+    info = read_quant_info(func) if isinstance(func, tirx.PrimFunc) else None
+    return info if info is not None and info.get("bits") == 16 and info.get("dtype") in FAMILIES else None
 
 
 def _i64(d: Any) -> Any:

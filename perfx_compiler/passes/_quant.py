@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.errors import PerfXError
-
-QUANT_ATTR = "perfx.quant"
+from perfx_compiler.passes._quant_attr import QUANT_ATTR
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.errors import PerfXError
-
-QUANT_ATTR = "perfx.quant"
+from perfx_compiler.passes._quant_attr import QUANT_ATTR
 
 
 def check_group(k: int, group: int, what: str = "q8") -> None:

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.passes._quant_attr import QUANT_ATTR
 
-QUANT_ATTR = "perfx.quant"
 STEP = 64  # columns per vpdpbusd step
 CHUNK = 16  # groups per scale vector
 

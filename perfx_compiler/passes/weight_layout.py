@@ -26,13 +26,13 @@ import numpy as np
 import tvm
 from tvm import relax, te, tirx
 
+from perfx_compiler.passes._quant_attr import read_quant_info
 from perfx_compiler.passes._relax_util import FuncInfo, exported, replace_weight_params
 
 NAME = "weight_layout"
 ORDER = 90  # after fusions and quantization, right before lowering
 DEFAULT = True
 PACKED_SUFFIX = "_packed"
-QUANT_ATTR = "perfx.quant"
 
 
 def pack_weight(w: np.ndarray, nb: int) -> np.ndarray:
@@ -79,15 +79,8 @@ def packed_variant(func: Any, arg: int, nb: int) -> Any:
 
 def is_dequant(func: Any) -> bool:
     """A quantized weight's reference dequantize PrimFunc (W as float [N, K])."""
-    import json
-
-    attrs = getattr(func, "attrs", None)
-    if not isinstance(func, tirx.PrimFunc) or attrs is None or QUANT_ATTR not in attrs:
-        return False
-    try:
-        return json.loads(str(attrs[QUANT_ATTR])).get("kind") == "dequant"
-    except ValueError:
-        return False
+    info = read_quant_info(func) if isinstance(func, tirx.PrimFunc) else None
+    return info is not None and info.get("kind") == "dequant"
 
 
 def packed_dequant(func: Any, nb: int) -> Any:
