@@ -32,6 +32,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from perfx_compiler.passes._quant_attr import QUANT_ATTR
 from perfx_compiler.passes._relax_util import (
     SKIP,
     FuncInfo,
@@ -46,7 +47,6 @@ NAME = "texture_weights"
 ORDER = 88  # after quantization; before weight_layout, whose FuseTransposeMatmul hides float linears in call_tir
 DEFAULT = True
 TEX_SUFFIX = "__tex"
-QUANT_ATTR = "perfx.quant"
 FUNCTION = "decode"
 
 
