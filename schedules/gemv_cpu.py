@@ -176,20 +176,6 @@ class GemvCPU(ScheduleTemplate):
         lanes = vector_lanes(target)
         if config.get("fast_sigmoid", True):
             func = fast_sigmoid(func)  # vector polynomial instead of per-lane libm exp
-        if facts.layout == "P":
-            return schedule_register_tiled(
-                func,
-                facts,
-                mr=int(facts.M),
-                nr=int(config["nr"]),
-                nc=int(config["nc"]),
-                lanes=lanes,
-                parallel="n",
-                pack_x=False,
-                pack_b=False,
-                k_outer=bool(config.get("k_outer", False)),
-                k_unroll=int(config.get("k_unroll", 1)),
-            )
         if facts.layout == "NT":
             return schedule_dot_rows(
                 func,
@@ -199,7 +185,7 @@ class GemvCPU(ScheduleTemplate):
                 lanes=lanes,
                 tasks=int(config["tasks"]),
             )
-        if config.get("kernel", "panel") == "splitk":
+        if facts.layout != "P" and config.get("kernel", "panel") == "splitk":
             return schedule_split_k(
                 func,
                 facts,
@@ -219,6 +205,8 @@ class GemvCPU(ScheduleTemplate):
             pack_x=False,
             pack_b=False,
             k_outer=bool(config.get("k_outer", False)),
+            # k_unroll is a knob of the pre-packed panels only; [K, N] panels keep the default
+            k_unroll=int(config.get("k_unroll", 1)) if facts.layout == "P" else 1,
         )
 
 
