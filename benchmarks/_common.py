@@ -21,11 +21,16 @@ if str(REPO) not in sys.path:
 RESULTS = REPO / "benchmarks" / "results"
 
 
-def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> Path:
+def write_csv(
+    path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, floats: str | None = None
+) -> Path:
     """Writes ``rows`` under the header ``columns`` (default: the first row's keys); a row's missing
-    columns are left empty. Creates the folder."""
+    columns are left empty; with ``floats`` (a format spec, e.g. ``".2f"``) float values are written
+    in that format. Creates the folder."""
     from perfx_compiler.bench.report import write_csv as _write
 
+    if floats is not None:
+        rows = [{k: format(v, floats) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
     return _write(path, rows, list(columns) if columns is not None else list(rows[0]))
 
 

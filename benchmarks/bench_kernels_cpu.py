@@ -37,7 +37,6 @@ Writes benchmarks/results/kernels_cpu.csv and kernels_cpu.png.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import sys
@@ -53,10 +52,7 @@ if "--keep-openblas-env" not in sys.argv:
     os.environ.pop("OPENBLAS_L2_SIZE", None)
 
 import numpy as np  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from _common import RESULTS, figure, write_csv  # noqa: E402
 
 from perfx_compiler.schedule_template import find_template  # noqa: E402
 from perfx_compiler.targets import load_target  # noqa: E402
@@ -71,7 +67,6 @@ from perfx_compiler.tune.workloads import (  # noqa: E402
     single_func,
 )
 
-RESULTS = REPO / "benchmarks" / "results"
 SLOW_FLOP_LIMIT = 4e9  # unscheduled kernels above this many flops are timed once
 
 
@@ -282,23 +277,14 @@ def main() -> None:
         )
     if measurer is not None:
         measurer.close()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in row.items()})
+    out = write_csv(args.out, rows, floats=".2f")
     plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         print("matplotlib not installed: no plot")
         return
@@ -313,18 +299,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         r["numpy_best_us"] = min(r["numpy_us"], r["numpy_1t_us"]) if not math.isnan(r["numpy_1t_us"]) else r["numpy_us"]
     x = np.arange(len(rows))
     width = 0.2
-    fig, ax = plt.subplots(figsize=(max(10, len(rows) * 0.9), 5))
-    for i, (key, name) in enumerate(series):
-        vals = [r[key] if not math.isnan(r[key]) else 0 for r in rows]
-        ax.bar(x + (i - 1.5) * width, vals, width, label=name)
-    ax.set_yscale("log")
-    ax.set_ylabel("time per call (us, log)")
-    ax.set_xticks(x)
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_title("SmolLM2-135M kernels on CPU (lower is better)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, figsize=(max(10, len(rows) * 0.9), 5), dpi=120) as (_fig, ax):
+        for i, (key, name) in enumerate(series):
+            vals = [r[key] if not math.isnan(r[key]) else 0 for r in rows]
+            ax.bar(x + (i - 1.5) * width, vals, width, label=name)
+        ax.set_yscale("log")
+        ax.set_ylabel("time per call (us, log)")
+        ax.set_xticks(x)
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_title("SmolLM2-135M kernels on CPU (lower is better)")
+        ax.legend(fontsize=8)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,6 @@ gives it on this CPU: weights packed at compile time into [N / nb, K, nb] panels
 
 from __future__ import annotations
 
-import csv
 import math
 import os
 import statistics
@@ -14,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import RESULTS, figure, write_csv
 
 from perfx_compiler.schedule_template import find_template
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import _to_arg, build_func, configure_threads, random_inputs
 from perfx_compiler.tune.workloads import linear_module, matmul_func, packed_linear_func
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PREFILL_LINEARS = {  # name -> (K, N) after merge_projections (q|k|v and gate|up merged)
     "qkv": (576, 960),
     "o_proj": (576, 576),
@@ -182,13 +181,7 @@ def run_prefill(args: Any) -> None:
                   f"{row['tuned_vs_dlight']:.1f}x dlight  (load {row['load_avg_1m']:.1f})", flush=True)
     if measurer is not None:
         measurer.close()
-    out = Path(args.out or RESULTS / "kernels_cpu_prefill.csv")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (f"{v:.2f}" if isinstance(v, float) else v) for k, v in row.items()})
+    out = write_csv(args.out or RESULTS / "kernels_cpu_prefill.csv", rows, floats=".2f")
     vs_np = [r["tuned_vs_numpy"] for r in rows]
     vs_dl = [r["tuned_vs_dlight"] for r in rows if not math.isnan(r["tuned_vs_dlight"])]
     print(f"median tuned vs numpy: {statistics.median(vs_np):.2f}x over {len(vs_np)} cases "
@@ -200,32 +193,27 @@ def run_prefill(args: Any) -> None:
 
 def plot_prefill(rows: list[dict[str, Any]], path: Path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         print("matplotlib not installed: no plot")
         return
     labels = [f"{r['kernel']}\nM={r['M']}" for r in rows]
     x = np.arange(len(rows))
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(10, len(rows) * 0.6), 8))
-    ax1.bar(x - 0.2, [r["ours_gflops"] for r in rows], 0.4, label="PerfX gemm_cpu (tuned, packed weights)")
-    ax1.bar(x + 0.2, [r["numpy_gflops"] for r in rows], 0.4,
-            label=f"numpy / OpenBLAS ({rows[0]['openblas']}; faster of 2 threads and 1)")
-    ax1.set_ylabel("GFLOP/s (median of alternated rounds)")
-    ax1.set_xticks(x)
-    ax1.set_xticklabels(labels, fontsize=7)
-    ax1.legend(fontsize=8)
-    ax1.set_title("SmolLM2-135M prefill GEMMs on this CPU (2 threads each)")
-    ax2.bar(x - 0.2, [r["tuned_vs_numpy"] for r in rows], 0.4, label="tuned / numpy")
-    ax2.bar(x + 0.2, [0 if math.isnan(r["tuned_vs_dlight"]) else r["tuned_vs_dlight"] for r in rows], 0.4,
-            label="tuned / TVM dlight default (0: not timed)")
-    ax2.axhline(1.0, color="k", lw=0.8)
-    ax2.set_yscale("log")
-    ax2.set_ylabel("speed-up (x)")
-    ax2.set_xticks(x)
-    ax2.set_xticklabels(labels, fontsize=7)
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, 2, 1, figsize=(max(10, len(rows) * 0.6), 8)) as (_fig, (ax1, ax2)):
+        ax1.bar(x - 0.2, [r["ours_gflops"] for r in rows], 0.4, label="PerfX gemm_cpu (tuned, packed weights)")
+        ax1.bar(x + 0.2, [r["numpy_gflops"] for r in rows], 0.4,
+                label=f"numpy / OpenBLAS ({rows[0]['openblas']}; faster of 2 threads and 1)")
+        ax1.set_ylabel("GFLOP/s (median of alternated rounds)")
+        ax1.set_xticks(x)
+        ax1.set_xticklabels(labels, fontsize=7)
+        ax1.legend(fontsize=8)
+        ax1.set_title("SmolLM2-135M prefill GEMMs on this CPU (2 threads each)")
+        ax2.bar(x - 0.2, [r["tuned_vs_numpy"] for r in rows], 0.4, label="tuned / numpy")
+        ax2.bar(x + 0.2, [0 if math.isnan(r["tuned_vs_dlight"]) else r["tuned_vs_dlight"] for r in rows], 0.4,
+                label="tuned / TVM dlight default (0: not timed)")
+        ax2.axhline(1.0, color="k", lw=0.8)
+        ax2.set_yscale("log")
+        ax2.set_ylabel("speed-up (x)")
+        ax2.set_xticks(x)
+        ax2.set_xticklabels(labels, fontsize=7)
+        ax2.legend(fontsize=8)
