@@ -18,17 +18,12 @@ machine than whole-model rounds. Results: benchmarks/results/half_precision_kern
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
-import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-RESULTS = REPO / "benchmarks" / "results"
+from _common import RESULTS, figure, prefill_decode_rates, write_csv
 
 PROMPT_IDS = [9, 1432, 2115, 253, 655, 28, 665, 436, 253, 1347, 2214, 30, 4, 17, 1, 900] * 4  # 64 ids
 VARIANTS: dict[str, dict[str, str]] = {
@@ -46,21 +41,6 @@ def compile_if_needed(model: str, name: str, work: Path) -> Path:
     if not (out / "perfx-config.json").is_file():
         compile_model(model, "host", out, progress=False, batching=False, **VARIANTS[name])
     return out
-
-
-def one_round(engine: object, steps: int) -> tuple[float, float]:
-    """(prefill tok/s for 64 tokens, decode tok/s over ``steps`` greedy tokens)."""
-    import numpy as np
-
-    engine.reset()  # type: ignore[attr-defined]
-    t0 = time.perf_counter()
-    logits = engine.prefill(PROMPT_IDS)  # type: ignore[attr-defined]
-    t1 = time.perf_counter()
-    tok = int(np.argmax(logits))
-    for _ in range(steps):
-        tok = int(np.argmax(engine.decode(tok)))  # type: ignore[attr-defined]
-    t2 = time.perf_counter()
-    return len(PROMPT_IDS) / (t1 - t0), steps / (t2 - t1)
 
 
 def main() -> None:
@@ -83,21 +63,17 @@ def main() -> None:
     arts = {v: compile_if_needed(args.model, v, args.work) for v in args.variants}
     engines = {v: Engine(a) for v, a in arts.items()}
     for e in engines.values():
-        one_round(e, 4)  # warm up (thread pool, page cache)
+        prefill_decode_rates(e, PROMPT_IDS, 4)  # warm up (thread pool, page cache)
     rounds = []
     for r in range(args.rounds):
         for v, e in engines.items():
             load = os.getloadavg()[0]
-            pre, dec = one_round(e, args.steps)
+            pre, dec = prefill_decode_rates(e, PROMPT_IDS, args.steps)
             rounds.append({"round": r, "variant": v, "prefill_tok_s": round(pre, 1), "decode_tok_s": round(dec, 1),
                            "load1": round(load, 2)})
             print(rounds[-1], flush=True)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "half_precision_rounds.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rounds[0]))
-        w.writeheader()
-        w.writerows(rounds)
+    write_csv(RESULTS / "half_precision_rounds.csv", rounds)
     summary = []
     for v, a in arts.items():
         m = json.loads((a / "perfx-config.json").read_text())
@@ -112,10 +88,7 @@ def main() -> None:
             "rounds": len(mine), "load1_median": round(statistics.median(x["load1"] for x in mine), 2),
             "cpu_cores": os.cpu_count(),
         })
-    with open(RESULTS / "half_precision.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]))
-        w.writeheader()
-        w.writerows(summary)
+    write_csv(RESULTS / "half_precision.csv", summary)
     for s in summary:
         print(s)
     _plot(summary)
@@ -163,11 +136,7 @@ def kernels(passes: int) -> None:
                          "weight_GB_s": round(n * k * nbytes / best[v] / 1e9, 1),
                          "speedup_vs_f32": round(best["f32"] / best[v], 2), "load1": round(os.getloadavg()[0], 2)})
             print(rows[-1], flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    with open(RESULTS / "half_precision_kernels.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(RESULTS / "half_precision_kernels.csv", rows)
 
 
 def _f32_gemv(n: int, k: int) -> object:
@@ -182,20 +151,13 @@ def _f32_gemv(n: int, k: int) -> object:
 
 
 def _plot(summary: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
     names = [s["variant"] for s in summary]
-    ax[0].bar(names, [s["decode_tok_s_median"] for s in summary], color="tab:blue")
-    ax[0].set_title("decode tok/s (median of rounds)")
-    ax[1].bar(names, [s["weight_bytes"] / 1e6 for s in summary], color="tab:gray")
-    ax[1].set_title("weight MB")
-    fig.suptitle(f"{summary[0]['model']}: half-precision weights (load avg {summary[0]['load1_median']})")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "half_precision.png", dpi=110)
+    with figure(RESULTS / "half_precision.png", 1, 2, figsize=(9, 3.5)) as (fig, ax):
+        ax[0].bar(names, [s["decode_tok_s_median"] for s in summary], color="tab:blue")
+        ax[0].set_title("decode tok/s (median of rounds)")
+        ax[1].bar(names, [s["weight_bytes"] / 1e6 for s in summary], color="tab:gray")
+        ax[1].set_title("weight MB")
+        fig.suptitle(f"{summary[0]['model']}: half-precision weights (load avg {summary[0]['load1_median']})")
 
 
 if __name__ == "__main__":

@@ -11,14 +11,10 @@ hits every variant alike; reports the best round. Kernel counts come from the mo
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import sys
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from _common import RESULTS, prefill_decode_rates, write_csv
 
 PROMPT_IDS = [9, 1432, 2115, 253, 655, 28, 665, 436, 253, 1347, 2214]  # any 11 in-vocabulary ids
 
@@ -30,21 +26,6 @@ def compile_if_needed(model: str, quant: str, work: Path) -> Path:
     if not (out / "perfx-config.json").is_file():
         compile_model(model, "host", out, progress=False, quantization=quant)
     return out
-
-
-def decode_rate(engine: object, steps: int) -> tuple[float, float]:
-    """(prefill tok/s, decode tok/s) of one greedy run."""
-    import numpy as np
-
-    engine.reset()  # type: ignore[attr-defined]
-    t0 = time.perf_counter()
-    logits = engine.prefill(PROMPT_IDS)  # type: ignore[attr-defined]
-    t1 = time.perf_counter()
-    tok = int(np.argmax(logits))
-    for _ in range(steps):
-        tok = int(np.argmax(engine.decode(tok)))  # type: ignore[attr-defined]
-    t2 = time.perf_counter()
-    return len(PROMPT_IDS) / (t1 - t0), steps / (t2 - t1)
 
 
 def kernel_counts(model: str) -> dict[str, int]:
@@ -85,7 +66,7 @@ def main() -> None:
     best: dict[str, tuple[float, float]] = {q: (0.0, 0.0) for q in arts}
     for _ in range(args.rounds):
         for q, eng in engines.items():
-            pre, dec = decode_rate(eng, args.steps)
+            pre, dec = prefill_decode_rates(eng, PROMPT_IDS, args.steps)
             best[q] = (max(best[q][0], pre), max(best[q][1], dec))
     rows = []
     for q, art in arts.items():
@@ -97,12 +78,7 @@ def main() -> None:
         })
     for r in rows:
         print(r)
-    res = REPO / "benchmarks" / "results"
-    res.mkdir(parents=True, exist_ok=True)
-    with open(res / "quant_decode.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(RESULTS / "quant_decode.csv", rows)
     if not args.no_counts:
         print("decode kernels per token:", kernel_counts(args.model))
 
