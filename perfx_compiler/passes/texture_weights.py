@@ -208,26 +208,35 @@ class _Group:
         return {self.images[0]: gt.pack_image(words, self.layouts[0]),
                 self.images[1]: gt.pack_scales([weights[nm] for nm in self.names[1:]], self.layouts[1])}
 
-    def kernel(self, use: _Use) -> tuple[str, Any]:
-        """(name, PrimFunc) of the texture kernel replacing ``use``; TextureLimitError when none fits."""
+    def kernel(self, use: _Use, built: dict[str, Any]) -> tuple[str, Any]:
+        """(name, PrimFunc) of the texture kernel replacing ``use``; TextureLimitError when none fits.
+        The name fixes the kernel (shape, format, image layout): each is parsed once, into ``built``
+        (TVMScript parsing dominated the pass: SmolLM2 has 121 decode GEMVs of 5 shapes)."""
         from perfx_compiler.kernels import gemm_texture as gm
         from perfx_compiler.kernels import gemv_texture as gt
 
-        th, lay = self.opts["threads"], self.layouts
+        th, lay, q = self.opts["threads"], self.layouts, self.q
         if use.kind in ("qtake", "ftake"):
             ids = str(use.rows.ty.dtype)
-            scales = lay[1] if self.q is not None else None
-            return (f"texture_take_{self.fmt}_{self.n}_{self.k}_l{lay[0].layers}_{ids}",
-                    gm.texture_take_kernel(self.fmt, self.k, lay[0], scales, self.q, ids, th))
-        if self.fmt == "f32":
-            if use.gemv:
-                return f"texture_gemv_{self.n}_{self.k}_l{lay[0].layers}", gt.texture_gemv_kernel(self.n, self.k, th, lay[0])
-            return f"texture_gemm_{self.n}_{self.k}_l{lay[0].layers}", gm.texture_gemm_kernel(self.n, self.k, lay[0], th)
-        if use.gemv:
-            make = gt.texture_q4_gemv_kernel if self.fmt == "q4" else gt.texture_q8_gemv_kernel
-            return f"texture_{use.pf}", make(self.q, lay[0], lay[1], th)
-        make = gm.texture_q4_gemm_kernel if self.fmt == "q4" else gm.texture_q8_gemm_kernel
-        return f"texture_{use.pf}_rows", make(self.q, lay[0], lay[1], th)
+            name = f"texture_take_{self.fmt}_{self.n}_{self.k}_l{lay[0].layers}_{ids}"
+            make = lambda: gm.texture_take_kernel(self.fmt, self.k, lay[0], lay[1] if q else None, q, ids, th)  # noqa: E731
+        elif self.fmt == "f32" and use.gemv:
+            name = f"texture_gemv_{self.n}_{self.k}_l{lay[0].layers}"
+            make = lambda: gt.texture_gemv_kernel(self.n, self.k, th, lay[0])  # noqa: E731
+        elif self.fmt == "f32":
+            name = f"texture_gemm_{self.n}_{self.k}_l{lay[0].layers}"
+            make = lambda: gm.texture_gemm_kernel(self.n, self.k, lay[0], th)  # noqa: E731
+        elif use.gemv:
+            name = f"texture_{use.pf}"
+            fn = gt.texture_q4_gemv_kernel if self.fmt == "q4" else gt.texture_q8_gemv_kernel
+            make = lambda: fn(q, lay[0], lay[1], th)  # noqa: E731
+        else:
+            name = f"texture_{use.pf}_rows"
+            fn = gm.texture_q4_gemm_kernel if self.fmt == "q4" else gm.texture_q8_gemm_kernel
+            make = lambda: fn(q, lay[0], lay[1], th)  # noqa: E731
+        if name not in built:
+            built[name] = make()
+        return name, built[name]
 
 
 def _plan_groups(mod: tvm.IRModule, weights: dict[str, Any], opts: dict[str, Any],
@@ -247,6 +256,7 @@ def _plan_groups(mod: tvm.IRModule, weights: dict[str, Any], opts: dict[str, Any
     reads = {fn: _weight_reads(FuncInfo.of(mod[fn]), weights) for fn in uses}
     chosen: dict[tuple[str, Any], tuple[str, _Group]] = {}
     kernels: dict[str, Any] = {}
+    built: dict[str, Any] = {}
     for key, g in list(groups.items()):
         mine = {fn: [u for u in us if u.names[0] in g.names] for fn, us in uses.items()}
         # every read of the group's arrays must be one of these uses, each reading the whole group
@@ -257,7 +267,7 @@ def _plan_groups(mod: tvm.IRModule, weights: dict[str, Any], opts: dict[str, Any
         try:
             for fn, us in mine.items():
                 for u in us if covered else []:
-                    picks[(fn, u.anchor)] = ("", None) if u.kind == "shape" else g.kernel(u)
+                    picks[(fn, u.anchor)] = ("", None) if u.kind == "shape" else g.kernel(u, built)
         except TextureLimitError:
             covered = False
         if not covered:
