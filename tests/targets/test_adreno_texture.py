@@ -1,7 +1,10 @@
-"""adreno: decode GEMVs read weights through OpenCL images (passes/texture_weights.py, kernels in
-kernels/gemv_texture.py, lowered by the project's assembled Adreno TIR pipeline with TextureFlatten).
-Every texture kernel runs on PoCL's images against numpy (SmolLM2's shapes, and every texture kernel of
-the tiny models' adreno builds), then whole decode steps through the launcher match the x86 build."""
+"""adreno: weights that decode GEMVs read through OpenCL images live only as images
+(passes/texture_weights.py): decode's GEMVs (kernels/gemv_texture.py), the prefill / paged GEMMs and
+the tied-embedding gathers (kernels/gemm_texture.py) all read them, lowered by the project's assembled
+Adreno TIR pipeline with TextureFlatten. Every texture kernel runs on PoCL's images against numpy
+(SmolLM2's shapes, and every texture kernel of SmolLM2's adreno decode), whole decode, prefill and
+batched paged decode steps through the launcher match the x86 build, and the weight table and the
+device hold one copy of each weight (byte counts against the buffer-only mali build)."""
 
 from __future__ import annotations
 
@@ -105,6 +108,106 @@ def test_f32_texture_gemv(n: int, k: int, max_height: int, launcher) -> None:
     w = rng.standard_normal((n, k)).astype(np.float32)
     got = launcher.run_numpy(cf, [x, gt.pack_image(w, lay), np.zeros((1, 1, n), np.float32)])[2]
     _check(got, w.astype(np.float64) @ x.reshape(-1), k)
+
+
+ROWS = [(1, 7), (3, 1), (1, 1), (2, 5)]  # x [b, s, K]: prefill chunks, paged decode batches, and both
+
+
+def _run_rows(launcher, cf, images: list[np.ndarray], k: int, n: int, want_w: np.ndarray, seed: int) -> None:
+    """Run a multi-row texture matmul at every (b, s) of ROWS against x @ W.T in float64."""
+    rng = np.random.default_rng(seed)
+    for b, s in ROWS:
+        x = rng.standard_normal((b, s, k)).astype(np.float32)
+        got = launcher.run_numpy(cf, [x, *images, np.zeros((b, s, n), np.float32)])[-1]
+        _check(got, (x.reshape(-1, k).astype(np.float64) @ want_w.T).reshape(-1), k)
+
+
+# SmolLM2's prefill GEMMs (qkv, gate_up folded into 4 layers, down) and a small odd one (rows not a multiple of 4)
+@pytest.mark.parametrize(("n", "k", "max_height"), [(960, 576, 16384), (3072, 576, 1000), (576, 1536, 16384),
+                                                     (102, 64, 30)])
+@pytest.mark.parametrize("offset", [True, False])
+def test_q4_texture_gemm(n: int, k: int, max_height: int, offset: bool, launcher) -> None:
+    from perfx_compiler.kernels import gemm_texture as gm
+    from perfx_compiler.kernels import gemv_texture as gt
+    from perfx_compiler.passes._quant import Int4Format, pack_int4
+
+    lim = {**LIMITS, "max_height": max_height}
+    lanes = Int4Format(32, False, offset).lanes(k)
+    rng = np.random.default_rng(n * 5 + k + offset)
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    scale = rng.standard_normal((n, k // 32)).astype(np.float16)
+    third = (rng.standard_normal((n, k // 32)) if offset else rng.integers(0, 16, (n, k // 32))).astype(np.float16)
+    words = pack_int4(codes, lanes)
+    cl = gt.image_layout(n, words.shape[1] // 4, "RGBA32UI", lim)
+    sl = gt.image_layout(n, -(-(k // 32) // 2), "RGBA32F", lim)
+    cf = _compile(gm.texture_q4_gemm_kernel({"N": n, "K": k, "group": 32, "lanes": lanes, "offset": offset}, cl, sl))
+    s, t = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (scale, third))
+    w = codes * s + t if offset else (codes - t) * s
+    _run_rows(launcher, cf, [gt.pack_image(words, cl), gt.pack_scales([scale, third], sl)], k, n, w, n + k)
+
+
+@pytest.mark.parametrize(("n", "k", "max_height"), [(49152, 576, 16384), (300, 64, 128)])
+def test_q8_texture_gemm(n: int, k: int, max_height: int, launcher) -> None:
+    from perfx_compiler.kernels import gemm_texture as gm
+    from perfx_compiler.kernels import gemv_texture as gt
+
+    lim = {**LIMITS, "max_height": max_height}
+    rng = np.random.default_rng(n + k + 1)
+    codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    scale = rng.standard_normal((n, k // 32)).astype(np.float16)
+    cl = gt.image_layout(n, k // 16, "RGBA32UI", lim)
+    sl = gt.image_layout(n, -(-(k // 32) // 4), "RGBA32F", lim)
+    cf = _compile(gm.texture_q8_gemm_kernel({"N": n, "K": k, "group": 32}, cl, sl))
+    w = codes * np.repeat(scale.astype(np.float64), 32, axis=1)
+    _run_rows(launcher, cf, [gt.pack_image(codes.view(np.uint32), cl), gt.pack_scales([scale], sl)], k, n, w, n)
+
+
+@pytest.mark.parametrize(("n", "k", "max_height"), [(1536, 576, 16384), (300, 64, 128)])
+def test_f32_texture_gemm(n: int, k: int, max_height: int, launcher) -> None:
+    from perfx_compiler.kernels import gemm_texture as gm
+    from perfx_compiler.kernels import gemv_texture as gt
+
+    lay = gt.image_layout(n, k // 4, "RGBA32F", {**LIMITS, "max_height": max_height})
+    cf = _compile(gm.texture_gemm_kernel(n, k, lay))
+    w = np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32)
+    _run_rows(launcher, cf, [gt.pack_image(w, lay)], k, n, w.astype(np.float64), n + 2)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q4", "q8"])
+@pytest.mark.parametrize(("n", "k", "max_height"), [(49152, 576, 16384), (300, 640, 128)])
+def test_texture_take(fmt: str, n: int, k: int, max_height: int, launcher) -> None:
+    """Embedding gather from the images (a tied embedding: SmolLM2's Q8_0 token_embd is its lm_head)."""
+    from perfx_compiler.kernels import gemm_texture as gm
+    from perfx_compiler.kernels import gemv_texture as gt
+    from perfx_compiler.passes._quant import Int4Format, pack_int4
+
+    lim = {**LIMITS, "max_height": max_height}
+    rng = np.random.default_rng(n + k + len(fmt))
+    scale = rng.standard_normal((n, k // 32)).astype(np.float16)
+    if fmt == "f32":
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        lay = gt.image_layout(n, k // 4, "RGBA32F", lim)
+        cf, images, want = _compile(gm.texture_take_kernel("f32", k, lay)), [gt.pack_image(w, lay)], w
+    elif fmt == "q8":
+        codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
+        cl, sl = gt.image_layout(n, k // 16, "RGBA32UI", lim), gt.image_layout(n, -(-(k // 32) // 4), "RGBA32F", lim)
+        cf = _compile(gm.texture_take_kernel("q8", k, cl, sl, {"N": n, "K": k, "group": 32}))
+        images = [gt.pack_image(codes.view(np.uint32), cl), gt.pack_scales([scale], sl)]
+        want = codes * np.repeat(scale.astype(np.float64), 32, axis=1)
+    else:
+        lanes = Int4Format(32, False, True).lanes(k)
+        codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+        mins = rng.standard_normal((n, k // 32)).astype(np.float16)
+        words = pack_int4(codes, lanes)
+        cl, sl = gt.image_layout(n, words.shape[1] // 4, "RGBA32UI", lim), gt.image_layout(n, -(-(k // 32) // 2), "RGBA32F", lim)
+        cf = _compile(gm.texture_take_kernel("q4", k, cl, sl, {"N": n, "K": k, "group": 32, "lanes": lanes, "offset": True}))
+        images = [gt.pack_image(words, cl), gt.pack_scales([scale, mins], sl)]
+        want = codes * np.repeat(scale.astype(np.float64), 32, axis=1) + np.repeat(mins.astype(np.float64), 32, axis=1)
+    for b, s in ROWS:
+        ids = rng.integers(0, n, (b, s)).astype(np.int64)
+        ids.flat[0] = n - 1  # the last row: the last layer of a folded image
+        got = launcher.run_numpy(cf, [*images, ids, np.zeros((b, s, k), np.float32)])[-1]
+        np.testing.assert_allclose(got, want[ids], rtol=1e-6, atol=1e-6 * float(np.abs(want).max()))
 
 
 def test_registered_adreno_pipeline_is_not_a_triple() -> None:
