@@ -1,0 +1,243 @@
+"""Per-kernel A/B of decode artifacts inside the model: each kernel timed where the decode step runs it.
+
+A standalone GEMV bench reads its weights cold but its activation row, output and code paths in
+whatever state its own loop left them; inside a decode step a kernel follows RMSNorm, attention or
+another GEMV. This script times every kernel call of one decode step *in the step's sequence*:
+
+* one decode step of each artifact is traced through the VM's instrumentation hook (kernel, symbol,
+  argument tensors), as ``decode_overhead.py`` does;
+* per round (artifact order reversed every round), the recorded calls are replayed back to back by a
+  small C++ loop ``--steps`` times, with each call timed on its own (monotonic clock); the model's
+  weights (hundreds of MB) are far bigger than the L3, so every GEMV reads its weights from DRAM as
+  in a real decode step, while x comes warm from the kernel before;
+* per kernel symbol: the median over steps of the summed time of its calls in a step; per round and
+  artifact; then the median over rounds, and the per-round paired ratio to the first artifact.
+
+Kernels are matched across artifacts by symbol name (both artifacts of one model, one knob apart,
+have the same symbols). GEMV weight GB/s use the bytes of the weight arguments (2-D+ tensors whose
+byte size is >= 1 MiB, the codes/scales a decode GEMV reads; the KV cache of attention is reported as
+bytes too but is not a weight).
+
+    python benchmarks/decode_kernel_ab.py /tmp/a /tmp/b --labels split_hinib,plain --name tinyllama-q4_0_long_rows
+        [--rounds 8] [--steps 30] [--threads 2] [--position 32] [--shared-args]
+
+``--shared-args``: the second artifact's kernels are called on the first artifact's tensors, so both
+read the same weight memory (placement alone moved A/A pairs by 5-8%); pass one artifact twice for
+an A/A check of either mode.
+
+Writes benchmarks/results/decode_kernels_<name>.csv (rows per round, then medians).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+RESULTS = REPO / "benchmarks" / "results"
+
+REPLAY_CC = r"""
+#include <tvm/ffi/any.h>
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/function.h>
+#include <time.h>
+
+#include <vector>
+
+using namespace tvm::ffi;
+
+static double now() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// calls[i] = [kernel, args...]. Runs the list `reps` times; returns reps x n call times (seconds).
+Array<double> replay_each(Array<Array<Any>> calls, int64_t reps) {
+  size_t n = calls.size();
+  std::vector<Function> fns(n);
+  std::vector<std::vector<AnyView>> args(n);
+  std::vector<Array<Any>> keep(n);
+  for (size_t i = 0; i < n; ++i) {
+    keep[i] = calls[i];
+    fns[i] = keep[i][0].cast<Function>();
+    for (size_t j = 1; j < keep[i].size(); ++j) args[i].push_back(AnyView(keep[i][j]));
+  }
+  std::vector<double> t(reps * n);
+  Any rv;
+  for (int64_t r = 0; r < reps; ++r) {
+    for (size_t i = 0; i < n; ++i) {
+      double t0 = now();
+      fns[i].CallPacked(args[i].data(), static_cast<int32_t>(args[i].size()), &rv);
+      t[r * n + i] = now() - t0;
+    }
+  }
+  Array<double> out;
+  for (double v : t) out.push_back(v);
+  return out;
+}
+"""
+
+
+def build_replay() -> Any:
+    import tvm_ffi.cpp
+
+    try:
+        mod = tvm_ffi.cpp.load_inline("perfx_decode_replay_each", cpp_sources=REPLAY_CC,
+                                      functions=["replay_each"], extra_cflags=["-O2"])
+    except Exception as err:  # noqa: BLE001 - a missing C++ toolchain is the usual cause
+        sys.exit(f"decode_kernel_ab: cannot build the C++ replay loop ({type(err).__name__}: {err}); needs g++")
+    return mod.replay_each
+
+
+def _nbytes(a: Any) -> int:
+    shape = getattr(a, "shape", None)
+    if shape is None:
+        return 0
+    return int(np.prod([int(s) for s in shape])) * np.dtype(str(a.dtype)).itemsize
+
+
+class Traced:
+    """One artifact's decode step as a list of kernel calls (symbol, function, arguments)."""
+
+    def __init__(self, label: str, art: str, prompt: list[int]):
+        from perfx_compiler.runtime.engine import Engine
+
+        self.label, self.art = label, art
+        self.engine = e = Engine(art, verify=False)
+        e.reset()
+        tok = int(np.argmax(e.prefill(prompt)))
+        self.calls: list[list[Any]] = []
+        self.syms: list[str] = []
+        self.weight_bytes: list[int] = []
+
+        def hook(func: Any, sym: Any, before: bool, ret: Any, *args: Any) -> int:
+            if before and not str(sym).startswith("vm.builtin."):
+                self.calls.append([func, *args])
+                self.syms.append(str(sym))
+                # weights: the big arguments (a decode GEMV's codes / scales); outputs and x are small
+                self.weight_bytes.append(sum(b for b in map(_nbytes, args) if b >= (1 << 20)))
+            return 0
+
+        e.vm.set_instrument(hook)
+        try:
+            e.decode(tok)
+        finally:
+            e.vm.set_instrument(None)
+
+    def per_symbol(self, replay: Any, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Per symbol (seconds): the median over steps of its summed call time in a step, and the sum
+        over its calls of each call's 10th-percentile time over the steps (on a shared machine the
+        fastest calls are the undisturbed ones)."""
+        n = len(self.calls)
+        t = np.asarray(list(replay(self.calls, steps)), dtype=np.float64).reshape(steps, n)
+        p10 = np.percentile(t, 10, axis=0)
+        med: dict[str, float] = {}
+        low: dict[str, float] = {}
+        for sym in dict.fromkeys(self.syms):
+            idx = [i for i, s in enumerate(self.syms) if s == sym]
+            med[sym] = float(np.median(t[:, idx].sum(axis=1)))
+            low[sym] = float(p10[idx].sum())
+        med["__step__"] = float(np.median(t.sum(axis=1)))
+        low["__step__"] = float(p10.sum())
+        return med, low
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("artifacts", nargs="+")
+    p.add_argument("--labels", default=None)
+    p.add_argument("--name", required=True)
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--position", type=int, default=32)
+    p.add_argument("--shared-args", action="store_true",
+                   help="run every artifact's kernels on the first artifact's tensors (same memory)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before the runtime creates its pool
+    labels = args.labels.split(",") if args.labels else [Path(a).name for a in args.artifacts]
+    if len(labels) != len(args.artifacts):
+        sys.exit("decode_kernel_ab: give one label per artifact")
+    replay = build_replay()
+    prompt = list(range(100, 100 + args.position))
+    subs = [Traced(lab, art, prompt) for lab, art in zip(labels, args.artifacts, strict=True)]
+    syms = list(dict.fromkeys(subs[0].syms))
+    for s in subs[1:]:
+        if list(dict.fromkeys(s.syms)) != syms:
+            sys.exit(f"decode_kernel_ab: {s.label} calls other kernels than {subs[0].label}")
+    if args.shared_args:
+        # every artifact's kernels run on the FIRST artifact's tensors (weights, KV cache, activations):
+        # the A/B is then the kernel code alone -- two artifacts' own weight copies sit at other
+        # addresses, and an A/A pair of copies differed by 5-8% (gemv_qvnni_aa_separate_copies.csv)
+        for s in subs[1:]:
+            s.calls = [[mine[0], *first[1:]] for mine, first in zip(s.calls, subs[0].calls, strict=True)]
+    count = {sym: subs[0].syms.count(sym) for sym in syms}
+    wbytes = {sym: sum(b for s, b in zip(subs[0].syms, subs[0].weight_bytes, strict=True) if s == sym)
+              for sym in syms}
+    for s in subs:
+        s.per_symbol(replay, 3)  # warm-up
+    per: dict[str, list[dict[str, float]]] = {s.label: [] for s in subs}
+    low: dict[str, list[dict[str, float]]] = {s.label: [] for s in subs}
+    rows: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        for s in (subs if r % 2 == 0 else subs[::-1]):
+            got, got10 = s.per_symbol(replay, args.steps)
+            per[s.label].append(got)
+            low[s.label].append(got10)
+            load = os.getloadavg()[0]
+            for sym in [*syms, "__step__"]:
+                rows.append({"round": r, "variant": s.label, "kernel": sym, "calls": count.get(sym, len(s.calls)),
+                             "us": round(got[sym] * 1e6, 2), "us_call_p10": round(got10[sym] * 1e6, 2),
+                             "weight_mb": round(wbytes.get(sym, 0) / 1e6, 2),
+                             "gbs": round(wbytes.get(sym, 0) / got[sym] / 1e9, 2) if wbytes.get(sym) else "",
+                             "gbs_call_p10": round(wbytes.get(sym, 0) / got10[sym] / 1e9, 2) if wbytes.get(sym) else "",
+                             "ratio_vs_first": "", "ratio_p10_vs_first": "", "load_avg_1m": round(load, 2),
+                             "threads": args.threads, "shared_args": args.shared_args})
+            print(f"round {r} {s.label}: step {got['__step__'] * 1e3:.2f} ms (kernels only), load {load:.2f}",
+                  flush=True)
+    base = subs[0].label
+    for s in subs:
+        for sym in [*syms, "__step__"]:
+            med = statistics.median(g[sym] for g in per[s.label])
+            m10 = statistics.median(g[sym] for g in low[s.label])
+            ratio = statistics.median(b[sym] / g[sym] for b, g in zip(per[base], per[s.label], strict=True))
+            r10 = statistics.median(b[sym] / g[sym] for b, g in zip(low[base], low[s.label], strict=True))
+            rows.append({"round": "median", "variant": s.label, "kernel": sym, "calls": count.get(sym, ""),
+                         "us": round(med * 1e6, 2), "us_call_p10": round(m10 * 1e6, 2),
+                         "weight_mb": round(wbytes.get(sym, 0) / 1e6, 2),
+                         "gbs": round(wbytes.get(sym, 0) / med / 1e9, 2) if wbytes.get(sym) else "",
+                         "gbs_call_p10": round(wbytes.get(sym, 0) / m10 / 1e9, 2) if wbytes.get(sym) else "",
+                         "ratio_vs_first": round(ratio, 4), "ratio_p10_vs_first": round(r10, 4),
+                         "load_avg_1m": round(statistics.median(x["load_avg_1m"] for x in rows
+                                                                if x["variant"] == s.label), 2),
+                         "threads": args.threads, "shared_args": args.shared_args})
+    out = Path(args.out) if args.out else RESULTS / f"decode_kernels_{args.name}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    med = [x for x in rows if x["round"] == "median"]
+    big = sorted({x["kernel"] for x in med}, key=lambda k: -max(x["us"] for x in med if x["kernel"] == k))
+    for k in big[:16]:
+        print(f"{k[:40]:<40} " + "  ".join(
+            f"{x['variant']} {x['us']:7.1f} us x{x['ratio_vs_first']:.3f}, call p10 {x['us_call_p10']:7.1f} us "
+            f"{x['gbs_call_p10'] or '':>6} GB/s x{x['ratio_p10_vs_first']:.3f}"
+            for x in med if x["kernel"] == k))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
