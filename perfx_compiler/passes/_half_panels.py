@@ -23,7 +23,7 @@ from tvm import relax, te, tirx
 
 from perfx_compiler.passes._half import FAMILIES, storage_dtype, widen_expr
 from perfx_compiler.passes._quant_attr import read_quant_info
-from perfx_compiler.passes._relax_util import FuncInfo, exported, replace_weight_params
+from perfx_compiler.passes._relax_util import FuncInfo, drop_uncalled_primfuncs, exported, replace_weight_params
 
 SUFFIX = "_panels"
 
@@ -210,19 +210,5 @@ def pack_half_weights(mod: tvm.IRModule, weights: dict[str, Any], nb: int,
         new_func = rewriter.visit_expr(func)
         rewriter.builder_.update_func(rewriter.builder_.get().get_global_var(fn), new_func)
     out = relax.transform.DeadCodeElimination(exported(rewriter.builder_.get()))(rewriter.builder_.get())
-    # The row-layout half kernels nothing calls any more (DCE keeps PrimFuncs): drop them.
-    called = {str(e.args[0].name_hint) for fn in exported(out) for e in _calls(out[fn])}
-    dead = [gv for gv, f in out.functions_items() if gv.name_hint in quant and gv.name_hint not in called]
-    if dead:
-        out = out.clone()
-        for gv in dead:
-            del out[gv]
-    return out, new_weights
-
-
-def _calls(func: relax.Function) -> list[Any]:
-    found: list[Any] = []
-    call_tir = tvm.ir.Op.get("relax.call_tir")
-    relax.analysis.post_order_visit(
-        func, lambda e: found.append(e) if isinstance(e, relax.Call) and e.op.same_as(call_tir) else None)
-    return found
+    # The row-layout half kernels nothing calls any more: drop them.
+    return drop_uncalled_primfuncs(out, lambda gv, _func: gv.name_hint in quant), new_weights

@@ -289,3 +289,21 @@ def find_linears(info: FuncInfo) -> list[Linear]:
                     bias, add = other, readers[0]
         out.append(Linear(x=x, weight=perm.args[0], bias=bias, permute=pt, matmul=var, add=add))
     return out
+
+
+def drop_uncalled_primfuncs(mod: tvm.IRModule, droppable: Callable[[Any, Any], bool]) -> tvm.IRModule:
+    """``mod`` without the PrimFuncs that ``droppable(global_var, func)`` selects and no exported
+    function calls (``call_tir``) any more: DeadCodeElimination keeps every PrimFunc."""
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+    called: set[str] = set()
+    for fn in exported(mod):
+        relax.analysis.post_order_visit(
+            mod[fn],
+            lambda e: called.add(str(e.args[0].name_hint)) if isinstance(e, relax.Call) and e.op.same_as(call_tir) else None,
+        )
+    dead = [gv for gv, func in mod.functions_items() if gv.name_hint not in called and droppable(gv, func)]
+    if dead:
+        mod = mod.clone()
+        for gv in dead:
+            del mod[gv]
+    return mod

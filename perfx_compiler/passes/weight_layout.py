@@ -27,7 +27,7 @@ import tvm
 from tvm import relax, te, tirx
 
 from perfx_compiler.passes._quant_attr import read_quant_info
-from perfx_compiler.passes._relax_util import FuncInfo, exported, replace_weight_params
+from perfx_compiler.passes._relax_util import FuncInfo, drop_uncalled_primfuncs, exported, replace_weight_params
 
 NAME = "weight_layout"
 ORDER = 90  # after fusions and quantization, right before lowering
@@ -249,24 +249,9 @@ def pack_linear_weights(
         new_func = rewriter.visit_expr(func)
         rewriter.builder_.update_func(rewriter.builder_.get().get_global_var(fn), new_func)
     out = relax.transform.DeadCodeElimination(exported(rewriter.builder_.get()))(rewriter.builder_.get())
-    # A dequantize whose every call now writes panels is dead: drop it (DCE keeps PrimFuncs).
-    called = {str(e.args[0].name_hint) for fn in exported(out) for e in _calls(out[fn])}
-    dead = [gv for gv, func in out.functions_items()
-            if is_dequant(func) and gv.name_hint + PACKED_SUFFIX in variants and gv.name_hint not in called]
-    if dead:
-        out = out.clone()
-        for gv in dead:
-            del out[gv]
+    # A dequantize whose every call now writes panels is dead: drop it.
+    out = drop_uncalled_primfuncs(out, lambda gv, func: is_dequant(func) and gv.name_hint + PACKED_SUFFIX in variants)
     return out, new_weights
-
-
-def _calls(func: relax.Function) -> list[Any]:
-    found: list[Any] = []
-    call_tir = tvm.ir.Op.get("relax.call_tir")
-    relax.analysis.post_order_visit(
-        func, lambda e: found.append(e) if isinstance(e, relax.Call) and e.op.same_as(call_tir) else None
-    )
-    return found
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
