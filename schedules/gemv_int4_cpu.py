@@ -38,14 +38,6 @@ GEMV_MAX_ROWS = 8
 quant_info = read_quant_info  # the name the other quantized templates import from here
 
 
-def _info(func: Any) -> dict[str, Any] | None:
-    info = quant_info(func)
-    if info is None:
-        return None
-    # the VNNI layout (int8 activations) is gemv_qvnni_cpu's
-    return info if info.get("bits") == 4 and info.get("layout") is None else None
-
-
 def static_rows_of(buf: Any) -> int | None:
     """Product of a buffer's two leading dims when static (rows of a decode GEMV / gather), else None."""
     rows = 1
@@ -64,10 +56,6 @@ def batch_rows(buf: Any) -> bool:
     m = getattr(shape[1], "value", None) if len(shape) == 3 else None
     return isinstance(m, int) and m <= GEMV_MAX_ROWS and not isinstance(getattr(shape[0], "value", None), int)
 
-
-def _static_rows(func: Any, kind: str) -> int | None:
-    """Rows of x (matmul) / ids (take, after the three packed arrays) when static."""
-    return static_rows_of(func.params[0] if kind == "matmul" else func.params[3])
 
 
 def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool = False, batch: bool = False) -> Any:
@@ -341,21 +329,38 @@ def rows_divisor(n: int, want: int) -> int:
 
 
 class GemvInt4CPU(ScheduleTemplate):
+    """Also the base of ``gemv_int8_cpu``'s template: the same workload, knob and kernel choice, over
+    that format's kernels (the hooks below)."""
+
     name = "gemv_int4_cpu"
+    bits = 4
+    weight_arrays = 3  # codes, scales, zeros: the gather's ids follow them
+
+    def _format_info(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Workload facts of this format beyond kind, nb and batch."""
+        return {"sym": bool(info.get("sym")), "offset": bool(info.get("offset"))}
+
+    def _fits(self, N: int, K: int, G: int, L: int) -> bool:
+        return K % (8 * L) == 0 and G % L == 0  # 8 codes per uint32 word, whole vectors per group
+
+    def _kernels(self, workload: Workload) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        """(gemv, dequant, dequant_panels, take builders, their format keyword arguments)."""
+        return _gemv, _dequant, _dequant_panels, _take, {"offset": bool(workload.info.get("offset"))}
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         if not is_cpu_target(target):
             return None
-        info = _info(func)
-        if info is None:
+        info = quant_info(func)
+        # the VNNI layout (int8 activations) is gemv_qvnni_cpu's
+        if info is None or info.get("bits") != self.bits or info.get("layout") is not None:
             return None
         kind = info.get("kind", "matmul")
-        rows = _static_rows(func, kind)
+        rows = static_rows_of(func.params[0] if kind == "matmul" else func.params[self.weight_arrays])
         dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "L": int(info["lanes"]),
                 "M": rows or 0}
         return make_workload(
             self.name, func, target, dims, symbolic="M" if rows is None else None,
-            info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "nb": panel_of(func),
+            info={"kind": kind, **self._format_info(info), "nb": panel_of(func),
                   "batch": kind == "matmul" and batch_rows(func.params[0])},
             version=self.version,
         )
@@ -373,26 +378,25 @@ class GemvInt4CPU(ScheduleTemplate):
     def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
         d = workload.dims
         N, K, G, L = d["N"], d["K"], d["G"], d["L"]
-        if N % int(config.get("tasks", 1)) or K % (8 * L) or G % L:
-            raise ScheduleConfigError(f"invalid int4 config {config} for {d}")
-        kind = workload.info.get("kind", "matmul")
         tasks = int(config.get("tasks", rows_divisor(N, 16)))
-        offset = bool(workload.info.get("offset"))
+        if N % tasks or not self._fits(N, K, G, L):
+            raise ScheduleConfigError(f"invalid int{self.bits} config {config} for {d}")
+        kind = workload.info.get("kind", "matmul")
+        gemv, dequant, dequant_panels, take, fmt = self._kernels(workload)
         if kind == "take":
-            kernel = _take(N, K, G, L, offset)
+            kernel = take(N, K, G, L, **fmt)
         elif kind == "dequant" and workload.info.get("nb"):
             nb = int(workload.info["nb"])
             if N % nb:
                 raise ScheduleConfigError(f"panel width {nb} does not divide N={N}")
-            kernel = _dequant_panels(N, K, G, L, nb, offset)
+            kernel = dequant_panels(N, K, G, L, nb, **fmt)
         elif kind == "dequant":
-            kernel = _dequant(N, K, G, L, tasks, offset)
-        elif workload.info.get("batch"):
-            kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0), offset=offset, batch=True)
-        elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
-            kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0), offset=offset)
+            kernel = dequant(N, K, G, L, tasks, **fmt)
+        elif workload.info.get("batch") or (workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS):
+            R = next(r for r in (4, 2, 1) if (N // tasks) % r == 0)
+            kernel = gemv(N, K, G, L, tasks, R=R, batch=bool(workload.info.get("batch")), **fmt)
         else:
-            raise ScheduleConfigError("int4 matmul with many rows: the pass emits dequantize + float GEMM")
+            raise ScheduleConfigError(f"int{self.bits} matmul with many rows: the pass emits dequantize + float GEMM")
         return _like(kernel, func)
 
 

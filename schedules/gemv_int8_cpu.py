@@ -14,26 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from perfx_compiler.schedule_template import (
-    ScheduleConfigError,
-    ScheduleTemplate,
-    Workload,
-    is_cpu_target,
-    make_workload,
-)
-from perfx_compiler.targets import TargetDescription
-from schedules.gemv_int4_cpu import batch_rows, panel_of, quant_info, rows_divisor, static_rows_of
+from perfx_compiler.schedule_template import ScheduleConfigError, ScheduleTemplate, Workload
+from schedules.gemv_int4_cpu import GemvInt4CPU
 
 PRIORITY = 5
-GEMV_MAX_ROWS = 8
-
-
-def _info(func: Any) -> dict[str, Any] | None:
-    info = quant_info(func)
-    if info is None:
-        return None
-    # the VNNI layout (int8 activations) is gemv_qvnni_cpu's
-    return info if info.get("bits") == 8 and info.get("layout") is None else None
 
 
 def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = False) -> Any:
@@ -191,63 +175,22 @@ def _take(N: int, K: int, G: int, L: int) -> Any:
     return q8_take
 
 
-def _static_rows(func: Any, kind: str) -> int | None:
-    """Rows of x (matmul) / ids (take, after the two packed arrays) when static."""
-    return static_rows_of(func.params[0] if kind == "matmul" else func.params[2])
+class GemvInt8CPU(GemvInt4CPU):
+    """gemv_int4_cpu's template over the int8 kernels of this file."""
 
-
-class GemvInt8CPU(ScheduleTemplate):
     name = "gemv_int8_cpu"
+    version = ScheduleTemplate.version  # its own records: a version bump of gemv_int4_cpu leaves them
+    bits = 8
+    weight_arrays = 2  # codes, scales
 
-    def match(self, func: Any, target: TargetDescription) -> Workload | None:
-        if not is_cpu_target(target):
-            return None
-        info = _info(func)
-        if info is None:
-            return None
-        kind = info.get("kind", "matmul")
-        rows = _static_rows(func, kind)
-        dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "L": int(info["lanes"]),
-                "M": rows or 0}
-        return make_workload(self.name, func, target, dims, symbolic="M" if rows is None else None,
-                             info={"kind": kind, "nb": panel_of(func),
-                                   "batch": kind == "matmul" and batch_rows(func.params[0])},
-                             version=self.version)
+    def _format_info(self, info: dict[str, Any]) -> dict[str, Any]:
+        return {}
 
-    def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
-        if workload.info.get("kind") == "take":
-            return {}  # the gather (_take) has no knob: apply ignores tasks, nothing to tune
-        N = workload.dims["N"]
-        return {"tasks": [t for t in (2, 4, 8, 16, 32, 64) if N % t == 0]}
+    def _fits(self, N: int, K: int, G: int, L: int) -> bool:
+        return K % G == 0 and G % L == 0
 
-    def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
-        return {"tasks": rows_divisor(workload.dims["N"], 16)}
-
-    def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
-        from schedules.gemv_int4_cpu import _like
-
-        d = workload.dims
-        N, K, G, L = d["N"], d["K"], d["G"], d["L"]
-        tasks = int(config.get("tasks", rows_divisor(N, 16)))
-        if N % tasks or K % G or G % L:
-            raise ScheduleConfigError(f"invalid int8 config {config} for {d}")
-        kind = workload.info.get("kind", "matmul")
-        if kind == "take":
-            kernel = _take(N, K, G, L)
-        elif kind == "dequant" and workload.info.get("nb"):
-            nb = int(workload.info["nb"])
-            if N % nb:
-                raise ScheduleConfigError(f"panel width {nb} does not divide N={N}")
-            kernel = _dequant_panels(N, K, G, L, nb)
-        elif kind == "dequant":
-            kernel = _dequant(N, K, G, L, tasks)
-        elif workload.info.get("batch"):
-            kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0), batch=True)
-        elif workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS:
-            kernel = _gemv(N, K, G, L, tasks, R=next(r for r in (4, 2, 1) if (N // tasks) % r == 0))
-        else:
-            raise ScheduleConfigError("int8 matmul with many rows: the pass emits dequantize + float GEMM")
-        return _like(kernel, func)
+    def _kernels(self, workload: Workload) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+        return _gemv, _dequant, _dequant_panels, _take, {}
 
 
 TEMPLATE = GemvInt8CPU()
