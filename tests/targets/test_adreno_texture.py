@@ -229,29 +229,127 @@ def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("quant", ["f32", "q4_1"])
-def test_decode_with_texture_weights_matches_x86(quant: str, tiny_gguf: Path, tiny_q4: Path, launcher,
-                                                 tmp_path: Path) -> None:
+@pytest.fixture(scope="module", params=["f32", "q4_1"])
+def adreno_tiny(request, tiny_gguf: Path, tiny_q4: Path, tmp_path_factory: pytest.TempPathFactory):
+    """(quant, adreno state, its PrimFuncs, the x86 host engine) of a tiny model, built once per module."""
     from perfx_compiler.pipeline import compile_model
     from perfx_compiler.runtime.engine import Engine
-    from perfx_compiler.targets_exec.kernels import has_texture_params
     from perfx_compiler.targets_exec.reference import lowered_module
+
+    model = tiny_gguf if request.param == "f32" else tiny_q4
+    state, funcs = lowered_module(str(model), "adreno", max_context=MAX_CONTEXT)
+    host = Engine(compile_model(str(model), "host", tmp_path_factory.mktemp("h") / "h", progress=False,
+                                max_context=MAX_CONTEXT, activations="f32"))
+    return request.param, model, state, funcs, host
+
+
+def _texture_calls(state, funcs, fn: str) -> list[str]:
+    from tvm import relax
+
+    from perfx_compiler.targets_exec.kernels import has_texture_params
+
+    return [b.value.args[0].name_hint for block in state.mod[fn].body.blocks for b in block.bindings
+            if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.call_tir"
+            and has_texture_params(funcs[b.value.args[0].name_hint])]
+
+
+def test_decode_with_texture_weights_matches_x86(adreno_tiny, launcher) -> None:
     from perfx_compiler.targets_exec.relax_exec import run_decode_steps
 
-    model = tiny_gguf if quant == "f32" else tiny_q4
-    state, funcs = lowered_module(str(model), "adreno", max_context=MAX_CONTEXT)
-    tex = sorted(n for n, f in funcs.items() if has_texture_params(f))
+    quant, _, state, funcs, host = adreno_tiny
     images = [k for k in state.weights if k.endswith("__tex")]
-    # every decode linear and the lm_head read images
-    assert len(tex) == 5, tex  # qkv, o, gate_up, down (shared by both layers) + lm_head
+    # every decode linear and the lm_head read images, and the tied embedding is gathered from its image
+    tex = _texture_calls(state, funcs, "decode")
+    assert len(tex) == 2 * 4 + 2 and len(set(tex)) == 6, tex  # qkv, o, gate_up, down; lm_head; the gather
+    assert sum(n.startswith("texture_take_") for n in tex) == 1, tex
     assert len(images) == (9 if quant == "f32" else 17), images
-    host = Engine(compile_model(str(model), "host", tmp_path / "h", progress=False, max_context=MAX_CONTEXT,
-                                activations="f32"))
+    host.reset()
     want = np.stack([host.decode(t) for t in TOKENS])
     got = np.stack(run_decode_steps(state, launcher, TOKENS, state.weights))
     err = np.abs(got - want).max()
     assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"adreno textures ({quant}): logits differ by {err}"
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def test_prefill_and_paged_decode_read_the_images(adreno_tiny, launcher) -> None:
+    """prefill / prefill_all (texture GEMMs over the chunk) and batched paged decode (texture GEMMs over
+    the batch) on the same images as decode: logits = the x86 build's."""
+    from perfx_compiler.model.onnx_emit import cache_shape
+    from perfx_compiler.targets_exec.relax_exec import RelaxKernelRunner, run_paged_decode_steps, upload_weights
+
+    quant, _, state, funcs, host = adreno_tiny
+    for fn in ("prefill", "prefill_all", "paged_decode", "paged_prefill"):
+        tex = _texture_calls(state, funcs, fn)
+        assert len(tex) == 2 * 4 + 2, (fn, tex)  # the same 9 linears and the gather as decode
+        assert any("_rows" in n or n.startswith("texture_gemm_") for n in tex), (fn, tex)
+    cfg = state.desc.config
+    runner = RelaxKernelRunner(state.mod, state.target.tvm(), launcher)
+    weights = upload_weights(launcher, state.weights)
+    tol = 1e-4
+    for fn in ("prefill", "prefill_all"):
+        caches = [launcher.to_device(np.zeros(cache_shape(cfg), np.float32)) for _ in range(2 * cfg.num_layers)]
+        ids, past = launcher.to_device(np.array([TOKENS], np.int64)), launcher.to_device(np.array([0], np.int64))
+        out = runner.run(fn, [ids, past, *caches, *weights])
+        host.reset()
+        want = getattr(host, fn)(TOKENS)
+        got = launcher.to_host(out[0] if isinstance(out, list) else out).reshape(want.shape)
+        err = np.abs(got - want).max()
+        assert err < tol * max(1.0, float(np.abs(want).max())), f"adreno {fn} ({quant}): logits differ by {err}"
+    streams = [TOKENS, TOKENS[::-1]]
+    got = np.stack(run_paged_decode_steps(state, launcher, streams, state.weights, runner=runner))
+    want = []
+    for s in streams:
+        host.reset()
+        want.append(np.stack([host.decode(t) for t in s]))
+    want = np.stack(want, 1)
+    err = np.abs(got - want).max()
+    assert err < tol * max(1.0, float(np.abs(want).max())), f"adreno paged_decode ({quant}): logits differ by {err}"
+
+
+def _device_bytes(launcher, weights: dict) -> int:
+    """Bytes the OpenCL device allocated for the weights as the launcher uploads them (images and buffers)."""
+    from perfx_compiler.targets_exec.relax_exec import upload_weights
+
+    arrays = upload_weights(launcher, weights)
+    return sum(int(a.image.size if hasattr(a, "image") else a.buffer.size) for a in arrays)
+
+
+def _widening(weights: dict) -> int:
+    """Bytes the images add over the buffer form: fp16 scales / zeros / mins stored as fp32, rows padded
+    up to the image's last layer, texels padded with missing groups (0 for SmolLM2's and the tiny shapes)."""
+    from perfx_compiler.passes.texture_weights import texture_manifest
+
+    extra = 0
+    for name, t in texture_manifest(weights).items():
+        src = t["source"]
+        if t["format"] == "RGBA32F" and src.endswith(("_q4_scale", "_q8_scale")):
+            extra += weights[name].nbytes // 2  # the fp32 image holds the fp16 arrays' values twice as wide
+    return extra
+
+
+def test_texture_weights_are_one_copy(adreno_tiny, launcher) -> None:
+    """No weight is both an image and a buffer: the adreno weight table (= weights.bin) and the device
+    hold the buffer-only mali build's bytes (the model's quantized weight bytes), plus only the fp32
+    widening of the image scales. The duplicate (PR #5: images as a second copy) doubled them."""
+    from perfx_compiler.passes.texture_weights import texture_manifest
+    from perfx_compiler.targets_exec.reference import lowered_module
+
+    quant, model, state, _, _ = adreno_tiny
+    mali, _ = lowered_module(str(model), "mali", max_context=MAX_CONTEXT, schedule=False)
+    tex = texture_manifest(state.weights)
+    sources = {t["source"] for t in tex.values()}
+    both = sorted(sources & state.weights.keys())
+    assert not both, f"weights kept as buffer and image: {both}"
+    # every quantized group went whole: no scale / min / zero of an imaged linear stays a buffer
+    stems = {s.removesuffix("_scale") for s in sources}
+    left = sorted(k for k in state.weights if not k.endswith("__tex") and k.rsplit("_", 1)[0] in stems)
+    assert not left, left
+    want = sum(np.asarray(w).nbytes for w in mali.weights.values())
+    have = sum(np.asarray(w).nbytes for w in state.weights.values())
+    assert have == want + _widening(state.weights), (have, want, _widening(state.weights))
+    assert _device_bytes(launcher, state.weights) == have
+    if quant == "f32":
+        assert have == want  # float images are exactly the float weights
 
 
 @pytest.mark.parametrize("target", ["mali", "intel-igpu"])
