@@ -20,13 +20,9 @@ from perfx_compiler.schedule_template import (
 )
 from perfx_compiler.targets import TargetDescription
 from schedules._fastmath import fast_sigmoid
+from schedules._matmul import _as_int
 
 PRIORITY = 40
-
-
-def _as_int(expr: Any) -> int | None:
-    value = getattr(expr, "value", None)
-    return int(value) if isinstance(value, int) else None
 
 
 def analyze_injective(func: Any) -> dict[str, Any] | None:

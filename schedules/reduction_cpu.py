@@ -20,37 +20,31 @@ from perfx_compiler.schedule_template import (
     vector_lanes,
 )
 from perfx_compiler.targets import TargetDescription
+from schedules._matmul import _as_int
 
 PRIORITY = 30
-
-
-def _as_int(expr: Any) -> int | None:
-    value = getattr(expr, "value", None)
-    return int(value) if isinstance(value, int) else None
 
 
 def _is_reduction(blk: Any) -> bool:
     return any(int(iv.iter_type) == 2 for iv in blk.iter_vars)
 
 
-def _written(sch: Any, blk_rv: Any) -> set[str]:
+def _buffer_names(regions: Any) -> set[str]:
     names = set()
-    for region in sch.get(blk_rv).writes:
+    for region in regions:
         src = getattr(region, "source", None)
         if src is None:
             src = getattr(region, "buffer", None)
         names.add(str(getattr(src, "name", src)))
     return names
+
+
+def _written(sch: Any, blk_rv: Any) -> set[str]:
+    return _buffer_names(sch.get(blk_rv).writes)
 
 
 def _read(sch: Any, blk_rv: Any) -> set[str]:
-    names = set()
-    for region in sch.get(blk_rv).reads:
-        src = getattr(region, "source", None)
-        if src is None:
-            src = getattr(region, "buffer", None)
-        names.add(str(getattr(src, "name", src)))
-    return names
+    return _buffer_names(sch.get(blk_rv).reads)
 
 
 def analyze_row_reduction(func: Any) -> dict[str, Any] | None:
