@@ -80,6 +80,29 @@ def _as_int(expr: Any) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def root_blocks(func: Any) -> tuple[Any, list[Any]] | None:
+    """(an ``s_tir.Schedule`` of ``func``, the root's child blocks); None when it cannot be scheduled."""
+    from tvm import s_tir
+
+    try:
+        sch = s_tir.Schedule(func)
+        return sch, sch.get_child_blocks(sch.get_sblock("root"))
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def outer_extents(extents: list[Any]) -> tuple[int, str | None]:
+    """(product of the static extents, name of the symbolic one or None) over loop ``extents``."""
+    static, symbolic = 1, None
+    for ext in extents:
+        value = _as_int(ext)
+        if value is None:
+            symbolic = str(getattr(ext, "name", ext))
+        else:
+            static *= value
+    return static, symbolic
+
+
 def _small_constant_extent(expr: Any) -> int | None:
     """Value of an extent that is constant once every shape var is >= 1 (None otherwise)."""
     import tvm_ffi
@@ -154,15 +177,10 @@ def analyze_matmul(func: Any, allow_half: bool = False) -> MatmulFacts | None:
     """Recognise a (batch-1) fp32 matmul with an optional injective epilogue; None otherwise.
     With ``allow_half``, B may also be an f16 / bf16 array widened to fp32 inside the product
     (the half-weight GEMM); without it such a matmul is not recognised."""
-    from tvm import s_tir
-
-    try:
-        sch = s_tir.Schedule(func)
-        blocks = sch.get_child_blocks(sch.get_sblock("root"))
-    except Exception:  # noqa: BLE001 - functions without a root block are simply not matmuls
+    found = root_blocks(func)  # None: functions without a root block are simply not matmuls
+    if found is None or not found[1]:
         return None
-    if not blocks:
-        return None
+    sch, blocks = found
     first = sch.get(blocks[0])
     store = first.body
     value = getattr(store, "value", None)

@@ -20,20 +20,17 @@ from perfx_compiler.schedule_template import (
 )
 from perfx_compiler.targets import TargetDescription
 from schedules._fastmath import fast_sigmoid
-from schedules._matmul import _as_int
+from schedules._matmul import _as_int, outer_extents, root_blocks
 
 PRIORITY = 40
 
 
 def analyze_injective(func: Any) -> dict[str, Any] | None:
     """Inner static extent, static outer size and the symbolic dim of an all-spatial function."""
-    from tvm import s_tir
-
-    try:
-        sch = s_tir.Schedule(func)
-        blocks = sch.get_child_blocks(sch.get_sblock("root"))
-    except Exception:  # noqa: BLE001
+    found = root_blocks(func)
+    if found is None:
         return None
+    sch, blocks = found
     if not blocks:
         return None
     for blk_rv in blocks:
@@ -50,14 +47,7 @@ def analyze_injective(func: Any) -> dict[str, Any] | None:
     inner = _as_int(extents[-1])
     if inner is None:
         return None
-    outer_static = 1
-    symbolic = None
-    for ext in extents[:-1]:
-        value = _as_int(ext)
-        if value is None:
-            symbolic = str(getattr(ext, "name", ext))
-        else:
-            outer_static *= value
+    outer_static, symbolic = outer_extents(extents[:-1])
     text = func.script()
     heavy = any(f"T.{op}(" in text for op in ("sigmoid", "exp", "tanh", "erf", "log", "pow"))
     return {"inner": inner, "outer": outer_static, "symbolic": symbolic, "heavy": heavy}

@@ -20,7 +20,7 @@ from perfx_compiler.schedule_template import (
     vector_lanes,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules._matmul import _as_int
+from schedules._matmul import _as_int, outer_extents, root_blocks
 
 PRIORITY = 30
 
@@ -48,13 +48,10 @@ def _read(sch: Any, blk_rv: Any) -> set[str]:
 
 
 def analyze_row_reduction(func: Any) -> dict[str, Any] | None:
-    from tvm import s_tir
-
-    try:
-        sch = s_tir.Schedule(func)
-        blocks = sch.get_child_blocks(sch.get_sblock("root"))
-    except Exception:  # noqa: BLE001
+    found = root_blocks(func)
+    if found is None:
         return None
+    sch, blocks = found
     if len(blocks) < 2:
         return None
     reds = [b for b in blocks if _is_reduction(sch.get(b))]
@@ -74,13 +71,7 @@ def analyze_row_reduction(func: Any) -> dict[str, Any] | None:
     red_extent = _as_int(sch.get(reds[0]).iter_vars[-1].dom.extent)
     if inner is None or red_extent is None or len(loops) < 2:
         return None
-    rows_static, symbolic = 1, None
-    for ext in extents[:-1]:
-        value = _as_int(ext)
-        if value is None:
-            symbolic = str(getattr(ext, "name", ext))
-        else:
-            rows_static *= value
+    rows_static, symbolic = outer_extents(extents[:-1])
     return {"inner": inner, "reduce": red_extent, "rows": rows_static, "symbolic": symbolic}
 
 
