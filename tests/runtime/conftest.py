@@ -21,28 +21,16 @@ if str(REPO) not in sys.path:  # run from anywhere, without an install
     sys.path.insert(0, str(REPO))
 
 from perfx_compiler.errors import ContextLengthError  # noqa: E402  (after the sys.path insert above)
+from perfx_compiler.model.testing import byte_level_alphabet  # noqa: E402
 
 BOS, EOS = "<s>", "</s>"
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (what ByteLevel pre-tokenization uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
 def build_tokenizer() -> Any:
     """Byte-level BPE: ids 0-255 are the bytes, then 3 merges, then <s> and </s>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    b2u = bytes_to_unicode()
+    b2u = byte_level_alphabet()  # GPT-2's byte -> printable character map (ByteLevel pre-tokenization's)
     vocab = {b2u[b]: b for b in range(256)}
     merges = [("h", "e"), ("l", "l"), (b2u[ord(" ")], "w")]
     for a, b in merges:
