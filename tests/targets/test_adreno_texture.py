@@ -314,17 +314,41 @@ def _device_bytes(launcher, weights: dict) -> int:
     return sum(int(a.image.size if hasattr(a, "image") else a.buffer.size) for a in arrays)
 
 
-def _widening(weights: dict) -> int:
-    """Bytes the images add over the buffer form: fp16 scales / zeros / mins stored as fp32, rows padded
-    up to the image's last layer, texels padded with missing groups (0 for SmolLM2's and the tiny shapes)."""
+def _image_growth(weights: dict, buffers: dict) -> tuple[int, int]:
+    """(bytes the images add over the buffers they replace, fp16 bytes of the scales / zeros / mins among
+    those buffers). Code and float images must be exactly their buffers' bytes; scale images hold the
+    fp16 arrays as fp32 (twice), texels padded up with missing groups (q8: 4 groups a texel)."""
     from perfx_compiler.passes.texture_weights import texture_manifest
 
-    extra = 0
+    growth = halves = 0
     for name, t in texture_manifest(weights).items():
         src = t["source"]
-        if t["format"] == "RGBA32F" and src.endswith(("_q4_scale", "_q8_scale")):
-            extra += weights[name].nbytes // 2  # the fp32 image holds the fp16 arrays' values twice as wide
-    return extra
+        parts = [src]
+        if src.endswith("_scale"):
+            parts += [p for p in (src.removesuffix("_scale") + s for s in ("_min", "_zero")) if p in buffers]
+            halves += sum(np.asarray(buffers[p]).nbytes for p in parts)
+        grew = weights[name].nbytes - sum(np.asarray(buffers[p]).nbytes for p in parts)
+        assert src.endswith("_scale") or grew == 0, (name, grew)
+        growth += grew
+    return growth, halves
+
+
+def _assert_one_copy(weights: dict, buffers: dict) -> int:
+    """The table holds each weight once: ``buffers`` (the quantized model as a buffer-only build holds
+    it) with each imaged group's buffers swapped for its images. Returns the table's bytes."""
+    from perfx_compiler.passes.texture_weights import texture_manifest
+
+    sources = {t["source"] for t in texture_manifest(weights).values()}
+    both = sorted(sources & weights.keys())
+    assert not both, f"weights kept as buffer and image: {both}"
+    stems = {s.removesuffix("_scale") for s in sources}  # scale, min, zero of an imaged linear go too
+    left = sorted(k for k in weights if not k.endswith("__tex") and k.rsplit("_", 1)[0] in stems)
+    assert not left, left
+    growth, halves = _image_growth(weights, buffers)
+    have = sum(np.asarray(w).nbytes for w in weights.values())
+    assert have == sum(np.asarray(w).nbytes for w in buffers.values()) + growth, (have, growth)
+    assert 0 <= growth <= 1.25 * halves, (growth, halves)  # fp16 -> fp32 (+ q8 texel padding)
+    return have
 
 
 def test_texture_weights_are_one_copy(adreno_tiny, launcher) -> None:
@@ -336,20 +360,14 @@ def test_texture_weights_are_one_copy(adreno_tiny, launcher) -> None:
 
     quant, model, state, _, _ = adreno_tiny
     mali, _ = lowered_module(str(model), "mali", max_context=MAX_CONTEXT, schedule=False)
-    tex = texture_manifest(state.weights)
-    sources = {t["source"] for t in tex.values()}
-    both = sorted(sources & state.weights.keys())
-    assert not both, f"weights kept as buffer and image: {both}"
-    # every quantized group went whole: no scale / min / zero of an imaged linear stays a buffer
-    stems = {s.removesuffix("_scale") for s in sources}
-    left = sorted(k for k in state.weights if not k.endswith("__tex") and k.rsplit("_", 1)[0] in stems)
-    assert not left, left
-    want = sum(np.asarray(w).nbytes for w in mali.weights.values())
-    have = sum(np.asarray(w).nbytes for w in state.weights.values())
-    assert have == want + _widening(state.weights), (have, want, _widening(state.weights))
+    assert len(texture_manifest(state.weights)) == (9 if quant == "f32" else 17)
+    have = _assert_one_copy(state.weights, mali.weights)
     assert _device_bytes(launcher, state.weights) == have
+    want = sum(np.asarray(w).nbytes for w in mali.weights.values())
     if quant == "f32":
         assert have == want  # float images are exactly the float weights
+    else:
+        assert have < 1.1 * want, (have, want)  # Q4_1: only the scales and mins grow (fp16 -> fp32)
 
 
 @pytest.mark.parametrize("target", ["mali", "intel-igpu"])
@@ -365,61 +383,92 @@ def test_textures_only_where_the_target_file_enables_them(target: str, tiny_gguf
 
 
 def _reference_weight(kernel: str, image_names: list[str], weights: dict) -> np.ndarray:
-    """float64 W [N, K] from the *buffer* weights the images of a texture call were packed from."""
+    """float64 W [N, K] from the *buffer* weights the images of a texture call were packed from
+    (``weights``: the table as it entered passes/texture_weights.py, which then drops these buffers)."""
     from perfx_compiler.passes._quant import Int4Format, unpack_int4
 
     src = image_names[0].removesuffix("__tex")
-    m = re.match(r"texture_q4_matmul_(\d+)_(\d+)_g(\d+)(s?)(m?)_", kernel)
+    m = re.match(r"texture_(?:take_q4_(\d+)_(\d+)_|q4_(?:matmul|dequant)_(\d+)_(\d+)_g(\d+)(s?)(m?)_)", kernel)
     if m is not None:
-        n, k, g = (int(v) for v in m.groups()[:3])
-        fmt = Int4Format(g, bool(m.group(4)), bool(m.group(5)))
+        k = int(m.group(2) or m.group(4))
+        g, sym, off = (int(m.group(5)), bool(m.group(6)), bool(m.group(7))) if m.group(5) else (32, False, True)
+        fmt = Int4Format(g, sym, off)
         codes = unpack_int4(weights[src], k, fmt.lanes(k)).astype(np.float64)
         s = np.repeat(weights[src + "_scale"].astype(np.float64), g, axis=1)[:, :k]
         if fmt.offset:
             return codes * s + np.repeat(weights[src + "_min"].astype(np.float64), g, axis=1)[:, :k]
         return (codes - np.repeat(weights[src + "_zero"].astype(np.float64), g, axis=1)[:, :k]) * s
-    m = re.match(r"texture_q8_matmul_(\d+)_(\d+)_g(\d+)_", kernel)
-    if m is not None:
-        g = int(m.group(3))
+    if re.match(r"texture_(take_q8_|q8_(matmul|dequant)_)", kernel):
+        g = weights[src].shape[1] // weights[src + "_scale"].shape[1]
         return weights[src].astype(np.float64) * np.repeat(weights[src + "_scale"].astype(np.float64), g, axis=1)
-    assert kernel.startswith("texture_gemv_"), kernel
+    assert kernel.startswith(("texture_gemv_", "texture_gemm_", "texture_take_f32_")), kernel
     return weights[src].astype(np.float64)
 
 
-def test_every_texture_kernel_of_smollm2_on_pocl(launcher) -> None:
-    """SmolLM2's adreno build (GGUF Q4_1 linears, Q8_0 lm_head): every texture call of ``decode``, with
-    the model's own packed images, matches numpy on the buffer weights they were packed from."""
+def _run_texture_call(launcher, cf, name: str, args: list, weights: dict, buffers: dict, rows: tuple, rng) -> None:
+    """Run one texture call of the model on its own images; check it against numpy on the buffers."""
+    images = [a.name for a in args if a.name.endswith("__tex")]
+    w = _reference_weight(name, images, buffers)
+    n, k = w.shape
+    if name.startswith("texture_take_"):
+        ids = rng.integers(0, n, rows).astype(np.int64)
+        ids.flat[-1] = n - 1
+        got = launcher.run_numpy(cf, [*(weights[i] for i in images), ids, np.zeros((*rows, k), np.float32)])[-1]
+        np.testing.assert_allclose(got, w[ids], rtol=1e-6, atol=1e-6 * float(np.abs(w).max()))
+        return
+    x = rng.standard_normal((*rows, k)).astype(np.float32)
+    got = launcher.run_numpy(cf, [x, *(weights[i] for i in images), np.zeros((*rows, n), np.float32)])[-1]
+    _check(got, (x.reshape(-1, k).astype(np.float64) @ w.T).reshape(-1), k)
+
+
+def test_every_texture_kernel_of_smollm2_on_pocl(launcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2's adreno build (GGUF Q4_1 linears, tied Q8_0 embedding / lm_head): every texture call of
+    ``decode`` (121 GEMVs and the embedding gather), with the model's own packed images, matches numpy on
+    the buffer weights they were packed from; so does each distinct texture kernel of ``prefill`` (the
+    multi-row GEMMs, 3 rows). The build keeps one copy: no buffer of an imaged weight, and the table
+    holds the quantized weights' bytes plus only the fp32 widening of the image scales."""
     from tvm import relax
 
+    from perfx_compiler.passes import texture_weights
     from perfx_compiler.targets_exec.kernels import compile_primfunc, has_texture_params
     from perfx_compiler.targets_exec.reference import lowered_module
 
+    entering: dict = {}
+    apply = texture_weights.apply
+
+    def keep_buffers(mod, weights, ctx):  # the table as the pass gets it: the reference, then dropped
+        entering.update(weights)
+        return apply(mod, weights, ctx)
+
+    monkeypatch.setattr(texture_weights, "apply", keep_buffers)
     try:
         state, funcs = lowered_module("smollm2-135m", "adreno", max_context=MAX_CONTEXT, schedule=False)
     except Exception as err:  # noqa: BLE001 - the model package is an optional install
         pytest.skip(f"smollm2-135m not loadable: {err}")
+    tex = texture_weights.texture_manifest(state.weights)
+    assert len(tex) == 2 * (30 * 4 + 1), len(tex)  # codes + scales of 30 x (qkv, o, gate_up, down) + the embedding
+    _assert_one_copy(state.weights, entering)
     tgt = state.target.tvm()
     compiled: dict[str, object] = {}
     rng = np.random.default_rng(0)
-    checked = 0
-    for block in state.mod["decode"].body.blocks:
-        for b in block.bindings:
-            v = b.value
-            if not (isinstance(v, relax.Call) and getattr(v.op, "name", "") == "relax.call_tir"):
-                continue
-            name = v.args[0].name_hint
-            if not has_texture_params(funcs[name]):
-                continue
-            images = [a.name for a in list(v.args[1].fields)[1:]]
-            if name not in compiled:
-                compiled[name] = compile_primfunc(name, funcs[name], tgt)
-            cf = compiled[name]
-            w = _reference_weight(name, images, state.weights)
-            n, k = w.shape
-            x = rng.standard_normal((1, 1, k)).astype(np.float32)
-            got = launcher.run_numpy(cf, [x, *(state.weights[i] for i in images), np.zeros((1, 1, n), np.float32)])
-            _check(got[-1], w @ x.reshape(-1).astype(np.float64), k)
-            checked += 1
-    # 30 layers x (qkv, o, gate_up, down) + the lm_head
-    assert checked == 30 * 4 + 1, checked
-    assert len(compiled) == 5, sorted(compiled)
+    checked: dict[str, int] = {}
+    for fn, rows in (("decode", (1, 1)), ("prefill", (1, 3))):
+        for block in state.mod[fn].body.blocks:
+            for b in block.bindings:
+                v = b.value
+                if not (isinstance(v, relax.Call) and getattr(v.op, "name", "") == "relax.call_tir"):
+                    continue
+                name = v.args[0].name_hint
+                if not has_texture_params(funcs[name]) or (fn == "prefill" and name in compiled):
+                    continue
+                if name not in compiled:
+                    compiled[name] = compile_primfunc(name, funcs[name], tgt)
+                call_rows = rows if fn == "prefill" or not name.startswith("texture_take_") else (1, 1)
+                _run_texture_call(launcher, compiled[name], name, list(v.args[1].fields), state.weights, entering,
+                                  call_rows, rng)
+                checked[fn] = checked.get(fn, 0) + 1
+    # decode: 30 layers x (qkv, o, gate_up, down) + the lm_head + the gather; prefill: its 4 GEMMs
+    # + its lm_head (last token only: the decode GEMV, already built) + the gather of 3 tokens
+    assert checked["decode"] == 30 * 4 + 2, checked
+    assert len(compiled) == 6 + checked["prefill"], sorted(compiled)
+    assert checked["prefill"] >= 4, checked
