@@ -16,7 +16,6 @@ activations straight into the VNNI layout, so only the packed arrays stay in mem
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
@@ -27,7 +26,7 @@ from perfx_compiler.errors import PerfXError
 from perfx_compiler.model.lazy import is_lazy
 from perfx_compiler.passes._gguf_blocks import dequantize_blocks, packed_from_blocks
 from perfx_compiler.passes._qlinear import current_activations, linear_weights, rewrite_linears
-from perfx_compiler.passes.merge_projections import GROUPS
+from perfx_compiler.passes.merge_projections import complete_groups
 
 NAME = "gguf_passthrough"
 ORDER = 61  # after the merges; acts only for quantization "gguf" (quantize_int4 acts for q4_*)
@@ -43,18 +42,13 @@ def block_tables(desc: Any) -> dict[str, tuple[str, np.ndarray, tuple[int, int]]
     """Relax weight name -> (ggml type, raw blocks [rows, bytes], (N, K)), merged groups included."""
     # lazy weights carry their own (merged) blocks: no tables, no concatenated copies here
     out = {relax_name(n): (t, raw, tuple(shape)) for n, (t, raw, shape) in desc.quantized.items() if not is_lazy(raw)}
-    for merged, members in GROUPS:
-        pat = re.compile(rf"^(.*){members[0]}_weight$")
-        for name in list(out):
-            m = pat.match(name)
-            if not m:
-                continue
-            parts = [out.get(f"{m.group(1)}{s}_weight") for s in members]
-            if any(p is None for p in parts) or len({p[0] for p in parts}) != 1:  # type: ignore[index]
-                continue
-            raw = np.concatenate([np.asarray(p[1]) for p in parts], axis=0)  # type: ignore[index]
-            rows = sum(p[2][0] for p in parts)  # type: ignore[index]
-            out[f"{m.group(1)}{merged}_weight"] = (parts[0][0], raw, (rows, parts[0][2][1]))  # type: ignore[index]
+    for prefix, merged, members in complete_groups(out):
+        parts = [out[f"{prefix}{s}_weight"] for s in members]
+        if len({p[0] for p in parts}) != 1:
+            continue
+        raw = np.concatenate([np.asarray(p[1]) for p in parts], axis=0)
+        rows = sum(p[2][0] for p in parts)
+        out[f"{prefix}{merged}_weight"] = (parts[0][0], raw, (rows, parts[0][2][1]))
     return out
 
 

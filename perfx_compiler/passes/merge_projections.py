@@ -46,8 +46,9 @@ GROUPS = (
 )
 
 
-def _groups(weights: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
-    """(prefix, merged suffix, member suffixes) for every complete group in the weight table."""
+def complete_groups(weights: dict[str, Any]) -> list[tuple[str, str, list[str]]]:
+    """(prefix, merged suffix, member suffixes) for every complete group in the weight table (also
+    used by the passthrough passes to merge their block tables the same way)."""
     out = []
     for merged, members in GROUPS:
         pat = re.compile(rf"^(.*){members[0]}_weight$")
@@ -89,7 +90,7 @@ def _slice(x: Any, begin: int, end: int) -> Any:
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
-    groups = _groups(weights)
+    groups = complete_groups(weights)
     if not groups:
         return mod, weights
     new_weights = _merged_weights(weights, groups)

@@ -21,7 +21,6 @@ dequantized); a mismatch is an internal error, never a silent change of the mode
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import numpy as np
@@ -31,7 +30,7 @@ from perfx_compiler.errors import PerfXError
 from perfx_compiler.frontend.contrib_ops import NBitsTable
 from perfx_compiler.passes._qlinear import Packed, linear_weights, rewrite_linears
 from perfx_compiler.passes._quant import Int4Format, int4_packed, words_target
-from perfx_compiler.passes.merge_projections import GROUPS
+from perfx_compiler.passes.merge_projections import complete_groups
 
 NAME = "onnx_int4_passthrough"
 ORDER = 62  # after the merges; acts only for quantization "onnx"
@@ -46,23 +45,17 @@ def int4_tables(desc: Any) -> dict[str, NBitsTable]:
     """Relax weight name -> int4 table, merged groups included (their members' rows concatenated)."""
     out = {n.replace(".", "_"): t for n, (q, t, _) in desc.quantized.items()
            if q == QTYPE and isinstance(t, NBitsTable) and t.bits == 4}
-    for merged, members in GROUPS:
-        pat = re.compile(rf"^(.*){members[0]}_weight$")
-        for name in list(out):
-            m = pat.match(name)
-            if not m:
-                continue
-            parts = [out.get(f"{m.group(1)}{s}_weight") for s in members]
-            if any(p is None for p in parts) or len({p.block for p in parts}) != 1:  # type: ignore[union-attr]
-                continue
-            zeros = None
-            if any(p.zeros is not None for p in parts):  # type: ignore[union-attr]
-                zeros = np.concatenate([p.zero_points() for p in parts], axis=0)  # type: ignore[union-attr]
-            out[f"{m.group(1)}{merged}_weight"] = NBitsTable(
-                4, parts[0].block,  # type: ignore[union-attr]
-                np.concatenate([p.codes for p in parts], axis=0),  # type: ignore[union-attr]
-                np.concatenate([p.scales for p in parts], axis=0), zeros,  # type: ignore[union-attr]
-            )
+    for prefix, merged, members in complete_groups(out):
+        parts = [out[f"{prefix}{s}_weight"] for s in members]
+        if len({p.block for p in parts}) != 1:
+            continue
+        zeros = None
+        if any(p.zeros is not None for p in parts):
+            zeros = np.concatenate([p.zero_points() for p in parts], axis=0)
+        out[f"{prefix}{merged}_weight"] = NBitsTable(
+            4, parts[0].block, np.concatenate([p.codes for p in parts], axis=0),
+            np.concatenate([p.scales for p in parts], axis=0), zeros,
+        )
     return out
 
 
