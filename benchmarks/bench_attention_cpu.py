@@ -19,7 +19,6 @@ writes benchmarks/results/attention_cpu.csv and attention_cpu.png (one subproces
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib.util
 import json
 import os
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -133,12 +133,8 @@ def write(rows: list[dict], out: Path) -> None:
         print(s)
     out.parent.mkdir(parents=True, exist_ok=True)
     fields = list(rows[0]) + [k for k in summary[0] if k != "case"]
-    with open(out.with_suffix(".csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
-        for s in summary:  # summary rows (variant "summary"): medians over rounds
-            w.writerow({**s, "variant": "summary"})
+    # summary rows (variant "summary"): medians over rounds
+    write_csv(out.with_suffix(".csv"), rows + [{**s, "variant": "summary"} for s in summary], columns=fields)
     plot(summary, out.with_suffix(".png"))
 
 

@@ -18,7 +18,6 @@ spinning worker threads), the figure to compare on a loaded host.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -108,12 +108,8 @@ def main() -> None:
         print(s, flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]) + [k for k in summary[0] if k != "tokens"])
-        w.writeheader()
-        w.writerows(rows)
-        for s in summary:
-            w.writerow({**s, "variant": "summary"})
+    write_csv(out.with_suffix(".csv"), rows + [{**s, "variant": "summary"} for s in summary],
+              columns=list(rows[0]) + [k for k in summary[0] if k != "tokens"])
     plot(summary, out.with_suffix(".png"))
 
 

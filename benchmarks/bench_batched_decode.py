@@ -18,7 +18,6 @@ benchmarks/results/batched_decode.csv and .png (median over rounds).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -26,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _common import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "bench-batched-decode"
@@ -92,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                        "model": "SmolLM2-135M-Instruct Q4_1 (gguf)"}
                 rows.append(row)
                 print(row, flush=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows)
     plot(rows, args.batches, out)
     return 0
 

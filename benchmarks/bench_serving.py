@@ -20,7 +20,6 @@ Writes benchmarks/results/serving.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -31,6 +30,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from _common import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -237,11 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             server.should_exit = True
             thread.join(30)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out, rows)
     print(f"wrote {args.out}")
     return 0
 

@@ -23,7 +23,6 @@ counts) are kept in ``--work`` and reused by a later run; delete a variant's fol
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
@@ -31,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -146,11 +146,7 @@ def main() -> int:
         row["rounds"] = args.rounds
         row["steps_per_round"] = args.steps
         row["load_avg_median"] = round(float(np.median(loads)), 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out, rows)
     plot(rows, args.out.with_suffix(".png"),
          f"{args.model} ({args.quantization}, {args.target}): fusion variants, median of {args.rounds} rounds, "
          f"load avg {rows[0]['load_avg_median']}")

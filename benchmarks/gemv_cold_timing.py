@@ -20,12 +20,13 @@ Writes benchmarks/results/gemv_cold_timing.csv and .png (with the 1-minute load 
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from _common import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -111,12 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             print(row, flush=True)
         del sets
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    out = write_csv(args.out, rows)
     _plot(rows, out.with_suffix(".png"))
     print(f"wrote {out}")
     return 0

@@ -15,7 +15,6 @@ Writes benchmarks/results/gemv_qvnni_decode_ab_<name>.csv and .png.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import subprocess
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -79,12 +79,7 @@ def main(argv: list[str] | None = None) -> int:
              "same_greedy_tokens": f"{same}/{len(toks['base'])}", "tokens_per_round": args.tokens,
              "load_avg_1m_median": round(statistics.median(loads), 1),
              "tvm_threads": os.environ.get("TVM_NUM_THREADS", "")} for k, v in tps.items()]
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"gemv_qvnni_decode_ab_{args.name}.csv"
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    out = write_csv(RESULTS / f"gemv_qvnni_decode_ab_{args.name}.csv", rows)
     _plot(tps, out.with_suffix(".png"), args.name, statistics.median(loads))
     for row in rows:
         print(row)

@@ -18,7 +18,6 @@ row. Results: benchmarks/results/half_gemm_prefill.csv and .png.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -142,12 +142,7 @@ def main() -> None:
                        "load1": round(os.getloadavg()[0], 2), "rounds": args.rounds}
                 rows.append(row)
                 print(row, flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    out = write_csv(args.out, rows)
     try:
         import matplotlib
 

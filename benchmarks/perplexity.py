@@ -41,7 +41,6 @@ not measured yet, e.g. one the compiler gained since; delete the folder after ch
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
@@ -49,6 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from _common import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -280,20 +280,13 @@ def main() -> int:
         r["delta_vs_baseline_pct"] = round(100 * (float(np.exp(-logp[name].mean())) / base - 1), 4)
         r["method"] = method
     table = list(rows.values())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(table[0]))
-        w.writeheader()
-        w.writerows(table)
+    write_csv(args.out, table)
     plot(table, args.out.with_suffix(".png"))
 
     results = checks(rows, logp)
     results += [{"check": f"{n}_measured", "passed": "", "detail": f"skipped: {why}"} for n, why in skipped.items()]
     check_path = args.out.with_name(args.out.stem + "_checks.csv")
-    with open(check_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["check", "passed", "detail"])
-        w.writeheader()
-        w.writerows(results)
+    write_csv(check_path, results, columns=["check", "passed", "detail"])
     for c in results:
         print(f"{'PASS' if c['passed'] is True else 'FAIL' if c['passed'] is False else 'SKIP'}  {c['check']}: {c['detail']}")
     print(f"wrote {args.out}, {check_path} and {args.out.with_suffix('.png')}")

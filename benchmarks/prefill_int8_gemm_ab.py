@@ -15,7 +15,6 @@ Writes benchmarks/results/prefill_int8_gemm_<model>.csv (every run + medians) an
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,10 +117,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fields = ["round", "engine", "prompt_tokens", "prefill_ms", "prefill_tok_s", "load_avg_1m", "ratio_vs_dequant",
               "ratio_vs_llama_cpp"]
-    with out.open("w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=fields, restval="")
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(out, rows, columns=fields)
     _plot([r for r in rows if r["round"] == "median"], out.with_suffix(".png"), args.model)
     print(f"wrote {out}")
 

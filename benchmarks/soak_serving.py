@@ -10,7 +10,6 @@ RSS at the end within 5% (+20 MB) of the RSS after the first minute, and 0 pages
 from __future__ import annotations
 
 import argparse
-import csv
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from _common import write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -96,12 +96,7 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(timeout=30)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    out = write_csv(args.out, rows)
     import matplotlib
 
     matplotlib.use("Agg")
