@@ -203,7 +203,7 @@ def write_deploy_md(state: Any, out_dir: Path, device_facts: dict[str, Any]) -> 
 
 
 def _texture_lines(state: Any) -> list[str]:
-    """DEPLOY.md section on the image weights of the texture GEMVs (passes/texture_weights.py)."""
+    """DEPLOY.md section on the image weights of the texture path (passes/texture_weights.py)."""
     from perfx_compiler.passes.texture_weights import texture_manifest
 
     tex = texture_manifest(state.weights)
@@ -214,13 +214,14 @@ def _texture_lines(state: Any) -> list[str]:
         "",
         "## Image (texture) weights",
         "",
-        f"The decode GEMVs read {len(tex)} weights through OpenCL images ({', '.join(fmts)}; "
+        f"{len(tex)} weights are stored only as OpenCL images ({', '.join(fmts)}; "
         "`image2d_array_t`, read with a nearest, unnormalized sampler; uint32 images with `read_imageui`). "
         "They are the parameters named `*__tex`, packed at compile time as [layers, height, width, 4]: "
         "matrix row n is texel row n % height of layer n // height. Allocate each as an image, not a buffer "
         "(TVM runtime: `tvm.runtime.empty(shape, dtype, dev, mem_scope=\"global.texture\")`, then copy the "
         "array in); the manifest's `textures` entry gives format, width, height, layers and what a texel "
-        "holds. Prefill still reads the buffer copies of the same weights.",
+        "holds. There is no buffer copy: decode's GEMVs, the prefill and batched (paged) GEMMs and the "
+        "gather of a tied embedding all read these images.",
     ]
 
 
