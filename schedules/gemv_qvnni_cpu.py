@@ -117,10 +117,15 @@ class GemvQVnniCPU(ScheduleTemplate):
         # two accumulators per row while they fit the registers with the scale vectors
         split = 2 if units * (2 if d["bits"] == 4 else 1) * m * 3 <= MAX_REGS else 1
         hinib = 1 if d["bits"] == 4 else 0
-        # Long rows keep split/hinib: in the int4 GEMV bench at 4096x11008 split=1, hinib=0 read 93% vs 59%
-        # of the probe, but whole TinyLlama decodes 4% slower with it (8 alternated rounds, quiet:
-        # results/decode_ab_tinyllama-q4_0_long_rows.csv). The tuner searches both.
-        if units == 1 and os.environ.get("PERFX_VNNI_GEMV_LONG_ROWS", "split") == "plain":  # A/B switch
+        # Long rows (one unit per iteration) run plain, split=1 and hinib=0: in the int4 GEMV bench (quiet)
+        # 4096x11008 read 93% vs 59% of the probe, 4096x4096 113% vs 73%, 11008x4096 103% vs 99%. Inside
+        # TinyLlama's decode step, both kernels on the SAME weight tensors, no GEMV lost (call p10 x1.01-1.04,
+        # an A/A pair x1.02: benchmarks/decode_kernel_ab.py --shared-args, decode_kernels_*_long_rows_shared.csv).
+        # The 4% whole-decode loss measured before (decode_ab_tinyllama-q4_0_long_rows.csv) compared two
+        # artifacts with weight copies of their own: two engines of one artifact differ by 5-12%
+        # (decode_kernels_tinyllama-q4_0_long_rows_loadorder.csv). PERFX_VNNI_GEMV_LONG_ROWS=split: the old
+        # default (A/B switch); the tuner searches both knobs.
+        if units == 1 and os.environ.get("PERFX_VNNI_GEMV_LONG_ROWS", "plain") == "plain":
             split, hinib = 1, 0
         if os.environ.get("PERFX_VNNI_GEMV_BASE") == "1":  # A/B baseline: the kernel before split/hinib
             return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0}

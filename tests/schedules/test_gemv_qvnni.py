@@ -247,3 +247,27 @@ def test_scale_prefetch_default_env_and_code(template, target, monkeypatch):
         return tvm.compile(tvm.IRModule({"main": f}), target.tvm()).mod.inspect_source("asm").count("prefetch")
 
     assert n_prefetch({"sprefetch": 1}) >= n_prefetch({"sprefetch": 0}) + 2  # scale and min, per chunk
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt,n,k", [("Q4_1", 66, 2048), ("Q4_0", 34, 5632)])
+def test_long_rows_default_is_plain_and_matches_reference(template, target, fmt, n, k, monkeypatch):
+    """One-unit ("long") rows default to split=1, hinib=0 (benchmarks/results/gemv_qvnni_long_rows.csv,
+    decode_kernels_tinyllama-q4_0_long_rows_shared.csv); PERFX_VNNI_GEMV_LONG_ROWS=split restores
+    split=2, hinib=1. Both defaults against the numpy references on fresh weights (K=5632: a tail chunk);
+    short rows (two units) keep split=2, hinib=1."""
+    rng = np.random.default_rng()
+    packed, wd = vnni_weights(fmt, n, k, rng)
+    wl = template.match(packed.compute("matmul", (1, 1)), target)
+    monkeypatch.delenv("PERFX_VNNI_GEMV_LONG_ROWS", raising=False)
+    plain = template.builtin_default(wl, target)
+    assert (plain["units"], plain["split"], plain["hinib"]) == (1, 1, 0)
+    _run(template, target, packed, wd, (1, 1), plain, rng, 32)
+    monkeypatch.setenv("PERFX_VNNI_GEMV_LONG_ROWS", "split")
+    old = template.builtin_default(wl, target)
+    assert (old["units"], old["split"], old["hinib"]) == (1, 2, 1)
+    _run(template, target, packed, wd, (1, 1), old, rng, 32)
+    monkeypatch.delenv("PERFX_VNNI_GEMV_LONG_ROWS")
+    short = template.match(vnni_weights(fmt, 64, 576, rng)[0].compute("matmul", (1, 1)), target)
+    assert {k: template.builtin_default(short, target)[k] for k in ("units", "split", "hinib")} == \
+        {"units": 2, "split": 2, "hinib": 1}
