@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import write_csv
+from _common import figure, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -139,28 +139,21 @@ def write(rows: list[dict], out: Path) -> None:
 
 
 def plot(summary: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    x = np.arange(len(summary))
-    for ax, (threads, key, what) in zip(axes, ((2, "median_ms", "wall ms/call, 2 threads"),
-                                              (1, "cpu_ms", "CPU ms/call, 1 thread")), strict=True):
-        old = [s[f"old_{key}_{threads}t"] for s in summary]
-        new = [s[f"new_{key}_{threads}t"] for s in summary]
-        ax.bar(x - 0.2, old, 0.4, label="old kernel")
-        ax.bar(x + 0.2, new, 0.4, label="attention_cpu (default config)")
-        for i, s in enumerate(summary):
-            ax.text(i + 0.2, new[i], f"{s[f'speedup_{threads}t']}x", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(x, [s["case"] for s in summary])
-        ax.set_yscale("log")
-        ax.set_ylabel(what)
-        ax.legend(fontsize=8)
-    fig.suptitle("SmolLM2 attention (9 q / 3 kv heads, d 64, cache 1024), shared 2-core host; medians of rounds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, 1, 2, figsize=(11, 3.8), dpi=120) as (fig, axes):
+        x = np.arange(len(summary))
+        for ax, (threads, key, what) in zip(axes, ((2, "median_ms", "wall ms/call, 2 threads"),
+                                                  (1, "cpu_ms", "CPU ms/call, 1 thread")), strict=True):
+            old = [s[f"old_{key}_{threads}t"] for s in summary]
+            new = [s[f"new_{key}_{threads}t"] for s in summary]
+            ax.bar(x - 0.2, old, 0.4, label="old kernel")
+            ax.bar(x + 0.2, new, 0.4, label="attention_cpu (default config)")
+            for i, s in enumerate(summary):
+                ax.text(i + 0.2, new[i], f"{s[f'speedup_{threads}t']}x", ha="center", va="bottom", fontsize=8)
+            ax.set_xticks(x, [s["case"] for s in summary])
+            ax.set_yscale("log")
+            ax.set_ylabel(what)
+            ax.legend(fontsize=8)
+        fig.suptitle("SmolLM2 attention (9 q / 3 kv heads, d 64, cache 1024), shared 2-core host; medians of rounds")
 
 
 if __name__ == "__main__":

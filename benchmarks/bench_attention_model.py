@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import write_csv
+from _common import figure, write_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -114,23 +114,16 @@ def main() -> None:
 
 
 def plot(summary: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    x = np.arange(len(summary))
-    ax.bar(x - 0.2, [s["before_tok_s"] for s in summary], 0.4, label=f"old attention kernel ({OLD_COMMIT})")
-    ax.bar(x + 0.2, [s["after_tok_s"] for s in summary], 0.4, label="after (attention_cpu)")
-    for i, s in enumerate(summary):
-        ax.text(i + 0.2, s["after_tok_s"], f"{s['speedup_wall']}x", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(x, [f"prefill {s['tokens']}" for s in summary])
-    ax.set_ylabel("tokens/s (median of rounds)")
-    ax.set_title(f"SmolLM2-135M prefill, {os.environ['TVM_NUM_THREADS']} thread(s), shared host")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, figsize=(6, 3.5), dpi=120) as (fig, ax):
+        x = np.arange(len(summary))
+        ax.bar(x - 0.2, [s["before_tok_s"] for s in summary], 0.4, label=f"old attention kernel ({OLD_COMMIT})")
+        ax.bar(x + 0.2, [s["after_tok_s"] for s in summary], 0.4, label="after (attention_cpu)")
+        for i, s in enumerate(summary):
+            ax.text(i + 0.2, s["after_tok_s"], f"{s['speedup_wall']}x", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(x, [f"prefill {s['tokens']}" for s in summary])
+        ax.set_ylabel("tokens/s (median of rounds)")
+        ax.set_title(f"SmolLM2-135M prefill, {os.environ['TVM_NUM_THREADS']} thread(s), shared host")
+        ax.legend(fontsize=8)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import write_csv
+from _common import figure, write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build" / "bench-batched-decode"
@@ -99,25 +99,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(rows: list[dict], batches: list[int], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.38
-    for k, name in enumerate(VARIANTS):
-        med = [statistics.median(r["decode_tok_s"] for r in rows if r["variant"] == name and r["batch"] == b)
-               for b in batches]
-        ax.bar([i + (k - 0.5) * width for i in range(len(batches))], med, width, label=name)
-    load = statistics.median(r["load_1m"] for r in rows)
-    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
-    ax.set_ylabel("decode tokens/s (median of rounds)")
-    ax.set_title(f"paged_decode, SmolLM2 Q4_1, {rows[0]['activations']} act. (load ~{load:.1f}, 2 shared cores)",
-                 fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
+    with figure(out.with_suffix(".png"), figsize=(6, 4)) as (fig, ax):
+        width = 0.38
+        for k, name in enumerate(VARIANTS):
+            med = [statistics.median(r["decode_tok_s"] for r in rows if r["variant"] == name and r["batch"] == b)
+                   for b in batches]
+            ax.bar([i + (k - 0.5) * width for i in range(len(batches))], med, width, label=name)
+        load = statistics.median(r["load_1m"] for r in rows)
+        ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+        ax.set_ylabel("decode tokens/s (median of rounds)")
+        ax.set_title(f"paged_decode, SmolLM2 Q4_1, {rows[0]['activations']} act. (load ~{load:.1f}, 2 shared cores)",
+                     fontsize=9)
+        ax.legend()
 
 
 if __name__ == "__main__":

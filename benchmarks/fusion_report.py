@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import write_csv
+from _common import figure, write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -73,25 +73,18 @@ def step_times(eng: object, steps: int) -> list[float]:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    names = [r["variant"] for r in rows]
-    for ax, key, label, color in ((a1, "decode_kernels", "kernel launches per decode step", "#48c"),
-                                  (a2, "decode_ms", "decode step, ms (median)", "#3a7")):
-        vals = [float(r[key]) for r in rows]
-        bars = ax.bar(range(len(rows)), vals, color=color)
-        for b, v in zip(bars, vals, strict=True):
-            ax.text(b.get_x() + b.get_width() / 2, v, f"{v:g}" if key == "decode_kernels" else f"{v:.2f}",
-                    ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
-        ax.set_ylabel(label)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, 1, 2, figsize=(10, 3.8), dpi=120) as (fig, (a1, a2)):
+        names = [r["variant"] for r in rows]
+        for ax, key, label, color in ((a1, "decode_kernels", "kernel launches per decode step", "#48c"),
+                                      (a2, "decode_ms", "decode step, ms (median)", "#3a7")):
+            vals = [float(r[key]) for r in rows]
+            bars = ax.bar(range(len(rows)), vals, color=color)
+            for b, v in zip(bars, vals, strict=True):
+                ax.text(b.get_x() + b.get_width() / 2, v, f"{v:g}" if key == "decode_kernels" else f"{v:.2f}",
+                        ha="center", va="bottom", fontsize=8)
+            ax.set_xticks(range(len(rows)), names, rotation=20, ha="right", fontsize=8)
+            ax.set_ylabel(label)
+        fig.suptitle(title, fontsize=10)
 
 
 def main() -> int:

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import write_csv
+from _common import figure, write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -119,24 +119,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     labels = [f"{r['N']}x{r['K']}\n{r['variant']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 3.8))
-    xs = range(len(rows))
-    for j, kind in enumerate(("warm", "cold", "stream")):
-        ax.bar([x + (j - 1) * 0.27 for x in xs], [r[f"{kind}_us"] for r in rows], width=0.27, label=kind)
-    ax.set_yscale("log")
-    ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("us per call")
-    ax.set_title(f"decode GEMV timings: warm / cold (tuner) / streaming, load ~{rows[0]['load_avg_1m_median']}", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, figsize=(max(6, len(rows) * 0.9), 3.8)) as (fig, ax):
+        xs = range(len(rows))
+        for j, kind in enumerate(("warm", "cold", "stream")):
+            ax.bar([x + (j - 1) * 0.27 for x in xs], [r[f"{kind}_us"] for r in rows], width=0.27, label=kind)
+        ax.set_yscale("log")
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_ylabel("us per call")
+        ax.set_title(f"decode GEMV timings: warm / cold (tuner) / streaming, load ~{rows[0]['load_avg_1m_median']}", fontsize=9)
+        ax.legend(fontsize=8)
 
 
 if __name__ == "__main__":

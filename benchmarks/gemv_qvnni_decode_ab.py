@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import write_csv
+from _common import figure, write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -88,21 +88,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(tps: dict[str, list[float]], path: Path, name: str, load: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, v in enumerate(tps.values()):
-        ax.scatter([i] * len(v), v, alpha=0.5)
-        ax.hlines(statistics.median(v), i - 0.3, i + 0.3, color="k")
-    ax.set_xticks(range(len(tps)))
-    ax.set_xticklabels(["gemv_qvnni base (split=1, hinib=0)", "gemv_qvnni new (default)"], fontsize=8)
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"{name}: decode, alternated rounds (median line), load ~{load:.0f}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, figsize=(6, 3.5)) as (fig, ax):
+        for i, v in enumerate(tps.values()):
+            ax.scatter([i] * len(v), v, alpha=0.5)
+            ax.hlines(statistics.median(v), i - 0.3, i + 0.3, color="k")
+        ax.set_xticks(range(len(tps)))
+        ax.set_xticklabels(["gemv_qvnni base (split=1, hinib=0)", "gemv_qvnni new (default)"], fontsize=8)
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"{name}: decode, alternated rounds (median line), load ~{load:.0f}", fontsize=9)
 
 
 if __name__ == "__main__":

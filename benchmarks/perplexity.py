@@ -48,7 +48,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from _common import write_csv
+from _common import figure, write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -121,31 +121,24 @@ def supported(name: str) -> str | None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4))
-    full = max(int(r["tokens"]) for r in rows)
-    names = [r["config"] + ("" if int(r["tokens"]) == full else f"\n({r['tokens']} tok)") for r in rows]
-    vals = [float(r["perplexity"]) for r in rows]
-    colors = ["#777" if r["config"] in (REFERENCE, BASELINE) else "#3a7" for r in rows]
-    bars = ax.bar(names, vals, color=colors)
-    for b, r in zip(bars, rows, strict=True):
-        if int(r["tokens"]) != full:  # first windows only: compare with the baseline's same-token value
-            b.set_hatch("//")
-            ax.plot([b.get_x(), b.get_x() + b.get_width()], [r["baseline_same_tokens"]] * 2, "k--", lw=1)
-    for b, v in zip(bars, vals, strict=True):
-        ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
-    ax.set_ylim(min(vals) * 0.95, max(vals) * 1.04)
-    ax.set_ylabel("perplexity (lower is better)")
-    r0 = rows[0]
-    ax.set_title(f"{r0['model']}: {full} tokens of KJV Mark+Ruth, window {r0['window']} stride {r0['stride']} "
-                 "(hatched: first windows only; dashed: f32 on those tokens)", fontsize=9)
-    ax.tick_params(axis="x", labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with figure(path, figsize=(9, 4), dpi=120) as (fig, ax):
+        full = max(int(r["tokens"]) for r in rows)
+        names = [r["config"] + ("" if int(r["tokens"]) == full else f"\n({r['tokens']} tok)") for r in rows]
+        vals = [float(r["perplexity"]) for r in rows]
+        colors = ["#777" if r["config"] in (REFERENCE, BASELINE) else "#3a7" for r in rows]
+        bars = ax.bar(names, vals, color=colors)
+        for b, r in zip(bars, rows, strict=True):
+            if int(r["tokens"]) != full:  # first windows only: compare with the baseline's same-token value
+                b.set_hatch("//")
+                ax.plot([b.get_x(), b.get_x() + b.get_width()], [r["baseline_same_tokens"]] * 2, "k--", lw=1)
+        for b, v in zip(bars, vals, strict=True):
+            ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+        ax.set_ylim(min(vals) * 0.95, max(vals) * 1.04)
+        ax.set_ylabel("perplexity (lower is better)")
+        r0 = rows[0]
+        ax.set_title(f"{r0['model']}: {full} tokens of KJV Mark+Ruth, window {r0['window']} stride {r0['stride']} "
+                     "(hatched: first windows only; dashed: f32 on those tokens)", fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
 
 
 def checks(rows: dict[str, dict], logp: dict[str, np.ndarray]) -> list[dict]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import write_csv
+from _common import figure, write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,25 +123,18 @@ def main() -> None:
 
 
 def _plot(meds: list[dict[str, Any]], path: Path, model: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     engines = list(dict.fromkeys(r["engine"] for r in meds))
     lengths = sorted({r["prompt_tokens"] for r in meds})
-    fig, ax = plt.subplots(figsize=(7, 4))
-    w = 0.8 / len(engines)
-    for i, e in enumerate(engines):
-        vals = [next(r["prefill_tok_s"] for r in meds if r["engine"] == e and r["prompt_tokens"] == n) for n in lengths]
-        ax.bar(np.arange(len(lengths)) + i * w, vals, w, label=e)
-    ax.set_xticks(np.arange(len(lengths)) + 0.4 - w / 2)
-    ax.set_xticklabels([f"prefill {n}" for n in lengths])
-    ax.set_ylabel("tokens/s (median of alternated rounds)")
-    ax.set_title(f"{model}: int8 VNNI GEMM prefill (load ~{meds[0]['load_avg_1m']})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, figsize=(7, 4)) as (fig, ax):
+        w = 0.8 / len(engines)
+        for i, e in enumerate(engines):
+            vals = [next(r["prefill_tok_s"] for r in meds if r["engine"] == e and r["prompt_tokens"] == n) for n in lengths]
+            ax.bar(np.arange(len(lengths)) + i * w, vals, w, label=e)
+        ax.set_xticks(np.arange(len(lengths)) + 0.4 - w / 2)
+        ax.set_xticklabels([f"prefill {n}" for n in lengths])
+        ax.set_ylabel("tokens/s (median of alternated rounds)")
+        ax.set_title(f"{model}: int8 VNNI GEMM prefill (load ~{meds[0]['load_avg_1m']})")
+        ax.legend()
 
 
 if __name__ == "__main__":
