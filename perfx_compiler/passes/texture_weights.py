@@ -239,7 +239,7 @@ class _Group:
         return name, built[name]
 
 
-def _plan_groups(mod: tvm.IRModule, weights: dict[str, Any], opts: dict[str, Any],
+def _plan_groups(infos: dict[str, FuncInfo], weights: dict[str, Any], opts: dict[str, Any],
                  uses: dict[str, list[_Use]]) -> tuple[dict[str, _Group], dict[tuple[str, Any], tuple[str, _Group]], dict[str, Any]]:
     """The weight groups that become images-only: those with a decode GEMV whose every read, in
     every exported function, a texture kernel replaces. Returns the groups, the kernel of each
@@ -253,7 +253,7 @@ def _plan_groups(mod: tvm.IRModule, weights: dict[str, Any], opts: dict[str, Any
                 groups[u.names[0]] = _Group(u, weights, opts)
             except TextureLimitError:
                 continue
-    reads = {fn: _weight_reads(FuncInfo.of(mod[fn]), weights) for fn in uses}
+    reads = {fn: _weight_reads(infos[fn], weights) for fn in uses}
     chosen: dict[tuple[str, Any], tuple[str, _Group]] = {}
     kernels: dict[str, Any] = {}
     built: dict[str, Any] = {}
@@ -285,8 +285,9 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     if opts is None or FUNCTION not in [gv.name_hint for gv in mod.get_global_vars()]:
         return mod, weights
     fns = exported(mod)
-    uses = {fn: _uses(mod, FuncInfo.of(mod[fn]), weights) for fn in fns}
-    groups, chosen, kernels = _plan_groups(mod, weights, opts, uses)
+    infos = {fn: FuncInfo.of(mod[fn]) for fn in fns}
+    uses = {fn: _uses(mod, infos[fn], weights) for fn in fns}
+    groups, chosen, kernels = _plan_groups(infos, weights, opts, uses)
     if not groups:
         return mod, weights
     # one copy: a group's buffers leave the table; its images take the place of its first array
