@@ -220,7 +220,14 @@ def _bind_gpu_host_kernels(state: CompileState) -> None:
 
 
 def phase_build(state: CompileState) -> None:
+    from perfx_compiler.passes.reuse_storage_views import ReuseStorageViews
+
     tgt = state.target.tvm()
+    # CPU: one tensor view per planned buffer instead of an alloc_tensor + kill per use (decode step:
+    # ~300 VM builtin calls fewer); other targets keep TVM's lowering as it was tested there.
+    # PERFX_REUSE_VIEWS=0 builds without it (A/B: benchmarks/decode_overhead.py).
+    on = state.target.family == "cpu" and os.environ.get("PERFX_REUSE_VIEWS", "1") != "0"
+    reuse = [ReuseStorageViews()] if on else []
     # Phases 1-3 did legalization, fusion and scheduling; only VM lowering remains.
     finish = tvm.transform.Sequential(
         [
@@ -229,6 +236,7 @@ def phase_build(state: CompileState) -> None:
             relax.transform.RemovePurityChecking(),
             relax.transform.CallTIRRewrite(),
             relax.transform.StaticPlanBlockMemory(),
+            *reuse,
             relax.transform.LowerAllocTensor(),
             relax.transform.KillAfterLastUse(),
             relax.transform.LowerRuntimeBuiltin(),
