@@ -143,7 +143,8 @@ def matmul_func(mod: Any) -> Any:
     raise KeyError("module has no matmul function")
 
 
-def _legalize_fuse(mod: Any) -> Any:
+def legalize_fuse(mod: Any) -> Any:
+    """LegalizeOps, FuseTransposeMatmul, AnnotateTIROpPattern, FuseOps, FuseTIR: a Relax module as fused PrimFuncs."""
     import tvm
     from tvm import relax
 
@@ -170,7 +171,7 @@ def rmsnorm_module(M: int | None, hidden: int = 576) -> Any:
             y = bb.emit(relax.op.nn.rms_norm(x, g, axes=[-1], epsilon=1e-5))
             out = bb.emit_output(y)
         bb.emit_func_output(out)
-    return _legalize_fuse(bb.get())
+    return legalize_fuse(bb.get())
 
 
 def elementwise_module(M: int | None, width: int = 1536, op: str = "silu_mul") -> Any:
@@ -197,7 +198,7 @@ def elementwise_module(M: int | None, width: int = 1536, op: str = "silu_mul") -
                 y = bb.emit(relax.op.multiply(relax.op.nn.silu(params[0]), params[1]))
             out = bb.emit_output(y)
         bb.emit_func_output(out)
-    return _legalize_fuse(bb.get())
+    return legalize_fuse(bb.get())
 
 
 def single_func(mod: Any) -> Any:

@@ -211,6 +211,8 @@ def test_apply_schedules_on_decoder_block_slice(cpu_target):
     import tvm
     from tvm import relax, tirx
 
+    from perfx_compiler.tune.workloads import legalize_fuse
+
     seq = tirx.Var("seq", "int64")
     H, F, V = 64, 96, 128
     bb = relax.BlockBuilder()
@@ -229,14 +231,7 @@ def test_apply_schedules_on_decoder_block_slice(cpu_target):
             b = bb.emit(relax.op.matmul(n, relax.op.permute_dims(w2)))
             out = bb.emit_output(relax.op.multiply(relax.op.nn.silu(a), b))
         bb.emit_func_output(out)
-    passes = [
-        relax.transform.LegalizeOps(),
-        relax.transform.FuseTransposeMatmul(),
-        relax.transform.AnnotateTIROpPattern(),
-        relax.transform.FuseOps(),
-        relax.transform.FuseTIR(),
-    ]
-    mod = tvm.transform.Sequential(passes)(bb.get())
+    mod = legalize_fuse(bb.get())
     used = {}
     for gv, f in mod.functions.items():
         if isinstance(f, tirx.PrimFunc):
