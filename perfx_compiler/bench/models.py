@@ -127,7 +127,7 @@ def write_random_q4_0(path: str | Path, dims: dict[str, Any], seed: int = 0, log
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from perfx_compiler.model.description import ModelConfig, expected_weight_shapes
-    from perfx_compiler.model.testing import CHATML_TEMPLATE, _gguf_name, tiny_vocab
+    from perfx_compiler.model.testing import _gguf_name, add_tiny_tokenizer, tiny_vocab
 
     d = dims
     tokens, types, merges = tiny_vocab(d["vocab"])
@@ -152,15 +152,7 @@ def write_random_q4_0(path: str | Path, dims: dict[str, Any], seed: int = 0, log
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(tokens))
     w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_0))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    add_tiny_tokenizer(w, tokens, types, merges, "smollm")
     q4 = GGMLQuantizationType.Q4_0
     block, size = GGML_QUANT_SIZES[q4]
     shapes = expected_weight_shapes(cfg)

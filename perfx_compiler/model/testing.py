@@ -118,6 +118,20 @@ def _encode(w: np.ndarray, qtype: str, rng: np.random.Generator) -> tuple[np.nda
     return quantize(w.astype(np.float32), qt), qt
 
 
+def add_tiny_tokenizer(w: Any, tokens: list[str], types: list[int], merges: list[str], pre: str) -> None:
+    """The tokenizer metadata of the tiny test models (``tiny_vocab``'s byte-level BPE, ChatML
+    template, BOS <|im_start|> = 1, EOS <|im_end|> = 2, no BOS added) on a ``gguf.GGUFWriter``."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+
+
 def write_tiny_gguf(
     path: str | os.PathLike[str],
     *,
@@ -172,15 +186,7 @@ def write_tiny_gguf(
     if kind == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rope_scaling["factor"]))  # type: ignore[index]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre or ("qwen2" if arch == "qwen2" else "smollm"))
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    add_tiny_tokenizer(w, tokens, types, merges, pre or ("qwen2" if arch == "qwen2" else "smollm"))
 
     expected: dict[str, np.ndarray] = {}
     for name, shape in expected_weight_shapes(cfg).items():
