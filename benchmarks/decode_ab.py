@@ -18,7 +18,6 @@ directory or a .jsonl file), then alternates the two as above:
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import shutil
@@ -27,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _common import write_csv
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -118,13 +119,7 @@ def main() -> None:
                      "load_avg_1m": statistics.median(x["load_avg_1m"] for x in mine)})
         print(f"{label}: median prefill {rows[-1]['prefill_tok_s']:.1f} tok/s, decode {rows[-1]['decode_tok_s']:.1f} tok/s")
     print(f"same tokens: {same}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[*rows[0], "same_tokens"])
-        w.writeheader()
-        for row in rows:
-            w.writerow({**row, "same_tokens": same})
+    out = write_csv(args.out, [{**row, "same_tokens": same} for row in rows])
     print(f"wrote {out}")
 
 

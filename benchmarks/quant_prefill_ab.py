@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import write_csv
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -76,14 +77,9 @@ def main() -> None:
                          "load_avg_1m": statistics.median(x["load_avg_1m"] for x in mine)})
             print(f"{label} prefill{n}: median {rows[-1]['prefill_tok_s']:.1f} tok/s")
     print(f"max relative logit difference A vs B: {diff:.2e}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=[*rows[0], "artifact", "max_rel_logit_diff"])
-        w.writeheader()
-        arts = dict(zip(labels, (args.a, args.b), strict=True))
-        for row in rows:
-            w.writerow({**row, "artifact": arts[row["variant"]], "max_rel_logit_diff": f"{diff:.2e}"})
+    arts = dict(zip(labels, (args.a, args.b), strict=True))
+    out = write_csv(args.out, [{**row, "artifact": arts[row["variant"]], "max_rel_logit_diff": f"{diff:.2e}"}
+                               for row in rows])
     print(f"wrote {out}")
     _plot(rows, labels, lengths, out.with_suffix(".png"))
     if args.profile:
