@@ -75,6 +75,14 @@ class _Graph:
         return name
 
 
+def _rope(g: _Graph, x: str, cos: str, sin: str, d: int) -> str:
+    """Rotate-half RoPE of ``x`` [..., D] with ``cos``/``sin`` tables [..., D/2] broadcast against it."""
+    x1, x2 = g.op("Split", x, g.const([d // 2, d // 2]), axis=-1, n_out=2)
+    r1 = g.op("Sub", g.op("Mul", x1, cos), g.op("Mul", x2, sin))
+    r2 = g.op("Add", g.op("Mul", x2, cos), g.op("Mul", x1, sin))
+    return g.op("Concat", r1, r2, axis=-1)
+
+
 def _attention_function(config: ModelConfig, index_dtype: str = "int64") -> onnx.FunctionProto:
     """``perfx.CachedAttention`` as standard ONNX ops (what onnxruntime runs).
 
@@ -99,14 +107,8 @@ def _attention_function(config: ModelConfig, index_dtype: str = "int64") -> onnx
     def heads(x: str, n: int) -> str:  # [1,seq,n*D] -> [1,n,seq,D]
         return g.op("Transpose", g.op("Reshape", x, g.const([1, -1, n, d])), perm=[0, 2, 1, 3])
 
-    def rope(x: str) -> str:
-        x1, x2 = g.op("Split", x, g.const([d // 2, d // 2]), axis=-1, n_out=2)
-        r1 = g.op("Sub", g.op("Mul", x1, cos), g.op("Mul", x2, sin))
-        r2 = g.op("Add", g.op("Mul", x2, cos), g.op("Mul", x1, sin))
-        return g.op("Concat", r1, r2, axis=-1)
-
-    q = rope(heads("q", h))
-    k = rope(heads("k", kvh))
+    q = _rope(g, heads("q", h), cos, sin, d)
+    k = _rope(g, heads("k", kvh), cos, sin, d)
     v = heads("v", kvh)
     # Scatter k/v rows into the caches along the position axis.
     idx = g.op("Expand", g.op("Reshape", pos, g.const([1, 1, -1, 1])), g.op("Shape", k))
@@ -177,14 +179,8 @@ def _paged_attention_function(config: ModelConfig, page_size: int, index_dtype: 
     def heads(x: str, n: int) -> str:  # [B,seq,n*D] -> [B,n,seq,D]
         return g.op("Transpose", g.op("Reshape", x, g.const([0, 0, n, d])), perm=[0, 2, 1, 3])
 
-    def rope(x: str) -> str:
-        x1, x2 = g.op("Split", x, g.const([d // 2, d // 2]), axis=-1, n_out=2)
-        r1 = g.op("Sub", g.op("Mul", x1, cos), g.op("Mul", x2, sin))
-        r2 = g.op("Add", g.op("Mul", x2, cos), g.op("Mul", x1, sin))
-        return g.op("Concat", r1, r2, axis=-1)
-
-    q = rope(heads("q", h))
-    k = g.op("Transpose", rope(heads("k", kvh)), perm=[0, 2, 1, 3])  # [B,seq,KVH,D]
+    q = _rope(g, heads("q", h), cos, sin, d)
+    k = g.op("Transpose", _rope(g, heads("k", kvh), cos, sin, d), perm=[0, 2, 1, 3])  # [B,seq,KVH,D]
     v = g.op("Reshape", "v", g.const([0, 0, kvh, d]))
     page = g.op("GatherElements", page_table, g.op("Div", pos, g.const(page_size)), axis=1)
     slot = g.op("Mod", pos, g.const(page_size))
