@@ -12,6 +12,11 @@ if str(REPO) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(REPO))
 
 
+from tests.tvmscript_speedups import install as _install_tvmscript_speedups  # noqa: E402
+
+_install_tvmscript_speedups()
+
+
 @pytest.fixture(scope="session")
 def smol_desc():
     """The default model's description (SmolLM2-135M-Instruct, dequantized)."""
