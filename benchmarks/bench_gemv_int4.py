@@ -4,7 +4,10 @@ Variants, timed in alternating rounds in one run (the machine is shared: medians
 best are reported, and the read bandwidth is probed in every round too):
 
   vnni      schedules/gemv_qvnni_cpu.py: int8 activations, vpdpbusd (default config)
-  vnni_base the same template with split=1, hinib=0 (the kernel before those knobs: A/B)
+  vnni_alt  the same template with the other split/hinib pair (A/B of the default's choice: long rows
+            run split=1, hinib=0 by default, short rows split=2, hinib=1)
+  vnni_cold (``--cold-tuned``) the fastest of split x hinib x sprefetch timed as the tuner times
+            decode GEMVs (tune/measure.py time_module cold=True: arguments but x clflushed per call)
   fp32      schedules/gemv_int4_cpu.py: fp32 activations, unpack + convert + FMA (default config)
   numpy     numpy reference: dequantize the int4 codes, then matvec (OpenBLAS)
   numpy_f32 numpy matvec on the already dequantized float32 W (4x the bytes; GB/s on its own bytes)
@@ -53,7 +56,7 @@ RESULTS = REPO / "benchmarks" / "results"
 BIG = [(11008, 4096), (4096, 11008), (4096, 4096)]
 SMOL = [(3072, 576), (576, 1536), (960, 576), (576, 576), (49152, 576)]
 L3_BYTES = 32 << 20
-VARIANTS = ("vnni", "vnni_base", "fp32", "numpy", "numpy_f32")
+VARIANTS = ("vnni", "vnni_alt", "vnni_cold", "fp32", "numpy", "numpy_f32")
 
 
 def _weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> tuple[Any, np.ndarray]:
@@ -71,12 +74,46 @@ def _kernel(packed: Any, target: Any, override: dict[str, Any] | None = None) ->
     return build_func(template.apply(func, wl, config, target), target), f"{template.name} {config}"
 
 
+def _cold_tuned(packed: Any, target: Any) -> tuple[Any, str]:
+    """The fastest of the split x hinib x sprefetch grid (other knobs at the default) as the tuner
+    times decode GEMVs: ``time_module(cold=True)``, every argument but x clflushed before each call,
+    fastest single call."""
+    from perfx_compiler.tune.measure import time_module
+
+    func = packed.compute("matmul", (1, 1))
+    template, wl = find_template(func, target)
+    base = template.default_config(wl, target)
+    best: tuple[float, Any, str] | None = None
+    for split in (1, 2):
+        for hinib in (0, 1):
+            for spf in (0, 1):
+                config = {**base, "split": split, "hinib": hinib, "sprefetch": spf}
+                if not template.is_valid(wl, config, target):
+                    continue
+                rt = build_func(template.apply(func, wl, config, target), target)
+                sec, _ = time_module(rt, func, 1, cold=True)
+                if best is None or sec < best[0]:
+                    best = (sec, rt, f"{template.name} {config} (cold {sec * 1e6:.0f} us)")
+    assert best is not None
+    return best[1], best[2]
+
+
 def _timer(rt: Any, copies: list[list[Any]], x: Any, y: Any) -> Any:
+    """Mean seconds per call over ``calls`` calls; every call's own time is kept in ``run.calls``
+    (the 10th percentile is the load-robust figure: the undisturbed calls)."""
+    fn, clock = rt["main"], time.perf_counter
+
     def run(calls: int) -> float:
-        t0 = time.perf_counter()
-        for i in range(calls):
-            rt["main"](x, *copies[i % len(copies)], y)
-        return (time.perf_counter() - t0) / calls
+        t0 = clock()
+        for _ in range(calls):
+            # the copies rotate across runs too: a run starting at copy 0 again would find it cached
+            # right after a one-call run (the warm-up call) had read it
+            run.pos = (run.pos + 1) % len(copies)
+            t = clock()
+            fn(x, *copies[run.pos], y)
+            run.calls.append(clock() - t)
+        return (clock() - t0) / calls
+    run.calls, run.pos = [], 0
     return run
 
 
@@ -101,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads of the bandwidth probe (the kernels use all cores)")
     ap.add_argument("--quick", action="store_true", help="3 rounds, no numpy dequant on the big shapes")
     ap.add_argument("--out", default=str(RESULTS / "gemv_int4"))
+    ap.add_argument("--cold-tuned", action="store_true", help="add vnni_cold (a cold-timed split/hinib/sprefetch grid)")
+    ap.add_argument("--shapes", default=None, help="comma-separated NxK (default: all)")
     ap.add_argument("--decode", action="store_true", help="SmolLM2 decode tokens/s, activations f32 vs int8")
     ap.add_argument("--artifacts", nargs=2, default=None, metavar=("F32_DIR", "INT8_DIR"),
                     help="with --decode: already compiled artifacts (else compiled into a temp dir)")
@@ -119,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     tvm_threads = configure_threads(target.cores or os.cpu_count() or 1)
     dev = tvm.cpu()
     rng = np.random.default_rng(0)
-    shapes = BIG + SMOL
+    shapes = [tuple(int(v) for v in t.split("x")) for t in args.shapes.split(",")] if args.shapes else BIG + SMOL
     setups = {}
     for n, k in shapes:
         packed, codes = _weights(args.format, n, k, rng)
@@ -132,9 +171,17 @@ def main(argv: list[str] | None = None) -> int:
         # vnni and vnni_base read the SAME weight copies: with copies of their own, an A/A pair of one
         # config differed by 5-8% (the placement of the memory, not the kernel)
         shared: dict[int, list[list[Any]]] = {}
-        for name, pk, over in (("vnni", vpacked, None), ("vnni_base", vpacked, {"split": 1, "hinib": 0}),
-                               ("fp32", packed, None)):
-            rt, labels[name] = _kernel(pk, target, over)
+        variants = [("vnni", vpacked, None), ("vnni_alt", vpacked, "alt"), ("fp32", packed, None)]
+        if args.cold_tuned:
+            variants.insert(2, ("vnni_cold", vpacked, "cold"))
+        for name, pk, over in variants:
+            if over == "cold":
+                rt, labels[name] = _cold_tuned(pk, target)
+            elif over == "alt":  # the other split/hinib pair than the default's
+                plain = _kernel(pk, target)[1].find("'split': 1") >= 0
+                rt, labels[name] = _kernel(pk, target, {"split": 2, "hinib": 1} if plain else {"split": 1, "hinib": 0})
+            else:
+                rt, labels[name] = _kernel(pk, target, over)
             if id(pk) not in shared:
                 shared[id(pk)] = [[tvm.runtime.tensor(a.copy(), dev) for _, a in pk.arrays] for _ in range(ncopies)]
             timers[name] = _timer(rt, shared[id(pk)], xt, yt)
@@ -160,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
 
         timers["numpy_f32"], nbytes["numpy_f32"] = f32, wf.nbytes
         # check the two TVM kernels once (against numpy on float64)
-        for name in ("vnni", "vnni_base", "fp32"):
+        for name in [v for v in timers if not v.startswith("numpy")]:
             timers[name](1)
             ref = wf.astype(np.float64) @ x.astype(np.float64)
             err = np.abs(yt.numpy().ravel() - ref).max() / np.abs(ref).max()
@@ -176,8 +223,13 @@ def main(argv: list[str] | None = None) -> int:
             order = list(timers) if r % 2 == 0 else list(reversed(list(timers)))
             for name in order:
                 t = timers[name]
-                if name.startswith("numpy"):
-                    time.sleep(0.1)  # TVM's pool threads spin a while after a call: let them idle first
+                # Let the previous case's threads go idle first: TVM's pool spins a while after a call,
+                # OpenBLAS's (numpy_f32) for up to ~0.1 s, the probe's OpenMP threads too. Without this
+                # for the TVM variants, the first one after numpy_f32 ("vnni" in every forward round) ran
+                # beside spinning BLAS threads: in one run 59% vs 93% of the probe at 4096x11008 for the
+                # alternative config, and the gap followed the position, not the config, when the two
+                # configs were swapped (PERFX_VNNI_GEMV_LONG_ROWS=split)
+                time.sleep(0.25)
                 single = t(1)
                 calls = max(3, min(400, int(0.25 / max(single, 1e-7))))
                 samples.setdefault((n, k, name), []).append(t(calls))
@@ -192,12 +244,18 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             sec = statistics.median(samples[(n, k, name)])
             gbs = nbytes[name] / sec / 1e9
+            per_call = getattr(setups[(n, k)][0][name], "calls", None)
+            p10 = float(np.percentile(per_call, 10)) if per_call else None
             rows.append({"N": n, "K": k, "variant": name, "format": args.format, "us": round(sec * 1e6, 2),
                          "GBps": round(gbs, 2), "read_bw_GBps": round(bandwidth, 2),
-                         "frac_of_bw": round(gbs / bandwidth, 3), "bytes": nbytes[name],
+                         "frac_of_bw": round(gbs / bandwidth, 3),
+                         "call_p10_GBps": round(nbytes[name] / p10 / 1e9, 2) if p10 else "",
+                         "frac_call_p10_of_bw": round(nbytes[name] / p10 / 1e9 / bandwidth, 3) if p10 else "",
+                         "bytes": nbytes[name],
                          "dram": nbytes[name] > L3_BYTES // 4, "config": labels.get(name, ""),
                          "load_avg_1m": round(load, 1), "tvm_threads": tvm_threads})
-            print(f"{n:>6}x{k:<6} {name:>9}: {sec * 1e6:9.1f} us {gbs:6.1f} GB/s ({gbs / bandwidth:.0%} of {bandwidth:.1f})")
+            print(f"{n:>6}x{k:<6} {name:>9}: {sec * 1e6:9.1f} us {gbs:6.1f} GB/s ({gbs / bandwidth:.0%} of {bandwidth:.1f})"
+                  + (f", call p10 {nbytes[name] / p10 / 1e9:6.1f} GB/s" if p10 else ""))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
@@ -273,10 +331,11 @@ def _plot(rows: list[dict[str, Any]], bandwidth: float, path: Path, fmt: str) ->
 
     shapes = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
     fig, ax = plt.subplots(figsize=(12, 4.5))
-    width = 0.16
-    for i, name in enumerate(VARIANTS):
+    present = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
+    width = 0.8 / len(present)
+    for i, name in enumerate(present):
         vals = [next((r["GBps"] for r in rows if (r["N"], r["K"]) == s and r["variant"] == name), 0) for s in shapes]
-        ax.bar(np.arange(len(shapes)) + (i - 2) * width, vals, width, label=name)
+        ax.bar(np.arange(len(shapes)) + (i - (len(present) - 1) / 2) * width, vals, width, label=name)
     ax.axhline(bandwidth, color="k", ls="--", lw=1, label=f"read bandwidth {bandwidth:.1f} GB/s")
     ax.axhline(0.7 * bandwidth, color="gray", ls=":", lw=1, label="70%")
     ax.set_xticks(np.arange(len(shapes)))
