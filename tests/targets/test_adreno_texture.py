@@ -220,11 +220,12 @@ def test_registered_adreno_pipeline_is_not_a_triple() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Q4_1 linears as SmolLM2's file, F32 embedding: the Q8_0 embedding gather reads fp16 scales from a
-    buffer, which PoCL 3.1 (no cl_khr_fp16) cannot run; the Q8_0 lm_head texture kernel is checked above."""
+    """Q4_1 linears and a tied Q8_0 embedding / lm_head, as SmolLM2's file. The embedding is an image
+    (the lm_head's), so its gather reads fp32 scales from the image: PoCL 3.1 (no cl_khr_fp16) runs it,
+    where the buffer gather's fp16 scales could not run."""
     from perfx_compiler.model.testing import write_tiny_gguf
 
-    path, _ = write_tiny_gguf(tmp_path_factory.mktemp("tq") / "q4.gguf", qtype="Q4_1", embed_qtype="F32",
+    path, _ = write_tiny_gguf(tmp_path_factory.mktemp("tq") / "q4.gguf", qtype="Q4_1", embed_qtype="Q8_0",
                               context_length=128)
     return path
 
@@ -262,7 +263,7 @@ def test_decode_with_texture_weights_matches_x86(adreno_tiny, launcher) -> None:
     tex = _texture_calls(state, funcs, "decode")
     assert len(tex) == 2 * 4 + 2 and len(set(tex)) == 6, tex  # qkv, o, gate_up, down; lm_head; the gather
     assert sum(n.startswith("texture_take_") for n in tex) == 1, tex
-    assert len(images) == (9 if quant == "f32" else 17), images
+    assert len(images) == (9 if quant == "f32" else 18), images
     host.reset()
     want = np.stack([host.decode(t) for t in TOKENS])
     got = np.stack(run_decode_steps(state, launcher, TOKENS, state.weights))
@@ -360,14 +361,14 @@ def test_texture_weights_are_one_copy(adreno_tiny, launcher) -> None:
 
     quant, model, state, _, _ = adreno_tiny
     mali, _ = lowered_module(str(model), "mali", max_context=MAX_CONTEXT, schedule=False)
-    assert len(texture_manifest(state.weights)) == (9 if quant == "f32" else 17)
+    assert len(texture_manifest(state.weights)) == (9 if quant == "f32" else 18)
     have = _assert_one_copy(state.weights, mali.weights)
     assert _device_bytes(launcher, state.weights) == have
     want = sum(np.asarray(w).nbytes for w in mali.weights.values())
     if quant == "f32":
         assert have == want  # float images are exactly the float weights
     else:
-        assert have < 1.1 * want, (have, want)  # Q4_1: only the scales and mins grow (fp16 -> fp32)
+        assert have < 1.2 * want, (have, want)  # only the scales and mins grow (fp16 -> fp32, q8 texel padding)
 
 
 @pytest.mark.parametrize("target", ["mali", "intel-igpu"])
