@@ -366,6 +366,10 @@ def compile_model(
     """Compile ``model`` (name, GGUF, HF folder, or a ModelDescription) for ``target``; return the artifact dir."""
     opts = CompileOptions(target=target, **options)
     tdesc = load_target(target)
+    from perfx_compiler.passes.precision import resolve_precision
+
+    # before loading the model: a bad --precision for the target is refused without reading the weights
+    opts.precision, opts.quantization = resolve_precision(opts.precision, opts.quantization, tdesc)
     if isinstance(model, ModelDescription):
         desc = model
         spec = desc.source or desc.config.name or "model"
@@ -375,9 +379,6 @@ def compile_model(
         spec = model
         desc = load_model(model, max_context=opts.max_context)
     desc.validate()
-    from perfx_compiler.passes.precision import resolve_precision
-
-    opts.precision, opts.quantization = resolve_precision(opts.precision, opts.quantization, tdesc)
     opts.quantization = resolve_quantization(opts.quantization, desc, tdesc)  # the manifest records this name
     opts.activations = resolve_activations(opts.activations, opts.quantization, tdesc)
     opts.output_dir = Path(output_dir) if output_dir is not None else default_output_dir(str(spec), target)
