@@ -109,7 +109,8 @@ class GemvQVnniCPU(ScheduleTemplate):
         # Rows of >= 2048 bytes: one unit per iteration. Two units read two code streams whose
         # distance is a multiple of 1 KiB (K=2048: 2.4x slower at 11264x2048 and 2048x2048, 2 threads),
         # and fewer streams suit the prefetchers; short rows (SmolLM2's K=576/1536): two.
-        units = (1 if vk.plan(d["K"], d["G"])["KP"] >= 2048 else 2) if d["bits"] == 4 else 4
+        long_rows = d["bits"] == 4 and vk.plan(d["K"], d["G"])["KP"] >= 2048
+        units = (1 if long_rows else 2) if d["bits"] == 4 else 4
         m = max(1, d["B"] * d["MM"])
         while units > 1 and (units * (2 if d["bits"] == 4 else 1) * m > MAX_ACC or units > self._units(d)):
             units //= 2
@@ -117,15 +118,19 @@ class GemvQVnniCPU(ScheduleTemplate):
         # two accumulators per row while they fit the registers with the scale vectors
         split = 2 if units * (2 if d["bits"] == 4 else 1) * m * 3 <= MAX_REGS else 1
         hinib = 1 if d["bits"] == 4 else 0
-        # Long rows (one unit per iteration) run plain, split=1 and hinib=0: in the int4 GEMV bench (quiet)
-        # 4096x11008 read 93% vs 59% of the probe, 4096x4096 113% vs 73%, 11008x4096 103% vs 99%. Inside
-        # TinyLlama's decode step, both kernels on the SAME weight tensors, no GEMV lost (call p10 x1.01-1.04,
-        # an A/A pair x1.02: benchmarks/decode_kernel_ab.py --shared-args, decode_kernels_*_long_rows_shared.csv).
-        # The 4% whole-decode loss measured before (decode_ab_tinyllama-q4_0_long_rows.csv) compared two
-        # artifacts with weight copies of their own: two engines of one artifact differ by 5-12%
-        # (decode_kernels_tinyllama-q4_0_long_rows_loadorder.csv). PERFX_VNNI_GEMV_LONG_ROWS=split: the old
-        # default (A/B switch); the tuner searches both knobs.
-        if units == 1 and os.environ.get("PERFX_VNNI_GEMV_LONG_ROWS", "plain") == "plain":
+        # Long rows of one activation row (decode) run plain, split=1 and hinib=0. The int4 GEMV bench's
+        # quiet 59% (split/hinib) vs 93% (plain) of the probe at 4096x11008 came largely from its order:
+        # its first TVM variant after numpy_f32 ran beside OpenBLAS's spinning threads (fixed there). On
+        # shared cold weight copies plain read x0.91-1.13 (13 of 16 >= 1; Q4_0/Q4_1, the bench's and
+        # TinyLlama's shapes, load 6: benchmarks/results/gemv_qvnni_long_rows.csv), inside TinyLlama's decode
+        # step on the SAME tensors x1.01-1.04 per GEMV vs an A/A x1.02 (decode_kernel_ab.py --shared-args,
+        # decode_kernels_tinyllama-q4_0_long_rows_shared.csv). The 4% whole-decode loss measured before
+        # (decode_ab_tinyllama-q4_0_long_rows.csv) compared artifacts with weight copies of their own: two
+        # engines of one artifact differ by 5-12% (decode_kernels_tinyllama-q4_0_long_rows_loadorder.csv).
+        # PERFX_VNNI_GEMV_LONG_ROWS=split: the old default (A/B switch); the tuner searches both knobs.
+        # Several activation rows (batched decode, small prefill buckets; units may drop to 1 there for
+        # the accumulators) keep split/hinib: not measured.
+        if long_rows and m == 1 and os.environ.get("PERFX_VNNI_GEMV_LONG_ROWS", "plain") == "plain":
             split, hinib = 1, 0
         if os.environ.get("PERFX_VNNI_GEMV_BASE") == "1":  # A/B baseline: the kernel before split/hinib
             return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0}

@@ -268,6 +268,10 @@ def test_long_rows_default_is_plain_and_matches_reference(template, target, fmt,
     assert (old["units"], old["split"], old["hinib"]) == (1, 2, 1)
     _run(template, target, packed, wd, (1, 1), old, rng, 32)
     monkeypatch.delenv("PERFX_VNNI_GEMV_LONG_ROWS")
+    # several activation rows (units drops to 1 for the accumulators at 8) keep hinib: not measured
+    for rows in ((1, 2), (1, 8)):
+        multi = template.builtin_default(template.match(packed.compute("matmul", rows), target), target)
+        assert multi["hinib"] == 1, rows
     short = template.match(vnni_weights(fmt, 64, 576, rng)[0].compute("matmul", (1, 1)), target)
     assert {k: template.builtin_default(short, target)[k] for k in ("units", "split", "hinib")} == \
         {"units": 2, "split": 2, "hinib": 1}
