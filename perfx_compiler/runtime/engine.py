@@ -112,10 +112,18 @@ class Engine:
 
     def _load_weights(self) -> list[Any]:
         blob = np.memmap(self.root / "weights.bin", dtype=np.uint8, mode="r")
+        # Adreno texture path: these weights exist only as images (passes/texture_weights.py); a GPU
+        # allocates them in texture memory (not verified on a device: no TVM OpenCL runtime here)
+        textures = self.manifest.get("textures", {}) if self.device.dlpack_device_type() != 1 else {}
         out = []
         for w in self.manifest["weights"]:
             raw = blob[w["offset"] : w["offset"] + w["nbytes"]]
             arr = np.frombuffer(raw, dtype=w["dtype"]).reshape(w["shape"])
+            if w["name"] in textures:
+                t = tvm.runtime.empty(arr.shape, arr.dtype, self.device, mem_scope="global.texture")
+                t.copyfrom(arr)
+                out.append(t)
+                continue
             out.append(tvm.runtime.tensor(arr, self.device))
         return out
 
