@@ -200,9 +200,23 @@ def smol_half(smol_desc, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def smol_rounded(smol_desc):
+    """rounded_desc(smol_desc, family), rounded once per family in this module (the bf16 one serves
+    two tests)."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            cache[family] = rounded_desc(smol_desc, family)
+        return cache[family]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["bf16", "f16"])
-def test_smollm2_half_weights_match_rounded_reference(smol_half, smol_desc, family):
+def test_smollm2_half_weights_match_rounded_reference(smol_half, smol_desc, smol_rounded, smol_reference, family):
     from perfx_compiler.runtime.engine import Engine
 
     art = smol_half(family)
@@ -215,14 +229,15 @@ def test_smollm2_half_weights_match_rounded_reference(smol_half, smol_desc, fami
     ids = np.random.default_rng().integers(0, smol_desc.config.vocab_size, size=24).tolist()
     engine.reset()
     got = np.concatenate([engine.prefill_all(ids[:16]), np.stack([engine.decode(t) for t in ids[16:]])])
-    tight = rel(got, ReferenceModel(rounded_desc(smol_desc, family)).forward(ids))
-    loose = rel(got, ReferenceModel(smol_desc).forward(ids))
+    tight = rel(got, ReferenceModel(smol_rounded(family)).forward(ids))
+    smol_reference.reset()  # the session's float64 SmolLM2 reference (unrounded weights), fresh cache
+    loose = rel(got, smol_reference.forward(ids))
     assert tight < 1e-3, tight  # the f32 artifact's bound: fp32 arithmetic on the same weights
     assert loose > 3 * tight, (loose, tight)  # the weight rounding is what moves the logits
 
 
 @pytest.mark.slow
-def test_smollm2_bf16_activations_match_reference_with_same_rounding(smol_half, smol_desc):
+def test_smollm2_bf16_activations_match_reference_with_same_rounding(smol_half, smol_desc, smol_rounded):
     """Rounding to bf16 is discontinuous: a last-bit difference in an fp32 input flips its rounding
     by one bf16 ulp, and 30 layers amplify the flips. So an fp32 engine cannot match the float64
     reference to fp32 accuracy here (the tiny-model test above shows it does where no flip occurs);
@@ -235,7 +250,7 @@ def test_smollm2_bf16_activations_match_reference_with_same_rounding(smol_half, 
     ids = np.random.default_rng().integers(0, smol_desc.config.vocab_size, size=20).tolist()
     engine.reset()
     got = np.concatenate([engine.prefill_all(ids[:14]), np.stack([engine.decode(t) for t in ids[14:]])])
-    weights_only = rounded_desc(smol_desc, "bf16")
+    weights_only = smol_rounded("bf16")
     ref64 = precision_reference(weights_only, "bf16").forward(ids)
     ref32 = precision_reference(weights_only, "bf16", np.float32).forward(ids).astype(np.float64)
     flips = rel(ref32, ref64)
