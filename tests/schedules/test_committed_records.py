@@ -19,10 +19,19 @@ pytestmark = pytest.mark.slow
 TUNED = ("gemv_qvnni_cpu", "gemm_qvnni_cpu", "attention_cpu", "gemm_half_cpu")
 
 
-def _lowered(quantization: str):
+@pytest.fixture(scope="module")
+def readme_desc():
+    """SmolLM2 loaded as ``perfx-compile smollm2-135m`` loads it (its own context length), once for
+    both lowerings (the pipeline only reads the description)."""
+    from perfx_compiler.model.loader import load_model
+
+    return load_model("smollm2-135m")
+
+
+def _lowered(desc, quantization: str):
     from perfx_compiler.pipeline import lower_model
 
-    return lower_model("smollm2-135m", "x86-avx512", quantization=quantization)
+    return lower_model(desc, "x86-avx512", quantization=quantization)
 
 
 def _committed(target_name: str):
@@ -88,11 +97,11 @@ def _check_module(mod, target, templates):
     return seen, missing
 
 
-def test_readme_model_uses_committed_attention_and_vnni_records():
+def test_readme_model_uses_committed_attention_and_vnni_records(readme_desc):
     """The README's first command builds SmolLM2's decode GEMVs and prefill GEMMs from the committed
     cold-timed, confirmed VNNI records (tuned quiet; decode 249 -> 306 tok/s against the template
     defaults in benchmarks/results/vnni_records_ab.csv) and both attention kernels from theirs."""
-    mod, state = _lowered("auto")  # the README's first command: the GGUF's Q4_1, int8 activations
+    mod, state = _lowered(readme_desc, "auto")  # the README's first command: the GGUF's Q4_1, int8 activations
     seen, missing = _check_module(mod, state.target, TUNED)
     assert seen.get("attention_cpu", 0) >= 2, (seen, missing)
     # qkv, o, gate|up, down and the lm-head: each from its confirmation record
@@ -103,7 +112,7 @@ def test_readme_model_uses_committed_attention_and_vnni_records():
     assert all("_take_" in name for name in missing), missing
 
 
-def test_bf16_model_uses_committed_half_records_and_rejects_changed_structure():
+def test_bf16_model_uses_committed_half_records_and_rejects_changed_structure(readme_desc):
     from tvm import tirx
 
     from perfx_compiler.passes._half_panels import half_panel_matmul
@@ -111,7 +120,7 @@ def test_bf16_model_uses_committed_half_records_and_rejects_changed_structure():
     from perfx_compiler.schedule_template import find_template
     from schedules._matmul import panel_width
 
-    mod, state = _lowered("bf16")
+    mod, state = _lowered(readme_desc, "bf16")
     target = state.target
     seen, missing = _check_module(mod, target, TUNED)
     # SmolLM2's 5 prefill GEMMs are built from their records (buckets 16-256); the committed records
