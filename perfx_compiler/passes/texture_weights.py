@@ -19,7 +19,8 @@ the texture GEMMs, embedding gathers of a tied embedding to the texture gathers
 (``kernels/gemm_texture.py``). The buffer form is then dropped from the weight table, so the
 artifact and the device hold one copy. A group with a read that no texture kernel replaces (another
 operator, a shape that does not fit) keeps its buffer form only, with its buffer GEMV: never both.
-The only growth is the scales widened from fp16 to fp32 (and padding rows of the last layer).
+The only growth is the scales widened from fp16 to fp32 (and padding: rows of the last layer, a
+texel's missing groups).
 """
 
 from __future__ import annotations
@@ -219,6 +220,8 @@ class _Group:
         if use.kind in ("qtake", "ftake"):
             ids = str(use.rows.ty.dtype)
             name = f"texture_take_{self.fmt}_{self.n}_{self.k}_l{lay[0].layers}_{ids}"
+            if q is not None:  # the format: group, symmetric, offset (as the quantized PrimFuncs' names)
+                name += f"_g{q['group']}{'s' if q.get('sym') else ''}{'m' if q.get('offset') else ''}"
             make = lambda: gm.texture_take_kernel(self.fmt, self.k, lay[0], lay[1] if q else None, q, ids, th)  # noqa: E731
         elif self.fmt == "f32" and use.gemv:
             name = f"texture_gemv_{self.n}_{self.k}_l{lay[0].layers}"
