@@ -16,9 +16,11 @@ argument tensors (the VM's own buffers). Then, per round, at the same sequence p
 
 ``overhead = 1 - kernels_ms / step_ms`` (everything that is not a kernel); it splits into
 ``vm_interp = vm_ms - kernels_ms`` (VM dispatch, builtins such as alloc_tensor) and
-``outside_vm = step_ms - vm_ms``. Each figure is the median of ``--steps`` steps in a round; the CSV
-holds every round (with the load average) and the medians over rounds. The machine is shared:
-compare within one run, where the rounds are alternated.
+``outside_vm = step_ms - vm_ms``. ``vm_interp_paired_ms`` measures the VM's share more robustly: one
+replay pass and one VM call back to back, ``--steps`` times, the median of their differences. Each
+figure is the median of ``--steps`` steps in a round; the CSV holds every round (with the load average
+and the VM builtin calls per step) and the medians over rounds (derived columns: medians of the
+per-round values). The machine is shared: compare within one run, where the rounds are alternated.
 
     python benchmarks/decode_overhead.py ART [ART2 ...] [--labels a,b] [--rounds 9] [--steps 100]
                                          [--threads 2] [--position 32] [--out CSV]
@@ -144,6 +146,18 @@ class Subject:
             ts.append(clock() - t)
         return statistics.median(ts)
 
+    def time_vm_minus_kernels(self, replay: Any, steps: int, cpu: bool) -> float:
+        """Median over ``steps`` of (one VM call - one kernel replay pass), the two run back to back:
+        the VM's own time per step, with slow drift (other processes) hitting both sides alike."""
+        fn, args, clock = self.vm_fn, self.vm_args, _clock(cpu)
+        diffs = []
+        for _ in range(steps):
+            k = replay(self.calls, 1, cpu)[0]
+            t = clock()
+            fn(*args)
+            diffs.append(clock() - t - k)
+        return statistics.median(diffs)
+
     def time_step(self, steps: int, cpu: bool) -> float:
         e, tok, clock = self.engine, self.token, _clock(cpu)
         ts = []
@@ -211,22 +225,27 @@ def main() -> None:
             meas = [("kernels", lambda s=s: s.time_kernels(replay, args.steps, cpu)),
                     ("vm", lambda s=s: s.time_vm(args.steps, cpu)),
                     ("step", lambda s=s: s.time_step(args.steps, cpu)),
-                    ("step_callpath", lambda s=s: s.time_step_callpath(args.steps, cpu))]
+                    ("step_callpath", lambda s=s: s.time_step_callpath(args.steps, cpu)),
+                    ("vm_paired", lambda s=s: s.time_vm_minus_kernels(replay, args.steps, cpu))]
             k = r % len(meas)
             got = {name: fn() for name, fn in meas[k:] + meas[:k]}
             row = {"round": r, "variant": s.label, "artifact": s.art, "threads": args.threads, "clock": args.clock,
                    "position": s.position, "kernel_calls": len(s.calls), "vm_builtin_calls": s.builtins,
                    "kernels_ms": got["kernels"] * 1e3, "vm_ms": got["vm"] * 1e3, "step_ms": got["step"] * 1e3,
-                   "step_callpath_ms": got["step_callpath"] * 1e3,
+                   "step_callpath_ms": got["step_callpath"] * 1e3, "vm_interp_paired_ms": got["vm_paired"] * 1e3,
                    "load_avg_1m": os.getloadavg()[0]}
             rows.append(_derive(row))
             print(_fmt(rows[-1]), flush=True)
     for s in subjects:
         mine = [x for x in rows if x["variant"] == s.label]
-        keys = ("kernels_ms", "vm_ms", "step_ms", "step_callpath_ms", "load_avg_1m")
+        keys = ("kernels_ms", "vm_ms", "step_ms", "step_callpath_ms", "vm_interp_paired_ms", "load_avg_1m")
         med = {k: statistics.median(x[k] for x in mine) for k in keys}
-        row = {**mine[0], "round": "median", **med}
-        rows.append(_derive(row))
+        row = _derive({**mine[0], "round": "median", **med})
+        # derived columns: the median of the per-round values (each round's pair ran close together),
+        # not the difference of medians taken over different rounds
+        for k in ("vm_interp_ms", "outside_vm_ms", "overhead_frac"):
+            row[k] = statistics.median(x[k] for x in mine)
+        rows.append(row)
         print("median " + _fmt(rows[-1]), flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -235,7 +254,37 @@ def main() -> None:
         w.writeheader()
         for row in rows:
             w.writerow({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()})
-    print(f"wrote {out}")
+    _plot(rows, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Per variant, the medians: kernel time, VM time outside kernels (paired), the rest of the step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import figure
+
+    med = [r for r in rows if r["round"] == "median"]
+    with figure(path, 1, 2, figsize=(11, 4)) as (fig, axes):
+        names = [r["variant"] for r in med]
+        kern = [r["kernels_ms"] for r in med]
+        vm = [max(0.0, r["vm_interp_paired_ms"]) for r in med]
+        rest = [max(0.0, r["step_ms"] - r["kernels_ms"] - v) for r, v in zip(med, vm, strict=True)]
+        axes[0].bar(names, kern, label="kernels (replayed back to back)")
+        axes[0].bar(names, vm, bottom=kern, label="VM outside kernels (paired)")
+        axes[0].bar(names, rest, bottom=[k + v for k, v in zip(kern, vm, strict=True)], label="rest of the step")
+        axes[0].set_ylabel("ms per decode step (median of rounds)")
+        axes[0].legend(fontsize=8)
+        for r in med:
+            mine = [x for x in rows if x["variant"] == r["variant"] and x["round"] != "median"]
+            axes[1].plot([x["round"] for x in mine], [1e3 * x["vm_interp_paired_ms"] for x in mine], "o-",
+                         label=f"{r['variant']} ({r['vm_builtin_calls']} VM builtin calls/step)")
+        axes[1].set_xlabel("round (alternated)")
+        axes[1].set_ylabel("VM time outside kernels, us (paired)")
+        axes[1].grid(alpha=0.3)
+        axes[1].legend(fontsize=8)
+        load = statistics.median(r["load_avg_1m"] for r in med)
+        fig.suptitle(f"decode step overhead, {med[0]['threads']} thread(s), {med[0]['clock']} clock, "
+                     f"load {load:.1f}", fontsize=10)
 
 
 def _derive(row: dict[str, Any]) -> dict[str, Any]:
@@ -250,7 +299,8 @@ def _derive(row: dict[str, Any]) -> dict[str, Any]:
 def _fmt(row: dict[str, Any]) -> str:
     return (f"{row['variant']} r{row['round']}: kernels {row['kernels_ms']:.3f} ms, vm {row['vm_ms']:.3f}, "
             f"step {row['step_ms']:.3f} -> overhead {row['overhead_frac'] * 100:.1f}% "
-            f"(vm {row['vm_interp_ms'] * 1e3:.0f} us, outside {row['outside_vm_ms'] * 1e3:.0f} us), "
+            f"(vm {row['vm_interp_ms'] * 1e3:.0f} us, paired {row['vm_interp_paired_ms'] * 1e3:.0f} us, "
+            f"outside {row['outside_vm_ms'] * 1e3:.0f} us), "
             f"load {row['load_avg_1m']:.2f}")
 
 
