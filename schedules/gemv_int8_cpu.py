@@ -192,5 +192,8 @@ class GemvInt8CPU(GemvInt4CPU):
     def _kernels(self, workload: Workload) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         return _gemv, _dequant, _dequant_panels, _take, {}
 
+    def _gemv_once(self) -> Any:
+        return None  # int8 codes: the per-row kernel for every row count (no unpack-once variant yet)
+
 
 TEMPLATE = GemvInt8CPU()
