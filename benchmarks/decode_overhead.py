@@ -22,6 +22,11 @@ figure is the median of ``--steps`` steps in a round; the CSV holds every round 
 and the VM builtin calls per step) and the medians over rounds (derived columns: medians of the
 per-round values). The machine is shared: compare within one run, where the rounds are alternated.
 
+Fork/join: ``parallel_launches`` counts the thread-pool launches of one step (the library's
+``__TVMBackendParallelLaunch`` pointer wrapped by a counter); ``launch_us`` times one launch of an empty
+2-task kernel (minus its serial twin) each round; ``forkjoin_frac`` = launches x launch_us / step_ms,
+an estimate of the share of ``kernels_ms`` that is pool overhead (threads > 1 only).
+
     python benchmarks/decode_overhead.py ART [ART2 ...] [--labels a,b] [--rounds 9] [--steps 100]
                                          [--threads 2] [--position 32] [--out CSV]
 """
@@ -96,6 +101,65 @@ def build_replay() -> Any:
     return mod.replay
 
 
+def count_parallel_launches(lib_path: Path, step: Any) -> int:
+    """Parallel regions (thread-pool fork/joins) one ``step()`` launches: the kernels of ``lib_path``
+    reach TVM's pool through their library's ``__TVMBackendParallelLaunch`` pointer, which is
+    wrapped by a counter for this one call. -1 where the library has no such pointer."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(str(lib_path), mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+        ptr = ctypes.c_void_p.in_dll(lib, "__TVMBackendParallelLaunch")
+    except (OSError, ValueError):
+        return -1
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+    orig_addr = ptr.value
+    original = proto(orig_addr)
+    count = [0]
+
+    def counting(flambda: int, cdata: int, num_task: int) -> int:
+        count[0] += 1
+        return original(flambda, cdata, num_task)
+
+    wrapper = proto(counting)
+    ptr.value = ctypes.cast(wrapper, ctypes.c_void_p).value
+    try:
+        step()
+    finally:
+        ptr.value = orig_addr
+    return count[0]
+
+
+class LaunchProbe:
+    """The cost of one fork/join of TVM's thread pool: an empty 2-task parallel kernel minus the
+    same loop run serially, called back to back from the C++ replay loop."""
+
+    def __init__(self) -> None:
+        import tvm
+        from tvm.script import tirx as T
+
+        @T.prim_func
+        def par(a: T.Buffer((2, 16), "float32")):
+            for i in T.parallel(2):
+                for j in range(16):
+                    a[i, j] = a[i, j] + T.float32(1)
+
+        @T.prim_func
+        def ser(a: T.Buffer((2, 16), "float32")):
+            for i in range(2):
+                for j in range(16):
+                    a[i, j] = a[i, j] + T.float32(1)
+
+        self.fns = [tvm.tirx.build(f, target="llvm")["main"] for f in (par, ser)]
+        self.buf = tvm.runtime.tensor(np.zeros((2, 16), "float32"))
+
+    def time_us(self, replay: Any, calls: int = 2000) -> float:
+        par, ser = ([[f, self.buf]] * calls for f in self.fns)
+        t_par = statistics.median(list(replay(par, 5, False)))
+        t_ser = statistics.median(list(replay(ser, 5, False)))
+        return (t_par - t_ser) / calls * 1e6
+
+
 class Subject:
     """One artifact: its engine, a token to feed, and the kernel calls of one decode step."""
 
@@ -124,6 +188,8 @@ class Subject:
             e.decode(self.token)
         finally:
             e.vm.set_instrument(None)
+        e.position = self.position
+        self.launches = count_parallel_launches(Path(art) / "model.so", lambda: e.decode(self.token))
         e.position = self.position
         # the VM's decode function, called as Engine.decode calls it: on arguments bound once
         # (set_input) when the engine does that, else with the whole argument list
@@ -212,10 +278,16 @@ def main() -> None:
     if len(labels) != len(args.artifacts):
         sys.exit("decode_overhead: give one label per artifact")
     replay = build_replay()
+    try:
+        probe: LaunchProbe | None = LaunchProbe()
+    except Exception as err:  # noqa: BLE001 - a runtime-only TVM cannot build the probe kernels
+        print(f"decode_overhead: no fork/join probe ({type(err).__name__}: {err})", flush=True)
+        probe = None
     prompt = list(range(100, 100 + args.position))
     subjects = [Subject(lab, art, prompt, args.position) for lab, art in zip(labels, args.artifacts, strict=True)]
     for s in subjects:
-        print(f"{s.label}: {len(s.calls)} kernel calls, {s.builtins} VM builtin calls per decode step", flush=True)
+        print(f"{s.label}: {len(s.calls)} kernel calls ({s.launches} parallel regions), {s.builtins} VM builtin "
+              "calls per decode step", flush=True)
         s.time_kernels(replay, 10, cpu), s.time_vm(10, cpu), s.time_step(10, cpu)  # warm-up
     rows: list[dict[str, Any]] = []
     for r in range(args.rounds):
@@ -229,8 +301,10 @@ def main() -> None:
                     ("vm_paired", lambda s=s: s.time_vm_minus_kernels(replay, args.steps, cpu))]
             k = r % len(meas)
             got = {name: fn() for name, fn in meas[k:] + meas[:k]}
+            launch_us = probe.time_us(replay) if probe is not None and args.threads > 1 else float("nan")
             row = {"round": r, "variant": s.label, "artifact": s.art, "threads": args.threads, "clock": args.clock,
                    "position": s.position, "kernel_calls": len(s.calls), "vm_builtin_calls": s.builtins,
+                   "parallel_launches": s.launches, "launch_us": launch_us,
                    "kernels_ms": got["kernels"] * 1e3, "vm_ms": got["vm"] * 1e3, "step_ms": got["step"] * 1e3,
                    "step_callpath_ms": got["step_callpath"] * 1e3, "vm_interp_paired_ms": got["vm_paired"] * 1e3,
                    "load_avg_1m": os.getloadavg()[0]}
@@ -238,12 +312,13 @@ def main() -> None:
             print(_fmt(rows[-1]), flush=True)
     for s in subjects:
         mine = [x for x in rows if x["variant"] == s.label]
-        keys = ("kernels_ms", "vm_ms", "step_ms", "step_callpath_ms", "vm_interp_paired_ms", "load_avg_1m")
+        keys = ("kernels_ms", "vm_ms", "step_ms", "step_callpath_ms", "vm_interp_paired_ms", "launch_us",
+                "load_avg_1m")
         med = {k: statistics.median(x[k] for x in mine) for k in keys}
         row = _derive({**mine[0], "round": "median", **med})
         # derived columns: the median of the per-round values (each round's pair ran close together),
         # not the difference of medians taken over different rounds
-        for k in ("vm_interp_ms", "outside_vm_ms", "overhead_frac"):
+        for k in ("vm_interp_ms", "outside_vm_ms", "overhead_frac", "forkjoin_frac"):
             row[k] = statistics.median(x[k] for x in mine)
         rows.append(row)
         print("median " + _fmt(rows[-1]), flush=True)
@@ -293,6 +368,8 @@ def _derive(row: dict[str, Any]) -> dict[str, Any]:
     row["outside_vm_ms"] = s - v
     row["overhead_frac"] = 1.0 - k / s if s > 0 else float("nan")
     row["tok_s"] = 1e3 / s if s > 0 else float("nan")
+    # estimated share of the step spent forking/joining the pool (inside kernels_ms): launches x probe
+    row["forkjoin_frac"] = row["parallel_launches"] * row["launch_us"] * 1e-3 / s if s > 0 else float("nan")
     return row
 
 
@@ -300,8 +377,8 @@ def _fmt(row: dict[str, Any]) -> str:
     return (f"{row['variant']} r{row['round']}: kernels {row['kernels_ms']:.3f} ms, vm {row['vm_ms']:.3f}, "
             f"step {row['step_ms']:.3f} -> overhead {row['overhead_frac'] * 100:.1f}% "
             f"(vm {row['vm_interp_ms'] * 1e3:.0f} us, paired {row['vm_interp_paired_ms'] * 1e3:.0f} us, "
-            f"outside {row['outside_vm_ms'] * 1e3:.0f} us), "
-            f"load {row['load_avg_1m']:.2f}")
+            f"outside {row['outside_vm_ms'] * 1e3:.0f} us), fork/join {row['parallel_launches']} x "
+            f"{row['launch_us']:.2f} us = {row['forkjoin_frac'] * 100:.1f}%, load {row['load_avg_1m']:.2f}")
 
 
 if __name__ == "__main__":
