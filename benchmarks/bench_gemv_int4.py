@@ -226,9 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                 # Let the previous case's threads go idle first: TVM's pool spins a while after a call,
                 # OpenBLAS's (numpy_f32) for up to ~0.1 s, the probe's OpenMP threads too. Without this
                 # for the TVM variants, the first one after numpy_f32 ("vnni" in every forward round) ran
-                # beside spinning BLAS threads: in one run 59% vs 93% of the probe at 4096x11008 for the
-                # alternative config, and the gap followed the position, not the config, when the two
-                # configs were swapped (PERFX_VNNI_GEMV_LONG_ROWS=split)
+                # beside spinning BLAS threads (x0.96 at 4096x11008 under load: blas_spin_interference.py)
                 time.sleep(0.25)
                 single = t(1)
                 calls = max(3, min(400, int(0.25 / max(single, 1e-7))))

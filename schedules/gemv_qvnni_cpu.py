@@ -118,10 +118,11 @@ class GemvQVnniCPU(ScheduleTemplate):
         # two accumulators per row while they fit the registers with the scale vectors
         split = 2 if units * (2 if d["bits"] == 4 else 1) * m * 3 <= MAX_REGS else 1
         hinib = 1 if d["bits"] == 4 else 0
-        # Long rows of one activation row (decode) run plain, split=1 and hinib=0. The int4 GEMV bench's
-        # quiet 59% (split/hinib) vs 93% (plain) of the probe at 4096x11008 came largely from its order:
-        # its first TVM variant after numpy_f32 ran beside OpenBLAS's spinning threads (fixed there). On
-        # shared cold weight copies plain read x0.91-1.13 (13 of 16 >= 1; Q4_0/Q4_1, the bench's and
+        # Long rows of one activation row (decode) run plain, split=1 and hinib=0. The int4 GEMV bench read
+        # 59% (split/hinib) vs 93% (plain) of the probe at 4096x11008 (quiet); with its variants settled and
+        # on shared copies (load 6) still 81-87% vs 94-97% at 11008x4096 / 4096x11008, 70% vs 98% at
+        # 4096x4096 (results/gemv_int4.csv; a GEMV right after numpy's OpenBLAS matvec lost only x0.96:
+        # blas_spin_interference.csv). On shared cold weight copies plain read x0.91-1.13 (13 of 16 >= 1; Q4_0/Q4_1, the bench's and
         # TinyLlama's shapes, load 6: benchmarks/results/gemv_qvnni_long_rows.csv), inside TinyLlama's decode
         # step on the SAME tensors x1.01-1.04 per GEMV vs an A/A x1.02 (decode_kernel_ab.py --shared-args,
         # decode_kernels_tinyllama-q4_0_long_rows_shared.csv). The 4% whole-decode loss measured before
