@@ -10,9 +10,11 @@ L consecutive codes):
   multiplied into a vector accumulator with x (unpack + convert + FMA: 4 vector ops per L MACs);
   the group's scale and zero are applied once per group through per-lane sums of x precomputed
   for the call: ``y += s * (sum(q x) - z * sum(x))``.
-* Batched GEMV (``paged_decode``: x [batch, 1, K], batch symbolic): the same kernel, its row
-  loop bound at run time; each row re-reads the packed weights (from cache at decode batch sizes),
-  so no fp32 copy of W is written per step.
+* Several rows (static M = 2..8, or ``paged_decode``'s x [batch, 1, K] with batch symbolic):
+  ``unpack_once=1`` (default, schedules/_gemv_int4_once.py) unpacks and scales each weight vector
+  once into registers and FMAs it into the accumulators of up to 8 rows (the batch in chunks,
+  ``chunk`` rows each); ``unpack_once=0`` is the per-row kernel, repeating the unpack for every
+  row. Either way no fp32 copy of W is written per step.
 * Dequantize (prefill, M symbolic): the pass emits ``dequant -> float matmul`` for many-row
   linears; this kernel unpacks W [N, K] to fp32 (vectorized, parallel over rows) and the float
   GEMM template does the matmul at full speed. The scratch is reused across layers.
@@ -32,6 +34,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
+from schedules._gemv_int4_once import gemv_once
 
 PRIORITY = 5  # before the float templates: they do not understand these functions anyway
 GEMV_MAX_ROWS = 8
@@ -181,123 +184,6 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
                     row_block(Q, S, Z, Y, xr, xs, 0, 0, acc, accg, t, nj, bm, m)
 
     return q4_gemv
-
-
-def _gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offset: bool = False,
-               batch: bool = False) -> Any:
-    """Int4 GEMV over several rows of x (static M in 2..8, or paged_decode's symbolic batch), each
-    weight unpacked once per MB rows: per L-code vector the nibbles are shifted, masked, converted
-    and scaled (``w = q * s + c``, c = -z * s or the Q4_1 min) once into R registers, then FMAed
-    into MB x R vector accumulators, one per (row, weight row). The per-row kernel (``_gemv``)
-    repeats the unpack for every row, so M rows cost M times its ALU work on a memory-bound loop.
-    A symbolic batch runs in chunks of MB rows, the last one through a body unrolled for its row
-    count (MB bodies in all)."""
-    from tvm.script import tirx as T
-
-    NG = -(-K // G)
-    ZT = "float16" if offset else "uint8"
-    VPG = G // L
-    NV = K // L
-    NB = K // (8 * L)
-    PER = N // tasks
-
-    @T.macro
-    def prepare_x(X, xr, xr0, bm, m):
-        # x zero-padded to whole groups: the ragged last group runs the same unrolled loop, its
-        # clamped weight reads multiplied by zeros
-        for c in T.serial(NG * VPG):
-            for lane in T.vectorized(L):
-                xr[xr0 + c * L + lane] = T.if_then_else(c < NV, X[bm // m, bm % m, T.min(c, NV - 1) * L + lane], T.float32(0))
-
-    @T.macro
-    def block(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, rows):
-        # rows (a Python int <= MB): the rows of x in this chunk, all unrolled
-        for i in T.unroll(rows):
-            for r in T.unroll(R):
-                for lane in T.vectorized(L):
-                    acc[(i * R + r) * L + lane] = T.float32(0)
-        for g in T.serial(NG):
-            for r in T.unroll(R):
-                sc[r * 2] = T.Cast("float32", S[t * PER + nj * R + r, g])
-                if offset:
-                    sc[r * 2 + 1] = T.Cast("float32", Z[t * PER + nj * R + r, g])
-                else:
-                    sc[r * 2 + 1] = -T.Cast("float32", Z[t * PER + nj * R + r, g]) * sc[r * 2]
-            for u in T.unroll(VPG):
-                # the unpack, once per weight: R vectors of dequantized weights
-                for r in T.unroll(R):
-                    for lane in T.vectorized(L):
-                        w[r * L + lane] = T.Cast(
-                            "float32",
-                            T.Cast(
-                                "int32",
-                                T.bitwise_and(
-                                    T.shift_right(
-                                        Q[t * PER + nj * R + r, T.min((g * VPG + u) // 8, NB - 1) * L + lane],
-                                        T.Cast("uint32", ((g * VPG + u) % 8) * 4),
-                                    ),
-                                    T.uint32(15),
-                                ),
-                            ),
-                        ) * sc[r * 2] + sc[r * 2 + 1]
-                # reused by every row: one x load per row shared by the R weight rows
-                for i in T.unroll(rows):
-                    for r in T.unroll(R):
-                        for lane in T.vectorized(L):
-                            acc[(i * R + r) * L + lane] = acc[(i * R + r) * L + lane] + w[r * L + lane] * xr[
-                                (c * MB + i) * NG * G + (g * VPG + u) * L + lane]
-        for i in T.unroll(rows):
-            for r in T.unroll(R):
-                for lane in T.serial(L - 1):
-                    acc[(i * R + r) * L] = acc[(i * R + r) * L] + acc[(i * R + r) * L + lane + 1]
-                Y[(c * MB + i) // m, (c * MB + i) % m, t * PER + nj * R + r] = acc[(i * R + r) * L]
-
-    def dispatch(rows: int, fewer: Any) -> Any:
-        # a chunk of up to ``rows`` rows: the body for exactly ``rows``, else ``fewer``'s (macros
-        # cannot call themselves, so the chain is built here)
-        @T.macro
-        def chunk(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, left):
-            if left >= rows:
-                block(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, rows)
-            else:
-                fewer(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, left)
-
-        return chunk
-
-    @T.macro
-    def one(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, left):
-        block(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, 1)
-
-    chunk = one
-    for rows in range(2, MB + 1):
-        chunk = dispatch(rows, chunk)
-
-    @T.prim_func(private=True)
-    def q4_gemv_once(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        b = T.int64()
-        m = T.int64()
-        X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
-        Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-        xr = T.decl_buffer((b * m * NG * G,), "float32")
-        for bm in T.serial(b * m):
-            prepare_x(X, xr, bm * NG * G, bm, m)
-        # accumulators once per task (inside a parallel loop each allocation is a workspace call)
-        for t in T.parallel(tasks):
-            acc = T.decl_buffer((MB * R * L,), "float32", scope="local")
-            w = T.decl_buffer((R * L,), "float32", scope="local")
-            sc = T.decl_buffer((R * 2,), "float32", scope="local")
-            for nj, c in T.grid(PER // R, (b * m + MB - 1) // MB):
-                if batch:
-                    # the last chunk of a symbolic batch: a body unrolled for its exact row count
-                    chunk(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, b * m - c * MB)
-                else:
-                    block(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, MB)
-
-    return q4_gemv_once
 
 
 def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False) -> Any:
@@ -468,7 +354,7 @@ class GemvInt4CPU(ScheduleTemplate):
     def _gemv_once(self) -> Any:
         """The multi-row GEMV that unpacks each weight once for all rows, or None (the per-row
         kernel then serves every row count)."""
-        return _gemv_once
+        return gemv_once
 
     def _multi_row(self, workload: Workload) -> bool:
         """A GEMV over more than one row of x: the symbolic batch or a static M of 2..8."""
@@ -501,6 +387,8 @@ class GemvInt4CPU(ScheduleTemplate):
         space: dict[str, list] = {"tasks": [t for t in (2, 4, 8, 16, 32, 64) if N % t == 0]}
         if self._gemv_once() is not None and self._multi_row(workload):
             space["unpack_once"] = [1, 0]
+            if workload.info.get("batch"):
+                space["chunk"] = [4, 8, 2]  # rows sharing one unpack (symbolic batch only)
         return space
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
@@ -533,7 +421,9 @@ class GemvInt4CPU(ScheduleTemplate):
             # MB rows share each unpacked weight vector; MB x R accumulators + R weights stay in
             # the 32 vector registers (MB * R <= 16)
             batch = bool(workload.info.get("batch"))
-            MB = GEMV_MAX_ROWS if batch else d["M"]
+            MB = int(config.get("chunk", 4)) if batch else d["M"]
+            if not 1 <= MB <= GEMV_MAX_ROWS:
+                raise ScheduleConfigError(f"invalid int{self.bits} row chunk {MB} (1..{GEMV_MAX_ROWS})")
             R = next(r for r in (4, 2, 1) if (N // tasks) % r == 0 and MB * r <= 16)
             kernel = self._gemv_once()(N, K, G, L, tasks, R, MB, batch=batch, **fmt)
         elif workload.info.get("batch") or (workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS):
