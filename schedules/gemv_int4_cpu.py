@@ -23,6 +23,7 @@ L consecutive codes):
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from perfx_compiler.passes._quant_attr import QUANT_ATTR, read_quant_info
@@ -397,7 +398,8 @@ class GemvInt4CPU(ScheduleTemplate):
         # M = 2..8 on every SmolLM2/TinyLlama shape (benchmarks/bench_gemv_int4_batch.py).
         config: dict[str, Any] = {"tasks": rows_divisor(workload.dims["N"], 16)}
         if self._gemv_once() is not None and self._multi_row(workload):
-            config["unpack_once"] = 1
+            # PERFX_GEMV_UNPACK_ONCE=0: the per-row kernel (A/B baseline of whole-model benchmarks)
+            config["unpack_once"] = 0 if os.environ.get("PERFX_GEMV_UNPACK_ONCE", "1") == "0" else 1
         return config
 
     def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
