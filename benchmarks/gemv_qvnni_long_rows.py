@@ -9,9 +9,11 @@ calls its kernel once per copy, each call timed. Reported per case: GB/s of the 
 over rounds of the paired per-round ratio default time / this config's time (> 1: faster).
 
     python benchmarks/gemv_qvnni_long_rows.py [--rounds 10] [--formats Q4_0,Q4_1]
-        [--shapes 4096x11008,...] [--configs 'split=1,hinib=0;split=1;hinib=0']
+        [--shapes 4096x11008,...] [--configs 'split=1,hinib=0;split=1;hinib=0'] [--clflush]
 
-Writes benchmarks/results/gemv_qvnni_long_rows.csv.
+``--clflush``: each case timed as the tuner times decode GEMVs instead (time_evaluator on one copy,
+every argument but x clflushed before each call). Writes benchmarks/results/gemv_qvnni_long_rows.csv
+(``_clflush.csv``).
 """
 
 from __future__ import annotations
@@ -53,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default="Q4_0,Q4_1")
     ap.add_argument("--shapes", default=SHAPES)
     ap.add_argument("--configs", default="split=1,hinib=0;split=1;hinib=0")
-    ap.add_argument("--out", default=str(RESULTS / "gemv_qvnni_long_rows.csv"))
+    ap.add_argument("--clflush", action="store_true",
+                    help="time as the tuner does (time_evaluator, one copy, every argument but x clflushed "
+                         "before each call: tune/measure.py cold=True) instead of rotating copies")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import tvm
 
@@ -87,14 +92,21 @@ def main(argv: list[str] | None = None) -> int:
                 err = np.abs(y.numpy().ravel() - ref).max() / np.abs(ref).max()
                 assert err < 2e-2, (fmt, shape, over, err)  # int8 activations: ~1e-2 relative at most
                 cases.append({"format": fmt, "N": n, "K": k, "config": ",".join(f"{a}={b}" for a, b in over.items())
-                              or "default", "knobs": label, "fn": rt["main"], "copies": copies, "x": x, "y": y,
+                              or "default", "knobs": label, "fn": rt["main"], "rt": rt, "copies": copies, "x": x, "y": y,
                               "bytes": vp.nbytes, "calls": [], "rounds": []})
             print(f"built {fmt} {shape}", flush=True)
     for c in cases:  # warm-up (page in every copy, start the pool)
         for cp in c["copies"]:
             c["fn"](c["x"], *cp, c["y"])
+    from perfx_compiler.tune.measure import time_calls
+
     for r in range(args.rounds):
         for c in (cases if r % 2 == 0 else cases[::-1]):
+            if args.clflush:
+                t = list(time_calls(c["rt"], [c["x"], *c["copies"][0], c["y"]], 4 * len(c["copies"]), True))
+                c["calls"] += t
+                c["rounds"].append(float(np.mean(t)))
+                continue
             fn, x, y, clock = c["fn"], c["x"], c["y"], time.perf_counter
             t0 = clock()
             for cp in c["copies"]:
@@ -117,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
                      "paired_vs_default": round(statistics.median(
                          a / b for a, b in zip(base["rounds"], c["rounds"], strict=True)), 4),
                      "bytes": c["bytes"], "copies": len(c["copies"]), "rounds": args.rounds, "knobs": c["knobs"],
+                     "timing": "clflush" if args.clflush else "rotating copies",
                      "load_avg_1m": round(load, 2), "threads": threads})
         x = rows[-1]
         print(f"{x['format']} {x['N']:>5}x{x['K']:<5} {x['config']:<16} p10 {x['call_p10_gbs']:6.1f} GB/s "
               f"(x{x['p10_vs_default']:.3f}), median {x['call_median_gbs']:6.1f}, paired x{x['paired_vs_default']:.3f}")
-    out = Path(args.out)
+    out = Path(args.out or RESULTS / ("gemv_qvnni_long_rows" + ("_clflush" if args.clflush else "") + ".csv"))
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
