@@ -400,6 +400,8 @@ class GemvInt4CPU(ScheduleTemplate):
         if self._gemv_once() is not None and self._multi_row(workload):
             # PERFX_GEMV_UNPACK_ONCE=0: the per-row kernel (A/B baseline of whole-model benchmarks)
             config["unpack_once"] = 0 if os.environ.get("PERFX_GEMV_UNPACK_ONCE", "1") == "0" else 1
+            if workload.info.get("batch"):
+                config["chunk"] = 4  # 4 rows x 4 weight rows of accumulators: beat 8 x 2 at batch 2..8
         return config
 
     def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
