@@ -136,7 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     for b in args.batches:
         med = {n: statistics.median(r["decode_tok_s"] for r in rows if r["variant"] == n and r["batch"] == b)
                for n in VARIANTS}
-        print(f"batch {b}: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in med.items()))
+        # paired per round (the two variants ran back to back): robust to the load drifting between rounds
+        ratios = [next(r["decode_tok_s"] for r in rows if r["variant"] == "once" and r["batch"] == b and r["round"] == k)
+                  / next(r["decode_tok_s"] for r in rows if r["variant"] == "per_row" and r["batch"] == b
+                         and r["round"] == k) for k in range(args.rounds)]
+        gm = float(np.exp(np.mean(np.log(ratios))))
+        print(f"batch {b}: " + ", ".join(f"{n} {v:.1f} tok/s" for n, v in med.items())
+              + f"; once/per_row per round {[round(x, 2) for x in ratios]} (geomean {gm:.2f})")
     return 0
 
 
