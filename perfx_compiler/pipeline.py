@@ -219,32 +219,34 @@ def _bind_gpu_host_kernels(state: CompileState) -> None:
     prepare_build_env(state.target)  # toolchain paths the build phase needs (ROCm)
 
 
-def phase_build(state: CompileState) -> None:
+def vm_lowering_passes(reuse_views: bool) -> list[tvm.transform.Pass]:
+    """The Relax passes phase_build runs after scheduling (public so tests build what ships)."""
     from perfx_compiler.passes.reuse_storage_views import ReuseStorageViews
 
+    return [
+        relax.transform.RewriteDataflowReshape(),
+        relax.transform.ToNonDataflow(),
+        relax.transform.RemovePurityChecking(),
+        relax.transform.CallTIRRewrite(),
+        relax.transform.StaticPlanBlockMemory(),
+        *([ReuseStorageViews()] if reuse_views else []),
+        relax.transform.LowerAllocTensor(),
+        relax.transform.KillAfterLastUse(),
+        relax.transform.LowerRuntimeBuiltin(),
+        relax.transform.ComputePrimValue(),
+        relax.transform.VMShapeLower(),
+        relax.transform.AttachGlobalSymbol(),
+    ]
+
+
+def phase_build(state: CompileState) -> None:
     tgt = state.target.tvm()
     # CPU: one tensor view per planned buffer instead of an alloc_tensor + kill per use (decode step:
     # ~300 VM builtin calls fewer); other targets keep TVM's lowering as it was tested there.
     # PERFX_REUSE_VIEWS=0 builds without it (A/B: benchmarks/decode_overhead.py).
     on = state.target.family == "cpu" and os.environ.get("PERFX_REUSE_VIEWS", "1") != "0"
-    reuse = [ReuseStorageViews()] if on else []
     # Phases 1-3 did legalization, fusion and scheduling; only VM lowering remains.
-    finish = tvm.transform.Sequential(
-        [
-            relax.transform.RewriteDataflowReshape(),
-            relax.transform.ToNonDataflow(),
-            relax.transform.RemovePurityChecking(),
-            relax.transform.CallTIRRewrite(),
-            relax.transform.StaticPlanBlockMemory(),
-            *reuse,
-            relax.transform.LowerAllocTensor(),
-            relax.transform.KillAfterLastUse(),
-            relax.transform.LowerRuntimeBuiltin(),
-            relax.transform.ComputePrimValue(),
-            relax.transform.VMShapeLower(),
-            relax.transform.AttachGlobalSymbol(),
-        ]
-    )
+    finish = tvm.transform.Sequential(vm_lowering_passes(reuse_views=on))
     state.executable = tvm.compile(state.mod, target=tgt, relax_pipeline=finish, tir_pipeline=_tir_pipeline(state))
 
 

@@ -11,7 +11,7 @@ import tvm
 from tvm import relax
 from tvm.script import relax as R
 
-from perfx_compiler.passes.reuse_storage_views import ReuseStorageViews
+from perfx_compiler.pipeline import vm_lowering_passes
 
 TARGET = {"kind": "llvm"}
 
@@ -38,20 +38,8 @@ class Chain:
 
 
 def _build(mod: tvm.IRModule, reuse: bool) -> tvm.runtime.Executable:
-    passes = [
-        relax.transform.LegalizeOps(),
-        relax.transform.ToNonDataflow(),
-        relax.transform.RemovePurityChecking(),
-        relax.transform.CallTIRRewrite(),
-        relax.transform.StaticPlanBlockMemory(),
-        *([ReuseStorageViews()] if reuse else []),
-        relax.transform.LowerAllocTensor(),
-        relax.transform.KillAfterLastUse(),
-        relax.transform.LowerRuntimeBuiltin(),
-        relax.transform.ComputePrimValue(),
-        relax.transform.VMShapeLower(),
-        relax.transform.AttachGlobalSymbol(),
-    ]
+    # legalize, then exactly the lowering phase_build ships
+    passes = [relax.transform.LegalizeOps(), *vm_lowering_passes(reuse_views=reuse)]
     return tvm.compile(mod, target=tvm.target.Target(TARGET), relax_pipeline=tvm.transform.Sequential(passes))
 
 
