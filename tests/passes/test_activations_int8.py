@@ -23,18 +23,10 @@ import pytest
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.pipeline import resolve_activations
 from perfx_compiler.targets import load_target
+from tests._cpu import needs_vnni
 
 from .conftest import ALL_PASSES, tiny_desc
 
-
-def _has_vnni() -> bool:
-    try:
-        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-needs_vnni = pytest.mark.skipif(not _has_vnni(), reason="this CPU has no AVX-512 VNNI")
 PROMPT = "Once upon a time, there was a little girl named"
 
 

@@ -4,22 +4,13 @@ decode linears the VNNI GEMV; both do the same int8 arithmetic."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests._cpu import needs_vnni
+
 from .conftest import ALL_PASSES, compile_options, tiny_desc
-
-
-def _has_vnni() -> bool:
-    try:
-        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-needs_vnni = pytest.mark.skipif(not _has_vnni(), reason="this CPU has no AVX-512 VNNI")
 
 
 @needs_vnni

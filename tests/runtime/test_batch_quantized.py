@@ -20,6 +20,7 @@ from perfx_compiler.model.testing import write_tiny_gguf
 from perfx_compiler.pipeline import compile_model
 from perfx_compiler.runtime.batch_engine import BatchEngine
 from perfx_compiler.runtime.engine import Engine
+from tests._cpu import has_vnni
 
 CASES = {  # id: (GGUF qtype, compile quantization or None, activations)
     "gguf-q4_1-f32": ("Q4_1", None, "f32"),
@@ -29,13 +30,6 @@ CASES = {  # id: (GGUF qtype, compile quantization or None, activations)
     "f16-f32": ("F32", "f16", "f32"),
     "gguf-q4_1-int8": ("Q4_1", None, "int8"),
 }
-
-
-def _has_vnni() -> bool:
-    try:
-        return "avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 def _paged_decode_kernels(ir_dir: Path) -> set[str]:
@@ -48,7 +42,7 @@ def _paged_decode_kernels(ir_dir: Path) -> set[str]:
 @pytest.fixture(scope="module", params=list(CASES))
 def built(request, tmp_path_factory):
     qtype, quant, act = CASES[request.param]
-    if act == "int8" and not _has_vnni():
+    if act == "int8" and not has_vnni():
         pytest.skip("int8 activations need AVX-512 VNNI")
     root = tmp_path_factory.mktemp(request.param.replace("-", "_"))
     # K = 256: whole q4_g128 groups and 16-lane interleaved blocks; N = 128/512/vocab

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import itertools
 import random
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from perfx_compiler.tune.measure import build_func, random_inputs, run_func
-
-
-def has_vnni() -> bool:
-    try:
-        return " avx512_vnni" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-needs_vnni = pytest.mark.skipif(not has_vnni(), reason="this CPU has no AVX-512 VNNI")
+from tests._cpu import has_vnni, needs_vnni  # noqa: F401  (re-exported for the schedule tests)
 
 
 def vnni_weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> tuple[Any, np.ndarray]:
