@@ -31,7 +31,6 @@ dequantize kernels) -> benchmarks/results/gemv_int4_decode.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -42,8 +41,11 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (REPO, REPO / "benchmarks"):  # also when imported by the other benchmarks
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from _common import RESULTS, figure, write_csv  # noqa: E402
 
 from perfx_compiler.bench.machine import read_bandwidth  # noqa: E402
 from perfx_compiler.passes._gguf_blocks import Q4_0, Q4_1  # noqa: E402
@@ -52,7 +54,6 @@ from perfx_compiler.schedule_template import find_template  # noqa: E402
 from perfx_compiler.targets import load_target  # noqa: E402
 from perfx_compiler.tune.measure import build_func  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results"
 BIG = [(11008, 4096), (4096, 11008), (4096, 4096)]
 SMOL = [(3072, 576), (576, 1536), (960, 576), (576, 576), (49152, 576)]
 L3_BYTES = 32 << 20
@@ -255,11 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:>6}x{k:<6} {name:>9}: {sec * 1e6:9.1f} us {gbs:6.1f} GB/s ({gbs / bandwidth:.0%} of {bandwidth:.1f})"
                   + (f", call p10 {nbytes[name] / p10 / 1e9:6.1f} GB/s" if p10 else ""))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.with_suffix(".csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out.with_suffix(".csv"), rows)
     _plot(rows, bandwidth, out.with_suffix(".png"), args.format)
     print(f"wrote {out.with_suffix('.csv')} and {out.with_suffix('.png')}")
     return 0
@@ -311,10 +308,7 @@ def decode_main(args: argparse.Namespace) -> int:
              "prefill128_tok_s_median": round(statistics.median(pre[a]), 1), "cpu": cpu_model(),
              "load_avg_1m": round(os.getloadavg()[0], 1)}
             for a, v in tps.items()]
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows)
     for row in rows:
         print(row)
     print(f"wrote {out}")
@@ -322,13 +316,12 @@ def decode_main(args: argparse.Namespace) -> int:
 
 
 def _plot(rows: list[dict[str, Any]], bandwidth: float, path: Path, fmt: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     shapes = list(dict.fromkeys((r["N"], r["K"]) for r in rows))
-    fig, ax = plt.subplots(figsize=(12, 4.5))
+    with figure(path, figsize=(12, 4.5)) as (_, ax):
+        _draw(ax, rows, bandwidth, shapes, fmt)
+
+
+def _draw(ax: Any, rows: list[dict[str, Any]], bandwidth: float, shapes: list[tuple[int, int]], fmt: str) -> None:
     present = [v for v in VARIANTS if any(r["variant"] == v for r in rows)]
     width = 0.8 / len(present)
     for i, name in enumerate(present):
@@ -342,8 +335,6 @@ def _plot(rows: list[dict[str, Any]], bandwidth: float, path: Path, fmt: str) ->
     ax.set_ylabel("GB/s of packed weights")
     ax.set_title(f"int4 ({fmt}) GEMV, 1 row, all cores: VNNI int8 activations vs fp32 kernel vs numpy")
     ax.legend(fontsize=8, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ Writes benchmarks/results/decode_kernels_<name>.csv (rows per round, then median
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -39,11 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-RESULTS = REPO / "benchmarks" / "results"
+from _common import RESULTS, write_csv
 
 REPLAY_CC = r"""
 #include <tvm/ffi/any.h>
@@ -223,11 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 if x["variant"] == s.label), 2),
                          "threads": args.threads, "shared_args": args.shared_args})
     out = Path(args.out) if args.out else RESULTS / f"decode_kernels_{args.name}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows)
     med = [x for x in rows if x["round"] == "median"]
     big = sorted({x["kernel"] for x in med}, key=lambda k: -max(x["us"] for x in med if x["kernel"] == k))
     for k in big[:16]:

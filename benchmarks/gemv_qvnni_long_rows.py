@@ -19,7 +19,6 @@ every argument but x clflushed before each call). Writes benchmarks/results/gemv
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -34,11 +33,11 @@ for p in (REPO, REPO / "benchmarks"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
+from _common import RESULTS, write_csv  # noqa: E402
 from bench_gemv_int4 import L3_BYTES, _kernel, _weights  # noqa: E402
 
 from perfx_compiler.targets import load_target  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results"
 SHAPES = "11008x4096,4096x11008,4096x4096,2560x2048,2048x2048,11264x2048,2048x5632,32000x2048"
 
 
@@ -135,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{x['format']} {x['N']:>5}x{x['K']:<5} {x['config']:<16} p10 {x['call_p10_gbs']:6.1f} GB/s "
               f"(x{x['p10_vs_default']:.3f}), median {x['call_median_gbs']:6.1f}, paired x{x['paired_vs_default']:.3f}")
     out = Path(args.out or RESULTS / ("gemv_qvnni_long_rows" + ("_clflush" if args.clflush else "") + ".csv"))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows)
     print(f"wrote {out} (load {load:.1f})")
     return 0
 
