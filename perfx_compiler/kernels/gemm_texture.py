@@ -23,7 +23,14 @@ from typing import Any
 
 from tvm.script import tirx as T
 
-from perfx_compiler.kernels.gemv_texture import TEXEL, ImageLayout, TextureLimitError
+from perfx_compiler.kernels.gemv_texture import (
+    TEXEL,
+    ImageLayout,
+    TextureLimitError,
+    q4_col0,
+    q4_weight,
+    q8_code,
+)
 
 ROWS = 4  # rows of x per thread
 
@@ -33,22 +40,6 @@ def _q4_parts(info: dict[str, Any]) -> tuple[int, int, int, int, bool]:
     if K % 64 or L % TEXEL or G % TEXEL:
         raise TextureLimitError(f"texture q4 kernels need K % 64 == 0 and lanes, group multiples of 4 (K={K})")
     return N, K, G, L, bool(info.get("offset"))
-
-
-def _q4_col0(t: Any, j: int, L: int) -> Any:
-    """First of the 4 consecutive columns that nibble ``j`` of code texel ``t`` holds (``_quant.py`` lanes)."""
-    return (t * TEXEL // L) * (8 * L) + j * L + t * TEXEL % L
-
-
-def _q4_weight(word: Any, j: int, sz: Any, g: Any, offset: bool) -> Any:
-    code = T.Cast("float32", (word >> T.uint32(4) * T.Cast("uint32", j)) & T.uint32(15))
-    if offset:
-        return code * sz[g % 2 * 2] + sz[g % 2 * 2 + 1]
-    return (code - sz[g % 2 * 2 + 1]) * sz[g % 2 * 2]
-
-
-def _q8_code(w: Any, b: Any) -> Any:  # byte b of word w, sign-extended without 8-bit types
-    return T.Cast("float32", (T.Cast("int32", (w >> T.uint32(8) * T.Cast("uint32", b)) & T.uint32(255)) ^ 128) - 128)
 
 
 # -- multi-row matmuls --------------------------------------------------------------------------
@@ -147,15 +138,15 @@ def texture_q4_gemm_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
         # wv[4 j + c] = weight of column col0(t, j) + c; sz = (scale, zero|min) of that group and the next
         for j in T.unroll(8):
             for c in T.vectorized(TEXEL):
-                sz[c] = S[row // HS, row % HS, _q4_col0(t, j, L) // G // 2, c]
+                sz[c] = S[row // HS, row % HS, q4_col0(t, j, L) // G // 2, c]
             for c in range(TEXEL):
-                wv[j * TEXEL + c] = _q4_weight(word[c], j, sz, _q4_col0(t, j, L) // G, offset)
+                wv[j * TEXEL + c] = q4_weight(word[c], j, sz, q4_col0(t, j, L) // G, offset)
 
     @T.macro
     def dot(X, wv, acc, mb, ms, i, t):
         for j in T.unroll(8):
             for c in range(TEXEL):
-                acc[i] = acc[i] + X[mb, ms, _q4_col0(t, j, L) + c] * wv[j * TEXEL + c]
+                acc[i] = acc[i] + X[mb, ms, q4_col0(t, j, L) + c] * wv[j * TEXEL + c]
 
     return _quant_image_gemm(N, K, texels, 32, codes, scales, threads, rows, dequant, dot)
 
@@ -175,7 +166,7 @@ def texture_q8_gemm_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
             sc[c] = S[row // HS, row % HS, t * 16 // G // 4, c]
         for c in range(TEXEL):
             for bb in T.unroll(4):
-                wv[c * 4 + bb] = _q8_code(word[c], bb) * sc[t * 16 // G % 4]
+                wv[c * 4 + bb] = q8_code(word[c], bb) * sc[t * 16 // G % 4]
 
     @T.macro
     def dot(X, wv, acc, mb, ms, i, t):
@@ -219,15 +210,15 @@ def texture_take_kernel(fmt: str, k: int, codes: ImageLayout, scales: ImageLayou
                 sv[c] = S[r // HS, r % HS, t * 16 // G // 4, c]
             for c in range(TEXEL):
                 for bb in T.unroll(4):
-                    Out[ob, os, t * 16 + c * 4 + bb] = _q8_code(word[c], bb) * sv[t * 16 // G % 4]
+                    Out[ob, os, t * 16 + c * 4 + bb] = q8_code(word[c], bb) * sv[t * 16 // G % 4]
         else:
             for c in T.vectorized(TEXEL):
                 word[c] = Q[r // HC, r % HC, t, c]
             for j in T.unroll(8):
                 for c in T.vectorized(TEXEL):
-                    sv[c] = S[r // HS, r % HS, _q4_col0(t, j, L) // G // 2, c]
+                    sv[c] = S[r // HS, r % HS, q4_col0(t, j, L) // G // 2, c]
                 for c in range(TEXEL):
-                    Out[ob, os, _q4_col0(t, j, L) + c] = _q4_weight(word[c], j, sv, _q4_col0(t, j, L) // G, offset)
+                    Out[ob, os, q4_col0(t, j, L) + c] = q4_weight(word[c], j, sv, q4_col0(t, j, L) // G, offset)
 
     if fmt == "f32":
 

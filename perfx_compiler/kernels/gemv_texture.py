@@ -205,6 +205,28 @@ def _quant_image_gemv(N: int, K: int, texels: int, codes: ImageLayout, scales: I
     return texture_quant_gemv
 
 
+# Dequantization expressions the texture GEMVs and GEMMs (gemm_texture.py) share: built in Python and
+# written inline (an assignment inside the prim_func becomes a local buffer, and TVM's CSE then merges
+# texture reads whose indices load it at different points).
+def q4_col0(t: Any, j: int, L: int) -> Any:
+    """First of the 4 consecutive columns that nibble ``j`` of code texel ``t`` holds (``_quant.py`` lanes)."""
+    return (t * TEXEL // L) * (8 * L) + j * L + t * TEXEL % L
+
+
+def q4_weight(word: Any, j: int, sz: Any, g: Any, offset: bool) -> Any:
+    """Weight of nibble ``j`` of ``word`` in group ``g``; sz = (scale, zero|min) of that group and the next:
+    code * scale + min (``offset``) or (code - zero) * scale."""
+    code = T.Cast("float32", (word >> T.uint32(4) * T.Cast("uint32", j)) & T.uint32(15))
+    if offset:
+        return code * sz[g % 2 * 2] + sz[g % 2 * 2 + 1]
+    return (code - sz[g % 2 * 2 + 1]) * sz[g % 2 * 2]
+
+
+def q8_code(w: Any, b: Any) -> Any:
+    """Byte ``b`` of word ``w``, sign-extended without 8-bit types."""
+    return T.Cast("float32", (T.Cast("int32", (w >> T.uint32(8) * T.Cast("uint32", b)) & T.uint32(255)) ^ 128) - 128)
+
+
 def texture_q4_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: ImageLayout, threads: int = 64) -> Any:
     """int4 GEMV (``perfx.quant`` info of ``passes/_quant.py``) with codes and scales in images:
     w = code * scale + min (``offset``) or (code - zero) * scale."""
@@ -214,29 +236,15 @@ def texture_q4_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
     if K % 32 or texels % 2 or L % TEXEL or G % TEXEL:
         raise TextureLimitError(f"texture q4 GEMV needs K % 64 == 0 and lanes, group multiples of 4 (K={K})")
 
-    # Expressions are built here and written inline: an assignment inside the prim_func becomes a
-    # local buffer, and TVM's CSE then merges texture reads whose indices load it at different points.
-    def col0(t: Any, j: int) -> Any:  # first of the 4 consecutive columns nibble j of texel t holds
-        return (t * TEXEL // L) * (8 * L) + j * L + t * TEXEL % L
-
-    def weight(code: Any, sz: Any, g: Any) -> Any:
-        if offset:
-            return code * sz[g % 2 * 2] + sz[g % 2 * 2 + 1]
-        return (code - sz[g % 2 * 2 + 1]) * sz[g % 2 * 2]
-
     @T.macro
     def accumulate(X, S, word, sz, part, acc, row, t, HS):
         # the texel's 4 words share block kb and lanes l0..l0+3: per nibble j they hold 4 consecutive
         # columns of one group; sz = (scale, zero|min) of that group and the next
         for j in T.unroll(8):
             for c in T.vectorized(TEXEL):
-                sz[c] = S[row // HS, row % HS, col0(t, j) // G // 2, c]
+                sz[c] = S[row // HS, row % HS, q4_col0(t, j, L) // G // 2, c]
             for c in range(TEXEL):
-                acc[0] = acc[0] + X[0, 0, col0(t, j) + c] * weight(
-                    T.Cast("float32", (word[c] >> T.uint32(4) * T.Cast("uint32", j)) & T.uint32(15)),
-                    sz,
-                    col0(t, j) // G,
-                )
+                acc[0] = acc[0] + X[0, 0, q4_col0(t, j, L) + c] * q4_weight(word[c], j, sz, q4_col0(t, j, L) // G, offset)
 
     return _quant_image_gemv(N, K, texels, codes, scales, threads, accumulate)
 
@@ -248,9 +256,6 @@ def texture_q8_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
     if K % 32 or texels % 2 or G % 16:
         raise TextureLimitError(f"texture q8 GEMV needs K % 32 == 0 and a group multiple of 16 (K={K}, G={G})")
 
-    def code(w: Any, b: Any) -> Any:  # byte b of word w, sign-extended without 8-bit types
-        return T.Cast("float32", (T.Cast("int32", (w >> T.uint32(8) * T.Cast("uint32", b)) & T.uint32(255)) ^ 128) - 128)
-
     @T.macro
     def accumulate(X, S, word, sc, part, acc, row, t, HS):
         # 16 columns a texel, all in one group: sum them, then one multiply by the group's scale
@@ -259,7 +264,7 @@ def texture_q8_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
         part[0] = T.float32(0)
         for c in range(TEXEL):
             for b in T.unroll(4):
-                part[0] = part[0] + X[0, 0, t * 16 + c * 4 + b] * code(word[c], b)
+                part[0] = part[0] + X[0, 0, t * 16 + c * 4 + b] * q8_code(word[c], b)
         acc[0] = acc[0] + part[0] * sc[t * 16 // G % 4]
 
     return _quant_image_gemv(N, K, texels, codes, scales, threads, accumulate)
