@@ -130,17 +130,17 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
         # a chunk of up to ``rows`` rows: the body for exactly ``rows``, else ``fewer``'s (macros
         # cannot call themselves, so the chain is built here)
         @T.macro
-        def chunk(Q, S, Z, Y, xr, xs, acc, accg, w, sc, t, nj, c, m, left):
+        def chunk(Q, S, Z, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, left):
             if left >= rows:
                 block(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, rows)
             else:
-                fewer(Q, S, Z, Y, xr, xs, acc, accg, w, sc, t, nj, c, m, left)
+                fewer(Q, S, Z, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, left)
 
         return chunk
 
     @T.macro
-    def one(Q, S, Z, Y, xr, xs, acc, accg, w, sc, t, nj, c, m, left):
-        block1(Q, S, Z, Y, xr, xs, acc, accg, t, nj, c, m)
+    def one(Q, S, Z, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, left):
+        block1(Q, S, Z, Y, xr, xs, acc1, accg, t, nj, c, m)
 
     chunk = one
     for rows in range(2, MB + 1):
@@ -164,12 +164,14 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
         for t in T.parallel(tasks):
             acc = T.decl_buffer((MB * R * L,), "float32", scope="local")
             accg = T.decl_buffer((R * L,), "float32", scope="local")
+            # a single-row chunk's own accumulators, not a slice of the MB-row block's
+            acc1 = T.decl_buffer((R * L,), "float32", scope="local")
             w = T.decl_buffer((R * L,), "float32", scope="local")
             sc = T.decl_buffer((R * 2,), "float32", scope="local")
             for nj, c in T.grid(PER // R, (b * m + MB - 1) // MB):
                 if batch:
                     # the last chunk of a symbolic batch: a body unrolled for its exact row count
-                    chunk(Q, S, Z, Y, xr, xs, acc, accg, w, sc, t, nj, c, m, b * m - c * MB)
+                    chunk(Q, S, Z, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, b * m - c * MB)
                 else:
                     block(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, MB)
 
