@@ -401,7 +401,8 @@ class GemvInt4CPU(ScheduleTemplate):
             # PERFX_GEMV_UNPACK_ONCE=0: the per-row kernel (A/B baseline of whole-model benchmarks)
             config["unpack_once"] = 0 if os.environ.get("PERFX_GEMV_UNPACK_ONCE", "1") == "0" else 1
             if workload.info.get("batch"):
-                config["chunk"] = 4  # 4 rows x 4 weight rows of accumulators: beat 8 x 2 at batch 2..8
+                # 4 rows x 4 weight rows of accumulators: beat 8 x 2 at batch 1..4, about even at 8
+                config["chunk"] = 4
         return config
 
     def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
@@ -423,12 +424,14 @@ class GemvInt4CPU(ScheduleTemplate):
             kernel = dequant(N, K, G, L, tasks, **fmt)
         elif int(config.get("unpack_once", 0)) and self._gemv_once() is not None and self._multi_row(workload):
             # MB rows share each unpacked weight vector; MB x R accumulators + R weights stay in
-            # the 32 vector registers (MB * R <= 16)
+            # the vector registers: MB * R <= 16 of AVX-512's 32 (at 8 or 16 lanes), <= 8 of AVX2's 16 (the latter
+            # not measured: no AVX2-only machine here)
             batch = bool(workload.info.get("batch"))
             MB = int(config.get("chunk", 4)) if batch else d["M"]
             if not 1 <= MB <= GEMV_MAX_ROWS:
                 raise ScheduleConfigError(f"invalid int{self.bits} row chunk {MB} (1..{GEMV_MAX_ROWS})")
-            R = next(r for r in (4, 2, 1) if (N // tasks) % r == 0 and MB * r <= 16)
+            cap = 16 if (target.vector_bits or 0) >= 512 else 8
+            R = next(r for r in (4, 2, 1) if (N // tasks) % r == 0 and MB * r <= max(cap, MB))
             kernel = self._gemv_once()(N, K, G, L, tasks, R, MB, batch=batch, **fmt)
         elif workload.info.get("batch") or (workload.symbolic is None and d["M"] <= GEMV_MAX_ROWS):
             R = next(r for r in (4, 2, 1) if (N // tasks) % r == 0)
