@@ -37,7 +37,6 @@ from schedules import _vnni_kernels as vk
 from schedules.gemv_int4_cpu import _like, panel_of, quant_info
 
 PRIORITY = 4  # before gemv_int4_cpu / gemv_int8_cpu (which decline this layout anyway)
-QUANT_ATTR = "perfx.quant"
 GEMV_MAX_ROWS = 8
 MAX_ACC = 16  # rows x activation rows held in zmm accumulators (x2 with the scale vectors)
 MAX_REGS = 24  # zmm registers for accumulators and scale vectors (of 32: the rest for codes/activations)
