@@ -14,25 +14,15 @@ Writes benchmarks/results/blas_spin_interference.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
-for p in (REPO, REPO / "benchmarks"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
+from _common import RESULTS, write_csv  # noqa: E402  (puts the repo root on sys.path)
 from bench_gemv_int4 import L3_BYTES, _kernel, _weights  # noqa: E402
 
 from perfx_compiler.targets import load_target  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,12 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                      "rounds": args.rounds, "window_s": args.window, "pause_s": args.pause, "config": label,
                      "load_avg_1m": round(load, 2), "threads": threads})
         print(rows[-1])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    out = write_csv(args.out, rows)
     print(f"wrote {out}")
     return 0
 

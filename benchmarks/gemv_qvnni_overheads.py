@@ -24,25 +24,18 @@ Writes benchmarks/results/gemv_qvnni_overheads.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from _common import RESULTS, write_csv  # noqa: E402  (puts the repo root on sys.path)
 
 from perfx_compiler.passes._gguf_blocks import Q4_0  # noqa: E402
 from perfx_compiler.passes._qvnni import q4_vnni_packed  # noqa: E402
 from perfx_compiler.targets import load_target  # noqa: E402
 from perfx_compiler.tune.measure import build_func, configure_threads, time_calls  # noqa: E402
 
-RESULTS = REPO / "benchmarks" / "results"
 SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
 
 
@@ -134,12 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"  {x['p10_gbs']:6.1f} GB/s" if x["p10_gbs"] != "" else "")
                   + (f"  fixed {x['fixed_us']:.1f} us = {100 * x['fixed_share']:.0f}%, rest {x['stream_gbs']:.1f} GB/s"
                      if gemv else ""))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    out = write_csv(args.out, rows)
     print(f"wrote {out} (load {load:.1f})")
     return 0
 
