@@ -40,58 +40,12 @@ from typing import Any
 import numpy as np
 from _common import RESULTS, write_csv
 
-REPLAY_CC = r"""
-#include <tvm/ffi/any.h>
-#include <tvm/ffi/container/array.h>
-#include <tvm/ffi/function.h>
-#include <time.h>
-
-#include <vector>
-
-using namespace tvm::ffi;
-
-static double now() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-// calls[i] = [kernel, args...]. Runs the list `reps` times; returns reps x n call times (seconds).
-Array<double> replay_each(Array<Array<Any>> calls, int64_t reps) {
-  size_t n = calls.size();
-  std::vector<Function> fns(n);
-  std::vector<std::vector<AnyView>> args(n);
-  std::vector<Array<Any>> keep(n);
-  for (size_t i = 0; i < n; ++i) {
-    keep[i] = calls[i];
-    fns[i] = keep[i][0].cast<Function>();
-    for (size_t j = 1; j < keep[i].size(); ++j) args[i].push_back(AnyView(keep[i][j]));
-  }
-  std::vector<double> t(reps * n);
-  Any rv;
-  for (int64_t r = 0; r < reps; ++r) {
-    for (size_t i = 0; i < n; ++i) {
-      double t0 = now();
-      fns[i].CallPacked(args[i].data(), static_cast<int32_t>(args[i].size()), &rv);
-      t[r * n + i] = now() - t0;
-    }
-  }
-  Array<double> out;
-  for (double v : t) out.push_back(v);
-  return out;
-}
-"""
-
 
 def build_replay() -> Any:
-    import tvm_ffi.cpp
+    """decode_overhead.py's C++ replay loop, every call timed on its own."""
+    from decode_overhead import build_replay_module
 
-    try:
-        mod = tvm_ffi.cpp.load_inline("perfx_decode_replay_each", cpp_sources=REPLAY_CC,
-                                      functions=["replay_each"], extra_cflags=["-O2"])
-    except Exception as err:  # noqa: BLE001 - a missing C++ toolchain is the usual cause
-        sys.exit(f"decode_kernel_ab: cannot build the C++ replay loop ({type(err).__name__}: {err}); needs g++")
-    return mod.replay_each
+    return build_replay_module().replay_each
 
 
 def _nbytes(a: Any) -> int:

@@ -86,19 +86,46 @@ Array<double> replay(Array<Array<Any>> calls, int64_t reps, bool cpu) {
   }
   return out;
 }
+
+// The same list, each call timed on its own (wall clock): reps x n seconds, pass-major.
+Array<double> replay_each(Array<Array<Any>> calls, int64_t reps) {
+  size_t n = calls.size();
+  std::vector<Function> fns(n);
+  std::vector<std::vector<AnyView>> args(n);
+  std::vector<Array<Any>> keep(n);
+  for (size_t i = 0; i < n; ++i) {
+    keep[i] = calls[i];
+    fns[i] = keep[i][0].cast<Function>();
+    for (size_t j = 1; j < keep[i].size(); ++j) args[i].push_back(AnyView(keep[i][j]));
+  }
+  Array<double> out;
+  Any rv;
+  for (int64_t r = 0; r < reps; ++r) {
+    for (size_t i = 0; i < n; ++i) {
+      double t0 = now(false);
+      fns[i].CallPacked(args[i].data(), static_cast<int32_t>(args[i].size()), &rv);
+      out.push_back(now(false) - t0);
+    }
+  }
+  return out;
+}
 """
 
 
-def build_replay() -> Any:
-    """The C++ replay loop, compiled once (tvm_ffi caches the library)."""
+def build_replay_module() -> Any:
+    """The C++ replay loops (``replay``: whole passes; ``replay_each``: every call), compiled once
+    (tvm_ffi caches the library)."""
     import tvm_ffi.cpp
 
     try:
-        mod = tvm_ffi.cpp.load_inline("perfx_decode_replay", cpp_sources=REPLAY_CC, functions=["replay"],
-                                      extra_cflags=["-O2"])
+        return tvm_ffi.cpp.load_inline("perfx_decode_replay", cpp_sources=REPLAY_CC,
+                                       functions=["replay", "replay_each"], extra_cflags=["-O2"])
     except Exception as err:  # noqa: BLE001 - a missing C++ toolchain is the usual cause
-        sys.exit(f"decode_overhead: cannot build the C++ replay loop ({type(err).__name__}: {err}); needs g++")
-    return mod.replay
+        sys.exit(f"cannot build the C++ replay loop ({type(err).__name__}: {err}); needs g++")
+
+
+def build_replay() -> Any:
+    return build_replay_module().replay
 
 
 def count_parallel_launches(lib_path: Path, step: Any) -> int:
