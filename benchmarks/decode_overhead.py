@@ -63,25 +63,34 @@ static double now(bool cpu) {
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-// calls[i] = [kernel, args...]. Runs the whole list `reps` times; returns each pass's seconds
+// calls[i] = [kernel, args...], unpacked once into functions and argument views.
+struct Calls {
+  std::vector<Function> fns;
+  std::vector<std::vector<AnyView>> args;
+  std::vector<Array<Any>> keep;  // owns the Any values the AnyViews point into
+  explicit Calls(const Array<Array<Any>>& calls) {
+    for (const Array<Any>& call : calls) keep.push_back(call);
+    for (const Array<Any>& call : keep) {
+      fns.push_back(call[0].cast<Function>());
+      args.emplace_back();
+      for (size_t j = 1; j < call.size(); ++j) args.back().push_back(AnyView(call[j]));
+    }
+  }
+  size_t size() const { return fns.size(); }
+  void run(size_t i, Any* rv) const {
+    fns[i].CallPacked(args[i].data(), static_cast<int32_t>(args[i].size()), rv);
+  }
+};
+
+// Runs the whole list `reps` times; returns each pass's seconds
 // (wall clock, or this thread's CPU time with `cpu`).
 Array<double> replay(Array<Array<Any>> calls, int64_t reps, bool cpu) {
-  size_t n = calls.size();
-  std::vector<Function> fns(n);
-  std::vector<std::vector<AnyView>> args(n);
-  std::vector<Array<Any>> keep(n);  // owns the Any values the AnyViews point into
-  for (size_t i = 0; i < n; ++i) {
-    keep[i] = calls[i];
-    fns[i] = keep[i][0].cast<Function>();
-    for (size_t j = 1; j < keep[i].size(); ++j) args[i].push_back(AnyView(keep[i][j]));
-  }
+  Calls c(calls);
   Array<double> out;
   Any rv;
   for (int64_t r = 0; r < reps; ++r) {
     double t0 = now(cpu);
-    for (size_t i = 0; i < n; ++i) {
-      fns[i].CallPacked(args[i].data(), static_cast<int32_t>(args[i].size()), &rv);
-    }
+    for (size_t i = 0; i < c.size(); ++i) c.run(i, &rv);
     out.push_back(now(cpu) - t0);
   }
   return out;
@@ -89,21 +98,13 @@ Array<double> replay(Array<Array<Any>> calls, int64_t reps, bool cpu) {
 
 // The same list, each call timed on its own (wall clock): reps x n seconds, pass-major.
 Array<double> replay_each(Array<Array<Any>> calls, int64_t reps) {
-  size_t n = calls.size();
-  std::vector<Function> fns(n);
-  std::vector<std::vector<AnyView>> args(n);
-  std::vector<Array<Any>> keep(n);
-  for (size_t i = 0; i < n; ++i) {
-    keep[i] = calls[i];
-    fns[i] = keep[i][0].cast<Function>();
-    for (size_t j = 1; j < keep[i].size(); ++j) args[i].push_back(AnyView(keep[i][j]));
-  }
+  Calls c(calls);
   Array<double> out;
   Any rv;
   for (int64_t r = 0; r < reps; ++r) {
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = 0; i < c.size(); ++i) {
       double t0 = now(false);
-      fns[i].CallPacked(args[i].data(), static_cast<int32_t>(args[i].size()), &rv);
+      c.run(i, &rv);
       out.push_back(now(false) - t0);
     }
   }
