@@ -392,6 +392,10 @@ class GemvInt4CPU(ScheduleTemplate):
                 space["chunk"] = [4, 8, 2]  # rows sharing one unpack (symbolic batch only)
         return space
 
+    def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
+        # 'chunk' shapes only the unpack-once kernel: the per-row kernel is one candidate, not three
+        return int(config.get("unpack_once", 1)) == 1 or int(config.get("chunk", 4)) == 4
+
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
         # A few tasks per core balance the rows; each task allocates its accumulators once.
         # Several rows: each weight unpacked once for all of them (unpack_once=1), which won at

@@ -94,3 +94,24 @@ def test_multi_row_gemv_matches_numpy(cpu_target, fmt, n, k, unpack_once):
     rt = build_func(template.apply(func, wl, config, cpu_target), cpu_target)
     for batch in (1, 3, 8, 11):  # 11: a second chunk of rows, 3 of them past the batch
         check(rt, rng.standard_normal((batch, 1, k)).astype(np.float32))
+
+
+def test_space_enumerates_the_per_row_kernel_once(cpu_target):
+    """'chunk' only shapes the unpack-once kernel: the tuner's enumeration of a symbolic-batch GEMV
+    holds each unpack-once chunk and a single per-row candidate per task count (no re-measuring
+    one kernel under three chunk values)."""
+    import random
+
+    from perfx_compiler.tune.search import enumerate_space
+    from perfx_compiler.tune.workloads import TuningTask
+
+    pk, _ = _weights("Q4_1", np.random.default_rng(0))
+    func = pk.compute("matmul", (None, 1))
+    template, wl = _template(func, cpu_target)
+    configs = enumerate_space(TuningTask("q4_gemv_batch", func, template, wl, 1), cpu_target, random.Random(0))
+    space = template.space(wl, cpu_target)
+    per_row = [c for c in configs if c["unpack_once"] == 0]
+    once = [c for c in configs if c["unpack_once"] == 1]
+    assert len(per_row) == len(space["tasks"]), per_row
+    assert len(once) == len(space["tasks"]) * len(space["chunk"]), once
+    assert template.builtin_default(wl, cpu_target) in configs
