@@ -116,18 +116,17 @@ def test_cold_gemv_streams_from_dram(target, template):
     small = _gemv(4, 1536, 576)
     wl = template.match(small, target)
     rt = build_func(template.apply(small, wl, template.default_config(wl, target), target), target)
-    # Measured here: ~4.6 us warm, ~20 us cold (0.55 MB). The flush must show; a CI run on a
-    # busy machine once read 7.6 us warm / 9.8 us cold, so a noisy pair is measured again
-    # (a flush that does nothing reads ~1.0x every time and still fails).
+    # Measured here: ~4.6 us warm, ~20 us cold (0.55 MB). The flush must show on every pair.
+    # The CI machine reads 1.20-1.25x on every pair (a larger L2/L3 hides less of the flush) and a busy
+    # machine once read 1.29x, so the bound is the median of three pairs > 1.12; a flush that
+    # does nothing reads ~1.0x on every pair and still fails.
     ratios = []
-    for _ in range(4):
+    for _ in range(3):
         warm = min(time_module(rt, small, 1, repeat=5, min_ms=10, cold=False)[0] for _ in range(2))
         cold = min(time_module(rt, small, 1, repeat=5, min_ms=10, cold=True)[0] for _ in range(2))
         assert np.isfinite(cold)
         ratios.append(cold / warm)
-        if ratios[-1] > 1.3:
-            break
-    assert max(ratios) > 1.3, ratios
+    assert float(np.median(ratios)) > 1.12, ratios
 
 
 def test_cold_timing_takes_scalar_arguments(target):
