@@ -32,9 +32,85 @@ def fast_exp(x: Any) -> Any:
     return tirx.Select(x < tirx.const(-60.0, "float32"), tirx.const(0.0, "float32"), _fast_exp(x))
 
 
+def _fold_width(n: int) -> int:
+    """Widest power of two <= 16 dividing n (the vector width of the softmax folds over a tile)."""
+    return next(w for w in (16, 8, 4, 2, 1) if n % w == 0)
+
+
 def lanes_for(head_dim: int, max_lanes: int = 16) -> int:
     """Widest f32 vector (<= max_lanes) that divides head_dim."""
     return next(w for w in (16, 8, 4, 2, 1) if w <= max_lanes and head_dim % w == 0)
+
+
+def _fold(vec: Any, width: int, op: Any) -> Any:
+    """op over the lanes of a width-lane vector expression (width a power of two): the upper half
+    folded onto the lower by shuffles. Folding through a buffer instead reloaded half-vectors of a
+    full-width store (a store-forwarding stall per step), and a serial loop of scalar adds over
+    the lanes made LLVM move them one by one through integer registers."""
+    from tvm import tirx
+
+    while width > 1:
+        half = width // 2
+        vec = op(tirx.Shuffle([vec], list(range(half))), tirx.Shuffle([vec], list(range(half, width))))
+        width = half
+    return vec
+
+
+def _vtype(lanes: int) -> str:
+    return f"float32x{lanes}" if lanes > 1 else "float32"
+
+
+def _folded_dot(q: Any, q_base: Any, k: Any, k_base: Any, D: int, L: int) -> Any:
+    """q[q_base : q_base + D] . k[k_base : k_base + D] as one expression (L-lane products summed,
+    then folded): the partial never leaves registers."""
+    vt = _vtype(L)
+    vec = q.vload([q_base], vt) * k.vload([k_base], vt)
+    for c in range(1, D // L):
+        vec = vec + q.vload([q_base + c * L], vt) * k.vload([k_base + c * L], vt)
+    return _fold(vec, L, lambda a, b: a + b)
+
+
+def _tile_max(sc: Any, base: Any, n: Any, KT: int) -> Any:
+    """max of sc[base : base + n] (n <= KT) as one expression: W-lane chunks with lanes >= n
+    masked to NEG, maxed, then folded."""
+    from tvm import tirx
+
+    W = _fold_width(KT)
+    n = tirx.Cast("int64", n)
+    vec = None
+    for c in range(KT // W):
+        first = tirx.const(c * W, "int64")
+        lane_pos = tirx.Ramp(first, tirx.const(1, "int64"), W) if W > 1 else first
+        limit = tirx.Broadcast(n, W) if W > 1 else n
+        neg = tirx.Broadcast(tirx.const(NEG, "float32"), W) if W > 1 else tirx.const(NEG, "float32")
+        chunk = tirx.Select(lane_pos < limit, sc.vload([base + c * W], _vtype(W)), neg)
+        vec = chunk if vec is None else tirx.max(vec, chunk)
+    return _fold(vec, W, tirx.max)
+
+
+def _tile_sum(sc: Any, base: Any, KT: int) -> Any:
+    """sum of sc[base : base + KT] as one expression (W-lane chunks added, then folded)."""
+    W = _fold_width(KT)
+    vec = sc.vload([base], _vtype(W))
+    for c in range(1, KT // W):
+        vec = vec + sc.vload([base + c * W], _vtype(W))
+    return _fold(vec, W, lambda a, b: a + b)
+
+
+def fold_lanes(buf, base, W, op):
+    """buf[base] = op over buf[base : base + W] (W a power of two <= 16): a halving tree of vector
+    ops (the upper half onto the lower), log2(W) steps instead of W dependent scalar ones."""
+    if W >= 16:
+        for lane in T.vectorized(8):
+            buf[base + lane] = op(buf[base + lane], buf[base + 8 + lane])
+    if W >= 8:
+        for lane in T.vectorized(4):
+            buf[base + lane] = op(buf[base + lane], buf[base + 4 + lane])
+    if W >= 4:
+        for lane in T.vectorized(2):
+            buf[base + lane] = op(buf[base + lane], buf[base + 2 + lane])
+    if W >= 2:
+        buf[base] = op(buf[base], buf[base + 1])
 
 
 def rope_pair(x1: Any, x2: Any, c: Any, s: Any) -> tuple[Any, Any]:
@@ -70,42 +146,29 @@ def softmax_init(st, acc, rows, D):
 
 
 @T.macro
-def tile_scores(sc, qr, KF, key_base, ctx, j0, n, rows, D, KT, L, part):
+def tile_scores(sc, qr, KF, key_base, ctx, j0, n, rows, D, KT, L):
     """sc[r * KT + jj] = q_r . k_{j0 + jj} for jj < n: each key row is loaded once for all rows
     (the query heads sharing this kv head); LANES-wide partial sums, one horizontal sum per score.
     ``key_base(ctx, j)``: flat offset of key j's row in KF."""
     for jj in T.serial(n):
         for r in T.serial(rows):
-            for lane in T.vectorized(L):
-                part[r * L + lane] = T.float32(0)
-        for c in T.serial(D // L):
-            for r in T.serial(rows):
-                for lane in T.vectorized(L):
-                    part[r * L + lane] = part[r * L + lane] + qr[r * D + c * L + lane] * KF[
-                        key_base(ctx, j0 + jj) + c * L + lane
-                    ]
-        for r in T.serial(rows):
-            sc[r * KT + jj] = T.float32(0)
-            for lane in T.serial(L):
-                sc[r * KT + jj] = sc[r * KT + jj] + part[r * L + lane]
+            sc[r * KT + jj] = _folded_dot(qr, r * D, KF, key_base(ctx, j0 + jj), D, L)
 
 
 @T.macro
 def tile_softmax(sc, st, n, rows, KT, exp):
     """Online-softmax update for one tile of n scores per row: new running max, the factor that
-    rescales the old sum/output (st[2 * rows + r]), and sc overwritten by the tile's weights."""
+    rescales the old sum/output (st[2 * rows + r]), and sc overwritten by the tile's weights
+    (0 past n). The tile's max and sum are vector expressions folded once (a serial chain of
+    dependent max/add per key cost about as much as the scores)."""
     for r in T.serial(rows):
-        st[2 * rows + r] = st[r]
-        for jj in T.serial(n):
-            st[2 * rows + r] = T.max(st[2 * rows + r], sc[r * KT + jj])
+        st[2 * rows + r] = T.max(st[r], _tile_max(sc, r * KT, n, KT))
         mx = st[2 * rows + r]  # the new running max (a let-bound snapshot)
         for jj in T.vectorized(KT):
             sc[r * KT + jj] = T.if_then_else(T.Cast("int64", jj) < T.Cast("int64", n), exp(sc[r * KT + jj] - mx), T.float32(0))
         st[2 * rows + r] = exp(st[r] - mx)
         st[r] = mx
-        st[rows + r] = st[rows + r] * st[2 * rows + r]
-        for jj in T.serial(n):
-            st[rows + r] = st[rows + r] + sc[r * KT + jj]
+        st[rows + r] = st[rows + r] * st[2 * rows + r] + _tile_sum(sc, r * KT, KT)
 
 
 @T.macro

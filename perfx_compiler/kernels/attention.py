@@ -104,13 +104,12 @@ def cached_attention_kernel(
             qr = T.decl_buffer((G * D,), "float32", scope="local")
             sc = T.decl_buffer((G * KT,), "float32", scope="local")
             acc = T.decl_buffer((G * D,), "float32", scope="local")
-            part = T.decl_buffer((G * L,), "float32", scope="local")
             st = T.decl_buffer((3 * G,), "float32", scope="local")  # running max | sum | rescale
             for g in T.serial(G):
                 rope_store(qr, g * D, 1, Q, 0, s, (kh * G + g) * D, COS, SIN, pos, HALF, T.float32(scale))
             softmax_init(st, acc, G, D)
             for kt in T.serial(pos // KT + 1):
-                tile_scores(sc, qr, KF, _kb, (kh * MAXC, D), kt * KT, T.min(KT, pos + 1 - kt * KT), G, D, KT, L, part)
+                tile_scores(sc, qr, KF, _kb, (kh * MAXC, D), kt * KT, T.min(KT, pos + 1 - kt * KT), G, D, KT, L)
                 tile_softmax(sc, st, T.min(KT, pos + 1 - kt * KT), G, KT, exp)
                 tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), kt * KT, T.min(KT, pos + 1 - kt * KT), G, D, KT, L)
             for g in T.serial(G):
@@ -236,14 +235,13 @@ def cached_attention_kernel(
                     qr = T.decl_buffer((G * D,), "float32", scope="local")
                     sc = T.decl_buffer((G * KT,), "float32", scope="local")
                     acc = T.decl_buffer((G * D,), "float32", scope="local")
-                    part = T.decl_buffer((G * L,), "float32", scope="local")
                     st = T.decl_buffer((3 * G,), "float32", scope="local")
                     for g in T.serial(G):
                         rope_store(qr, g * D, 1, Q, 0, 0, (kh * G + g) * D, COS, SIN, past, HALF, T.float32(scale))
                     softmax_init(st, acc, G, D)
                     for kt in T.serial((T.max(hi - lo, 0) + KT - 1) // KT):
                         tile_scores(sc, qr, KF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
-                                    G, D, KT, L, part)
+                                    G, D, KT, L)
                         tile_softmax(sc, st, T.min(KT, hi - lo - kt * KT), G, KT, exp)
                         tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
                                 T.min(KT, hi - lo - kt * KT), G, D, KT, L)

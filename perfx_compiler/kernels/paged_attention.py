@@ -123,14 +123,13 @@ def paged_attention_kernel(
             qr = T.decl_buffer((G * D,), "float32", scope="local")
             sc = T.decl_buffer((G * KT,), "float32", scope="local")
             acc = T.decl_buffer((G * D,), "float32", scope="local")
-            part = T.decl_buffer((G * L,), "float32", scope="local")
             st = T.decl_buffer((3 * G,), "float32", scope="local")  # running max | sum | rescale
             for g in T.serial(G):
                 rope_store(qr, g * D, 1, Q, b, s, (kh * G + g) * D, COS, SIN, p, HALF, T.float32(scale))
             softmax_init(st, acc, G, D)
             for kt in T.serial(p // KT + 1):
                 tile_scores(sc, qr, KF, _kb, (PT, b, kh, PS, KVH, D), kt * KT, T.min(KT, p + 1 - kt * KT),
-                            G, D, KT, L, part)
+                            G, D, KT, L)
                 tile_softmax(sc, st, T.min(KT, p + 1 - kt * KT), G, KT, exp)
                 tile_pv(acc, sc, st, VF, _kb, (PT, b, kh, PS, KVH, D), kt * KT, T.min(KT, p + 1 - kt * KT),
                         G, D, KT, L)
