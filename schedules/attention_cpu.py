@@ -95,7 +95,8 @@ class AttentionCPU(ScheduleTemplate):
             cores = max(1, int(target.cores or 2))
             return {"k_tile": tile, "splits": 2 if cores <= 2 else 4, "lanes": lanes}
         G = d["H"] // d["KVH"]
-        return {"q_tile": 16, "k_tile": tile, "heads_per_task": G, "key_block": 4, "lanes": lanes}
+        key_block = next(b for b in (4, 2, 1) if tile % b == 0)  # a cache under 4 positions has a shorter tile
+        return {"q_tile": 16, "k_tile": tile, "heads_per_task": G, "key_block": key_block, "lanes": lanes}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         try:

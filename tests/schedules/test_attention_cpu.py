@@ -46,12 +46,14 @@ def attention_reference(q, k, v, kc, vc, past, cos, sin, heads, kv_heads):
     return out.reshape(1, seq, heads * d), kc, vc
 
 
-def run_case(lib: Any, seq: int, past: int, rng: np.random.Generator, qkv: bool = False, shift: int = 0) -> float:
+def run_case(lib: Any, seq: int, past: int, rng: np.random.Generator, qkv: bool = False, shift: int = 0,
+             shape: tuple[int, int, int, int] = (H, KVH, D, MAXC)) -> float:
     """Run the kernel on fresh inputs; max relative error of out and both caches (caches passed
     as tensors and read back from the same objects: the in-place contract). ``shift`` feeds the
     kernel a wrong position (negative control)."""
     import tvm
 
+    H, KVH, D, MAXC = shape  # noqa: N806 (the module's names, for another model's shape)
     cos, sin = rope_tables(MAXC, D)
     q = rng.standard_normal((1, seq, H * D)).astype(np.float32)
     k = rng.standard_normal((1, seq, KVH * D)).astype(np.float32)
@@ -137,6 +139,29 @@ def test_configs_from_the_space_match_numpy(template, cpu_target, kind, n) -> No
         for seq, past in cases:
             err = run_case(lib, seq, past, rng)
             assert err < TOL, f"{kind} {cfg} seq={seq} past={past}: max relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 8, 12), (2, 1, 4, 6), (32, 4, 64, 40)])
+def test_odd_tiles_and_lanes_match_numpy(template, cpu_target, shape) -> None:
+    """Tiles that are not a multiple of 16 keys and rows narrower than 16 lanes: the scores and the
+    tile softmax fold 8-, 4- and 2-lane vectors (a cache of 12 or 6 positions makes the tile 12 or
+    6 keys; head_dim 8 or 4 makes the vectors 8 or 4 lanes); TinyLlama's 8 query heads per kv head."""
+    from perfx_compiler.kernels.attention import untuned_attention_kernel
+
+    rng = np.random.default_rng()
+    maxc = shape[3]
+    for kind, cases in (("prefill", [(maxc // 2, 0), (3, maxc // 2)]), ("decode", [(1, 0), (1, maxc // 2), (1, maxc - 1)])):
+        func = untuned_attention_kernel(kind, *shape)
+        wl = template.match(func, cpu_target)
+        space = template.space(wl, cpu_target)
+        default = template.builtin_default(wl, cpu_target)
+        assert template.is_valid(wl, default, cpu_target), default
+        drawn = [c for c in draw(space, 6, int(rng.integers(1 << 30))) if template.is_valid(wl, c, cpu_target)]
+        for cfg in [default, *drawn[:3]]:
+            lib = build(template.apply(func, wl, cfg, cpu_target), cpu_target)
+            for seq, past in cases:
+                err = run_case(lib, seq, past, rng, shape=shape)
+                assert err < TOL, f"{shape} {kind} {cfg} seq={seq} past={past}: max relative error {err:.2e}"
 
 
 def test_check_fails_on_a_wrong_kernel(template, cpu_target) -> None:
