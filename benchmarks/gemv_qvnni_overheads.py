@@ -8,7 +8,9 @@ tuner times decode GEMVs):
 
 * ``fork_join``: an empty parallel loop of 16 tasks (the pool wake-up and join a GEMV pays);
 * ``fork_join_2``: the same with 2 tasks;
-* ``prologue_K``: the GEMV with N=2 (one row pair): x's int8 quantization of K values + one launch;
+* ``prologue_K``: the GEMV with N=2 (one row pair): x's int8 quantization of K values + one launch
+  (also at SmolLM2's K); ``prologue_K_qtree``: the same with x's per-group max and code sum folded in
+  registers (``qtree=1``) instead of a 15-step chain;
 * ``gemv_NxK``: the real shapes (qkv 2560x2048, o 2048x2048, gate_up 11264x2048, down 2048x5632) at
   the default config, and with tasks=2 (one chunk of rows per thread) instead of 16.
 
@@ -36,6 +38,7 @@ from perfx_compiler.passes._qvnni import q4_vnni_packed  # noqa: E402
 from perfx_compiler.targets import load_target  # noqa: E402
 from perfx_compiler.tune.measure import build_func, configure_threads, time_calls  # noqa: E402
 
+SMOLLM2_K = (576, 1536)  # SmolLM2's rows: its prologues are a larger share of a shorter call
 SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
 
 
@@ -87,9 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         a, b = (tvm.runtime.tensor(np.zeros(64, np.float32), tvm.cpu()) for _ in range(2))
         cases.append({"case": "fork_join" + ("" if tasks == 16 else "_2"), "rt": build_func(_empty(tasks), target),
                       "args": [a, b], "bytes": 0, "K": 0, "N": 0})
-    for k in sorted({k for _, k in SHAPES.values()}):
-        rt, a, nb, _, _ = _gemv(2, k, target, rng)
-        cases.append({"case": f"prologue_{k}", "rt": rt, "args": a, "bytes": nb, "K": k, "N": 2})
+    for k in sorted({k for _, k in SHAPES.values()} | set(SMOLLM2_K)):
+        for qtree in (0, 1):  # x's per-group max / code sum: chain vs folded in registers
+            rt, a, nb, _, _ = _gemv(2, k, target, rng, {"qtree": qtree})
+            cases.append({"case": f"prologue_{k}" + ("_qtree" if qtree else ""), "rt": rt, "args": a, "bytes": nb,
+                          "K": k, "N": 2})
     for name, (n, k) in SHAPES.items():
         for over, suffix in ((None, ""), ({"tasks": 2}, "_tasks2")):
             rt, a, nb, w, x = _gemv(n, k, target, rng, over)
@@ -98,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
             err = np.abs(a[-1].numpy().ravel() - ref).max() / np.abs(ref).max()
             assert err < 2e-2, (name, over, err)  # int8 activations: ~1e-2 relative at most
             cases.append({"case": f"gemv_{name}{suffix}", "rt": rt, "args": a, "bytes": nb, "K": k, "N": n})
+    from schedules.gemv_qvnni_cpu import TEMPLATE
+
+    probe_wl = TEMPLATE.match(q4_vnni_packed(np.zeros((2, 2048), np.uint8), np.ones((2, 64), np.float16),
+                                             np.full((2, 64), 8, np.uint8), Q4_0).compute("matmul", (1, 1)), target)
+    default_qtree = int(TEMPLATE.default_config(probe_wl, target).get("qtree", 0))
     samples: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     for r in range(args.rounds):
         for c in (cases if r % 2 == 0 else cases[::-1]):
@@ -113,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             sec = p10[(c["case"], cold)]
             med = statistics.median(s[1] for s in samples[(c["case"], cold)])
             # the N=2 GEMV is the fixed part: one launch (fork/join) + x's quantization + one row pair
-            fixed = p10.get((f"prologue_{c['K']}", cold), 0.0)
+            fixed = p10.get((f"prologue_{c['K']}" + ("_qtree" if default_qtree else ""), cold), 0.0)
             gemv = c["case"].startswith("gemv")
             rows.append({"case": c["case"], "N": c["N"], "K": c["K"], "cold": cold, "p10_us": round(sec * 1e6, 2),
                          "median_us": round(med * 1e6, 2),

@@ -44,20 +44,17 @@ def plan(K: int, G: int) -> dict[str, int]:
 @functools.cache
 def quantize_group_macro(tree: bool = False) -> Any:
     """The TVMScript macro ``quantize_group`` shared by the VNNI GEMV and GEMM (built on first use:
-    this module imports without TVM). ``tree``: the 16-lane max and code sum reduced in 4 halving
-    steps instead of a 15-step chain (the same values: max and integer sums are exact in any order)."""
+    this module imports without TVM). ``tree``: the 16-lane max and code sum folded in registers
+    (``fold_lanes``: 4 shuffle steps) instead of a 15-step chain (the same values: max and integer
+    sums are exact in any order)."""
     from tvm.script import tirx as T
+
+    from perfx_compiler.kernels._lanes import add, fold_lanes
 
     @T.macro
     def lanes_max(mx):  # noqa: ANN001
         if tree:
-            for ln in T.vectorized(8):
-                mx[ln] = T.max(mx[ln], mx[ln + 8])
-            for ln in T.vectorized(4):
-                mx[ln] = T.max(mx[ln], mx[ln + 4])
-            for ln in T.vectorized(2):
-                mx[ln] = T.max(mx[ln], mx[ln + 2])
-            mx[0] = T.max(mx[0], mx[1])
+            mx[0] = fold_lanes(mx.vload([0], "float32x16"), 16, T.max)
         else:
             for ln in T.serial(15):
                 mx[0] = T.max(mx[0], mx[ln + 1])
@@ -65,13 +62,7 @@ def quantize_group_macro(tree: bool = False) -> Any:
     @T.macro
     def lanes_sum(sm):  # noqa: ANN001
         if tree:
-            for ln in T.vectorized(8):
-                sm[ln] = sm[ln] + sm[ln + 8]
-            for ln in T.vectorized(4):
-                sm[ln] = sm[ln] + sm[ln + 4]
-            for ln in T.vectorized(2):
-                sm[ln] = sm[ln] + sm[ln + 2]
-            sm[0] = sm[0] + sm[1]
+            sm[0] = fold_lanes(sm.vload([0], "int32x16"), 16, add)
         else:
             for ln in T.serial(15):
                 sm[0] = sm[0] + sm[ln + 1]

@@ -96,9 +96,10 @@ class GemvQVnniCPU(ScheduleTemplate):
             "split": [1, 2],
             "hinib": [0, 1] if d["bits"] == 4 else [0],
             "sprefetch": [0, 1],  # scales (and zero/min) prefetched as far ahead as the codes
-            # pquant (x quantized in a parallel loop of its own) and qtree (its reductions as trees) are
-            # configs and env switches, not searched: neither beat an A/A pair at TinyLlama's shapes
-            # (benchmarks/results/gemv_qvnni_shared_copies_ab.csv), they would only quadruple the space
+            # pquant (x quantized in a parallel loop of its own) and qtree (its reductions folded in
+            # registers) are configs and env switches, not searched: pquant did not beat an A/A pair at
+            # TinyLlama's shapes (benchmarks/results/gemv_qvnni_shared_copies_ab.csv), qtree=1 is the
+            # default (a fixed saving per call); they would only quadruple the space
         }
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
@@ -148,8 +149,11 @@ class GemvQVnniCPU(ScheduleTemplate):
         # x quantized on the calling thread: a parallel loop of its own (pquant=2) lost 3% at qkv and o,
         # a second pool launch costing more than the quantization it splits (same CSVs)
         pquant = int(os.environ.get("PERFX_VNNI_GEMV_PQUANT", "0"))  # A/B switch
-        # per-group reductions of x as chains: trees (qtree=1) timed no better than an A/A pair
-        qtree = int(os.environ.get("PERFX_VNNI_GEMV_QTREE", "0"))  # A/B switch
+        # x's per-group max and code sum folded in registers (qtree=1): the N=2 GEMV (launch + x's
+        # quantization + one row pair) took 4-15% less than with 15-step chains at K=576..5632
+        # (benchmarks/results/gemv_qvnni_overheads.csv, prologue_K vs prologue_K_qtree); the tree
+        # through a buffer it replaced had timed no better than an A/A pair (store-forwarding stalls)
+        qtree = int(os.environ.get("PERFX_VNNI_GEMV_QTREE", "1"))  # A/B switch
         return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": prefetch, "split": split,
                 "hinib": hinib, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree}
 

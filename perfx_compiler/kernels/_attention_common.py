@@ -18,6 +18,8 @@ from typing import Any
 
 from tvm.script import tirx as T
 
+from perfx_compiler.kernels._lanes import add, fold_lanes
+
 NEG = -3.0e38  # "minus infinity" of the running max: finite, so exp(NEG - m) is 0, never NaN
 
 
@@ -42,20 +44,6 @@ def lanes_for(head_dim: int, max_lanes: int = 16) -> int:
     return next(w for w in (16, 8, 4, 2, 1) if w <= max_lanes and head_dim % w == 0)
 
 
-def _fold(vec: Any, width: int, op: Any) -> Any:
-    """op over the lanes of a width-lane vector expression (width a power of two): the upper half
-    folded onto the lower by shuffles. Folding through a buffer instead reloaded half-vectors of a
-    full-width store (a store-forwarding stall per step), and a serial loop of scalar adds over
-    the lanes made LLVM move them one by one through integer registers."""
-    from tvm import tirx
-
-    while width > 1:
-        half = width // 2
-        vec = op(tirx.Shuffle([vec], list(range(half))), tirx.Shuffle([vec], list(range(half, width))))
-        width = half
-    return vec
-
-
 def _vtype(lanes: int) -> str:
     return f"float32x{lanes}" if lanes > 1 else "float32"
 
@@ -67,7 +55,7 @@ def _folded_dot(q: Any, q_base: Any, k: Any, k_base: Any, D: int, L: int) -> Any
     vec = q.vload([q_base], vt) * k.vload([k_base], vt)
     for c in range(1, D // L):
         vec = vec + q.vload([q_base + c * L], vt) * k.vload([k_base + c * L], vt)
-    return _fold(vec, L, lambda a, b: a + b)
+    return fold_lanes(vec, L, add)
 
 
 def _tile_max(sc: Any, base: Any, n: Any, KT: int) -> Any:
@@ -85,7 +73,7 @@ def _tile_max(sc: Any, base: Any, n: Any, KT: int) -> Any:
         neg = tirx.Broadcast(tirx.const(NEG, "float32"), W) if W > 1 else tirx.const(NEG, "float32")
         chunk = tirx.Select(lane_pos < limit, sc.vload([base + c * W], _vtype(W)), neg)
         vec = chunk if vec is None else tirx.max(vec, chunk)
-    return _fold(vec, W, tirx.max)
+    return fold_lanes(vec, W, tirx.max)
 
 
 def _tile_sum(sc: Any, base: Any, KT: int) -> Any:
@@ -94,23 +82,7 @@ def _tile_sum(sc: Any, base: Any, KT: int) -> Any:
     vec = sc.vload([base], _vtype(W))
     for c in range(1, KT // W):
         vec = vec + sc.vload([base + c * W], _vtype(W))
-    return _fold(vec, W, lambda a, b: a + b)
-
-
-def fold_lanes(buf, base, W, op):
-    """buf[base] = op over buf[base : base + W] (W a power of two <= 16): a halving tree of vector
-    ops (the upper half onto the lower), log2(W) steps instead of W dependent scalar ones."""
-    if W >= 16:
-        for lane in T.vectorized(8):
-            buf[base + lane] = op(buf[base + lane], buf[base + 8 + lane])
-    if W >= 8:
-        for lane in T.vectorized(4):
-            buf[base + lane] = op(buf[base + lane], buf[base + 4 + lane])
-    if W >= 4:
-        for lane in T.vectorized(2):
-            buf[base + lane] = op(buf[base + lane], buf[base + 2 + lane])
-    if W >= 2:
-        buf[base] = op(buf[base], buf[base + 1])
+    return fold_lanes(vec, W, add)
 
 
 def rope_pair(x1: Any, x2: Any, c: Any, s: Any) -> tuple[Any, Any]:

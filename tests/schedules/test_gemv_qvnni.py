@@ -232,7 +232,8 @@ def test_scale_prefetch_default_env_and_code(template, target, monkeypatch):
     big = template.match(vnni_weights("Q4_0", 4098, 64, rng)[0].compute("matmul", (1, 1)), target)
     assert template.builtin_default(small, target)["sprefetch"] == 1
     assert template.builtin_default(big, target)["sprefetch"] == 0
-    assert template.builtin_default(small, target)["pquant"] == 0 and template.builtin_default(small, target)["qtree"] == 0
+    monkeypatch.delenv("PERFX_VNNI_GEMV_QTREE", raising=False)
+    assert template.builtin_default(small, target)["pquant"] == 0 and template.builtin_default(small, target)["qtree"] == 1
     monkeypatch.setenv("PERFX_VNNI_GEMV_SPREFETCH", "0")
     assert template.builtin_default(small, target)["sprefetch"] == 0
     for bad in ({"sprefetch": 2}, {"qtree": 2}, {"pquant": -1}):
