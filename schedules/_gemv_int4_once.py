@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfx_compiler.kernels._lanes import lanes_sum
+
 
 def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offset: bool = False,
                batch: bool = False) -> Any:
@@ -79,9 +81,7 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
                             accg[r * L + lane]
                             - T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[c * MB * NG * L + g * L + lane])
         for r in T.unroll(R):
-            for lane in T.serial(L - 1):
-                acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
-            Y[(c * MB) // m, (c * MB) % m, t * PER + nj * R + r] = acc[r * L]
+            Y[(c * MB) // m, (c * MB) % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 
     @T.macro
     def block(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, rows):
@@ -122,9 +122,7 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
                                 (c * MB + i) * NG * G + (g * VPG + u) * L + lane]
         for i in T.unroll(rows):
             for r in T.unroll(R):
-                for lane in T.serial(L - 1):
-                    acc[(i * R + r) * L] = acc[(i * R + r) * L] + acc[(i * R + r) * L + lane + 1]
-                Y[(c * MB + i) // m, (c * MB + i) % m, t * PER + nj * R + r] = acc[(i * R + r) * L]
+                Y[(c * MB + i) // m, (c * MB + i) % m, t * PER + nj * R + r] = lanes_sum(acc, (i * R + r) * L, L)
 
     def dispatch(rows: int, fewer: Any) -> Any:
         # a chunk of up to ``rows`` rows: the body for exactly ``rows``, else ``fewer``'s (macros

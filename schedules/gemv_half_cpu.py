@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -96,9 +97,7 @@ def _gemv(N: int, K: int, family: str, act: str, L: int, tasks: int, R: int, A: 
                         for a in T.unroll(A - 1):
                             for lane in T.vectorized(L):
                                 acc[r * A * L + lane] = acc[r * A * L + lane] + acc[(r * A + a + 1) * L + lane]
-                        for lane in T.serial(L - 1):
-                            acc[r * A * L] = acc[r * A * L] + acc[r * A * L + lane + 1]
-                        Y[bm // m, bm % m, t * PER + nj * R + r] = acc[r * A * L]
+                        Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * A * L, L)
 
     return half_gemv
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.passes._quant_attr import QUANT_ATTR, read_quant_info
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
@@ -132,9 +133,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
                             accg[r * L + lane] - T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[xs0 + g * L + lane]
                         )
         for r in T.unroll(R):
-            for lane in T.serial(L - 1):
-                acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
-            Y[bm // m, bm % m, t * PER + nj * R + r] = acc[r * L]
+            Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 
     if batch:
 

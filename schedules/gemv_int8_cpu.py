@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.schedule_template import ScheduleConfigError, ScheduleTemplate, Workload
 from schedules.gemv_int4_cpu import GemvInt4CPU
 
@@ -52,9 +53,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
                         "float32", S[t * PER + nj * R + r, g]
                     ) * accg[r * L + lane]
         for r in T.unroll(R):
-            for lane in T.serial(L - 1):
-                acc[r * L] = acc[r * L] + acc[r * L + lane + 1]
-            Y[bm // m, bm % m, t * PER + nj * R + r] = acc[r * L]
+            Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 
     if batch:
 

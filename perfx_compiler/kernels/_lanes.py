@@ -28,3 +28,8 @@ def fold_lanes(vec: Any, width: int, op: Any) -> Any:
 
 def add(a: Any, b: Any) -> Any:
     return a + b
+
+
+def lanes_sum(buf: Any, base: Any, lanes: int, dtype: str = "float32") -> Any:
+    """sum of buf[base : base + lanes] (a vector accumulator at the end of a row) as one expression."""
+    return fold_lanes(buf.vload([base], f"{dtype}x{lanes}" if lanes > 1 else dtype), lanes, add)
