@@ -155,6 +155,10 @@ def targets_section(names: list[str], results: Path) -> list[str]:
             out.append(_check(f"{name}: decode vs llama.cpp", _ratio(px, lc, "decode_tok_s") if lc else None, 1.0))
             frac = float(px["bw_fraction"]) if px.get("bw_fraction") else None
             out.append(_check(f"{name}: decode bandwidth of the measured ceiling", frac, 0.9, "%"))
+            for place, cores in (("shared", "one core's two hyperthreads"), ("split", "two cores")):
+                if px.get(f"bw_fraction_{place}"):
+                    out.append(_check(f"{name}: the same, steady turns with the vCPUs on {cores} ({place})",
+                                      float(px[f"bw_fraction_{place}"]), 0.9, "%"))
         peers = [r for e, r in rows.items() if e != "perfx" and r.get("prefill512_tok_s")]
         if peers and (name == "smollm2-q4_1" or name.startswith("tinyllama")):
             best = max(peers, key=lambda r: float(r["prefill512_tok_s"]))

@@ -50,6 +50,8 @@ SUMMARY_COLUMNS = [
     "bw_probe_min_gbs",
     "bw_probe_max_gbs",
     "bw_probe_turn_change",
+    "bw_fraction_shared",
+    "bw_fraction_split",
     "perfx_decode_ratio",
     "perfx_prefill128_ratio",
     "perfx_prefill512_ratio",
@@ -136,6 +138,9 @@ def summarize(
     return sorted(out, key=lambda r: order.get(r["engine"], 9))
 
 
+STEADY_TURN = 0.10  # a turn whose probe moved more than this (placement changed mid-decode) is unsteady
+
+
 def _bw_fraction(rows: Sequence[dict[str, Any]], achieved: float, bw_all: float) -> dict[str, Any]:
     """Weights streamed as a fraction of the read-bandwidth probe, and the probe's own spread.
 
@@ -143,7 +148,10 @@ def _bw_fraction(rows: Sequence[dict[str, Any]], achieved: float, bw_all: float)
     before and after its decode), so a turn is only compared with the machine state around it.
     ``bw_fraction_pooled``: median achieved over the median of every probe in the run (the
     unpaired figure, for comparison). ``bw_probe_turn_change``: median |after - before| / mean,
-    how much the ceiling moved during one decode.
+    how much the ceiling moved during one decode. ``bw_fraction_shared`` / ``_split``: the median
+    over steady turns (probe moved < 10%) with the two vCPUs on one core's hyperthreads / on two
+    cores: the host moves them between the two during a run, and the ceiling with them (~50 vs ~80
+    GB/s here), so a turn whose placement changed mid-decode compares with the wrong probe.
     """
     pairs = [r["bw_fraction"] for r in rows if r.get("bw_fraction") == r.get("bw_fraction") and r.get("bw_fraction")]
     if not pairs:  # rounds without a bracket (probe off): ratio of medians
@@ -154,7 +162,18 @@ def _bw_fraction(rows: Sequence[dict[str, Any]], achieved: float, bw_all: float)
         for r in rows
         if r.get("round_bw_gbs") and r.get("bw_after_gbs") == r.get("bw_after_gbs") and "bw_before_gbs" in r
     ]
+    by_place = {
+        place: [
+            r["bw_fraction"]
+            for r in rows
+            if r.get("placement") == place and r.get("bw_fraction") and r.get("round_bw_gbs")
+            and r.get("bw_after_gbs") == r.get("bw_after_gbs") and "bw_before_gbs" in r
+            and abs(r["bw_after_gbs"] - r["bw_before_gbs"]) / r["round_bw_gbs"] < STEADY_TURN
+        ]
+        for place in ("shared", "split")
+    }
     return {
+        **{f"bw_fraction_{place}": round(_median(v), 3) if v else "" for place, v in by_place.items()},
         "bw_fraction": round(_median(pairs), 3) if pairs else "",
         "bw_fraction_min": round(min(pairs), 3) if pairs else "",
         "bw_fraction_max": round(max(pairs), 3) if pairs else "",

@@ -8,12 +8,12 @@ from perfx_compiler.bench.machine import BandwidthProbe
 from perfx_compiler.bench.report import summarize
 
 
-def _row(engine: str, rnd: int, achieved: float, before: float, after: float) -> dict:
+def _row(engine: str, rnd: int, achieved: float, before: float, after: float, placement: str = "shared") -> dict:
     ceiling = (before + after) / 2
     return {
         "model": "m", "engine": engine, "round": rnd, "decode_tok_s": achieved, "ttft_ms": 1.0,
         "prefill128_tok_s": 1.0, "prefill512_tok_s": 1.0, "achieved_gbs": achieved, "pingpong_ns": 50.0,
-        "placement": "shared", "bw_before_gbs": before, "bw_after_gbs": after, "round_bw_gbs": ceiling,
+        "placement": placement, "bw_before_gbs": before, "bw_after_gbs": after, "round_bw_gbs": ceiling,
         "bw_fraction": achieved / ceiling, "other_cpu": 0.0, "redone": 0, "disturbed": False, "load_avg_1m": 0.5,
     }
 
@@ -41,6 +41,18 @@ def test_pooled_fraction_differs_when_the_probe_moves():
     px = next(r for r in summarize(rows, {}, {}, "m", 2) if r["engine"] == "perfx")
     assert px["bw_fraction"] == pytest.approx(0.9, abs=1e-3)
     assert px["bw_fraction_pooled"] == pytest.approx(45.0 / 65.0, abs=1e-3)
+
+
+def test_fraction_per_placement_uses_steady_turns_only():
+    # hyperthreads of one core (~50 GB/s) at 90%, two cores (~80 GB/s) at 75%; one turn's probe
+    # jumped from 50 to 80 mid-decode (placement changed): it counts in neither placement's figure
+    rows = [_row("perfx", 0, 45.0, 50.0, 50.0), _row("perfx", 1, 60.0, 80.0, 80.0, "split"),
+            _row("perfx", 2, 44.1, 49.0, 49.0), _row("perfx", 3, 61.5, 82.0, 82.0, "split"),
+            _row("perfx", 4, 60.0, 50.0, 80.0)]
+    px = summarize(rows, {}, {}, "m", 2)[0]
+    assert px["bw_fraction_shared"] == pytest.approx(0.9, abs=1e-3)
+    assert px["bw_fraction_split"] == pytest.approx(0.75, abs=1e-3)
+    assert px["bw_fraction"] == pytest.approx(0.9, abs=1e-3)  # unfiltered: all five turns, the jumped one at 92%
 
 
 def test_probe_reuses_its_buffer():
