@@ -18,7 +18,7 @@ from typing import Any
 
 from tvm.script import tirx as T
 
-from perfx_compiler.kernels._lanes import add, fold_lanes
+from perfx_compiler.kernels._lanes import add, fold_lanes, vector_type
 
 NEG = -3.0e38  # "minus infinity" of the running max: finite, so exp(NEG - m) is 0, never NaN
 
@@ -34,24 +34,15 @@ def fast_exp(x: Any) -> Any:
     return tirx.Select(x < tirx.const(-60.0, "float32"), tirx.const(0.0, "float32"), _fast_exp(x))
 
 
-def _fold_width(n: int) -> int:
-    """Widest power of two <= 16 dividing n (the vector width of the softmax folds over a tile)."""
-    return next(w for w in (16, 8, 4, 2, 1) if n % w == 0)
-
-
-def lanes_for(head_dim: int, max_lanes: int = 16) -> int:
-    """Widest f32 vector (<= max_lanes) that divides head_dim."""
-    return next(w for w in (16, 8, 4, 2, 1) if w <= max_lanes and head_dim % w == 0)
-
-
-def _vtype(lanes: int) -> str:
-    return f"float32x{lanes}" if lanes > 1 else "float32"
+def lanes_for(n: int, max_lanes: int = 16) -> int:
+    """Widest f32 vector (<= max_lanes) that divides n (a head_dim, or a tile of keys)."""
+    return next(w for w in (16, 8, 4, 2, 1) if w <= max_lanes and n % w == 0)
 
 
 def _folded_dot(q: Any, q_base: Any, k: Any, k_base: Any, D: int, L: int) -> Any:
     """q[q_base : q_base + D] . k[k_base : k_base + D] as one expression (L-lane products summed,
     then folded): the partial never leaves registers."""
-    vt = _vtype(L)
+    vt = vector_type("float32", L)
     vec = q.vload([q_base], vt) * k.vload([k_base], vt)
     for c in range(1, D // L):
         vec = vec + q.vload([q_base + c * L], vt) * k.vload([k_base + c * L], vt)
@@ -59,29 +50,31 @@ def _folded_dot(q: Any, q_base: Any, k: Any, k_base: Any, D: int, L: int) -> Any
 
 
 def _tile_max(sc: Any, base: Any, n: Any, KT: int) -> Any:
-    """max of sc[base : base + n] (n <= KT) as one expression: W-lane chunks with lanes >= n
-    masked to NEG, maxed, then folded."""
+    """max of sc[base : base + n] (n <= KT) as one expression: W-lane chunks (W the widest vector
+    dividing the tile) with lanes >= n masked to NEG, maxed, then folded."""
     from tvm import tirx
 
-    W = _fold_width(KT)
+    W = lanes_for(KT)
     n = tirx.Cast("int64", n)
+    limit = tirx.Broadcast(n, W) if W > 1 else n
+    neg = tirx.const(NEG, "float32")
+    neg = tirx.Broadcast(neg, W) if W > 1 else neg
     vec = None
     for c in range(KT // W):
         first = tirx.const(c * W, "int64")
         lane_pos = tirx.Ramp(first, tirx.const(1, "int64"), W) if W > 1 else first
-        limit = tirx.Broadcast(n, W) if W > 1 else n
-        neg = tirx.Broadcast(tirx.const(NEG, "float32"), W) if W > 1 else tirx.const(NEG, "float32")
-        chunk = tirx.Select(lane_pos < limit, sc.vload([base + c * W], _vtype(W)), neg)
+        chunk = tirx.Select(lane_pos < limit, sc.vload([base + c * W], vector_type("float32", W)), neg)
         vec = chunk if vec is None else tirx.max(vec, chunk)
     return fold_lanes(vec, W, tirx.max)
 
 
 def _tile_sum(sc: Any, base: Any, KT: int) -> Any:
     """sum of sc[base : base + KT] as one expression (W-lane chunks added, then folded)."""
-    W = _fold_width(KT)
-    vec = sc.vload([base], _vtype(W))
+    W = lanes_for(KT)
+    vt = vector_type("float32", W)
+    vec = sc.vload([base], vt)
     for c in range(1, KT // W):
-        vec = vec + sc.vload([base + c * W], _vtype(W))
+        vec = vec + sc.vload([base + c * W], vt)
     return fold_lanes(vec, W, add)
 
 

@@ -30,6 +30,11 @@ def add(a: Any, b: Any) -> Any:
     return a + b
 
 
+def vector_type(dtype: str, lanes: int) -> str:
+    """TVM's name of a ``lanes``-wide vector of ``dtype`` (the scalar type for one lane)."""
+    return f"{dtype}x{lanes}" if lanes > 1 else dtype
+
+
 def lanes_sum(buf: Any, base: Any, lanes: int, dtype: str = "float32") -> Any:
     """sum of buf[base : base + lanes] (a vector accumulator at the end of a row) as one expression."""
-    return fold_lanes(buf.vload([base], f"{dtype}x{lanes}" if lanes > 1 else dtype), lanes, add)
+    return fold_lanes(buf.vload([base], vector_type(dtype, lanes)), lanes, add)
