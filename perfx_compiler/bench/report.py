@@ -141,6 +141,13 @@ def summarize(
 STEADY_TURN = 0.10  # a turn whose probe moved more than this (placement changed mid-decode) is unsteady
 
 
+def _turn_move(r: dict[str, Any]) -> float | None:
+    """|after - before| / mean of the probes that bracket one turn's decode (None without both)."""
+    if not r.get("round_bw_gbs") or "bw_before_gbs" not in r or r.get("bw_after_gbs") != r.get("bw_after_gbs"):
+        return None
+    return abs(r["bw_after_gbs"] - r["bw_before_gbs"]) / r["round_bw_gbs"]
+
+
 def _bw_fraction(rows: Sequence[dict[str, Any]], achieved: float, bw_all: float) -> dict[str, Any]:
     """Weights streamed as a fraction of the read-bandwidth probe, and the probe's own spread.
 
@@ -157,18 +164,13 @@ def _bw_fraction(rows: Sequence[dict[str, Any]], achieved: float, bw_all: float)
     if not pairs:  # rounds without a bracket (probe off): ratio of medians
         pairs = [r["achieved_gbs"] / r["round_bw_gbs"] for r in rows if r.get("round_bw_gbs")]
     probes = [v for r in rows for v in (r.get("bw_before_gbs"), r.get("bw_after_gbs")) if v is not None and v == v]
-    moves = [
-        abs(r["bw_after_gbs"] - r["bw_before_gbs"]) / r["round_bw_gbs"]
-        for r in rows
-        if r.get("round_bw_gbs") and r.get("bw_after_gbs") == r.get("bw_after_gbs") and "bw_before_gbs" in r
-    ]
+    moves = [m for m in map(_turn_move, rows) if m is not None]
     by_place = {
         place: [
             r["bw_fraction"]
             for r in rows
-            if r.get("placement") == place and r.get("bw_fraction") and r.get("round_bw_gbs")
-            and r.get("bw_after_gbs") == r.get("bw_after_gbs") and "bw_before_gbs" in r
-            and abs(r["bw_after_gbs"] - r["bw_before_gbs"]) / r["round_bw_gbs"] < STEADY_TURN
+            if r.get("placement") == place and r.get("bw_fraction")
+            and (m := _turn_move(r)) is not None and m < STEADY_TURN
         ]
         for place in ("shared", "split")
     }

@@ -44,15 +44,16 @@ def test_pooled_fraction_differs_when_the_probe_moves():
 
 
 def test_fraction_per_placement_uses_steady_turns_only():
-    # hyperthreads of one core (~50 GB/s) at 90%, two cores (~80 GB/s) at 75%; one turn's probe
-    # jumped from 50 to 80 mid-decode (placement changed): it counts in neither placement's figure
+    # hyperthreads of one core (~50 GB/s) at 90%, two cores (~80 GB/s) at 75%; two turns' probes
+    # jumped from 50 to 80 mid-decode (placement changed): they count in neither placement's figure
+    # (counted, they would move the shared median to 91%)
     rows = [_row("perfx", 0, 45.0, 50.0, 50.0), _row("perfx", 1, 60.0, 80.0, 80.0, "split"),
             _row("perfx", 2, 44.1, 49.0, 49.0), _row("perfx", 3, 61.5, 82.0, 82.0, "split"),
-            _row("perfx", 4, 60.0, 50.0, 80.0)]
+            _row("perfx", 4, 60.0, 50.0, 80.0), _row("perfx", 5, 60.0, 50.0, 80.0)]
     px = summarize(rows, {}, {}, "m", 2)[0]
     assert px["bw_fraction_shared"] == pytest.approx(0.9, abs=1e-3)
     assert px["bw_fraction_split"] == pytest.approx(0.75, abs=1e-3)
-    assert px["bw_fraction"] == pytest.approx(0.9, abs=1e-3)  # unfiltered: all five turns, the jumped one at 92%
+    assert px["bw_fraction"] == pytest.approx(0.9, abs=1e-3)  # unfiltered: all six turns, the jumped ones at 92%
 
 
 def test_probe_reuses_its_buffer():
