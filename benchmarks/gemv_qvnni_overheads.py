@@ -54,7 +54,7 @@ def _empty(tasks: int) -> Any:
 
 
 def _gemv(n: int, k: int, target: Any, rng: np.random.Generator, over: dict[str, int] | None = None,
-          ) -> tuple[Any, list[Any], int, np.ndarray, np.ndarray]:
+          ) -> tuple[Any, list[Any], int, np.ndarray, np.ndarray, dict[str, Any]]:
     import tvm
 
     from schedules.gemv_qvnni_cpu import TEMPLATE
@@ -64,14 +64,15 @@ def _gemv(n: int, k: int, target: Any, rng: np.random.Generator, over: dict[str,
     packed = q4_vnni_packed(codes, d, np.full((n, k // 32), 8, np.uint8), Q4_0)
     func = packed.compute("matmul", (1, 1))
     wl = TEMPLATE.match(func, target)
-    rt = build_func(TEMPLATE.apply(func, wl, {**TEMPLATE.default_config(wl, target), **(over or {})}, target), target)
+    config = {**TEMPLATE.default_config(wl, target), **(over or {})}
+    rt = build_func(TEMPLATE.apply(func, wl, config, target), target)
     dev = tvm.cpu()
     x = rng.standard_normal((1, 1, k)).astype(np.float32)
     args = [tvm.runtime.tensor(x, dev), *[tvm.runtime.tensor(a, dev) for _, a in packed.arrays],
             tvm.runtime.tensor(np.zeros((1, 1, n), np.float32), dev)]
     nbytes = sum(a.nbytes for name, a in packed.arrays if not name.endswith("_zero"))  # sym: zeros unread
     w = (codes.astype(np.float64) - 8.0) * np.repeat(d.astype(np.float64), 32, axis=1)
-    return rt, args, nbytes, w, x.ravel().astype(np.float64)
+    return rt, args, nbytes, w, x.ravel().astype(np.float64), config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,22 +93,18 @@ def main(argv: list[str] | None = None) -> int:
                       "args": [a, b], "bytes": 0, "K": 0, "N": 0})
     for k in sorted({k for _, k in SHAPES.values()} | set(SMOLLM2_K)):
         for qtree in (0, 1):  # x's per-group max / code sum: chain vs folded in registers
-            rt, a, nb, _, _ = _gemv(2, k, target, rng, {"qtree": qtree})
+            rt, a, nb, _, _, _ = _gemv(2, k, target, rng, {"qtree": qtree})
             cases.append({"case": f"prologue_{k}" + ("_qtree" if qtree else ""), "rt": rt, "args": a, "bytes": nb,
                           "K": k, "N": 2})
     for name, (n, k) in SHAPES.items():
         for over, suffix in ((None, ""), ({"tasks": 2}, "_tasks2")):
-            rt, a, nb, w, x = _gemv(n, k, target, rng, over)
+            rt, a, nb, w, x, config = _gemv(n, k, target, rng, over)
             rt["main"](*a)
             ref = w @ x
             err = np.abs(a[-1].numpy().ravel() - ref).max() / np.abs(ref).max()
             assert err < 2e-2, (name, over, err)  # int8 activations: ~1e-2 relative at most
-            cases.append({"case": f"gemv_{name}{suffix}", "rt": rt, "args": a, "bytes": nb, "K": k, "N": n})
-    from schedules.gemv_qvnni_cpu import TEMPLATE
-
-    probe_wl = TEMPLATE.match(q4_vnni_packed(np.zeros((2, 2048), np.uint8), np.ones((2, 64), np.float16),
-                                             np.full((2, 64), 8, np.uint8), Q4_0).compute("matmul", (1, 1)), target)
-    default_qtree = int(TEMPLATE.default_config(probe_wl, target).get("qtree", 0))
+            cases.append({"case": f"gemv_{name}{suffix}", "rt": rt, "args": a, "bytes": nb, "K": k, "N": n,
+                          "qtree": int(config.get("qtree", 0))})
     samples: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     for r in range(args.rounds):
         for c in (cases if r % 2 == 0 else cases[::-1]):
@@ -123,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             sec = p10[(c["case"], cold)]
             med = statistics.median(s[1] for s in samples[(c["case"], cold)])
             # the N=2 GEMV is the fixed part: one launch (fork/join) + x's quantization + one row pair
-            fixed = p10.get((f"prologue_{c['K']}" + ("_qtree" if default_qtree else ""), cold), 0.0)
+            # (the prologue built with the GEMV's own qtree)
+            fixed = p10.get((f"prologue_{c['K']}" + ("_qtree" if c.get("qtree") else ""), cold), 0.0)
             gemv = c["case"].startswith("gemv")
             rows.append({"case": c["case"], "N": c["N"], "K": c["K"], "cold": cold, "p10_us": round(sec * 1e6, 2),
                          "median_us": round(med * 1e6, 2),
