@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     labels = args.labels.split(",") if args.labels else [Path(a).name for a in args.artifacts]
     # Two engines of one artifact decode 5-12% apart depending on load order (where their weight
-    # copies land; decode_kernels_tinyllama-q4_0_long_rows_loadorder.csv), enough to make a 2-arm A/B
-    # say x1.11 one way and x0.88 the other. Mirrored, each side gets an early and a late copy.
+    # copies land; decode_kernels_tinyllama-q4_0_long_rows_loadorder.csv), as large as the changes
+    # an A/B looks for. Mirrored, each side gets an early and a late copy.
     mirrored = len(args.artifacts) == 2 and not args.no_mirror
     if mirrored:
         args.artifacts = [*args.artifacts, *args.artifacts[::-1]]
