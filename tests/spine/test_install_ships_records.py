@@ -1,0 +1,36 @@
+"""``pip install .`` (the README's first command) ships what the compiler reads from the repo: the
+committed tuning records (``tuning_logs/<target>/*.jsonl``: without them an installed perfx-compile builds
+the README model from template defaults) and the target files."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_wheel_holds_every_committed_record_and_target(tmp_path: Path) -> None:
+    # built from a copy of the checkout's files: the repo's own build/ folder would feed the wheel stale files
+    files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard"], capture_output=True,
+                           text=True, check=True).stdout.split()
+    src = tmp_path / "src"
+    for f in files:
+        if (REPO / f).is_file():
+            (src / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(REPO / f, src / f)
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
+                          "-w", str(tmp_path)], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.fail(f"pip wheel failed: {out.stderr[-2000:]}")
+    (wheel,) = tmp_path.glob("perfx-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    wanted = [p.relative_to(REPO).as_posix() for p in (*REPO.glob("tuning_logs/*/*.jsonl"), *REPO.glob("targets/*.json"))]
+    assert any(w.startswith("tuning_logs/x86-avx512/") for w in wanted)  # the README model's records
+    missing = [w for w in wanted if w not in names]
+    assert not missing, f"not in the wheel: {missing}"
