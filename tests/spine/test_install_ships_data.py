@@ -1,6 +1,7 @@
 """``pip install .`` (the README's first command) ships what the compiler reads from the repo: the
 committed tuning records (``tuning_logs/<target>/*.jsonl``: without them an installed perfx-compile builds
-the README model from template defaults) and the target files."""
+the README model from template defaults), the target files, and the package's non-Python files (AWQ's
+calibration text, the cross-compiled C/C++ harnesses)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_wheel_holds_every_committed_record_and_target(tmp_path: Path) -> None:
+def test_wheel_holds_every_record_target_and_data_file(tmp_path: Path) -> None:
     # built from a copy of the checkout's files: the repo's own build/ folder would feed the wheel stale files
     files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard"], capture_output=True,
                            text=True, check=True).stdout.split()
@@ -30,7 +31,8 @@ def test_wheel_holds_every_committed_record_and_target(tmp_path: Path) -> None:
         pytest.fail(f"pip wheel failed: {out.stderr[-2000:]}")
     (wheel,) = tmp_path.glob("perfx-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    wanted = [p.relative_to(REPO).as_posix() for p in (*REPO.glob("tuning_logs/*/*.jsonl"), *REPO.glob("targets/*.json"))]
+    wanted = [f for f in files if f.startswith(("tuning_logs/", "targets/", "perfx_compiler/", "schedules/"))
+              and not f.endswith((".py", ".pyc"))]
     assert any(w.startswith("tuning_logs/x86-avx512/") for w in wanted)  # the README model's records
     missing = [w for w in wanted if w not in names]
     assert not missing, f"not in the wheel: {missing}"
