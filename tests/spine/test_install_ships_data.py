@@ -18,8 +18,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_wheel_holds_every_record_target_and_data_file(tmp_path: Path) -> None:
     # built from a copy of the checkout's files: the repo's own build/ folder would feed the wheel stale files
-    files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard"], capture_output=True,
-                           text=True, check=True).stdout.split()
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard"], capture_output=True,
+                            text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout: the tracked files are unknown")
+    files = listed.stdout.split()
     src = tmp_path / "src"
     for f in files:
         if (REPO / f).is_file():
