@@ -22,7 +22,7 @@ def test_wheel_holds_every_record_target_and_data_file(tmp_path: Path) -> None:
                             text=True)
     if listed.returncode != 0:
         pytest.skip("not a git checkout: the tracked files are unknown")
-    files = listed.stdout.split()
+    files = listed.stdout.splitlines()
     src = tmp_path / "src"
     for f in files:
         if (REPO / f).is_file():
