@@ -62,10 +62,13 @@ def hf_folders(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def torch_export(folder: Path, out: Path, dtype: str = "float32", with_config: bool = False) -> Path:
+def torch_export(folder: Path, out: Path, dtype: str = "float32", with_config: bool = False,
+                 opset: int = 18, dynamo: bool = True) -> Path:
     """transformers model + DynamicCache, exported with torch.onnx dynamo: seq and past axes dynamic.
     ``dtype="float16"``: model.half() (weights, activations and KV in fp16). ``with_config``: the
-    model's config.json goes next to the graph too (architecture name, sliding window)."""
+    model's config.json goes next to the graph too (architecture name, sliding window).
+    ``dynamo=False``: the TorchScript exporter (what optimum-cli uses) at ``opset``, with dynamic_axes.
+    ``dynamo=True, opset=17``: see ``dynamo_opset17``."""
     import torch
     import transformers
 
@@ -93,22 +96,50 @@ def torch_export(folder: Path, out: Path, dtype: str = "float32", with_config: b
     past = [torch.randn(1, cfg.num_key_value_heads, p, cfg.head_dim, dtype=getattr(torch, dtype)) for _ in range(2 * n)]
     args = (torch.randint(0, cfg.vocab_size, (1, s)), torch.ones(1, s + p, dtype=torch.int64),
             torch.arange(p, p + s)[None], *past)
-    seq, pl, tot = (torch.export.Dim(k, min=lo, max=2048) for k, lo in (("seq", 1), ("past", 1), ("total", 2)))
     names = [f"past_key_values.{i}.{kind}" for i in range(n) for kind in ("key", "value")]
+    io_names = dict(input_names=["input_ids", "attention_mask", "position_ids", *names],
+                    output_names=["logits", *[x.replace("past_key_values", "present") for x in names]])
+    out.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prog = torch.onnx.export(
-            WithCache(model), args, dynamo=True, opset_version=18,
-            input_names=["input_ids", "attention_mask", "position_ids", *names],
-            output_names=["logits", *[x.replace("past_key_values", "present") for x in names]],
-            dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: tot}, "position_ids": {1: seq},
-                            "past": tuple({2: pl} for _ in range(2 * n))},
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    prog.save(str(out))
+        if not dynamo:
+            axes = {"input_ids": {1: "seq"}, "attention_mask": {1: "total"}, "position_ids": {1: "seq"},
+                    "logits": {1: "seq"}, **{x: {2: "past"} for x in io_names["input_names"][3:]},
+                    **{x: {2: "total"} for x in io_names["output_names"][1:]}}
+            torch.onnx.export(WithCache(model), args, str(out), dynamo=False, opset_version=opset,
+                              dynamic_axes=axes, **io_names)
+        else:
+            seq, pl, tot = (torch.export.Dim(k, min=lo, max=2048) for k, lo in (("seq", 1), ("past", 1), ("total", 2)))
+            prog = torch.onnx.export(
+                WithCache(model), args, dynamo=True, opset_version=18, **io_names,
+                dynamic_shapes={"input_ids": {1: seq}, "attention_mask": {1: tot}, "position_ids": {1: seq},
+                                "past": tuple({2: pl} for _ in range(2 * n))},
+            )
+            prog.save(str(out))
+            if opset == 17:
+                dynamo_opset17(out)
     for f in ("tokenizer.json", "tokenizer_config.json", *(["config.json"] if with_config else [])):
         (out.parent / f).write_bytes((folder / f).read_bytes())
     return out
+
+
+def dynamo_opset17(path: Path) -> None:
+    """The dynamo exporter's graph at opset 17, weights as external data. torch 2.13 cannot write it
+    itself: asked for opset 17 it exports at 18 and tries onnx's version converter, but onnxscript hands
+    the converter the initializers as graph inputs, so ReduceMean's axes look non-constant, the
+    converter asserts and torch keeps opset 18. The same converter on the saved file works; it leaves
+    ReduceMean's noop_with_empty_axes (an opset-18 attribute, default 0) behind, which the opset-17
+    checker and onnxruntime reject, so it is dropped."""
+    import onnx.version_converter
+
+    m = onnx.version_converter.convert_version(onnx.load(str(path)), 17)
+    for node in m.graph.node:
+        if node.op_type.startswith("Reduce") and node.op_type != "ReduceSum":
+            kept = [a for a in node.attribute if a.name != "noop_with_empty_axes"]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+    onnx.checker.check_model(m)
+    onnx.save_model(m, str(path), save_as_external_data=True, location="model.onnx.data")
 
 
 @pytest.fixture(scope="session")
@@ -190,6 +221,36 @@ def test_torch_llama_gqa_compiles_and_matches_onnxruntime(torch_graphs, tmp_path
     art = compile_model(desc, "host", tmp_path / "art", progress=False, batching=False)
     err = compare_engine(art, torch_graphs["llama"])
     print(f"torch.onnx llama: max rel err {err:.2e}")
+    assert err < 1e-3
+
+
+@pytest.fixture(scope="session")
+def opset17_graphs(hf_folders, tmp_path_factory) -> dict[str, Path]:
+    _need("torch", "torch.onnx export tests")
+    _need("transformers", "torch.onnx export tests")
+    root = tmp_path_factory.mktemp("torch_opset17")
+    return {"dynamo_llama": torch_export(hf_folders["llama"], root / "dynamo" / "model.onnx", opset=17),
+            "torchscript_qwen2": torch_export(hf_folders["qwen2"], root / "torchscript" / "model.onnx",
+                                              opset=17, dynamo=False)}
+
+
+@pytest.mark.parametrize("key", ["dynamo_llama", "torchscript_qwen2"])
+def test_torch_opset17_compiles_and_matches_onnxruntime(opset17_graphs, key, tmp_path):
+    graph = opset17_graphs[key]
+    m = onnx.load(str(graph), load_external_data=False)
+    assert [o.version for o in m.opset_import if o.domain in ("", "ai.onnx")] == [17]
+    means = [n for n in m.graph.node if n.op_type == "ReduceMean"]
+    # RMSNorm's mean in its opset-17 form: axes as an attribute, not an input
+    assert means and all(len(n.input) == 1 and any(a.name == "axes" for a in n.attribute) for n in means)
+    if key == "dynamo_llama":
+        assert (graph.parent / "model.onnx.data").stat().st_size > 100_000  # weights as external data
+    desc = load_onnx(graph)
+    c = desc.config
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.rope_theta) == (4, 2, 16, 10000.0)
+    assert c.attention_bias == (key == "torchscript_qwen2") and desc.tokenizer_json is not None
+    art = compile_model(desc, "host", tmp_path / "art", progress=False, batching=False)
+    err = compare_engine(art, graph)
+    print(f"torch.onnx opset 17 ({key}): max rel err {err:.2e}")
     assert err < 1e-3
 
 
