@@ -82,10 +82,11 @@ def main() -> None:
 
     import tvm
 
+    from perfx_compiler.stack_alloca import compile_kernel
     from perfx_compiler.targets import load_target
 
     target = load_target("x86-avx512")
-    build = lambda f: tvm.compile(tvm.IRModule({"main": f.with_attr("global_symbol", "main")}), target.tvm()).jit()  # noqa: E731
+    build = lambda f: compile_kernel(f, target).jit()  # noqa: E731
     libs = {"old": build(old_kernel())}
     configs = {}
     for kind in ("prefill", "decode"):

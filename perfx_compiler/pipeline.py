@@ -259,11 +259,9 @@ def _tir_pipeline(state: CompileState) -> str:
         from perfx_compiler.kernels.gemv_texture import register_pipeline
 
         return register_pipeline()
-    if state.target.family == "cpu":
-        from perfx_compiler.stack_alloca import register_pipeline as stack_pipeline
+    from perfx_compiler.stack_alloca import tir_pipeline_for
 
-        return stack_pipeline()  # small kernel scratch on the stack, not TVM's workspace pool
-    return "default"
+    return tir_pipeline_for(state.target.family)  # CPU: small kernel scratch on the stack, not the pool
 
 
 def check_signatures(state: CompileState) -> None:

@@ -86,3 +86,20 @@ def register_pipeline() -> str:
 
         cp.PIPELINE_MAP[PIPELINE_NAME] = make
     return PIPELINE_NAME
+
+
+def tir_pipeline_for(family: str) -> str:
+    """The TIR pipeline a kernel of this target family is built with: ``perfx_cpu`` on CPU targets,
+    TVM's default elsewhere. The tuner and the kernel benchmarks build with it too, so they time
+    the code the artifact runs: without it a GEMV's accumulators live in the workspace pool and are
+    stored to memory on every step, and configs were ranked on code the artifact never runs."""
+    return register_pipeline() if family == "cpu" else "default"
+
+
+def compile_kernel(func: Any, target: Any) -> Any:
+    """``tvm.compile`` of one PrimFunc (as ``main``) for a :class:`TargetDescription`, with the TIR
+    pipeline the artifact build uses for its family."""
+    import tvm
+
+    mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    return tvm.compile(mod, target.tvm(), tir_pipeline=tir_pipeline_for(target.family))

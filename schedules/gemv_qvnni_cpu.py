@@ -118,21 +118,21 @@ class GemvQVnniCPU(ScheduleTemplate):
         # two accumulators per row while they fit the registers with the scale vectors
         split = 2 if units * (2 if d["bits"] == 4 else 1) * m * 3 <= MAX_REGS else 1
         hinib = 1 if d["bits"] == 4 else 0
-        # Long rows of one activation row (decode) run plain, split=1 and hinib=0. The int4 GEMV bench read
-        # 59% (split/hinib) vs 93% (plain) of the probe at 4096x11008 (quiet); with its variants settled and
-        # on shared copies (load 6) still 81-87% vs 94-97% at 11008x4096 / 4096x11008, 70% vs 98% at
-        # 4096x4096 (results/gemv_int4.csv; a GEMV right after numpy's OpenBLAS matvec lost only x0.96:
-        # blas_spin_interference.csv). On shared cold weight copies plain read x0.91-1.13 (13 of 16 >= 1; Q4_0/Q4_1, the bench's and
-        # TinyLlama's shapes, load 6: benchmarks/results/gemv_qvnni_long_rows.csv), inside TinyLlama's decode
-        # step on the SAME tensors x1.01-1.04 per GEMV vs an A/A x1.02 (decode_kernel_ab.py --shared-args,
-        # decode_kernels_tinyllama-q4_0_long_rows_shared.csv). The 4% whole-decode loss measured before
-        # (decode_ab_tinyllama-q4_0_long_rows.csv) compared artifacts with weight copies of their own: two
-        # engines of one artifact differ by 5-12% (decode_kernels_tinyllama-q4_0_long_rows_loadorder.csv).
-        # PERFX_VNNI_GEMV_LONG_ROWS=split: the old default (A/B switch); the tuner searches both knobs.
+        # Long rows of one activation row (decode): split=1, hinib=1. Timed with the TIR pipeline the
+        # artifact is built with (accumulators in registers; stack_alloca.compile_kernel), hinib read
+        # x1.06-1.19 paired per pass and x1.01-1.03 per-call p10 over plain at all five TinyLlama shapes,
+        # 2 threads on two cores (benchmarks/results/gemv_qvnni_long_rows_hinib_2t.csv); whole decode,
+        # mirrored, turns sorted by placement: 121 vs 104 tok/s on two cores, 75.6 vs 74.2 on one core's
+        # two threads (decode_ab_tinyllama-q4_0_long_rows_hinib.csv). split=2 read less than hinib alone.
+        # The plain choice before (split=1, hinib=0) rested on kernel timings built without that pipeline
+        # (gemv_qvnni_long_rows.csv: accumulators in TVM's workspace pool, stored every step) and on
+        # artifact A/Bs within their load-order noise (decode_kernels_tinyllama-q4_0_long_rows_*.csv).
+        # PERFX_VNNI_GEMV_LONG_ROWS=plain | split: the earlier defaults (A/B switch); the tuner searches both knobs.
         # Several activation rows (batched decode, small prefill buckets; units may drop to 1 there for
         # the accumulators) keep split/hinib: not measured.
-        if long_rows and m == 1 and os.environ.get("PERFX_VNNI_GEMV_LONG_ROWS", "plain") == "plain":
-            split, hinib = 1, 0
+        long_mode = os.environ.get("PERFX_VNNI_GEMV_LONG_ROWS", "hinib")
+        if long_rows and m == 1 and long_mode in ("plain", "hinib"):
+            split, hinib = 1, int(long_mode == "hinib")
         if os.environ.get("PERFX_VNNI_GEMV_BASE") == "1":  # A/B baseline: the kernel before split/hinib
             return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0}
         # Codes prefetched 128 steps (8 KiB) ahead: the hardware prefetchers alone keep too few lines in

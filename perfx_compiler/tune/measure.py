@@ -163,15 +163,11 @@ def configure_threads(cores: int) -> int:
 # ----------------------------------------------------------------------------- building
 
 
-def _with_symbol(func: Any) -> Any:
-    return func.with_attr("global_symbol", "main")
-
-
 def build_func(func: Any, target: TargetDescription) -> Any:
     """Compile one PrimFunc to a runnable module (``main``)."""
-    import tvm
+    from perfx_compiler.stack_alloca import compile_kernel
 
-    return tvm.compile(tvm.IRModule({"main": _with_symbol(func)}), target.tvm()).jit()
+    return compile_kernel(func, target).jit()
 
 
 def run_func(rt: Any, func: Any, arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -281,6 +277,7 @@ def _worker_build(payload: dict[str, Any]) -> dict[str, Any]:
     import tvm
 
     from perfx_compiler.schedule_template import template_by_name
+    from perfx_compiler.stack_alloca import compile_kernel
     from perfx_compiler.targets import TargetDescription as TD
 
     start = time.perf_counter()
@@ -292,7 +289,7 @@ def _worker_build(payload: dict[str, Any]) -> dict[str, Any]:
         return {"error": "template no longer matches"}
     try:
         scheduled = template.apply(func, workload, payload["config"], target)
-        ex = tvm.compile(tvm.IRModule({"main": _with_symbol(scheduled)}), target.tvm())
+        ex = compile_kernel(scheduled, target)
         ex.export_library(payload["path"])
     except Exception as err:  # noqa: BLE001 - any failure makes the candidate invalid, not the tuner
         return {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"}

@@ -66,9 +66,9 @@ def _target(target: str | TargetDescription) -> TargetDescription:
 
 
 def _compile(scheduled: Any, tdesc: TargetDescription) -> Any:
-    import tvm
+    from perfx_compiler.stack_alloca import compile_kernel
 
-    return tvm.compile(tvm.IRModule({"main": scheduled.with_attr("global_symbol", "main")}), tdesc.tvm()).jit()
+    return compile_kernel(scheduled, tdesc).jit()
 
 
 def _rel_err(got: np.ndarray, want: np.ndarray) -> float:

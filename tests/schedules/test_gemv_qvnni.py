@@ -252,22 +252,21 @@ def test_scale_prefetch_default_env_and_code(template, target, monkeypatch):
 
 @needs_vnni
 @pytest.mark.parametrize("fmt,n,k", [("Q4_1", 66, 2048), ("Q4_0", 34, 5632)])
-def test_long_rows_default_is_plain_and_matches_reference(template, target, fmt, n, k, monkeypatch):
-    """One-unit ("long") rows default to split=1, hinib=0 (benchmarks/results/gemv_qvnni_long_rows.csv,
-    decode_kernels_tinyllama-q4_0_long_rows_shared.csv); PERFX_VNNI_GEMV_LONG_ROWS=split restores
-    split=2, hinib=1. Both defaults against the numpy references on fresh weights (K=5632: a tail chunk);
-    short rows (two units) keep split=2, hinib=1."""
+def test_long_rows_default_is_hinib_and_matches_reference(template, target, fmt, n, k, monkeypatch):
+    """One-unit ("long") rows default to split=1, hinib=1 (benchmarks/results/gemv_qvnni_long_rows_hinib_2t.csv,
+    decode_ab_tinyllama-q4_0_long_rows_hinib.csv); PERFX_VNNI_GEMV_LONG_ROWS=plain restores split=1,
+    hinib=0 and =split split=2, hinib=1. Each against the numpy references on fresh weights (K=5632: a
+    tail chunk); short rows (two units) keep split=2, hinib=1."""
     rng = np.random.default_rng()
     packed, wd = vnni_weights(fmt, n, k, rng)
     wl = template.match(packed.compute("matmul", (1, 1)), target)
     monkeypatch.delenv("PERFX_VNNI_GEMV_LONG_ROWS", raising=False)
-    plain = template.builtin_default(wl, target)
-    assert (plain["units"], plain["split"], plain["hinib"]) == (1, 1, 0)
-    _run(template, target, packed, wd, (1, 1), plain, rng, 32)
-    monkeypatch.setenv("PERFX_VNNI_GEMV_LONG_ROWS", "split")
-    old = template.builtin_default(wl, target)
-    assert (old["units"], old["split"], old["hinib"]) == (1, 2, 1)
-    _run(template, target, packed, wd, (1, 1), old, rng, 32)
+    for mode, want in ((None, (1, 1, 1)), ("plain", (1, 1, 0)), ("split", (1, 2, 1))):
+        if mode is not None:
+            monkeypatch.setenv("PERFX_VNNI_GEMV_LONG_ROWS", mode)
+        cfg = template.builtin_default(wl, target)
+        assert (cfg["units"], cfg["split"], cfg["hinib"]) == want, mode
+        _run(template, target, packed, wd, (1, 1), cfg, rng, 32)
     monkeypatch.delenv("PERFX_VNNI_GEMV_LONG_ROWS")
     # several activation rows (units drops to 1 for the accumulators at 8) keep hinib: not measured
     for rows in ((1, 2), (1, 8)):

@@ -60,3 +60,18 @@ def test_small_scratch_on_stack_and_results_equal() -> None:
     # default: acc, loc and big go through the pool; perfx_cpu: only big (above the limit)
     assert outs["perfx_cpu"] < outs["default"], outs
     assert outs["perfx_cpu"] > 0, outs
+
+
+def test_tuner_and_sweeps_build_with_the_artifact_pipeline() -> None:
+    """The tuner's and the sweeps' kernel builds (measure.build_func, sweep._compile) lower small
+    scratch as the artifact build does (perfx_cpu): they time the code the artifact runs."""
+    from perfx_compiler.targets import load_target
+    from perfx_compiler.tune.measure import build_func
+    from perfx_compiler.tune.sweep import _compile
+
+    target = load_target("x86-avx2")
+    want = {name: _build(name).inspect_source("ll").count("TVMBackendAllocWorkspace")
+            for name in ("default", register_pipeline())}
+    assert want["perfx_cpu"] < want["default"], want
+    for build in (build_func, _compile):
+        assert build(_kernel, target).inspect_source("ll").count("TVMBackendAllocWorkspace") == want["perfx_cpu"]
