@@ -99,7 +99,7 @@ def quantize_group_macro(tree: bool = False) -> Any:
 
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
          units: int, tasks: int, unroll: int, prefetch: int = 0, split: int = 1, hinib: bool = False,
-         sprefetch: int = 0, pquant: int = 0, qtree: int = 0) -> Any:
+         sprefetch: int = 0, pquant: int = 0, qtree: int = 0, nta: int = 0) -> Any:
     """The GEMV PrimFunc (x, q, scale[, zero|min], y) for one configuration; ``prefetch``: software
     prefetch of each unit's codes that many 64-byte steps ahead (0: none); ``split``: float
     accumulators per row, taken by turns over the steps (each step's FMA waits only for the one
@@ -108,12 +108,15 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     saves one shift per 64-byte step; ``sprefetch``: also prefetch each row's scale (and zero/min)
     chunk as far ahead as the codes (in rows); ``pquant``: quantize x's groups in a parallel loop of
     its own before the row loop (a second pool launch) instead of on the calling thread; ``qtree``:
-    x's per-group max and code sums reduced as trees (same codes, see ``quantize_group_macro``)."""
+    x's per-group max and code sums reduced as trees (same codes, see ``quantize_group_macro``);
+    ``nta``: the codes' prefetches are non-temporal (``prefetchnta``, locality 0) instead of
+    ``prefetcht0``."""
     from tvm.script import tirx as T
 
     p = plan(K, G)
     KP, S, NGE, NGP, SPC, F, TS, NCH, BT = (p[k] for k in ("KP", "S", "NGE", "NGP", "SPC", "F", "TS", "NCH", "BASE_T"))
     B, MM = rows
+    PF_LOC = 0 if nta else 3  # llvm.prefetch locality: 0 = prefetchnta, 3 = prefetcht0
     M = B * MM
     pair = bits == 4
     NU = -(-N // 2) if pair else N  # units: row pairs or rows
@@ -271,7 +274,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                                                 T.address_of(Qf[T.min((T.min((t * IPT + it) * units, NU - units) + u) * KP
                                                                       + (c * SPC + so * unroll + si + prefetch) * STEP,
                                                                       QW * KP - STEP)]),
-                                                T.int32(0), T.int32(3), T.int32(1)))
+                                                T.int32(0), T.int32(PF_LOC), T.int32(1)))
                                         for bm in T.unroll(M):
                                             for h in T.unroll(RPU):
                                                 acc[T.Ramp((((bm * units + u) * RPU + h) * A + si % A) * 16, 1, 16)] = acc.vload(

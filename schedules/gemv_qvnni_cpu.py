@@ -99,7 +99,8 @@ class GemvQVnniCPU(ScheduleTemplate):
             # pquant (x quantized in a parallel loop of its own) and qtree (its reductions folded in
             # registers) are configs and env switches, not searched: pquant did not beat an A/A pair at
             # TinyLlama's shapes (benchmarks/results/gemv_qvnni_shared_copies_ab.csv), qtree=1 is the
-            # default (a fixed saving per call); they would only quadruple the space
+            # default (a fixed saving per call); they would only quadruple the space. nta (prefetchnta for the
+            # codes) neither: its gain shows in the whole decode step, not in one kernel's timing
         }
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
@@ -154,8 +155,16 @@ class GemvQVnniCPU(ScheduleTemplate):
         # (benchmarks/results/gemv_qvnni_overheads.csv, prologue_K vs prologue_K_qtree); the tree
         # through a buffer it replaced had timed no better than an A/A pair (store-forwarding stalls)
         qtree = int(os.environ.get("PERFX_VNNI_GEMV_QTREE", "1"))  # A/B switch
+        # Long rows of one activation row prefetch their codes non-temporally (prefetchnta): TinyLlama's
+        # whole decode, mirrored A/B, x1.079 on one thread (80-81% -> 87-89% of the probe) and x1.089 on
+        # two (one core's two threads: 70.4 -> 75.9 tok/s; two cores: 117 both, 2 turns each),
+        # decode_ab_tinyllama-q4_0_prefetchnta*.csv. Per kernel it read within 2% of prefetcht0 on two
+        # threads and -4%..+4% on one (gemv_qvnni_nta_2t.csv, _1t.csv): the gain is in the decode step
+        # around the GEMVs, which per-kernel timing cannot see, so nta is a default and an A/B switch,
+        # not searched. Short rows: not measured.
+        nta = int(os.environ.get("PERFX_VNNI_GEMV_NTA", "1" if long_rows and m == 1 else "0"))
         return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": prefetch, "split": split,
-                "hinib": hinib, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree}
+                "hinib": hinib, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree, "nta": nta}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         return self._why_invalid(workload, config) is None
@@ -180,6 +189,8 @@ class GemvQVnniCPU(ScheduleTemplate):
         split = int(config.get("split", 1))
         if split not in (1, 2) or (split > 1 and units * (2 if d["bits"] == 4 else 1) * d["B"] * d["MM"] * 3 > MAX_REGS):
             return f"split={split} must be 1 or 2, and 2 only while 3 vectors per row fit {MAX_REGS} registers"
+        if int(config.get("nta", 0)) not in (0, 1):
+            return "nta is 0 or 1"
         if int(config.get("sprefetch", 0)) not in (0, 1) or int(config.get("qtree", 0)) not in (0, 1) \
                 or int(config.get("pquant", 0)) < 0:
             return "sprefetch and qtree are 0 or 1, pquant >= 0"
@@ -204,7 +215,7 @@ class GemvQVnniCPU(ScheduleTemplate):
             kernel = vk.gemv(*args, (d["B"], d["MM"]), int(config["units"]), int(config["tasks"]),
                              int(config["unroll"]), int(config.get("prefetch", 0)), int(config.get("split", 1)),
                              bool(config.get("hinib", 0)), int(config.get("sprefetch", 0)),
-                             int(config.get("pquant", 0)), int(config.get("qtree", 0)))
+                             int(config.get("pquant", 0)), int(config.get("qtree", 0)), int(config.get("nta", 0)))
         return _like(kernel, func)
 
 

@@ -269,6 +269,13 @@ def test_long_rows_default_is_hinib_and_matches_reference(template, target, fmt,
             monkeypatch.setenv("PERFX_VNNI_GEMV_LONG_ROWS", mode)
         cfg = template.builtin_default(wl, target)
         assert (cfg["units"], cfg["split"], cfg["hinib"]) == want, mode
+        assert cfg["nta"] == 1  # long rows prefetch their codes with prefetchnta
+        if mode is None:
+            import tvm
+
+            f = template.apply(packed.compute("matmul", (1, 1)), wl, cfg, target).with_attr("global_symbol", "main")
+            asm = tvm.compile(tvm.IRModule({"main": f}), target.tvm()).mod.inspect_source("asm")
+            assert "prefetchnta" in asm and "prefetcht0" in asm  # codes non-temporal, scales (sprefetch) t0
         _run(template, target, packed, wd, (1, 1), cfg, rng, 32)
     monkeypatch.delenv("PERFX_VNNI_GEMV_LONG_ROWS")
     # several activation rows (units drops to 1 for the accumulators at 8) keep hinib: not measured
@@ -276,5 +283,5 @@ def test_long_rows_default_is_hinib_and_matches_reference(template, target, fmt,
         multi = template.builtin_default(template.match(packed.compute("matmul", rows), target), target)
         assert multi["hinib"] == 1, rows
     short = template.match(vnni_weights(fmt, 64, 576, rng)[0].compute("matmul", (1, 1)), target)
-    assert {k: template.builtin_default(short, target)[k] for k in ("units", "split", "hinib")} == \
-        {"units": 2, "split": 2, "hinib": 1}
+    assert {k: template.builtin_default(short, target)[k] for k in ("units", "split", "hinib", "nta")} == \
+        {"units": 2, "split": 2, "hinib": 1, "nta": 0}
