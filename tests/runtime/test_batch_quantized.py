@@ -70,7 +70,7 @@ def test_batched_logits_equal_single_sequence_engine(built):
     name, desc, art, _ = built
     rng = np.random.default_rng()
     vocab = desc.config.vocab_size
-    prompts = [int(n) for n in rng.integers(3, 30, 5)]  # 5 sequences: pages crossed at different steps
+    prompts = [int(n) for n in rng.integers(3, 30, 8)]  # 8 sequences: pages crossed at different steps
     steps = 6
     seqs = [rng.integers(0, vocab, n + steps) for n in prompts]
     eng = BatchEngine(art, max_batch=8)
@@ -83,7 +83,7 @@ def test_batched_logits_equal_single_sequence_engine(built):
         for r, i in enumerate(active):
             got[ids.index(i)].append(np.array(logits[r]).reshape(-1))
     single = Engine(art)
-    errs = []
+    errs, seq_max = [], []
     for r, n in enumerate(prompts):
         single.reset()
         want = [np.array(single.prefill(seqs[r][:n].tolist())).reshape(-1)]
@@ -91,6 +91,7 @@ def test_batched_logits_equal_single_sequence_engine(built):
             want.append(np.array(single.decode(int(tok))).reshape(-1))
         g, w = np.stack(got[r]), np.stack(want)
         errs += list(np.abs(g - w).max(axis=1) / np.abs(w).max())
+        seq_max.append(max(errs[-len(g):]))
     errs = np.array(errs)
     if name.endswith("-f32"):  # the same kernels' arithmetic per row
         assert errs.max() < 2e-5, f"batched vs single-sequence relative errors {errs}"
@@ -98,6 +99,9 @@ def test_batched_logits_equal_single_sequence_engine(built):
         # int8 activations: the batch runs the VNNI GEMM, a single sequence the VNNI GEMV; their
         # float32 sums differ by ~2e-7 (tests/schedules), which can move an activation of a later
         # layer across an int8 rounding step, and the KV cache carries it to the sequence's later
-        # steps (observed: up to 1e-2, in under half the vectors). A wrong GEMM row or group would
-        # miss every step by order 1 (the median allows flips in up to half the sequences).
-        assert np.median(errs) < 5e-3 and errs.max() < 6e-2, errs
+        # steps (up to ~1e-2). Counted over 8 runs of 5 sequences: 2-5 sequences stayed exact
+        # throughout, the others flipped at some step; a median over all vectors failed CI once
+        # (3 of 5 flipped). A wrong GEMM row or group misses by order 1 (the max), and a GEMM that
+        # differs from the GEMV beyond summation order leaves no sequence exact at every step.
+        assert errs.max() < 6e-2, errs
+        assert min(seq_max) < 2e-5, f"no sequence matched the single-sequence engine at every step: {seq_max}"
