@@ -18,6 +18,11 @@ With two artifacts the engines are loaded A, B, B, A (``--no-mirror``: A, B): a 
 moves its speed by 5-12%, so the ``mirrored`` row (B's two copies over A's two, per round, median)
 is the figure to read.
 
+Each turn also records the vCPU placement (``pingpong_ns`` before its decode: ``shared`` = one
+core's two hyperthreads, ``split`` = two cores; the host moves them mid-run, and the ceiling with
+them) and whether the probe stayed within 10% across the turn (``steady``). Rows ``shared`` /
+``split``: per variant (both copies), the median over its steady turns in that placement.
+
 The count of greedy tokens equal to the first engine's is recorded: equal for a change that keeps
 every float result; a kernel that rounds differently can flip an int8 activation code and, on the
 random-token prompt, later argmaxes (not an error by itself: compare logits with the reference).
@@ -53,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     from perfx_compiler.bench.engines import perfx_weight_bytes
-    from perfx_compiler.bench.machine import BandwidthProbe
+    from perfx_compiler.bench.machine import BandwidthProbe, pingpong_ns, placement
+    from perfx_compiler.bench.report import STEADY_TURN, probe_move
     from perfx_compiler.runtime.engine import Engine
 
     labels = args.labels.split(",") if args.labels else [Path(a).name for a in args.artifacts]
@@ -90,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for i in alternated(range(len(engines)), r):
                 before = probe.measure(3)
+                pp = pingpong_ns()
                 time.sleep(0.05)
                 times, toks = decode(engines[i])
                 time.sleep(0.3)  # the engine's pool threads stop spinning before the probe
@@ -105,10 +112,11 @@ def main(argv: list[str] | None = None) -> int:
                              "frac_of_probe": round(gbs / ((before + after) / 2), 4),
                              "token_p10_ms": round(1e3 * float(np.percentile(times, 10)), 3),
                              "weight_mb": round(wbytes[i] / 1e6, 1), "load_avg_1m": round(os.getloadavg()[0], 2),
-                             "threads": args.threads})
+                             "threads": args.threads, "pingpong_ns": round(pp), "placement": placement(pp),
+                             "steady": probe_move(before, after) < STEADY_TURN})
                 print(f"round {r} {labels[i]:<14} {rows[-1]['tok_s']:7.2f} tok/s  {gbs:5.1f} GB/s  probe {before:5.1f}/"
                       f"{after:5.1f}  {100 * rows[-1]['frac_of_probe']:4.0f}%  p10 {rows[-1]['token_p10_ms']:.2f} ms  "
-                      f"load {rows[-1]['load_avg_1m']}", flush=True)
+                      f"{rows[-1]['placement']}  load {rows[-1]['load_avg_1m']}", flush=True)
     summary = []
     for i, lb in enumerate(labels):
         mine = [r for r in rows if r["variant"] == lb]
@@ -128,9 +136,19 @@ def main(argv: list[str] | None = None) -> int:
                                   for i in range(args.rounds))
         summary.append({**{k: "" for k in summary[0]}, "round": "mirrored", "variant": f"{b} vs {a}",
                         "speedup": round(ratio, 4), "threads": args.threads})
+    for place in ("shared", "split"):  # per variant (both copies), steady turns in one placement
+        for lb in dict.fromkeys(x.removesuffix("#2") for x in labels):
+            mine = [r for r in rows if r["variant"].removesuffix("#2") == lb and r["placement"] == place and r["steady"]]
+            if mine:
+                summary.append({**{k: "" for k in summary[0]}, "round": place, "variant": lb, "turns": len(mine),
+                                **medians(mine, tok_s=3, frac_of_probe=4), "threads": args.threads})
     out = Path(args.out) if args.out else RESULTS / f"decode_ab_{args.name}.csv"
-    write_csv(out, rows + summary, columns=list(summary[0]))
+    write_csv(out, rows + summary, columns=[*summary[0], "turns", "pingpong_ns", "placement", "steady"])
     for s in summary:
+        if s["round"] in ("shared", "split"):
+            print(f"{s['variant']:<14} {s['tok_s']:7.2f} tok/s  {100 * s['frac_of_probe']:4.0f}% of probe  "
+                  f"({s['turns']} steady {s['round']} turns)")
+            continue
         if s["round"] == "mirrored":
             print(f"{s['variant']}: x{s['speedup']:.3f} (both copies of each, paired per round)")
             continue

@@ -123,8 +123,8 @@ class GemvQVnniCPU(ScheduleTemplate):
         # artifact is built with (accumulators in registers; stack_alloca.compile_kernel), hinib read
         # x1.06-1.19 paired per pass and x1.01-1.03 per-call p10 over plain at all five TinyLlama shapes,
         # 2 threads on two cores (benchmarks/results/gemv_qvnni_long_rows_hinib_2t.csv); whole decode,
-        # mirrored, turns sorted by placement: 121 vs 104 tok/s on two cores, 75.6 vs 74.2 on one core's
-        # two threads (decode_ab_tinyllama-q4_0_long_rows_hinib.csv). split=2 read less than hinib alone.
+        # mirrored, x1.072; over its steady two-core turns 117.8 vs 115.3 tok/s, 82% vs 79% of the probe
+        # (decode_ab_tinyllama-q4_0_long_rows_hinib.csv). split=2 read less than hinib alone.
         # The plain choice before (split=1, hinib=0) rested on kernel timings built without that pipeline
         # (gemv_qvnni_long_rows.csv: accumulators in TVM's workspace pool, stored every step) and on
         # artifact A/Bs within their load-order noise (decode_kernels_tinyllama-q4_0_long_rows_*.csv).
@@ -156,9 +156,9 @@ class GemvQVnniCPU(ScheduleTemplate):
         # through a buffer it replaced had timed no better than an A/A pair (store-forwarding stalls)
         qtree = int(os.environ.get("PERFX_VNNI_GEMV_QTREE", "1"))  # A/B switch
         # Long rows of one activation row prefetch their codes non-temporally (prefetchnta): TinyLlama's
-        # whole decode, mirrored A/B, x1.079 on one thread (80-81% -> 87-89% of the probe) and x1.089 on
-        # two (one core's two threads: 70.4 -> 75.9 tok/s; two cores: 117 both, 2 turns each),
-        # decode_ab_tinyllama-q4_0_prefetchnta*.csv. Per kernel it read within 2% of prefetcht0 on two
+        # whole decode, mirrored A/B, x1.079 on one thread (80-81% -> 87-89% of the probe) and x1.044 on
+        # two (steady turns on one core's two threads: 74.4 -> 77.8 tok/s, 86% -> 90%; the run had no
+        # two-core turn), decode_ab_tinyllama-q4_0_prefetchnta*.csv. Per kernel it read within 2% of prefetcht0 on two
         # threads and -4%..+4% on one (gemv_qvnni_nta_2t.csv, _1t.csv): the gain is in the decode step
         # around the GEMVs, which per-kernel timing cannot see, so nta is a default and an A/B switch,
         # not searched. Short rows: not measured.

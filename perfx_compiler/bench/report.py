@@ -141,11 +141,16 @@ def summarize(
 STEADY_TURN = 0.10  # a turn whose probe moved more than this (placement changed mid-decode) is unsteady
 
 
+def probe_move(before: float, after: float) -> float:
+    """|after - before| / their mean: how far the ceiling moved during one turn's decode."""
+    return abs(after - before) / ((after + before) / 2)
+
+
 def _turn_move(r: dict[str, Any]) -> float | None:
-    """|after - before| / mean of the probes that bracket one turn's decode (None without both)."""
+    """:func:`probe_move` of the probes that bracket one turn's decode (None without both)."""
     if not r.get("round_bw_gbs") or "bw_before_gbs" not in r or r.get("bw_after_gbs") != r.get("bw_after_gbs"):
         return None
-    return abs(r["bw_after_gbs"] - r["bw_before_gbs"]) / r["round_bw_gbs"]
+    return probe_move(r["bw_before_gbs"], r["bw_after_gbs"])
 
 
 def _bw_fraction(rows: Sequence[dict[str, Any]], achieved: float, bw_all: float) -> dict[str, Any]:
