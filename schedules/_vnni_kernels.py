@@ -49,12 +49,12 @@ def quantize_group_macro(tree: bool = False) -> Any:
     sums are exact in any order)."""
     from tvm.script import tirx as T
 
-    from perfx_compiler.kernels._lanes import add, fold_lanes
+    from perfx_compiler.kernels import _lanes
 
     @T.macro
     def lanes_max(mx):  # noqa: ANN001
         if tree:
-            mx[0] = fold_lanes(mx.vload([0], "float32x16"), 16, T.max)
+            mx[0] = _lanes.fold_lanes(mx.vload([0], "float32x16"), 16, T.max)
         else:
             for ln in T.serial(15):
                 mx[0] = T.max(mx[0], mx[ln + 1])
@@ -62,7 +62,7 @@ def quantize_group_macro(tree: bool = False) -> Any:
     @T.macro
     def lanes_sum(sm):  # noqa: ANN001
         if tree:
-            sm[0] = fold_lanes(sm.vload([0], "int32x16"), 16, add)
+            sm[0] = _lanes.lanes_sum(sm, 0, 16, "int32")
         else:
             for ln in T.serial(15):
                 sm[0] = sm[0] + sm[ln + 1]
