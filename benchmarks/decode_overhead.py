@@ -201,6 +201,7 @@ class Subject:
         self.token = int(np.argmax(e.prefill(prompt[:position])))
         self.position = e.position  # every timed step runs at this position (same attention length)
         self.calls: list[list[Any]] = []
+        self.names: list[str] = []  # kernel symbol of each call
         self.builtins = 0
 
         def hook(func: Any, sym: Any, before: bool, ret: Any, *args: Any) -> int:
@@ -209,6 +210,7 @@ class Subject:
                     self.builtins += 1
                 else:
                     self.calls.append([func, *args])
+                    self.names.append(str(sym))
             return 0
 
         e.vm.set_instrument(hook)

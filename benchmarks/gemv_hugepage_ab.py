@@ -44,7 +44,7 @@ class HugeArena:
     at 2 MiB boundaries."""
 
     def __init__(self, nbytes: int):
-        self.mm = mmap.mmap(-1, nbytes + HUGE)
+        self.mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared = shmem: no THP
         self.mm.madvise(mmap.MADV_HUGEPAGE)
         self.buf = np.frombuffer(self.mm, dtype=np.uint8)
         self.off = (-self.buf.ctypes.data) % HUGE
