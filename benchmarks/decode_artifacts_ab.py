@@ -4,6 +4,8 @@ process, each decode bracketed by the read-bandwidth probe; per-token times kept
     PERFX_VNNI_GEMV_PREFETCH=0 perfx-compile model.gguf -o /tmp/a ...   (and the other build to /tmp/b)
     python benchmarks/decode_artifacts_ab.py /tmp/a /tmp/b --labels prefetch0,prefetch128 --name tinyllama-q4_0
         [--rounds 8] [--tokens 64] [--prompt-tokens 32] [--threads 2]
+    python benchmarks/decode_artifacts_ab.py /tmp/a /tmp/a --labels thp,4k --name tinyllama-q4_0_weights_thp \
+        --load-env "PERFX_WEIGHTS_THP=1,PERFX_WEIGHTS_THP=0"     (a runtime switch, one artifact)
 
 Per round and artifact (order reversed every round): probe (1 GiB, best of 3), greedy decode of
 ``--tokens`` tokens after the prompt, each token timed, probe again. Reported per artifact:
@@ -53,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--load-env", default=None,
+                    help="per artifact, comma-separated: KEY=VAL;KEY=VAL set while that engine loads "
+                         "(an A/B of a runtime switch on one artifact)")
     ap.add_argument("--no-mirror", action="store_true",
                     help="with two artifacts, load them once each (default: A, B, B, A; see below)")
     args = ap.parse_args(argv)
@@ -70,7 +75,22 @@ def main(argv: list[str] | None = None) -> int:
     if mirrored:
         args.artifacts = [*args.artifacts, *args.artifacts[::-1]]
         labels = [*labels, *(f"{lb}#2" for lb in labels[::-1])]
-    engines = [Engine(a, verify=False) for a in args.artifacts]
+    load_env = [dict(kv.split("=", 1) for kv in spec.split(";") if kv) for spec in args.load_env.split(",")] \
+        if args.load_env else []
+    if load_env and mirrored:
+        load_env = [*load_env, *load_env[::-1]]
+
+    def load(i: int, art: str) -> Any:
+        # an engine's load-time switches (e.g. PERFX_WEIGHTS_THP), set only while it loads
+        saved = dict(os.environ)
+        os.environ.update(load_env[i] if i < len(load_env) else {})
+        try:
+            return Engine(art, verify=False)
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+    engines = [load(i, a) for i, a in enumerate(args.artifacts)]
     wbytes = [perfx_weight_bytes(e.manifest, a) for e, a in zip(engines, args.artifacts, strict=True)]
     vocab = int(engines[0].manifest["model"]["vocab_size"])
     prompt = np.random.default_rng(0).integers(100, max(101, min(vocab, 20000)), args.prompt_tokens).tolist()

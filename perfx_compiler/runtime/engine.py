@@ -115,6 +115,9 @@ class Engine:
         # Adreno texture path: these weights exist only as images (passes/texture_weights.py); a GPU
         # allocates them in texture memory (not verified on a device: no TVM OpenCL runtime here)
         textures = self.manifest.get("textures", {}) if self.device.dlpack_device_type() != 1 else {}
+        cpu = self.device.dlpack_device_type() == 1  # kDLCPU
+        arena = _HugePageArena.for_weights(self.manifest["weights"]) if cpu else None
+        self._weight_arena = arena
         out = []
         for w in self.manifest["weights"]:
             raw = blob[w["offset"] : w["offset"] + w["nbytes"]]
@@ -124,7 +127,7 @@ class Engine:
                 t.copyfrom(arr)
                 out.append(t)
                 continue
-            out.append(tvm.runtime.tensor(arr, self.device))
+            out.append(tvm.runtime.from_dlpack(arena.take(arr)) if arena else tvm.runtime.tensor(arr, self.device))
         return out
 
     def reset(self) -> None:
@@ -184,3 +187,35 @@ class Engine:
         self.position += 1
         # A view keeps the VM's output buffer alive, so the next step allocates a fresh one.
         return (np.from_dlpack(logits) if self._host_views else logits.numpy())[0, 0]
+
+
+class _HugePageArena:
+    """The CPU weights in one private anonymous mapping advised ``MADV_HUGEPAGE`` before its first
+    touch, so that the kernel backs it with 2 MiB pages where transparent huge pages are allowed
+    (``madvise`` mode, the usual default). ``PERFX_WEIGHTS_THP=0``: one allocation per weight (A/B)."""
+
+    HUGE = 2 << 20
+    ALIGN = 4096
+
+    def __init__(self, nbytes: int) -> None:
+        import mmap
+
+        # private: a shared anonymous mapping is shmem, whose huge pages follow shmem_enabled (often never)
+        self.mm = mmap.mmap(-1, nbytes + self.HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.mm.madvise(mmap.MADV_HUGEPAGE)
+        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
+        self.off = (-self.buf.ctypes.data) % self.HUGE
+
+    @classmethod
+    def for_weights(cls, weights: list[dict[str, Any]]) -> _HugePageArena | None:
+        import mmap
+
+        if os.environ.get("PERFX_WEIGHTS_THP", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE") or not weights:
+            return None
+        return cls(sum(-(-int(w["nbytes"]) // cls.ALIGN) * cls.ALIGN for w in weights))
+
+    def take(self, a: np.ndarray) -> np.ndarray:
+        out = self.buf[self.off : self.off + a.nbytes].view(a.dtype).reshape(a.shape)
+        out[...] = a  # the first touch, after the advice
+        self.off += -(-a.nbytes // self.ALIGN) * self.ALIGN
+        return out

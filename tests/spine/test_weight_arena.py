@@ -1,0 +1,35 @@
+"""The runtime keeps a CPU artifact's weights in one mapping advised for transparent huge pages
+(runtime/engine.py ``_HugePageArena``): every weight tensor is a view into it, and the model's
+logits are bit-equal to the engine that allocates each weight on its own (``PERFX_WEIGHTS_THP=0``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def test_weights_live_in_one_huge_page_arena_and_logits_are_unchanged(smol_artifact, monkeypatch) -> None:
+    from perfx_compiler.runtime.engine import Engine
+
+    engine = Engine(smol_artifact, verify=False)
+    arena = engine._weight_arena
+    assert arena is not None
+    lo = arena.buf.ctypes.data
+    hi = lo + arena.buf.nbytes
+    for w in engine._weights:
+        p = np.from_dlpack(w).ctypes.data
+        assert lo <= p < hi and p % arena.ALIGN == 0
+    assert (lo + (-lo) % arena.HUGE) == np.from_dlpack(engine._weights[0]).ctypes.data  # 2 MiB-aligned start
+
+    monkeypatch.setenv("PERFX_WEIGHTS_THP", "0")
+    plain = Engine(smol_artifact, verify=False)
+    assert plain._weight_arena is None
+    prompt = np.random.default_rng().integers(10, 4000, 12).tolist()
+    for e in (engine, plain):
+        e.reset()
+    a, b = engine.prefill(prompt), plain.prefill(prompt)
+    assert np.array_equal(a, b)
+    tok = int(np.argmax(a))
+    for _ in range(4):
+        a, b = engine.decode(tok), plain.decode(tok)
+        assert np.array_equal(a, b)
+        tok = int(np.argmax(a))
