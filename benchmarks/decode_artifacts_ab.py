@@ -82,13 +82,17 @@ def main(argv: list[str] | None = None) -> int:
 
     def load(i: int, art: str) -> Any:
         # an engine's load-time switches (e.g. PERFX_WEIGHTS_THP), set only while it loads
-        saved = dict(os.environ)
-        os.environ.update(load_env[i] if i < len(load_env) else {})
+        env = load_env[i] if i < len(load_env) else {}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             return Engine(art, verify=False)
         finally:
-            os.environ.clear()
-            os.environ.update(saved)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     engines = [load(i, a) for i, a in enumerate(args.artifacts)]
     wbytes = [perfx_weight_bytes(e.manifest, a) for e, a in zip(engines, args.artifacts, strict=True)]

@@ -39,13 +39,10 @@ from _common import RESULTS, figure, write_csv
 GEMV = re.compile(r"matmul")
 
 
-def _gemv_bytes(name: str) -> int | None:
-    """Weight bytes of one call of a GEMV named ``q4_matmul_<N>_<K>_...`` (codes + fp16 scales), else None."""
-    m = re.match(r"q4_matmul_(\d+)_(\d+)_", name)
-    if not m:
-        return None
-    n, k = int(m.group(1)), int(m.group(2))
-    return n * k // 2 + n * max(16, -(-k // 32)) * 2
+def gemv_weights(call: list[Any]) -> list[np.ndarray]:
+    """The code and scale arrays a recorded quantized-GEMV call ``[func, x, codes, scale, ...]`` streams
+    (a zero / min array after them is not counted: Q4_0's is never read)."""
+    return [np.from_dlpack(t) for t in call[2:4]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,10 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         med = np.median(np.stack(arrs), axis=0)
         probe_med = statistics.median(r["probe_gbs"] for r in rows if r["placement"] == place)
         agg: dict[str, list[float]] = {}
-        for n, t in zip(names, med, strict=True):
+        call_bytes: dict[str, int] = {}
+        for c, n, t in zip(subj.calls, names, med, strict=True):
             agg.setdefault(n, []).append(float(t))
+            if GEMV.search(n):
+                call_bytes[n] = sum(a.nbytes for a in gemv_weights(c))
         for n, ts in sorted(agg.items(), key=lambda kv: -sum(kv[1])):
-            b = _gemv_bytes(n)
+            b = call_bytes.get(n)
             gbs = b * len(ts) / sum(ts) / 1e9 if b else float("nan")
             kinds.append({"placement": place, "kernel": n, "calls_per_step": len(ts),
                           "us_per_step": round(sum(ts) * 1e6, 1), "us_per_call": round(sum(ts) / len(ts) * 1e6, 2),

@@ -16,7 +16,6 @@ Writes benchmarks/results/gemv_hugepage_ab.csv.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
 import statistics
 import time
@@ -27,9 +26,10 @@ import numpy as np
 from _common import RESULTS, write_csv  # noqa: E402  (puts the repo root on sys.path)
 from bench_gemv_int4 import L3_BYTES, _kernel, _weights  # noqa: E402
 
+from perfx_compiler.runtime.engine import HugePageArena  # noqa: E402
 from perfx_compiler.targets import load_target  # noqa: E402
 
-HUGE = 2 << 20
+HUGE = HugePageArena.HUGE
 
 
 def _anon_huge_pages_kb() -> int:
@@ -37,24 +37,6 @@ def _anon_huge_pages_kb() -> int:
         if line.startswith("AnonHugePages:"):
             return int(line.split()[1])
     return -1
-
-
-class HugeArena:
-    """One anonymous mapping advised MADV_HUGEPAGE before any page is touched; arrays carved from it
-    at 2 MiB boundaries."""
-
-    def __init__(self, nbytes: int):
-        self.mm = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared = shmem: no THP
-        self.mm.madvise(mmap.MADV_HUGEPAGE)
-        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
-        self.off = (-self.buf.ctypes.data) % HUGE
-
-    def take(self, a: np.ndarray) -> np.ndarray:
-        n = a.nbytes
-        out = self.buf[self.off:self.off + n].view(a.dtype).reshape(a.shape)
-        out[...] = a  # first touch, after the advice
-        self.off += -(-n // HUGE) * HUGE
-        return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         x = tvm.runtime.tensor(rng.standard_normal((1, 1, k)).astype(np.float32), dev)
         y = tvm.runtime.tensor(np.zeros((1, 1, n), np.float32), dev)
         small = [[tvm.runtime.tensor(a.copy(), dev) for _, a in vp.arrays] for _ in range(ncopy)]
-        arena = HugeArena(ncopy * sum(-(-a.nbytes // HUGE) * HUGE for _, a in vp.arrays))
+        # the runtime's weight arena, each array on its own 2 MiB boundary
+        arena = HugePageArena(ncopy * sum(HugePageArena.span(a.nbytes, HUGE) for _, a in vp.arrays), align=HUGE)
         arenas.append(arena)
         huge = [[tvm.runtime.from_dlpack(arena.take(a)) for _, a in vp.arrays] for _ in range(ncopy)]
         rt["main"](x, *small[0], y)

@@ -6,7 +6,8 @@ transparent huge pages (the runtime's default, ``_HugePageArena``) and one alloc
 Per round, for each engine (order alternated): ``read`` = the probe's C read loop (``machine.px_read``)
 over every GEMV's code and scale arrays in the step's order; ``gemv`` = the step's GEMVs replayed back
 to back; ``step`` = all its kernels replayed (``decode_overhead.Subject``); each as weight GB/s over the
-1 GiB probe of the round (which reads one huge-page buffer).
+1 GiB probe of the round (which reads one huge-page buffer). Row ``probe_buffer``: the read loop over
+pieces of the same sizes laid back to back in the probe's buffer (the ceiling for those pieces).
 
     python benchmarks/weights_read_pages.py ARTIFACT --name tinyllama-q4_0 [--threads 1] [--rounds 4]
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from decode_overhead import Subject, build_replay_module
+    from decode_step_split import GEMV, gemv_weights
 
     from perfx_compiler.bench import machine
 
@@ -52,31 +54,35 @@ def main(argv: list[str] | None = None) -> int:
         subjects[label] = Subject(label, args.artifact, prompt, 32)
     os.environ.pop("PERFX_WEIGHTS_THP")
     lib = machine.load_probe_library()
-    lib.px_read.restype = ctypes.c_double
-    lib.px_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                            ctypes.POINTER(ctypes.c_double)]
     sink = ctypes.c_double()
     replay = build_replay_module()
     arrays, gemvs = {}, {}
     for label, s in subjects.items():
-        calls = [c for c, n in zip(s.calls, s.names, strict=True) if "matmul" in n]
+        calls = [c for c, n in zip(s.calls, s.names, strict=True) if GEMV.search(n)]
         gemvs[label] = calls
-        arrays[label] = [(np.from_dlpack(t).ctypes.data, np.from_dlpack(t).nbytes) for c in calls for t in c[2:4]]
+        arrays[label] = [(a.ctypes.data, a.nbytes) for c in calls for a in gemv_weights(c)]
     total = sum(b for _, b in arrays["thp"])
     rows = []
     with machine.BandwidthProbe(args.threads) as probe:
+        # the same sizes back to back in the probe's own (huge-page) buffer: the read loop's ceiling
+        # for these pieces, restarts included
+        starts = np.cumsum([0] + [b for _, b in arrays["thp"]])[:-1]
+        arrays["probe_buffer"] = [(probe._ptr + int(o), b) for o, (_, b) in zip(starts, arrays["thp"], strict=True)]
         for r in range(args.rounds):
             order = list(subjects) if r % 2 == 0 else list(subjects)[::-1]
             got = {}
-            for label in order:
+            for label in [*order, "probe_buffer"]:
                 ts = []
                 for _ in range(args.passes):
                     t0 = time.perf_counter()
                     for p, b in arrays[label]:
                         lib.px_read(p, b // 4 // 128 * 128, args.threads, 1, 1, ctypes.byref(sink))
                     ts.append(time.perf_counter() - t0)
-                g = statistics.median(list(replay.replay(gemvs[label], args.passes, False)))
-                f = statistics.median(list(replay.replay(subjects[label].calls, args.passes, False)))
+                if label in subjects:
+                    g = statistics.median(list(replay.replay(gemvs[label], args.passes, False)))
+                    f = statistics.median(list(replay.replay(subjects[label].calls, args.passes, False)))
+                else:
+                    g = f = float("nan")
                 got[label] = (statistics.median(ts), g, f)
             bw = probe.measure()
             ns = machine.pingpong_ns()
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                              "load_avg_1m": round(os.getloadavg()[0], 2)})
                 print(f"round {r} {label:3s} {rows[-1]['placement']:6s} probe {bw:5.1f} GB/s | read {rows[-1]['read_frac']:.1%}"
                       f" gemv {rows[-1]['gemv_frac']:.1%} step {rows[-1]['step_frac']:.1%}", flush=True)
-    for label in subjects:
+    for label in [*subjects, "probe_buffer"]:
         mine = [x for x in rows if x["pages"] == label]
         med = {k: round(statistics.median(x[k] for x in mine), 4) for k in ("probe_gbs", "read_frac", "gemv_frac", "step_frac")}
         rows.append({"round": "median", "pages": label, "placement": "", **med, "threads": args.threads,

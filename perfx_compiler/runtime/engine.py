@@ -114,9 +114,9 @@ class Engine:
         blob = np.memmap(self.root / "weights.bin", dtype=np.uint8, mode="r")
         # Adreno texture path: these weights exist only as images (passes/texture_weights.py); a GPU
         # allocates them in texture memory (not verified on a device: no TVM OpenCL runtime here)
-        textures = self.manifest.get("textures", {}) if self.device.dlpack_device_type() != 1 else {}
         cpu = self.device.dlpack_device_type() == 1  # kDLCPU
-        arena = _HugePageArena.for_weights(self.manifest["weights"]) if cpu else None
+        textures = self.manifest.get("textures", {}) if not cpu else {}
+        arena = HugePageArena.for_weights(self.manifest["weights"]) if cpu else None
         self._weight_arena = arena
         out = []
         for w in self.manifest["weights"]:
@@ -189,33 +189,42 @@ class Engine:
         return (np.from_dlpack(logits) if self._host_views else logits.numpy())[0, 0]
 
 
-class _HugePageArena:
-    """The CPU weights in one private anonymous mapping advised ``MADV_HUGEPAGE`` before its first
-    touch, so that the kernel backs it with 2 MiB pages where transparent huge pages are allowed
-    (``madvise`` mode, the usual default). ``PERFX_WEIGHTS_THP=0``: one allocation per weight (A/B)."""
+class HugePageArena:
+    """Arrays in one private anonymous mapping advised ``MADV_HUGEPAGE`` before its first touch, so
+    that the kernel backs it with 2 MiB pages where transparent huge pages are allowed (``madvise``
+    mode, the usual default). The engine keeps a CPU artifact's weights in one: a decode step streams
+    every weight once, and on 4 KiB pages one core's stream was capped by the pages it walks
+    (benchmarks/weights_read_pages.py). ``PERFX_WEIGHTS_THP=0``: one allocation per weight (A/B).
+    Arrays start at multiples of ``align`` bytes from the mapping's first 2 MiB boundary."""
 
     HUGE = 2 << 20
-    ALIGN = 4096
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, align: int = 4096) -> None:
         import mmap
 
+        self.align = align
         # private: a shared anonymous mapping is shmem, whose huge pages follow shmem_enabled (often never)
         self.mm = mmap.mmap(-1, nbytes + self.HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.mm.madvise(mmap.MADV_HUGEPAGE)
         self.buf = np.frombuffer(self.mm, dtype=np.uint8)
         self.off = (-self.buf.ctypes.data) % self.HUGE
 
+    @staticmethod
+    def span(nbytes: int, align: int = 4096) -> int:
+        """Bytes an array of ``nbytes`` takes in an arena of that alignment."""
+        return -(-nbytes // align) * align
+
     @classmethod
-    def for_weights(cls, weights: list[dict[str, Any]]) -> _HugePageArena | None:
+    def for_weights(cls, weights: list[dict[str, Any]]) -> HugePageArena | None:
         import mmap
 
         if os.environ.get("PERFX_WEIGHTS_THP", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE") or not weights:
             return None
-        return cls(sum(-(-int(w["nbytes"]) // cls.ALIGN) * cls.ALIGN for w in weights))
+        return cls(sum(cls.span(int(w["nbytes"])) for w in weights))
 
     def take(self, a: np.ndarray) -> np.ndarray:
+        """A copy of ``a`` in the arena (its first touch, after the advice)."""
         out = self.buf[self.off : self.off + a.nbytes].view(a.dtype).reshape(a.shape)
-        out[...] = a  # the first touch, after the advice
-        self.off += -(-a.nbytes // self.ALIGN) * self.ALIGN
+        out[...] = a
+        self.off += self.span(a.nbytes, self.align)
         return out
