@@ -40,9 +40,13 @@ GEMV = re.compile(r"matmul")
 
 
 def gemv_weights(call: list[Any]) -> list[np.ndarray]:
-    """The code and scale arrays a recorded quantized-GEMV call ``[func, x, codes, scale, ...]`` streams
-    (a zero / min array after them is not counted: Q4_0's is never read)."""
-    return [np.from_dlpack(t) for t in call[2:4]]
+    """The weight arrays a recorded quantized-GEMV call ``[func, x, codes, scale[, zero|min], y]``
+    streams: codes, scales and a Q4_1 min / asymmetric zero array. A symmetric format's zero array
+    (uint8, all 8: Q4_0) is not counted: the kernel uses the constant 8 and never reads it."""
+    arrays = [np.from_dlpack(t) for t in call[2:-1]]
+    if len(arrays) == 3 and arrays[2].dtype == np.uint8 and bool(np.all(arrays[2] == 8)):
+        arrays = arrays[:2]
+    return arrays
 
 
 def main(argv: list[str] | None = None) -> int:
