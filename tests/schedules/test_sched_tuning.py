@@ -190,6 +190,35 @@ def test_local_measurer_builds_verifies_and_times(cpu_target):
     assert not rejected.ok and "ScheduleConfigError" in rejected.error
 
 
+def test_worker_build_exports_the_scheduled_kernel(cpu_target, tmp_path):
+    """The pool's build step, called in-process: a good config exports a library that computes what the
+    same scheduled function computes in-process (against a float64 numpy reference too); a config the
+    template refuses and a template that no longer matches come back as errors, not exceptions."""
+    import tvm
+
+    from perfx_compiler.tune.measure import _target_payload, _worker_build, build_func, random_inputs, run_func
+
+    func = matmul_func(linear_module(None, 32, 64, "add", True))
+    template, wl = find_template(func, cpu_target)
+    good = template.default_config(wl, cpu_target)
+    base = {"func": tvm.ir.save_json(func), "target": _target_payload(cpu_target), "template": template.name}
+
+    out = _worker_build({**base, "config": good, "path": str(tmp_path / "good.so")})
+    assert out["error"] is None and out["build_s"] > 0
+    inputs = random_inputs(func, 16, seed=7)
+    got = run_func(tvm.runtime.load_module(str(tmp_path / "good.so")), func, [a.copy() for a in inputs])
+    same = run_func(build_func(template.apply(func, wl, good, cpu_target), cpu_target), func,
+                    [a.copy() for a in inputs])
+    np.testing.assert_array_equal(got[0], same[0])
+    x, w, b = (inputs[0].astype(np.float64), inputs[1].astype(np.float64), inputs[2].astype(np.float64))
+    np.testing.assert_allclose(got[0], x @ w.T + b, rtol=1e-4, atol=1e-4)
+
+    bad = _worker_build({**base, "config": {**good, "nr": 24}, "path": str(tmp_path / "bad.so")})
+    assert bad["error"].startswith("ScheduleConfigError") and not (tmp_path / "bad.so").exists()
+    other = _worker_build({**base, "template": "attention_cpu", "config": good, "path": str(tmp_path / "o.so")})
+    assert other == {"error": "template no longer matches"}
+
+
 def test_local_measurer_build_timeout_kills_workers(cpu_target):
     import time
 
