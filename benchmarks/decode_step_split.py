@@ -34,17 +34,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import RESULTS, figure, write_csv
+from _common import RESULTS, figure, medians, write_csv
 
 GEMV = re.compile(r"matmul")
 
 
-def gemv_weights(call: list[Any]) -> list[np.ndarray]:
+def gemv_weights(call: list[Any], manifest: dict[str, Any]) -> list[np.ndarray]:
     """The weight arrays a recorded quantized-GEMV call ``[func, x, codes, scale[, zero|min], y]``
-    streams: codes, scales and a Q4_1 min / asymmetric zero array. A symmetric format's zero array
-    (uint8, all 8: Q4_0) is not counted: the kernel uses the constant 8 and never reads it."""
+    streams: codes, scales and a Q4_1 min / asymmetric zero array; a zero array the kernel never reads
+    (``engines.is_unread_sym_zero``: Q4_0's all-8 zeros under int8 activations) is not counted."""
+    from perfx_compiler.bench.engines import is_unread_sym_zero
+
     arrays = [np.from_dlpack(t) for t in call[2:-1]]
-    if len(arrays) == 3 and arrays[2].dtype == np.uint8 and bool(np.all(arrays[2] == 8)):
+    if len(arrays) == 3 and is_unread_sym_zero(manifest, arrays[2]):
         arrays = arrays[:2]
     return arrays
 
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from perfx_compiler.bench import machine
     from perfx_compiler.bench.engines import perfx_weight_bytes
+    from perfx_compiler.bench.report import probe_move
 
     replay = build_replay_module()
     rng = np.random.default_rng(0)
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             bw = (bw0 + bw1) / 2
             per_call.setdefault(place, []).append(np.median(each, axis=0))
             row = {"round": r, "placement": place, "pingpong_ns": round(ns, 1), "probe_gbs": round(bw, 2),
-                   "probe_move": round(abs(bw1 - bw0) / max(bw0, bw1), 3),
+                   "probe_move": round(probe_move(bw0, bw1), 3),
                    "full_ms": round(full * 1e3, 4), "gemv_ms": round(g * 1e3, 4), "other_ms": round(o * 1e3, 4),
                    "interaction_ms": round((full - g - o) * 1e3, 4),
                    "full_frac": round(wbytes / full / 1e9 / bw, 4), "gemv_frac": round(wbytes / g / 1e9 / bw, 4),
@@ -108,16 +111,15 @@ def main(argv: list[str] | None = None) -> int:
     summary = []
     for place in sorted({r["placement"] for r in rows}):
         mine = [r for r in rows if r["placement"] == place]
-        med = {k: round(statistics.median(r[k] for r in mine), 4)
-               for k in ("probe_gbs", "full_ms", "gemv_ms", "other_ms", "interaction_ms", "full_frac", "gemv_frac")}
+        med = medians(mine, probe_gbs=4, full_ms=4, gemv_ms=4, other_ms=4, interaction_ms=4, full_frac=4,
+                      gemv_frac=4)
         summary.append({"round": "median", "placement": place, **med, "threads": args.threads,
-                        "load_avg_1m": round(statistics.median(r["load_avg_1m"] for r in mine), 2),
-                        "pingpong_ns": len(mine)})  # the median row's pingpong_ns column holds the round count
+                        **medians(mine, load_avg_1m=2), "rounds": len(mine)})
         print(f"{place}: {len(mine)} rounds, full {med['full_frac']:.1%} of the probe, GEMVs alone "
               f"{med['gemv_frac']:.1%}, other kernels {med['other_ms']:.3f} ms, interaction "
               f"{med['interaction_ms']:+.3f} ms", flush=True)
     out = Path(args.out) if args.out else RESULTS / f"decode_step_split_{args.name}.csv"
-    write_csv(out, rows + summary)
+    write_csv(out, rows + summary, columns=[*rows[0], "rounds"])
     kinds = []
     for place, arrs in sorted(per_call.items()):
         med = np.median(np.stack(arrs), axis=0)
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         for c, n, t in zip(subj.calls, names, med, strict=True):
             agg.setdefault(n, []).append(float(t))
             if GEMV.search(n):
-                call_bytes[n] = sum(a.nbytes for a in gemv_weights(c))
+                call_bytes[n] = sum(a.nbytes for a in gemv_weights(c, subj.engine.manifest))
         for n, ts in sorted(agg.items(), key=lambda kv: -sum(kv[1])):
             b = call_bytes.get(n)
             gbs = b * len(ts) / sum(ts) / 1e9 if b else float("nan")

@@ -1,6 +1,6 @@
 """Do the engine's weight pages cap a decode step's bandwidth? The probe's own read loop, the step's
 GEMVs and the whole step, on the weights of one artifact loaded twice: in one mapping advised for
-transparent huge pages (the runtime's default, ``_HugePageArena``) and one allocation per weight
+transparent huge pages (the runtime's default, ``HugePageArena``) and one allocation per weight
 (``PERFX_WEIGHTS_THP=0``, 4 KiB pages).
 
 Per round, for each engine (order alternated): ``read`` = the probe's C read loop (``machine.px_read``)
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import RESULTS, write_csv
+from _common import RESULTS, medians, write_csv
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, s in subjects.items():
         calls = [c for c, n in zip(s.calls, s.names, strict=True) if GEMV.search(n)]
         gemvs[label] = calls
-        arrays[label] = [(a.ctypes.data, a.nbytes) for c in calls for a in gemv_weights(c)]
+        arrays[label] = [(a.ctypes.data, a.nbytes) for c in calls for a in gemv_weights(c, s.engine.manifest)]
     total = sum(b for _, b in arrays["thp"])
     rows = []
     with machine.BandwidthProbe(args.threads) as probe:
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                       f" gemv {rows[-1]['gemv_frac']:.1%} step {rows[-1]['step_frac']:.1%}", flush=True)
     for label in [*subjects, "probe_buffer"]:
         mine = [x for x in rows if x["pages"] == label]
-        med = {k: round(statistics.median(x[k] for x in mine), 4) for k in ("probe_gbs", "read_frac", "gemv_frac", "step_frac")}
+        med = medians(mine, probe_gbs=4, read_frac=4, gemv_frac=4, step_frac=4)
         rows.append({"round": "median", "pages": label, "placement": "", **med, "threads": args.threads,
                      "load_avg_1m": round(os.getloadavg()[0], 2)})
         print(f"{label}: read {med['read_frac']:.1%}, GEMVs {med['gemv_frac']:.1%}, step {med['step_frac']:.1%} of the probe")

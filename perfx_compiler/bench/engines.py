@@ -63,11 +63,16 @@ def _unread_sym_zeros(manifest: dict[str, Any], artifact: str | Path | None) -> 
     out = set()
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     for w in manifest["weights"]:
-        if w["name"].endswith("_q4_zero") and w["dtype"] == "uint8":
-            a = blob[int(w["offset"]) : int(w["offset"]) + int(w["nbytes"])]
-            if a.size and bool(np.all(a == 8)):
-                out.add(w["name"])
+        if w["name"].endswith("_q4_zero") and is_unread_sym_zero(manifest, blob[int(w["offset"]) : int(w["offset"]) + int(w["nbytes"])]):
+            out.add(w["name"])
     return out
+
+
+def is_unread_sym_zero(manifest: dict[str, Any], zero: np.ndarray) -> bool:
+    """Whether an int4 zero-point array is one the decode GEMVs never read (see ``_unread_sym_zeros``):
+    int8 activations and uint8 zeros that are all 8 (a symmetric format)."""
+    return (manifest.get("activations") == "int8" and zero.dtype == np.uint8 and zero.size > 0
+            and bool(np.all(zero == 8)))
 
 
 def perfx_weight_bytes(manifest: dict[str, Any], artifact: str | Path | None = None) -> int:
