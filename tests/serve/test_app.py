@@ -195,7 +195,9 @@ def test_pool_exhausted_queues_and_queue_full_is_503(serve: Any) -> None:
     with ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(httpx.post, f"{srv.url}/v1/completions", json=body, timeout=90) for _ in range(3)]
         try:
-            assert wait_for(lambda: metric(srv, "perfx_queue_depth") == 2, 60)  # one runs, two wait for pages
+            assert wait_for(lambda: metric(srv, "perfx_queue_depth") == 2, 60), (  # one runs, two wait for pages
+                f"queue depth {metric(srv, 'perfx_queue_depth')}, running {metric(srv, 'perfx_running_sequences')}, "
+                f"pages used {metric(srv, 'perfx_kv_pages_used')}, requests done {[f.done() for f in futs]}")
             assert metric(srv, "perfx_running_sequences") == 1
             r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=10)
             assert r.status_code == 503 and r.headers["retry-after"] == "3"
