@@ -133,4 +133,8 @@ def _export_kwargs(target: Any) -> dict[str, Any]:
         from tvm.support import cc
 
         return {"fcompile": cc.cross_compiler(target.cross_compiler)}
-    return {}
+    # host-compiled library: link the spinning thread team its parallel loops run on (runtime/thread_team.py)
+    from perfx_compiler.runtime.thread_team import team_object
+
+    obj = team_object()
+    return {"addons": [str(obj)]} if obj else {}

@@ -27,6 +27,7 @@ import tvm.runtime  # noqa: E402
 from tvm.runtime.vm import VirtualMachine  # noqa: E402
 
 from perfx_compiler.errors import ArtifactError, ContextLengthError  # noqa: E402
+from perfx_compiler.runtime import thread_team  # noqa: E402
 
 MANIFEST = "perfx-config.json"
 SUPPORTED_FORMAT = 1
@@ -77,6 +78,9 @@ class Engine:
         self.device = tvm.runtime.device(device)
         lib = tvm.runtime.load_module(str(self.root / "model.so"))
         self.vm = VirtualMachine(lib, self.device)
+        # the kernels' parallel loops: PerfX's spinning team where the artifact has one, else TVM's pool
+        self.thread_pool = (thread_team.install(self.root / "model.so")
+                            if self.device.dlpack_device_type() == 1 else "tvm (not a CPU device)")
         self._weights = self._load_weights()
         kv = self.manifest["kv_cache"]
         zeros = np.zeros(kv["shape"] if kv_cache else [0], dtype=kv["dtype"])
