@@ -84,7 +84,7 @@ def test_tvm_pool_when_asked_or_when_the_library_has_no_team(team_library, tmp_p
 
 
 FORK_SCRIPT = """
-import os, sys
+import os, signal, sys
 import numpy as np
 import tvm
 from perfx_compiler.runtime import thread_team
@@ -99,6 +99,7 @@ def run():
 assert run() and thread_team.launches(sys.argv[1]) == 1
 pid = os.fork()
 if pid == 0:  # the child: the team's worker did not survive the fork
+    signal.alarm(30)  # a child stuck waiting for it must not outlive the test
     os._exit(0 if run() and thread_team.launches(sys.argv[1]) == 1 else 3)
 _, status = os.waitpid(pid, 0)
 assert os.waitstatus_to_exitcode(status) == 0, status
@@ -119,6 +120,7 @@ def test_forked_child_falls_back_to_tvm_pool(team_library):
                               text=True, timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("a forked child hung on the parent's thread team")
+    # a child that hung dies of its alarm: SIGALRM is exit code -14 and fails the parent's assertion
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
