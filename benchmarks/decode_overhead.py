@@ -24,7 +24,8 @@ per-round values). The machine is shared: compare within one run, where the roun
 
 Fork/join: ``parallel_launches`` counts the thread-pool launches of one step (the library's
 ``__TVMBackendParallelLaunch`` pointer wrapped by a counter); ``launch_us`` times one launch of an empty
-2-task kernel (minus its serial twin) each round; ``forkjoin_frac`` = launches x launch_us / step_ms,
+2-task kernel (minus its serial twin) each round, on the pool the Engine uses (PerfX's thread team, or TVM's
+pool under ``PERFX_THREAD_POOL=tvm``; column ``thread_pool``); ``forkjoin_frac`` = launches x launch_us / step_ms,
 an estimate of the share of ``kernels_ms`` that is pool overhead (threads > 1 only).
 
     python benchmarks/decode_overhead.py ART [ART2 ...] [--labels a,b] [--rounds 9] [--steps 100]
@@ -159,12 +160,18 @@ def count_parallel_launches(lib_path: Path, step: Any) -> int:
 
 
 class LaunchProbe:
-    """The cost of one fork/join of TVM's thread pool: an empty 2-task parallel kernel minus the
-    same loop run serially, called back to back from the C++ replay loop."""
+    """The cost of one fork/join of the pool the artifacts' kernels use: an empty 2-task parallel kernel
+    minus the same loop run serially, called back to back from the C++ replay loop. The kernel is
+    exported with the thread team linked in and routed through it as the Engine routes an artifact
+    (perfx_compiler/runtime/thread_team.py), or through TVM's pool under PERFX_THREAD_POOL=tvm."""
 
     def __init__(self) -> None:
+        import tempfile
+
         import tvm
         from tvm.script import tirx as T
+
+        from perfx_compiler.runtime import thread_team
 
         @T.prim_func
         def par(a: T.Buffer((2, 16), "float32")):
@@ -178,7 +185,16 @@ class LaunchProbe:
                 for j in range(16):
                     a[i, j] = a[i, j] + T.float32(1)
 
-        self.fns = [tvm.tirx.build(f, target="llvm")["main"] for f in (par, ser)]
+        self._dir = tempfile.TemporaryDirectory(prefix="perfx-launch-probe-")
+        obj = thread_team.team_object()
+        self.fns = []
+        for name, f in (("par", par), ("ser", ser)):
+            path = Path(self._dir.name) / f"{name}.so"
+            tvm.tirx.build(f, target="llvm").export_library(str(path), **({"addons": [str(obj)]} if obj else {}))
+            lib = tvm.runtime.load_module(str(path))
+            if name == "par":
+                self.pool = thread_team.install(path)
+            self.fns.append(lib["main"])
         self.buf = tvm.runtime.tensor(np.zeros((2, 16), "float32"))
 
     def time_us(self, replay: Any, calls: int = 2000) -> float:
@@ -332,7 +348,8 @@ def main() -> None:
             k = r % len(meas)
             got = {name: fn() for name, fn in meas[k:] + meas[:k]}
             launch_us = probe.time_us(replay) if probe is not None and args.threads > 1 else float("nan")
-            row = {"round": r, "variant": s.label, "artifact": s.art, "threads": args.threads, "clock": args.clock,
+            row = {"round": r, "variant": s.label, "artifact": s.art, "thread_pool": s.engine.thread_pool,
+                   "threads": args.threads, "clock": args.clock,
                    "position": s.position, "kernel_calls": len(s.calls), "vm_builtin_calls": s.builtins,
                    "parallel_launches": s.launches, "launch_us": launch_us,
                    "kernels_ms": got["kernels"] * 1e3, "vm_ms": got["vm"] * 1e3, "step_ms": got["step"] * 1e3,
