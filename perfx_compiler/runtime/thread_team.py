@@ -45,7 +45,11 @@ def team_object() -> Path | None:
     cache.mkdir(parents=True, exist_ok=True)
     tmp = obj.with_suffix(f".{os.getpid()}.o")
     cmd = [compiler, "-O2", "-fPIC", "-fvisibility=hidden", "-c", str(SOURCE), "-o", str(tmp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as err:  # e.g. CC names a program that is not there
+        log.warning("cannot run %s (%s): the artifact keeps TVM's thread pool", compiler, err)
+        return None
     if proc.returncode != 0:
         log.warning("compiling the thread team failed (%s): the artifact keeps TVM's thread pool",
                     proc.stderr.strip().splitlines()[-1:] or proc.returncode)
