@@ -186,11 +186,10 @@ class LaunchProbe:
                     a[i, j] = a[i, j] + T.float32(1)
 
         self._dir = tempfile.TemporaryDirectory(prefix="perfx-launch-probe-")
-        obj = thread_team.team_object()
         self.fns = []
         for name, f in (("par", par), ("ser", ser)):
             path = Path(self._dir.name) / f"{name}.so"
-            tvm.tirx.build(f, target="llvm").export_library(str(path), **({"addons": [str(obj)]} if obj else {}))
+            tvm.tirx.build(f, target="llvm").export_library(str(path), **thread_team.link_options())
             lib = tvm.runtime.load_module(str(path))
             if name == "par":
                 self.pool = thread_team.install(path)
@@ -329,6 +328,8 @@ def main() -> None:
     except Exception as err:  # noqa: BLE001 - a runtime-only TVM cannot build the probe kernels
         print(f"decode_overhead: no fork/join probe ({type(err).__name__}: {err})", flush=True)
         probe = None
+    if probe is not None:
+        print(f"fork/join probe on: {probe.pool}", flush=True)
     prompt = list(range(100, 100 + args.position))
     subjects = [Subject(lab, art, prompt, args.position) for lab, art in zip(labels, args.artifacts, strict=True)]
     for s in subjects:

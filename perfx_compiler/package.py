@@ -134,7 +134,6 @@ def _export_kwargs(target: Any) -> dict[str, Any]:
 
         return {"fcompile": cc.cross_compiler(target.cross_compiler)}
     # host-compiled library: link the spinning thread team its parallel loops run on (runtime/thread_team.py)
-    from perfx_compiler.runtime.thread_team import team_object
+    from perfx_compiler.runtime.thread_team import link_options
 
-    obj = team_object()
-    return {"addons": [str(obj)]} if obj else {}
+    return link_options()

@@ -121,7 +121,8 @@ class PerfXEngine(BenchEngine):
 
     def info(self) -> dict[str, Any]:
         m = self.engine.manifest
-        return {"quantization": m.get("quantization", ""), "weight_format": weight_format(m)}
+        return {"quantization": m.get("quantization", ""), "weight_format": weight_format(m),
+                "thread_pool": self.engine.thread_pool}
 
 
 # ----------------------------------------------------------------------------------------- llama.cpp

@@ -76,11 +76,12 @@ class Engine:
         self.max_context = int(model["max_context"])
         self.vocab_size = int(model["vocab_size"])
         self.device = tvm.runtime.device(device)
+        self._cpu = self.device.dlpack_device_type() == 1  # kDLCPU: tensors are host memory
         lib = tvm.runtime.load_module(str(self.root / "model.so"))
         self.vm = VirtualMachine(lib, self.device)
         # the kernels' parallel loops: PerfX's spinning team where the artifact has one, else TVM's pool
         self.thread_pool = (thread_team.install(self.root / "model.so")
-                            if self.device.dlpack_device_type() == 1 else "tvm (not a CPU device)")
+                            if self._cpu else "tvm (not a CPU device)")
         self._weights = self._load_weights()
         kv = self.manifest["kv_cache"]
         zeros = np.zeros(kv["shape"] if kv_cache else [0], dtype=kv["dtype"])
@@ -109,8 +110,7 @@ class Engine:
             self.vm.set_input(self._decode_name, self._one_token_dev, self._pos_dev, *self._tail)
         self._invoke_stateful = self.vm._invoke_stateful
         self._get_output = self.vm._get_output
-        self._host_views = self.device.dlpack_device_type() == 1  # kDLCPU
-        if self._host_views:
+        if self._cpu:
             self._token_view = np.from_dlpack(self._one_token_dev)
             self._pos_view = np.from_dlpack(self._pos_dev)
 
@@ -118,9 +118,8 @@ class Engine:
         blob = np.memmap(self.root / "weights.bin", dtype=np.uint8, mode="r")
         # Adreno texture path: these weights exist only as images (passes/texture_weights.py); a GPU
         # allocates them in texture memory (not verified on a device: no TVM OpenCL runtime here)
-        cpu = self.device.dlpack_device_type() == 1  # kDLCPU
-        textures = self.manifest.get("textures", {}) if not cpu else {}
-        arena = HugePageArena.for_weights(self.manifest["weights"]) if cpu else None
+        textures = self.manifest.get("textures", {}) if not self._cpu else {}
+        arena = HugePageArena.for_weights(self.manifest["weights"]) if self._cpu else None
         self._weight_arena = arena
         out = []
         for w in self.manifest["weights"]:
@@ -178,7 +177,7 @@ class Engine:
         if not 0 <= tok < self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         self._check_room(1)
-        if self._host_views:
+        if self._cpu:
             self._token_view[0, 0] = tok
             self._pos_view[0] = self.position
         else:
@@ -190,7 +189,7 @@ class Engine:
         logits = self._get_output(self._decode_name, 0)
         self.position += 1
         # A view keeps the VM's output buffer alive, so the next step allocates a fresh one.
-        return (np.from_dlpack(logits) if self._host_views else logits.numpy())[0, 0]
+        return (np.from_dlpack(logits) if self._cpu else logits.numpy())[0, 0]
 
 
 class HugePageArena:

@@ -1,7 +1,7 @@
 """The spinning thread team (``native/thread_team.c``): built into a CPU artifact, started at load.
 
 Compile side: ``team_object()`` compiles the C file once per source version into an object that
-``package.py`` links into ``model.so`` (``export_library(addons=...)``). Load side: ``install()``
+``package.py`` links into ``model.so`` (``export_library(**link_options())``). Load side: ``install()``
 starts the team inside that library and points the library's ``__TVMBackendParallelLaunch`` at it,
 so every parallel loop of its kernels forks and joins through the team instead of TVM's pool.
 
@@ -56,6 +56,13 @@ def team_object() -> Path | None:
         return None
     tmp.replace(obj)  # atomic: concurrent compiles never see a half-written object
     return obj
+
+
+def link_options() -> dict[str, list[str]]:
+    """``export_library`` keyword arguments that link the team into a host-compiled library ({} without
+    a C compiler: the library then keeps TVM's pool)."""
+    obj = team_object()
+    return {"addons": [str(obj)]} if obj else {}
 
 
 def team_threads() -> int:

@@ -23,9 +23,8 @@ def _parallel_kernel_library(path: Path, with_team: bool) -> Path:
             for j in range(4096):
                 b[i, j] = a[i, j] * T.float32(2) + T.float32(i)
 
-    obj = thread_team.team_object()
-    assert obj is not None, "no C compiler: the team cannot be built"
-    kwargs = {"addons": [str(obj)]} if with_team else {}
+    kwargs = thread_team.link_options() if with_team else {}
+    assert kwargs or not with_team, "no C compiler: the team cannot be built"
     tvm.tirx.build(scale, target="llvm").export_library(str(path), **kwargs)
     return path
 

@@ -161,4 +161,3 @@ EXPORT int perfx_team_launch(ParallelLambda flambda, void* cdata, int num_task) 
 }
 
 EXPORT int64_t perfx_team_launches(void) { return atomic_load(&team.launches); }
-EXPORT int perfx_team_threads(void) { return team.threads; }
