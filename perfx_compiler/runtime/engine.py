@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -27,7 +28,9 @@ import tvm.runtime  # noqa: E402
 from tvm.runtime.vm import VirtualMachine  # noqa: E402
 
 from perfx_compiler.errors import ArtifactError, ContextLengthError  # noqa: E402
-from perfx_compiler.runtime import thread_team  # noqa: E402
+from perfx_compiler.runtime import decode_replay, thread_team  # noqa: E402
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "perfx-config.json"
 SUPPORTED_FORMAT = 1
@@ -113,6 +116,15 @@ class Engine:
         if self._cpu:
             self._token_view = np.from_dlpack(self._one_token_dev)
             self._pos_view = np.from_dlpack(self._pos_dev)
+        # On the CPU, the first decode step records its kernel calls; later steps replay them from C++
+        # without the VM (decode_replay.py). ``decode_path`` says which runs the steps.
+        self._replay: decode_replay.DecodeReplay | None = None
+        if not (self._cpu and kv_cache):
+            self.decode_path = "vm"
+        elif not decode_replay.enabled():
+            self.decode_path = "vm (PERFX_DECODE_REPLAY=0)"
+        else:
+            self.decode_path = "pending"  # decided at the first decode step
 
     def _load_weights(self) -> list[Any]:
         blob = np.memmap(self.root / "weights.bin", dtype=np.uint8, mode="r")
@@ -180,6 +192,12 @@ class Engine:
         if self._cpu:
             self._token_view[0, 0] = tok
             self._pos_view[0] = self.position
+            if self._replay is not None:
+                self._replay.run()
+                self.position += 1
+                return self._replay.logits[0, 0].copy()  # the replay rewrites this buffer every step
+            if self.decode_path == "pending":
+                return self._record_decode()
         else:
             self._one_token[0, 0] = tok
             self._pos[0] = self.position
@@ -190,6 +208,31 @@ class Engine:
         self.position += 1
         # A view keeps the VM's output buffer alive, so the next step allocates a fresh one.
         return (np.from_dlpack(logits) if self._cpu else logits.numpy())[0, 0]
+
+
+    def _record_decode(self) -> np.ndarray:
+        """The first decode step: run by the VM and recorded; the record is replayed once on the same
+        token and position (which rewrites the same KV row) and kept only if its logits are the VM's,
+        bit for bit."""
+
+        def vm_step() -> Any:
+            self._invoke_stateful(self._decode_name)
+            return self._get_output(self._decode_name, 0)
+
+        logits, replay = decode_replay.record(self.vm, vm_step)
+        got = np.from_dlpack(logits)[0, 0].copy()
+        if isinstance(replay, str):
+            self.decode_path = f"vm ({replay})"
+        else:
+            replay.run()
+            if np.array_equal(replay.logits[0, 0], got):
+                self._replay = replay
+                self.decode_path = f"replay ({replay.kernels} kernels)"
+            else:
+                self.decode_path = "vm (the replayed step differed from the VM's)"
+                log.warning("decode replay disabled: its logits differ from the VM's")
+        self.position += 1
+        return got
 
 
 class HugePageArena:

@@ -1,0 +1,136 @@
+"""A CPU decode step replayed without the VM: the step's kernel calls, recorded once, run from C++.
+
+A decode step of a CPU artifact is a fixed list of kernel calls on fixed buffers: one token at a
+time, a KV cache of fixed size updated in place, every intermediate tensor the same shape at every
+position, and the position itself read from a tensor (``Engine._pos_dev``) the engine writes before
+each step. The VM still interprets ~130 builtins per step (argument checks, storage and tensor
+allocation) and calls the ~180 kernels one by one. Here one step is run through the VM with its
+instrumentation hook to record the kernel calls and their arguments (the VM's own tensors, kept
+alive by the record); later steps call the same kernels on the same tensors from a small C++ loop,
+and read the logits from the tensor the recorded lm_head call writes.
+
+The record is used only when it is safe:
+* the step's builtins are all bookkeeping (``SAFE_BUILTINS``); anything else keeps the VM;
+* the logits tensor the VM returned is the output argument of a recorded call;
+* the same step (token, position) run again by the replay gives the VM's logits bit for bit
+  (re-running a step rewrites the same KV row with the same values).
+Without a C++ compiler (the loop is built once per machine by ``tvm_ffi.cpp.load_inline``) the VM
+runs every step. ``PERFX_DECODE_REPLAY=0`` keeps the VM (A/B runs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# VM builtins a decode step may make that the replay can skip: checks and the allocation of
+# tensors the record already holds. Anything else (a copy, a KV-cache builtin) keeps the VM.
+SAFE_BUILTINS = frozenset({
+    "vm.builtin.check_tensor_info", "vm.builtin.match_shape", "vm.builtin.null_value",
+    "vm.builtin.alloc_storage", "vm.builtin.alloc_tensor", "vm.builtin.make_tuple",
+    "vm.builtin.check_shape_info", "vm.builtin.check_tuple_info", "vm.builtin.make_shape",
+    "vm.builtin.reshape", "vm.builtin.tuple_getitem",
+})
+
+_REPLAY_CC = r"""
+#include <tvm/ffi/any.h>
+#include <tvm/ffi/container/array.h>
+#include <tvm/ffi/function.h>
+
+#include <memory>
+#include <vector>
+
+using namespace tvm::ffi;
+
+// calls[i] = [kernel, args...]: unpacked once; the returned function runs them all in order.
+struct Step {
+  std::vector<Function> fns;
+  std::vector<std::vector<AnyView>> args;
+  std::vector<Array<Any>> keep;  // owns the values the AnyViews point into
+};
+
+Function build(Array<Array<Any>> calls) {
+  auto step = std::make_shared<Step>();
+  for (const Array<Any>& call : calls) step->keep.push_back(call);
+  for (const Array<Any>& call : step->keep) {
+    step->fns.push_back(call[0].cast<Function>());
+    step->args.emplace_back();
+    for (size_t j = 1; j < call.size(); ++j) step->args.back().push_back(AnyView(call[j]));
+  }
+  return Function::FromTyped([step]() {
+    Any rv;
+    for (size_t i = 0; i < step->fns.size(); ++i) {
+      step->fns[i].CallPacked(step->args[i].data(), static_cast<int32_t>(step->args[i].size()), &rv);
+    }
+  });
+}
+"""
+
+_builder: Any = None
+
+
+def _build_fn() -> Any:
+    """``build(calls) -> Function`` from the C++ loop, compiled once per machine (tvm_ffi caches it);
+    None where it cannot be built (no C++ compiler)."""
+    global _builder
+    if _builder is None:
+        try:
+            import tvm_ffi.cpp
+
+            _builder = tvm_ffi.cpp.load_inline("perfx_decode_replay_step", cpp_sources=_REPLAY_CC,
+                                               functions=["build"], extra_cflags=["-O2"]).build
+        except Exception as err:  # noqa: BLE001 - a missing or broken C++ toolchain
+            log.warning("decode replay unavailable (%s: %s): decode runs through the VM",
+                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            _builder = False
+    return _builder or None
+
+
+def enabled() -> bool:
+    return os.environ.get("PERFX_DECODE_REPLAY", "1") != "0"
+
+
+class DecodeReplay:
+    """The recorded decode step of one engine: ``run()`` makes one step, ``logits`` is a numpy view
+    of the tensor it writes (rewritten by the next step)."""
+
+    def __init__(self, run: Callable[[], None], logits: np.ndarray, kernels: int):
+        self.run, self.logits, self.kernels = run, logits, kernels
+
+
+def record(vm: Any, step: Callable[[], Any]) -> tuple[Any, DecodeReplay | str]:
+    """Run ``step()`` (one VM decode, returning its logits tensor) with the VM's hook recording the
+    kernel calls; returns (that step's logits tensor, the replay or why there is none)."""
+    calls: list[list[Any]] = []
+    unsafe: set[str] = set()
+
+    def hook(func: Any, sym: Any, before: bool, ret: Any, *args: Any) -> int:
+        if before:
+            name = str(sym)
+            if name.startswith("vm.builtin."):
+                if name not in SAFE_BUILTINS:
+                    unsafe.add(name)
+            else:
+                calls.append([func, *args])
+        return 0
+
+    vm.set_instrument(hook)
+    try:
+        logits = step()
+    finally:
+        vm.set_instrument(None)
+    if unsafe:
+        return logits, f"the step calls {', '.join(sorted(unsafe))}"
+    out_ptr = np.from_dlpack(logits).ctypes.data
+    if not any(hasattr(c[-1], "shape") and np.from_dlpack(c[-1]).ctypes.data == out_ptr for c in calls):
+        return logits, "the logits are not written by a recorded kernel"
+    build = _build_fn()
+    if build is None:
+        return logits, "no C++ compiler for the replay loop"
+    return logits, DecodeReplay(build(calls), np.from_dlpack(logits), len(calls))
