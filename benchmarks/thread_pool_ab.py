@@ -14,6 +14,11 @@ ceiling); rows carry achieved GB/s = weight bytes per token x tok/s and its frac
 
 Writes benchmarks/results/<stem>.csv (every process, then medians per label, pool and placement over
 the rounds where both arms ran in that placement, and the paired ratio team / tvm) and <stem>.png.
+
+``--switch replay`` runs the same A/B for the decode step replayed without the VM
+(perfx_compiler/runtime/decode_replay.py): ``PERFX_DECODE_REPLAY=0`` (arm ``vm``) against the default
+(arm ``replay``), both on the thread team; the CSV's ``pool`` column then holds the arm, the ratio is
+replay / vm (default stem ``decode_replay_ab``).
 """
 
 from __future__ import annotations
@@ -27,32 +32,40 @@ from typing import Any
 
 from _common import RESULTS, alternated, figure, medians, write_csv  # noqa: E402
 
-POOLS = ("tvm", "team")
+# switch -> (environment variable, {arm: its value}, engine info key, {arm: what that key must start with});
+# the first arm is the baseline, the ratio is second / first
+SWITCHES = {
+    "pool": ("PERFX_THREAD_POOL", {"tvm": "tvm", "team": ""}, "thread_pool", {"tvm": "tvm", "team": "perfx-team"}),
+    "replay": ("PERFX_DECODE_REPLAY", {"vm": "0", "replay": "1"}, "decode_path", {"vm": "vm", "replay": "replay"}),
+}
 
 
-def measure_arm(art: str, pool: str, args: argparse.Namespace, log: Path) -> dict[str, Any]:
-    """Decode tok/s of ``art`` on ``pool`` in a fresh perfx-bench worker process (bench/worker.py)."""
+def measure_arm(art: str, arm: str, args: argparse.Namespace, log: Path) -> dict[str, Any]:
+    """Decode tok/s of ``art`` in ``arm`` of ``args.switch``, in a fresh perfx-bench worker process
+    (bench/worker.py)."""
     import numpy as np
 
     from perfx_compiler.cli.bench import Worker
 
-    saved = os.environ.get("PERFX_THREAD_POOL")
-    os.environ["PERFX_THREAD_POOL"] = "tvm" if pool == "tvm" else ""  # read by the worker's Engine at load
+    var, values, key, _ = SWITCHES[args.switch]
+    saved = os.environ.get(var)
+    os.environ[var] = values[arm]  # read by the worker's Engine at load
     try:
         worker = Worker("perfx", Path(art), args.threads, log)
     finally:
         if saved is None:
-            os.environ.pop("PERFX_THREAD_POOL")
+            os.environ.pop(var)
         else:
-            os.environ["PERFX_THREAD_POOL"] = saved
+            os.environ[var] = saved
     try:
         info = worker.ask("info")
         prompt = [int(t) for t in np.random.default_rng(0).integers(100, 1000, args.prompt)]
         worker.ask("decode", prompt=prompt, n=8)  # warm-up
         runs = [worker.ask("decode", prompt=prompt, n=args.tokens) for _ in range(args.runs)]
+        info = worker.ask("info")  # again: decode_path is decided at the first decode step
     finally:
         worker.close()
-    return {"pool": info["info"]["thread_pool"], "weight_bytes": int(info["weight_bytes"]),
+    return {"pool": info["info"][key], "weight_bytes": int(info["weight_bytes"]),
             "tok_s": statistics.median(args.tokens / r["decode_s"] for r in runs), "last_token": runs[-1]["token"]}
 
 
@@ -65,8 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out-stem", default="thread_pool_ab")
+    ap.add_argument("--switch", choices=sorted(SWITCHES), default="pool")
+    ap.add_argument("--out-stem", default=None)
     args = ap.parse_args(argv)
+    args.out_stem = args.out_stem or ("thread_pool_ab" if args.switch == "pool" else "decode_replay_ab")
+    arms = tuple(SWITCHES[args.switch][1])
+    expect = SWITCHES[args.switch][3]
     if not args.artifacts:
         ap.error("give at least one artifact directory")
 
@@ -81,17 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     last_tokens: dict[str, int] = {}
     for r in range(args.rounds):
         for art, label in zip(args.artifacts, labels, strict=True):
-            for pool in alternated(POOLS, r):
+            for pool in alternated(arms, r):
                 # the placement can change at any time: measured next to each arm, before and after
                 ns_before, gbs = machine.pingpong_ns(), probe.measure()
                 res = measure_arm(art, pool, args, logs / f"{label}-{pool}.log")
                 ns_after = machine.pingpong_ns()
-                want = "perfx-team" if pool == "team" else "tvm"
-                if not res["pool"].startswith(want):
-                    sys.exit(f"{label}: asked for the {pool} pool, the engine used {res['pool']!r}")
-                # both pools run the same kernels on the same split of work: greedy decoding must agree
+                if not res["pool"].startswith(expect[pool]):
+                    sys.exit(f"{label}: asked for {pool}, the engine reported {res['pool']!r}")
+                # both arms run the same kernels on the same split of work: greedy decoding must agree
                 if last_tokens.setdefault(label, res["last_token"]) != res["last_token"]:
-                    sys.exit(f"{label}: the {pool} pool decoded a different last token")
+                    sys.exit(f"{label}: arm {pool} decoded a different last token")
                 place = machine.placement(ns_before)
                 if machine.placement(ns_after) != place:
                     place = "mixed"
@@ -113,13 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             pairs = [v for v in per_round.values() if len(v) == 2]
             if not pairs:
                 continue
-            for pool in POOLS:
+            for pool in arms:
                 sub = [v[pool] for v in pairs]
                 summary.append({"round": "median", "label": label, "pool": pool, "placement": place,
                                 **medians(sub, pingpong_ns=1, probe_gbs=2, decode_tok_s=2, achieved_gbs=2,
                                           bw_fraction=4, load_avg_1m=2), "rounds": len(sub)})
-            ratio = statistics.median(v["team"]["decode_tok_s"] / v["tvm"]["decode_tok_s"] for v in pairs)
-            summary.append({"round": "paired_ratio", "label": label, "pool": "team/tvm", "placement": place,
+            ratio = statistics.median(v[arms[1]]["decode_tok_s"] / v[arms[0]]["decode_tok_s"] for v in pairs)
+            summary.append({"round": "paired_ratio", "label": label, "pool": f"{arms[1]}/{arms[0]}", "placement": place,
                             "decode_tok_s": round(ratio, 4), "rounds": len(pairs)})
             print(summary[-3], summary[-2], summary[-1], sep="\n")
     columns = ["round", "label", "pool", "placement", "pingpong_ns", "pingpong_after_ns", "probe_gbs", "decode_tok_s", "achieved_gbs",
@@ -128,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     with figure(RESULTS / f"{args.out_stem}.png", 1, len(labels), figsize=(5.5 * len(labels), 4),
                 squeeze=False) as (_, axes):
         for ax, label in zip(axes[0], labels, strict=True):
-            for pool, marker in zip(POOLS, ("o", "s"), strict=True):
+            for pool, marker in zip(arms, ("o", "s"), strict=True):
                 for place, color in (("split", "tab:blue"), ("shared", "tab:orange")):
                     pts = [x for x in rows if x["label"] == label and x["pool"] == pool and x["placement"] == place]
                     ax.scatter([x["round"] for x in pts], [x["bw_fraction"] * 100 for x in pts], marker=marker,
-                               color=color, facecolors="none" if pool == "tvm" else color,
-                               label=f"{pool} pool, {place}")
+                               color=color, facecolors="none" if pool == arms[0] else color,
+                               label=f"{pool}, {place}")
             ax.axhline(90, color="gray", lw=0.8, ls="--")
             ax.set(title=f"{label}: decode, % of measured read bandwidth", xlabel="round", ylabel="% of probe")
             ax.legend(fontsize=7)

@@ -122,7 +122,7 @@ class PerfXEngine(BenchEngine):
     def info(self) -> dict[str, Any]:
         m = self.engine.manifest
         return {"quantization": m.get("quantization", ""), "weight_format": weight_format(m),
-                "thread_pool": self.engine.thread_pool}
+                "thread_pool": self.engine.thread_pool, "decode_path": self.engine.decode_path}
 
 
 # ----------------------------------------------------------------------------------------- llama.cpp
