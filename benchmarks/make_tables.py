@@ -200,12 +200,17 @@ def targets_section(names: list[str], results: Path) -> list[str]:
 
 
 def _thread_pool_rows(name: str, results: Path) -> list[str]:
-    """PerfX's decode bandwidth fraction per placement from thread_pool_ab.csv (PerfX alone, more rounds)."""
-    path = results / "thread_pool_ab.csv"
-    rows = [r for r in (_read(path) if path.is_file() else [])
-            if r["round"] == "median" and r["label"] == name and r["pool"] == "team"]
-    return [_check(f"{name}: PerfX alone, {r['placement']} placement, {r['rounds']} paired rounds "
-                   "(thread_pool_ab.csv)", float(r["bw_fraction"]), 0.9, "%") for r in rows]
+    """PerfX's decode bandwidth fraction per placement from the A/B runs of PerfX alone (more rounds):
+    thread_pool_ab.csv (the thread team's arm) and decode_replay_ab.csv (the replay's arm, the default)."""
+    out = []
+    for file, arm, what in (("thread_pool_ab.csv", "team", "thread team, decode through the VM"),
+                            ("decode_replay_ab.csv", "replay", "thread team, decode replayed")):
+        path = results / file
+        rows = [r for r in (_read(path) if path.is_file() else [])
+                if r["round"] == "median" and r["label"] == name and r["pool"] == arm]
+        out += [_check(f"{name}: PerfX alone ({what}), {r['placement']} placement, {r['rounds']} paired rounds "
+                       f"({file})", float(r["bw_fraction"]), 0.9, "%") for r in rows]
+    return out
 
 
 def _kind(kernel: str) -> str:
