@@ -77,6 +77,7 @@ class Traced:
                 self.weight_bytes.append(sum(b for b in map(_nbytes, args) if b >= (1 << 20)))
             return 0
 
+        e.keep_vm_decode("traced")  # the hook sees only the VM's calls
         e.vm.set_instrument(hook)
         try:
             e.decode(tok)

@@ -228,6 +228,7 @@ class Subject:
                     self.names.append(str(sym))
             return 0
 
+        e.keep_vm_decode("traced")  # this script times the VM's own path against its kernels
         e.vm.set_instrument(hook)
         try:
             e.decode(self.token)

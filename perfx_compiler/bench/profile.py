@@ -147,6 +147,7 @@ def profile_engine(
     time is its median over the instrumented runs (a preempted run does not skew it).
     """
     est = _Estimator(engine.manifest)
+    engine.keep_vm_decode("profiled")  # the per-kernel times come from the VM's instrument hook
     vm = engine.vm
     rng = np.random.default_rng(seed)
     vocab = engine.vocab_size

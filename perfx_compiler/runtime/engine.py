@@ -210,6 +210,11 @@ class Engine:
         return (np.from_dlpack(logits) if self._cpu else logits.numpy())[0, 0]
 
 
+    def keep_vm_decode(self, reason: str = "asked") -> None:
+        """Run every later decode step through the VM (for tools that hook the VM's calls)."""
+        self._replay = None
+        self.decode_path = f"vm ({reason})"
+
     def _record_decode(self) -> np.ndarray:
         """The first decode step: run by the VM and recorded; the record is replayed once on the same
         token and position (which rewrites the same KV row) and kept only if its logits are the VM's,

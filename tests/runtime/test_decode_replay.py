@@ -109,3 +109,17 @@ def test_record_refuses_logits_no_kernel_writes(smol_artifact):
 
     _, replay = decode_replay.record(engine.vm, step)
     assert replay == "the logits are not written by a recorded kernel"
+
+
+def test_profiler_gets_the_vm_back_after_replayed_steps(smol_artifact):
+    """perfx-bench --profile times kernels through the VM's hook: an engine that was replaying hands its
+    decode back to the VM, and the decode profile lists the step's kernels."""
+    from perfx_compiler.bench.profile import profile_engine
+    from perfx_compiler.runtime.engine import Engine
+
+    engine = Engine(smol_artifact)
+    _greedy(engine, PROMPT, 3)
+    assert engine.decode_path.startswith("replay (")
+    decode = profile_engine(engine, PROMPT, 2, [])[0]
+    assert engine.decode_path == "vm (profiled)"
+    assert decode.phase == "decode" and sum(k.calls for k in decode.kernels) >= 2 * 100
