@@ -127,8 +127,8 @@ def record(vm: Any, step: Callable[[], Any]) -> tuple[Any, DecodeReplay | str]:
         vm.set_instrument(None)
     if unsafe:
         return logits, f"the step calls {', '.join(sorted(unsafe))}"
-    out_ptr = np.from_dlpack(logits).ctypes.data
-    if not any(hasattr(c[-1], "shape") and np.from_dlpack(c[-1]).ctypes.data == out_ptr for c in calls):
+    out_ptr = logits.data_ptr()
+    if not any(callable(getattr(c[-1], "data_ptr", None)) and c[-1].data_ptr() == out_ptr for c in calls):
         return logits, "the logits are not written by a recorded kernel"
     build = _build_fn()
     if build is None:
