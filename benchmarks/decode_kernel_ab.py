@@ -59,30 +59,18 @@ class Traced:
     """One artifact's decode step as a list of kernel calls (symbol, function, arguments)."""
 
     def __init__(self, label: str, art: str, prompt: list[int]):
+        from perfx_compiler.runtime import decode_replay
         from perfx_compiler.runtime.engine import Engine
 
         self.label, self.art = label, art
         self.engine = e = Engine(art, verify=False)
         e.reset()
         tok = int(np.argmax(e.prefill(prompt)))
-        self.calls: list[list[Any]] = []
-        self.syms: list[str] = []
-        self.weight_bytes: list[int] = []
-
-        def hook(func: Any, sym: Any, before: bool, ret: Any, *args: Any) -> int:
-            if before and not str(sym).startswith("vm.builtin."):
-                self.calls.append([func, *args])
-                self.syms.append(str(sym))
-                # weights: the big arguments (a decode GEMV's codes / scales); outputs and x are small
-                self.weight_bytes.append(sum(b for b in map(_nbytes, args) if b >= (1 << 20)))
-            return 0
-
         e.keep_vm_decode("traced")  # the hook sees only the VM's calls
-        e.vm.set_instrument(hook)
-        try:
-            e.decode(tok)
-        finally:
-            e.vm.set_instrument(None)
+        tr = decode_replay.trace(e.vm, lambda: e.decode(tok))
+        self.calls, self.syms = tr.calls, tr.names
+        # weights: the big arguments (a decode GEMV's codes / scales); outputs and x are small
+        self.weight_bytes = [sum(b for b in map(_nbytes, c[1:]) if b >= (1 << 20)) for c in tr.calls]
 
     def per_symbol(self, replay: Any, steps: int) -> tuple[dict[str, float], dict[str, float]]:
         """Per symbol (seconds): the median over steps of its summed call time in a step, and the sum

@@ -48,40 +48,18 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
-REPLAY_CC = r"""
-#include <tvm/ffi/any.h>
-#include <tvm/ffi/container/array.h>
-#include <tvm/ffi/function.h>
+def _replay_cc() -> str:
+    """The timing loops over the runtime's unpacked call list (decode_replay.CALLS_CC)."""
+    from perfx_compiler.runtime.decode_replay import CALLS_CC
+
+    return CALLS_CC + r"""
 #include <time.h>
-
-#include <vector>
-
-using namespace tvm::ffi;
 
 static double now(bool cpu) {
   timespec ts;
   clock_gettime(cpu ? CLOCK_THREAD_CPUTIME_ID : CLOCK_MONOTONIC, &ts);
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
-
-// calls[i] = [kernel, args...], unpacked once into functions and argument views.
-struct Calls {
-  std::vector<Function> fns;
-  std::vector<std::vector<AnyView>> args;
-  std::vector<Array<Any>> keep;  // owns the Any values the AnyViews point into
-  explicit Calls(const Array<Array<Any>>& calls) {
-    for (const Array<Any>& call : calls) keep.push_back(call);
-    for (const Array<Any>& call : keep) {
-      fns.push_back(call[0].cast<Function>());
-      args.emplace_back();
-      for (size_t j = 1; j < call.size(); ++j) args.back().push_back(AnyView(call[j]));
-    }
-  }
-  size_t size() const { return fns.size(); }
-  void run(size_t i, Any* rv) const {
-    fns[i].CallPacked(args[i].data(), static_cast<int32_t>(args[i].size()), rv);
-  }
-};
 
 // Runs the whole list `reps` times; returns each pass's seconds
 // (wall clock, or this thread's CPU time with `cpu`).
@@ -120,7 +98,7 @@ def build_replay_module() -> Any:
     import tvm_ffi.cpp
 
     try:
-        return tvm_ffi.cpp.load_inline("perfx_decode_replay", cpp_sources=REPLAY_CC,
+        return tvm_ffi.cpp.load_inline("perfx_decode_replay", cpp_sources=_replay_cc(),
                                        functions=["replay", "replay_each"], extra_cflags=["-O2"])
     except Exception as err:  # noqa: BLE001 - a missing C++ toolchain is the usual cause
         sys.exit(f"cannot build the C++ replay loop ({type(err).__name__}: {err}); needs g++")
@@ -207,6 +185,7 @@ class Subject:
     """One artifact: its engine, a token to feed, and the kernel calls of one decode step."""
 
     def __init__(self, label: str, art: str, prompt: list[int], position: int):
+        from perfx_compiler.runtime import decode_replay
         from perfx_compiler.runtime.engine import Engine
 
         self.label, self.art = label, art
@@ -215,25 +194,9 @@ class Subject:
         e.reset()
         self.token = int(np.argmax(e.prefill(prompt[:position])))
         self.position = e.position  # every timed step runs at this position (same attention length)
-        self.calls: list[list[Any]] = []
-        self.names: list[str] = []  # kernel symbol of each call
-        self.builtins = 0
-
-        def hook(func: Any, sym: Any, before: bool, ret: Any, *args: Any) -> int:
-            if before:
-                if str(sym).startswith("vm.builtin."):
-                    self.builtins += 1
-                else:
-                    self.calls.append([func, *args])
-                    self.names.append(str(sym))
-            return 0
-
         e.keep_vm_decode("traced")  # this script times the VM's own path against its kernels
-        e.vm.set_instrument(hook)
-        try:
-            e.decode(self.token)
-        finally:
-            e.vm.set_instrument(None)
+        tr = decode_replay.trace(e.vm, lambda: e.decode(self.token))
+        self.calls, self.names, self.builtins = tr.calls, tr.names, len(tr.builtins)  # names: kernel symbols
         e.position = self.position
         self.launches = count_parallel_launches(Path(art) / "model.so", lambda: e.decode(self.token))
         e.position = self.position

@@ -58,11 +58,10 @@ def measure_arm(art: str, arm: str, args: argparse.Namespace, log: Path) -> dict
         else:
             os.environ[var] = saved
     try:
-        info = worker.ask("info")
         prompt = [int(t) for t in np.random.default_rng(0).integers(100, 1000, args.prompt)]
         worker.ask("decode", prompt=prompt, n=8)  # warm-up
         runs = [worker.ask("decode", prompt=prompt, n=args.tokens) for _ in range(args.runs)]
-        info = worker.ask("info")  # again: decode_path is decided at the first decode step
+        info = worker.ask("info")  # after decoding: decode_path is decided at the first decode step
     finally:
         worker.close()
     return {"pool": info["info"][key], "weight_bytes": int(info["weight_bytes"]),

@@ -20,9 +20,11 @@ runs every step. ``PERFX_DECODE_REPLAY=0`` keeps the VM (A/B runs).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,99 +40,124 @@ SAFE_BUILTINS = frozenset({
     "vm.builtin.reshape", "vm.builtin.tuple_getitem",
 })
 
-_REPLAY_CC = r"""
+# calls[i] = [kernel, args...], unpacked once into functions and argument views. Shared with
+# benchmarks/decode_overhead.py, whose timing loops run the same unpacked list.
+CALLS_CC = r"""
 #include <tvm/ffi/any.h>
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/function.h>
 
-#include <memory>
 #include <vector>
 
 using namespace tvm::ffi;
 
-// calls[i] = [kernel, args...]: unpacked once; the returned function runs them all in order.
-struct Step {
+struct Calls {
   std::vector<Function> fns;
   std::vector<std::vector<AnyView>> args;
-  std::vector<Array<Any>> keep;  // owns the values the AnyViews point into
-};
-
-Function build(Array<Array<Any>> calls) {
-  auto step = std::make_shared<Step>();
-  for (const Array<Any>& call : calls) step->keep.push_back(call);
-  for (const Array<Any>& call : step->keep) {
-    step->fns.push_back(call[0].cast<Function>());
-    step->args.emplace_back();
-    for (size_t j = 1; j < call.size(); ++j) step->args.back().push_back(AnyView(call[j]));
+  std::vector<Array<Any>> keep;  // owns the Any values the AnyViews point into
+  explicit Calls(const Array<Array<Any>>& calls) {
+    for (const Array<Any>& call : calls) keep.push_back(call);
+    for (const Array<Any>& call : keep) {
+      fns.push_back(call[0].cast<Function>());
+      args.emplace_back();
+      for (size_t j = 1; j < call.size(); ++j) args.back().push_back(AnyView(call[j]));
+    }
   }
+  size_t size() const { return fns.size(); }
+  void run(size_t i, Any* rv) const {
+    fns[i].CallPacked(args[i].data(), static_cast<int32_t>(args[i].size()), rv);
+  }
+};
+"""
+
+_STEP_CC = CALLS_CC + r"""
+#include <memory>
+
+// A function that runs the whole list once, in order.
+Function build(Array<Array<Any>> calls) {
+  auto step = std::make_shared<Calls>(calls);
   return Function::FromTyped([step]() {
     Any rv;
-    for (size_t i = 0; i < step->fns.size(); ++i) {
-      step->fns[i].CallPacked(step->args[i].data(), static_cast<int32_t>(step->args[i].size()), &rv);
-    }
+    for (size_t i = 0; i < step->size(); ++i) step->run(i, &rv);
   });
 }
 """
 
-_builder: Any = None
 
-
+@functools.cache
 def _build_fn() -> Any:
     """``build(calls) -> Function`` from the C++ loop, compiled once per machine (tvm_ffi caches it);
     None where it cannot be built (no C++ compiler)."""
-    global _builder
-    if _builder is None:
-        try:
-            import tvm_ffi.cpp
+    try:
+        import tvm_ffi.cpp
 
-            _builder = tvm_ffi.cpp.load_inline("perfx_decode_replay_step", cpp_sources=_REPLAY_CC,
-                                               functions=["build"], extra_cflags=["-O2"]).build
-        except Exception as err:  # noqa: BLE001 - a missing or broken C++ toolchain
-            log.warning("decode replay unavailable (%s: %s): decode runs through the VM",
-                        type(err).__name__, str(err).splitlines()[0] if str(err) else "")
-            _builder = False
-    return _builder or None
+        return tvm_ffi.cpp.load_inline("perfx_decode_replay_step", cpp_sources=_STEP_CC, functions=["build"],
+                                       extra_cflags=["-O2"]).build
+    except Exception as err:  # noqa: BLE001 - a missing or broken C++ toolchain
+        log.warning("decode replay unavailable (%s: %s): decode runs through the VM",
+                    type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return None
 
 
 def enabled() -> bool:
     return os.environ.get("PERFX_DECODE_REPLAY", "1") != "0"
 
 
+@dataclass
 class DecodeReplay:
     """The recorded decode step of one engine: ``run()`` makes one step, ``logits`` is a numpy view
-    of the tensor it writes (rewritten by the next step)."""
+    of the [vocab] row it writes (rewritten by the next step)."""
 
-    def __init__(self, run: Callable[[], None], logits: np.ndarray, kernels: int):
-        self.run, self.logits, self.kernels = run, logits, kernels
+    run: Callable[[], None]
+    logits: np.ndarray
+    kernels: int
 
 
-def record(vm: Any, step: Callable[[], Any]) -> tuple[Any, DecodeReplay | str]:
-    """Run ``step()`` (one VM decode, returning its logits tensor) with the VM's hook recording the
-    kernel calls; returns (that step's logits tensor, the replay or why there is none)."""
-    calls: list[list[Any]] = []
-    unsafe: set[str] = set()
+@dataclass
+class Trace:
+    """One call of a VM function as its hook saw it: the kernel calls ``[function, args...]`` in order,
+    their symbols, and the names of the VM builtins it made."""
+
+    result: Any
+    calls: list[list[Any]] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    builtins: list[str] = field(default_factory=list)
+
+
+def trace(vm: Any, step: Callable[[], Any]) -> Trace:
+    """Run ``step()`` (a call of ``vm``'s functions) with the VM's instrument hook recording it."""
+    out = Trace(None)
 
     def hook(func: Any, sym: Any, before: bool, ret: Any, *args: Any) -> int:
         if before:
             name = str(sym)
             if name.startswith("vm.builtin."):
-                if name not in SAFE_BUILTINS:
-                    unsafe.add(name)
+                out.builtins.append(name)
             else:
-                calls.append([func, *args])
+                out.calls.append([func, *args])
+                out.names.append(name)
         return 0
 
     vm.set_instrument(hook)
     try:
-        logits = step()
+        out.result = step()
     finally:
         vm.set_instrument(None)
+    return out
+
+
+def record(vm: Any, step: Callable[[], Any]) -> tuple[Any, DecodeReplay | str]:
+    """Run ``step()`` (one VM decode, returning its logits tensor) traced; returns (that step's logits
+    tensor, the replay of its kernel calls or why there is none)."""
+    tr = trace(vm, step)
+    logits = tr.result
+    unsafe = sorted(set(tr.builtins) - SAFE_BUILTINS)
     if unsafe:
-        return logits, f"the step calls {', '.join(sorted(unsafe))}"
+        return logits, f"the step calls {', '.join(unsafe)}"
     out_ptr = logits.data_ptr()
-    if not any(callable(getattr(c[-1], "data_ptr", None)) and c[-1].data_ptr() == out_ptr for c in calls):
+    if not any(callable(getattr(c[-1], "data_ptr", None)) and c[-1].data_ptr() == out_ptr for c in tr.calls):
         return logits, "the logits are not written by a recorded kernel"
     build = _build_fn()
     if build is None:
         return logits, "no C++ compiler for the replay loop"
-    return logits, DecodeReplay(build(calls), np.from_dlpack(logits), len(calls))
+    return logits, DecodeReplay(build(tr.calls), np.from_dlpack(logits)[0, 0], len(tr.calls))

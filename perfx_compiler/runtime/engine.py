@@ -117,14 +117,23 @@ class Engine:
             self._token_view = np.from_dlpack(self._one_token_dev)
             self._pos_view = np.from_dlpack(self._pos_dev)
         # On the CPU, the first decode step records its kernel calls; later steps replay them from C++
-        # without the VM (decode_replay.py). ``decode_path`` says which runs the steps.
+        # without the VM (decode_replay.py). _vm_reason: why the VM runs them (None: not decided yet).
         self._replay: decode_replay.DecodeReplay | None = None
+        self._vm_reason: str | None = None
         if not (self._cpu and kv_cache):
-            self.decode_path = "vm"
+            self._vm_reason = ""
         elif not decode_replay.enabled():
-            self.decode_path = "vm (PERFX_DECODE_REPLAY=0)"
-        else:
-            self.decode_path = "pending"  # decided at the first decode step
+            self._vm_reason = "PERFX_DECODE_REPLAY=0"
+
+    @property
+    def decode_path(self) -> str:
+        """What runs the decode steps: ``replay (N kernels)``, ``vm (why)``, or ``pending`` before the
+        first step has decided."""
+        if self._replay is not None:
+            return f"replay ({self._replay.kernels} kernels)"
+        if self._vm_reason is None:
+            return "pending"
+        return f"vm ({self._vm_reason})" if self._vm_reason else "vm"
 
     def _load_weights(self) -> list[Any]:
         blob = np.memmap(self.root / "weights.bin", dtype=np.uint8, mode="r")
@@ -195,46 +204,42 @@ class Engine:
             if self._replay is not None:
                 self._replay.run()
                 self.position += 1
-                return self._replay.logits[0, 0].copy()  # the replay rewrites this buffer every step
-            if self.decode_path == "pending":
+                return self._replay.logits.copy()  # the replay rewrites this buffer every step
+            if self._vm_reason is None:
                 return self._record_decode()
         else:
             self._one_token[0, 0] = tok
             self._pos[0] = self.position
             self._one_token_dev.copyfrom(self._one_token)
             self._pos_dev.copyfrom(self._pos)
-        self._invoke_stateful(self._decode_name)
-        logits = self._get_output(self._decode_name, 0)
+        logits = self._vm_decode_step()
         self.position += 1
         # A view keeps the VM's output buffer alive, so the next step allocates a fresh one.
         return (np.from_dlpack(logits) if self._cpu else logits.numpy())[0, 0]
 
+    def _vm_decode_step(self) -> Any:
+        """One decode step by the VM on the bound arguments; its logits tensor [1, 1, vocab]."""
+        self._invoke_stateful(self._decode_name)
+        return self._get_output(self._decode_name, 0)
 
     def keep_vm_decode(self, reason: str = "asked") -> None:
         """Run every later decode step through the VM (for tools that hook the VM's calls)."""
-        self._replay = None
-        self.decode_path = f"vm ({reason})"
+        self._replay, self._vm_reason = None, reason
 
     def _record_decode(self) -> np.ndarray:
         """The first decode step: run by the VM and recorded; the record is replayed once on the same
         token and position (which rewrites the same KV row) and kept only if its logits are the VM's,
         bit for bit."""
-
-        def vm_step() -> Any:
-            self._invoke_stateful(self._decode_name)
-            return self._get_output(self._decode_name, 0)
-
-        logits, replay = decode_replay.record(self.vm, vm_step)
+        logits, replay = decode_replay.record(self.vm, self._vm_decode_step)
         got = np.from_dlpack(logits)[0, 0].copy()
         if isinstance(replay, str):
-            self.decode_path = f"vm ({replay})"
+            self._vm_reason = replay
         else:
             replay.run()
-            if np.array_equal(replay.logits[0, 0], got):
+            if np.array_equal(replay.logits, got):
                 self._replay = replay
-                self.decode_path = f"replay ({replay.kernels} kernels)"
             else:
-                self.decode_path = "vm (the replayed step differed from the VM's)"
+                self._vm_reason = "the replayed step differed from the VM's"
                 log.warning("decode replay disabled: its logits differ from the VM's")
         self.position += 1
         return got
