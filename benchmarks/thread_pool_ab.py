@@ -19,6 +19,11 @@ the rounds where both arms ran in that placement, and the paired ratio team / tv
 (perfx_compiler/runtime/decode_replay.py): ``PERFX_DECODE_REPLAY=0`` (arm ``vm``) against the default
 (arm ``replay``), both on the thread team; the CSV's ``pool`` column then holds the arm, the ratio is
 replay / vm (default stem ``decode_replay_ab``).
+
+``--pair A B --labels a,b --out-stem STEM``: the two arms are two artifacts of one model (a compile-time
+change, e.g. a template default), each on its default runtime path; the ratio is b / a. Their last
+greedy tokens may differ (a kernel that rounds differently can flip a later argmax of a random-weight
+model); whether they agree is recorded (``same_last_token``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def measure_arm(art: str, arm: str, args: argparse.Namespace, log: Path) -> dict
     from perfx_compiler.cli.bench import Worker
 
     var, values, key, _ = SWITCHES[args.switch]
+    if args.pair:  # the arm is the artifact: no switch, its default path
+        var, values, key = "PERFX_DECODE_REPLAY", {arm: os.environ.get("PERFX_DECODE_REPLAY", "1")}, "decode_path"
     saved = os.environ.get(var)
     os.environ[var] = values[arm]  # read by the worker's Engine at load
     try:
@@ -79,18 +86,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="pool")
     ap.add_argument("--out-stem", default=None)
+    ap.add_argument("--pair", action="store_true", help="the two artifacts are the two arms (see the module doc)")
     args = ap.parse_args(argv)
+    if args.pair and (len(args.artifacts) != 2 or len(args.labels.split(",")) != 2 or not args.out_stem):
+        ap.error("--pair takes two artifacts, --labels a,b and --out-stem")
     args.out_stem = args.out_stem or ("thread_pool_ab" if args.switch == "pool" else "decode_replay_ab")
     arms = tuple(SWITCHES[args.switch][1])
     expect = SWITCHES[args.switch][3]
     if not args.artifacts:
         ap.error("give at least one artifact directory")
+    if args.pair:
+        arms = tuple(args.labels.split(","))
+        expect = {arm: "" for arm in arms}
 
     import tempfile
 
     from perfx_compiler.bench import machine
 
     labels = args.labels.split(",") if args.labels else [Path(a).name for a in args.artifacts]
+    art_of = {}  # --pair: each arm's artifact (one label, the stem); else both arms run on each artifact
+    if args.pair:
+        art_of, labels, args.artifacts = dict(zip(arms, args.artifacts, strict=True)), [args.out_stem], [args.artifacts[0]]
     logs = Path(tempfile.mkdtemp(prefix="perfx-thread-pool-ab-"))
     probe = machine.BandwidthProbe(args.threads)
     rows: list[dict[str, Any]] = []
@@ -100,12 +116,13 @@ def main(argv: list[str] | None = None) -> int:
             for pool in alternated(arms, r):
                 # the placement can change at any time: measured next to each arm, before and after
                 ns_before, gbs = machine.pingpong_ns(), probe.measure()
-                res = measure_arm(art, pool, args, logs / f"{label}-{pool}.log")
+                res = measure_arm(art_of.get(pool, art), pool, args, logs / f"{label}-{pool}.log")
                 ns_after = machine.pingpong_ns()
                 if not res["pool"].startswith(expect[pool]):
                     sys.exit(f"{label}: asked for {pool}, the engine reported {res['pool']!r}")
-                # both arms run the same kernels on the same split of work: greedy decoding must agree
-                if last_tokens.setdefault(label, res["last_token"]) != res["last_token"]:
+                same = last_tokens.setdefault(label, res["last_token"]) == res["last_token"]
+                # both arms of a switch run the same kernels on the same split of work: greedy decoding must agree
+                if not same and not args.pair:
                     sys.exit(f"{label}: arm {pool} decoded a different last token")
                 place = machine.placement(ns_before)
                 if machine.placement(ns_after) != place:
@@ -115,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                              "pingpong_ns": round(ns_before, 1), "pingpong_after_ns": round(ns_after, 1),
                              "probe_gbs": round(gbs, 2), "decode_tok_s": round(res["tok_s"], 2),
                              "achieved_gbs": round(achieved, 2), "bw_fraction": round(achieved / gbs, 4),
-                             "load_avg_1m": round(os.getloadavg()[0], 2)})
+                             "same_last_token": same, "load_avg_1m": round(os.getloadavg()[0], 2)})
                 print(rows[-1], flush=True)
     probe.close()
     summary = []
@@ -138,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                             "decode_tok_s": round(ratio, 4), "rounds": len(pairs)})
             print(summary[-3], summary[-2], summary[-1], sep="\n")
     columns = ["round", "label", "pool", "placement", "pingpong_ns", "pingpong_after_ns", "probe_gbs", "decode_tok_s", "achieved_gbs",
-               "bw_fraction", "load_avg_1m", "rounds"]
+               "bw_fraction", "same_last_token", "load_avg_1m", "rounds"]
     out = write_csv(RESULTS / f"{args.out_stem}.csv", rows + summary, columns)
     with figure(RESULTS / f"{args.out_stem}.png", 1, len(labels), figsize=(5.5 * len(labels), 4),
                 squeeze=False) as (_, axes):

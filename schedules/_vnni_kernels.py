@@ -99,7 +99,7 @@ def quantize_group_macro(tree: bool = False) -> Any:
 
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
          units: int, tasks: int, unroll: int, prefetch: int = 0, split: int = 1, hinib: bool = False,
-         sprefetch: int = 0, pquant: int = 0, qtree: int = 0, nta: int = 0) -> Any:
+         sprefetch: int = 0, pquant: int = 0, qtree: int = 0, nta: int = 0, tquant: int = 0) -> Any:
     """The GEMV PrimFunc (x, q, scale[, zero|min], y) for one configuration; ``prefetch``: software
     prefetch of each unit's codes that many 64-byte steps ahead (0: none); ``split``: float
     accumulators per row, taken by turns over the steps (each step's FMA waits only for the one
@@ -110,7 +110,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     its own before the row loop (a second pool launch) instead of on the calling thread; ``qtree``:
     x's per-group max and code sums reduced as trees (same codes, see ``quantize_group_macro``);
     ``nta``: the codes' prefetches are non-temporal (``prefetchnta``, locality 0) instead of
-    ``prefetcht0``."""
+    ``prefetcht0``; ``tquant``: every row task quantizes x for itself, on its own stack (no serial
+    quantization before the fork; one per thread when ``tasks`` equals the thread count)."""
     from tvm.script import tirx as T
 
     p = plan(K, G)
@@ -134,6 +135,10 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     quantize_group = quantize_group_macro(bool(qtree))
     hi = pair and hinib
     QT = max(1, min(pquant, M * NGE))  # parallel tasks of the quantization (pquant > 0)
+    # before a task quantizes x: its first `prefetch` steps of codes (flat: over row ends, as the row loop's
+    # own prefetch runs) and the scale lines of those rows (64 bytes = 32 scales a line)
+    PRO = int(prefetch) if tquant else 0
+    PRO_S = -(-(-(-PRO * STEP // KP) + 1) * RPU * NGP // 32) if tquant and sprefetch else 0
     QPT = -(-(M * NGE) // QT)
     # scale prefetch distance in elements of the flat [N2 * NGP] arrays: the codes' distance in rows
     SPD = max(1, prefetch * STEP // KP) * RPU * NGP if sprefetch else 0
@@ -167,31 +172,21 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             T.llvm_lookup_intrinsic_id("llvm.x86.avx512.permvar.sf.512"), v, idx, dtype="float32x16")
 
     @T.macro
-    def body(X, Q, Sc, Z, Y):
-        XQ = T.decl_buffer((M * KP,), "int8")
-        DXC = T.decl_buffer((M * NCH * 16,), "float32")
-        DSC = T.decl_buffer((M * NCH * 16,), "float32")
-        gdx = T.decl_buffer((M * NGE,), "float32")
-        gds = T.decl_buffer((M * NGE,), "float32")
-        # 1. int8 activations per group (x beyond K counts as 0)
-        if pquant > 0:
-            for pt in T.parallel(QT):
-                mx = T.decl_buffer((16,), "float32", scope="local")
-                sm = T.decl_buffer((16,), "int32", scope="local")
-                inv = T.decl_buffer((1,), "float32", scope="local")
-                for j in T.serial(QPT):
-                    if pt * QPT + j < M * NGE:
-                        quantize_group(X, XQ, gdx, pt * QPT + j, (pt * QPT + j) // NGE, (pt * QPT + j) % NGE,
-                                       mx, sm, inv, G, GV, K, KP, MM)
-                        gds[pt * QPT + j] = gdx[pt * QPT + j] * T.Cast("float32", sm[0])
-        else:
-            mx = T.decl_buffer((16,), "float32", scope="local")
-            sm = T.decl_buffer((16,), "int32", scope="local")
-            inv = T.decl_buffer((1,), "float32", scope="local")
-            for bm in T.serial(M):
-                for g in T.serial(NGE):
-                    quantize_group(X, XQ, gdx, bm * NGE + g, bm, g, mx, sm, inv, G, GV, K, KP, MM)
-                    gds[bm * NGE + g] = gdx[bm * NGE + g] * T.Cast("float32", sm[0])
+    def quantize_x(X, XQ, gdx, gds):
+        # x's groups quantized in order on this thread: codes into XQ, scales into gdx, scale x code
+        # sum into gds
+        mx = T.decl_buffer((16,), "float32", scope="local")
+        sm = T.decl_buffer((16,), "int32", scope="local")
+        inv = T.decl_buffer((1,), "float32", scope="local")
+        for bm in T.serial(M):
+            for g in T.serial(NGE):
+                quantize_group(X, XQ, gdx, bm * NGE + g, bm, g, mx, sm, inv, G, GV, K, KP, MM)
+                gds[bm * NGE + g] = gdx[bm * NGE + g] * T.Cast("float32", sm[0])
+
+    @T.macro
+    def chunk_scales(gdx, gds, DXC, DSC):
+        # per 16-group chunk of each row of x: its groups' scales (DXC) and scale x code sums (DSC,
+        # the groups an overlapping tail chunk already counted zeroed)
         for bm in T.serial(M):
             for c in T.serial(NCH):
                 for ln in T.serial(16):
@@ -202,97 +197,78 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                         T.Select(c < F, c * 16 + ln, BT + ln) < NGE
                         and (c < F or BT + ln >= F * 16),
                         gds[bm * NGE + T.min(T.Select(c < F, c * 16 + ln, BT + ln), NGE - 1)], T.float32(0))
-        # 2. rows (the prefetch runs on past a row's end into the next rows of the task: flat index)
-        Qf = T.decl_buffer((QW * KP,), "uint8", data=Q.data)
-        Scf = T.decl_buffer((N2 * NGP,), "float16", data=Sc.data)
-        Zf = T.decl_buffer((N2 * NGP,), ZT, data=Z.data)
-        for t in T.parallel(tasks):
-            acc = T.decl_buffer((M * RW * A * 16,), "float32", scope="local")
-            cb = T.decl_buffer((M * RW * 16,), "float32", scope="local")
-            red = T.decl_buffer((4,), "float32", scope="local")
-            for it in T.serial(IPT):
-                if t * IPT + it < NIT:
-                    for i in T.unroll(M * RW * A):
-                        acc[T.Ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
-                    for c in T.serial(NCH):
-                        # chunk scales: cb = s_w * dx (16 groups), zero/min term into acc
-                        for u in T.unroll(units):
-                            for h in T.unroll(RPU):
-                                if SPD > 0:
+
+    @T.macro
+    def row_task(t, Q, Sc, Z, Y, XQ, DXC, DSC, Qf, Scf, Zf):
+        # task t's rows: iterations t * IPT .. t * IPT + IPT - 1 of `units` units each
+        acc = T.decl_buffer((M * RW * A * 16,), "float32", scope="local")
+        cb = T.decl_buffer((M * RW * 16,), "float32", scope="local")
+        red = T.decl_buffer((4,), "float32", scope="local")
+        for it in T.serial(IPT):
+            if t * IPT + it < NIT:
+                for i in T.unroll(M * RW * A):
+                    acc[T.Ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                for c in T.serial(NCH):
+                    # chunk scales: cb = s_w * dx (16 groups), zero/min term into acc
+                    for u in T.unroll(units):
+                        for h in T.unroll(RPU):
+                            if SPD > 0:
+                                T.evaluate(T.call_llvm_intrin(
+                                    "void", "llvm.prefetch.p0",
+                                    T.address_of(Scf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU + h)
+                                                           * NGP + T.min(c * 16, NGP - 16) + SPD, N2 * NGP - 16)]),
+                                    T.int32(0), T.int32(3), T.int32(1)))
+                                if offset or not (sym or bits == 8):
                                     T.evaluate(T.call_llvm_intrin(
                                         "void", "llvm.prefetch.p0",
-                                        T.address_of(Scf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU + h)
-                                                               * NGP + T.min(c * 16, NGP - 16) + SPD, N2 * NGP - 16)]),
+                                        T.address_of(Zf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU
+                                                               + h) * NGP + T.min(c * 16, NGP - 16) + SPD,
+                                                              N2 * NGP - 16)]),
                                         T.int32(0), T.int32(3), T.int32(1)))
-                                    if offset or not (sym or bits == 8):
-                                        T.evaluate(T.call_llvm_intrin(
-                                            "void", "llvm.prefetch.p0",
-                                            T.address_of(Zf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU
-                                                                   + h) * NGP + T.min(c * 16, NGP - 16) + SPD,
-                                                                  N2 * NGP - 16)]),
-                                            T.int32(0), T.int32(3), T.int32(1)))
-                                for bm in T.unroll(M):
-                                    cb[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = T.Cast(
+                            for bm in T.unroll(M):
+                                cb[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = T.Cast(
+                                    "float32x16",
+                                    Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                              T.min(c * 16, NGP - 16)], "float16x16"),
+                                ) * (DXC.vload([(bm * NCH + c) * 16], "float32x16")
+                                     * T.Broadcast(hscale(h), 16))
+                                if offset:
+                                    acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
+                                        [((bm * units + u) * RPU + h) * A * 16], "float32x16") + T.Cast(
+                                        "float32x16",
+                                        Z.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                                 T.min(c * 16, NGP - 16)], "float16x16"),
+                                    ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
+                                elif sym or bits == 8:
+                                    acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
+                                        [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Broadcast(
+                                        T.float32(zconst), 16) * T.Cast(
                                         "float32x16",
                                         Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
                                                   T.min(c * 16, NGP - 16)], "float16x16"),
-                                    ) * (DXC.vload([(bm * NCH + c) * 16], "float32x16")
-                                         * T.Broadcast(hscale(h), 16))
-                                    if offset:
-                                        acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
-                                            [((bm * units + u) * RPU + h) * A * 16], "float32x16") + T.Cast(
-                                            "float32x16",
-                                            Z.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
-                                                     T.min(c * 16, NGP - 16)], "float16x16"),
-                                        ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
-                                    elif sym or bits == 8:
-                                        acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
-                                            [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Broadcast(
-                                            T.float32(zconst), 16) * T.Cast(
-                                            "float32x16",
-                                            Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
-                                                      T.min(c * 16, NGP - 16)], "float16x16"),
-                                        ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
-                                    else:
-                                        acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
-                                            [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Cast(
-                                            "float32x16",
-                                            Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
-                                                      T.min(c * 16, NGP - 16)], "float16x16"),
-                                        ) * T.Cast(
-                                            "float32x16",
-                                            Z.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
-                                                     T.min(c * 16, NGP - 16)], "uint8x16"),
-                                        ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
-                        if c < F:
-                            for so in T.serial(SPC // unroll):
-                                for si in T.unroll(unroll):
-                                    for u in T.unroll(units):
-                                        if prefetch > 0:
-                                            T.evaluate(T.call_llvm_intrin(
-                                                "void", "llvm.prefetch.p0",
-                                                T.address_of(Qf[T.min((T.min((t * IPT + it) * units, NU - units) + u) * KP
-                                                                      + (c * SPC + so * unroll + si + prefetch) * STEP,
-                                                                      QW * KP - STEP)]),
-                                                T.int32(0), T.int32(PF_LOC), T.int32(1)))
-                                        for bm in T.unroll(M):
-                                            for h in T.unroll(RPU):
-                                                acc[T.Ramp((((bm * units + u) * RPU + h) * A + si % A) * 16, 1, 16)] = acc.vload(
-                                                    [(((bm * units + u) * RPU + h) * A + si % A) * 16], "float32x16") + T.Cast(
-                                                    "float32x16",
-                                                    vdot(
-                                                        T.shift_right(
-                                                            Q.vload([T.min((t * IPT + it) * units, NU - units) + u,
-                                                                     (c * SPC + so * unroll + si) * STEP], "uint8x64"),
-                                                            T.Broadcast(hshift(h), 64))
-                                                        & T.Broadcast(hmask(h), 64),
-                                                        XQ.vload([bm * KP + (c * SPC + so * unroll + si) * STEP], "int8x64"),
-                                                    ),
-                                                ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"),
-                                                         idx_vec(so * UG, si))
-                        else:
-                            for si in T.unroll(TS):
+                                    ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
+                                else:
+                                    acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
+                                        [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Cast(
+                                        "float32x16",
+                                        Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                                  T.min(c * 16, NGP - 16)], "float16x16"),
+                                    ) * T.Cast(
+                                        "float32x16",
+                                        Z.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                                 T.min(c * 16, NGP - 16)], "uint8x16"),
+                                    ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
+                    if c < F:
+                        for so in T.serial(SPC // unroll):
+                            for si in T.unroll(unroll):
                                 for u in T.unroll(units):
+                                    if prefetch > 0:
+                                        T.evaluate(T.call_llvm_intrin(
+                                            "void", "llvm.prefetch.p0",
+                                            T.address_of(Qf[T.min((T.min((t * IPT + it) * units, NU - units) + u) * KP
+                                                                  + (c * SPC + so * unroll + si + prefetch) * STEP,
+                                                                  QW * KP - STEP)]),
+                                            T.int32(0), T.int32(PF_LOC), T.int32(1)))
                                     for bm in T.unroll(M):
                                         for h in T.unroll(RPU):
                                             acc[T.Ramp((((bm * units + u) * RPU + h) * A + si % A) * 16, 1, 16)] = acc.vload(
@@ -301,30 +277,103 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                                                 vdot(
                                                     T.shift_right(
                                                         Q.vload([T.min((t * IPT + it) * units, NU - units) + u,
-                                                                 (F * SPC + si) * STEP], "uint8x64"),
+                                                                 (c * SPC + so * unroll + si) * STEP], "uint8x64"),
                                                         T.Broadcast(hshift(h), 64))
                                                     & T.Broadcast(hmask(h), 64),
-                                                    XQ.vload([bm * KP + (F * SPC + si) * STEP], "int8x64"),
+                                                    XQ.vload([bm * KP + (c * SPC + so * unroll + si) * STEP], "int8x64"),
                                                 ),
                                             ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"),
-                                                     idx_vec(T.int32(F * 16 - BT), si))
-                    # 3. horizontal sums (the split accumulators first added into the first)
-                    for i in T.unroll(M * RW):
-                        for a in T.unroll(A - 1):
-                            acc[T.Ramp(i * A * 16, 1, 16)] = acc.vload([i * A * 16], "float32x16") + acc.vload(
-                                [(i * A + a + 1) * 16], "float32x16")
-                    for u in T.unroll(units):
-                        for h in T.unroll(RPU):
-                            for bm in T.unroll(M):
-                                red[T.Ramp(0, 1, 4)] = T.vectorlow("float32x4", T.vectorlow(
+                                                     idx_vec(so * UG, si))
+                    else:
+                        for si in T.unroll(TS):
+                            for u in T.unroll(units):
+                                for bm in T.unroll(M):
+                                    for h in T.unroll(RPU):
+                                        acc[T.Ramp((((bm * units + u) * RPU + h) * A + si % A) * 16, 1, 16)] = acc.vload(
+                                            [(((bm * units + u) * RPU + h) * A + si % A) * 16], "float32x16") + T.Cast(
+                                            "float32x16",
+                                            vdot(
+                                                T.shift_right(
+                                                    Q.vload([T.min((t * IPT + it) * units, NU - units) + u,
+                                                             (F * SPC + si) * STEP], "uint8x64"),
+                                                    T.Broadcast(hshift(h), 64))
+                                                & T.Broadcast(hmask(h), 64),
+                                                XQ.vload([bm * KP + (F * SPC + si) * STEP], "int8x64"),
+                                            ),
+                                        ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"),
+                                                 idx_vec(T.int32(F * 16 - BT), si))
+                # 3. horizontal sums (the split accumulators first added into the first)
+                for i in T.unroll(M * RW):
+                    for a in T.unroll(A - 1):
+                        acc[T.Ramp(i * A * 16, 1, 16)] = acc.vload([i * A * 16], "float32x16") + acc.vload(
+                            [(i * A + a + 1) * 16], "float32x16")
+                for u in T.unroll(units):
+                    for h in T.unroll(RPU):
+                        for bm in T.unroll(M):
+                            red[T.Ramp(0, 1, 4)] = T.vectorlow("float32x4", T.vectorlow(
+                                "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")) + T.vectorhigh(
+                                "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16"))) + T.vectorhigh(
+                                "float32x4", T.vectorlow(
                                     "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")) + T.vectorhigh(
-                                    "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16"))) + T.vectorhigh(
-                                    "float32x4", T.vectorlow(
-                                        "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")) + T.vectorhigh(
-                                        "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")))
-                                if (T.min((t * IPT + it) * units, NU - units) + u) * RPU + h < N:
-                                    Y[bm // MM, bm % MM, (T.min((t * IPT + it) * units, NU - units) + u) * RPU + h] = (
-                                        red[0] + red[2]) + (red[1] + red[3])
+                                    "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")))
+                            if (T.min((t * IPT + it) * units, NU - units) + u) * RPU + h < N:
+                                Y[bm // MM, bm % MM, (T.min((t * IPT + it) * units, NU - units) + u) * RPU + h] = (
+                                    red[0] + red[2]) + (red[1] + red[3])
+
+
+    @T.macro
+    def body(X, Q, Sc, Z, Y):
+        # flat views: the prefetch runs on past a row's end into the next rows of the task
+        Qf = T.decl_buffer((QW * KP,), "uint8", data=Q.data)
+        Scf = T.decl_buffer((N2 * NGP,), "float16", data=Sc.data)
+        Zf = T.decl_buffer((N2 * NGP,), ZT, data=Z.data)
+        if tquant > 0:
+            # every task quantizes x for itself: no serial quantization before the fork, the workers
+            # read x itself (meant for tasks == threads: one quantization per thread)
+            for t in T.parallel(tasks):
+                # the task's first codes requested before it quantizes x: the weight stream's first
+                # misses overlap the quantization instead of following it
+                for s in T.serial(PRO):
+                    T.evaluate(T.call_llvm_intrin(
+                        "void", "llvm.prefetch.p0",
+                        T.address_of(Qf[T.min(T.min(t * IPT * units, NU - units) * KP + s * STEP, QW * KP - STEP)]),
+                        T.int32(0), T.int32(PF_LOC), T.int32(1)))
+                for s in T.serial(PRO_S):
+                    T.evaluate(T.call_llvm_intrin(
+                        "void", "llvm.prefetch.p0",
+                        T.address_of(Scf[T.min(T.min(t * IPT * units, NU - units) * RPU * NGP + s * 32, N2 * NGP - 32)]),
+                        T.int32(0), T.int32(3), T.int32(1)))
+                XQ = T.decl_buffer((M * KP,), "int8", scope="local")
+                DXC = T.decl_buffer((M * NCH * 16,), "float32", scope="local")
+                DSC = T.decl_buffer((M * NCH * 16,), "float32", scope="local")
+                gdx = T.decl_buffer((M * NGE,), "float32", scope="local")
+                gds = T.decl_buffer((M * NGE,), "float32", scope="local")
+                quantize_x(X, XQ, gdx, gds)
+                chunk_scales(gdx, gds, DXC, DSC)
+                row_task(t, Q, Sc, Z, Y, XQ, DXC, DSC, Qf, Scf, Zf)
+        else:
+            XQ = T.decl_buffer((M * KP,), "int8")
+            DXC = T.decl_buffer((M * NCH * 16,), "float32")
+            DSC = T.decl_buffer((M * NCH * 16,), "float32")
+            gdx = T.decl_buffer((M * NGE,), "float32")
+            gds = T.decl_buffer((M * NGE,), "float32")
+            # 1. int8 activations per group (x beyond K counts as 0)
+            if pquant > 0:
+                for pt in T.parallel(QT):
+                    mx = T.decl_buffer((16,), "float32", scope="local")
+                    sm = T.decl_buffer((16,), "int32", scope="local")
+                    inv = T.decl_buffer((1,), "float32", scope="local")
+                    for j in T.serial(QPT):
+                        if pt * QPT + j < M * NGE:
+                            quantize_group(X, XQ, gdx, pt * QPT + j, (pt * QPT + j) // NGE, (pt * QPT + j) % NGE,
+                                           mx, sm, inv, G, GV, K, KP, MM)
+                            gds[pt * QPT + j] = gdx[pt * QPT + j] * T.Cast("float32", sm[0])
+            else:
+                quantize_x(X, XQ, gdx, gds)
+            chunk_scales(gdx, gds, DXC, DSC)
+            # 2. rows
+            for t in T.parallel(tasks):
+                row_task(t, Q, Sc, Z, Y, XQ, DXC, DSC, Qf, Scf, Zf)
 
     if pair:
 

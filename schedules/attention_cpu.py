@@ -19,6 +19,7 @@ the same rewrite, so the function keeps its signature.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from perfx_compiler.schedule_template import (
@@ -53,6 +54,10 @@ def _lanes(workload: Workload, target: TargetDescription) -> list[int]:
 
 class AttentionCPU(ScheduleTemplate):
     name = "attention_cpu"
+    # The decode kernel's version, part of its workload key (prefill keeps ``version``): 2 appends the
+    # new k/v rows inside the tasks and, with one split, writes the output without partials; the
+    # records timed for version 1 (serial append and merge on the launching thread) are retired.
+    decode_version = 2
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         if not is_cpu_target(target):
@@ -69,7 +74,7 @@ class AttentionCPU(ScheduleTemplate):
             self.name, func, target, dims, symbolic=None if decode else "M",
             info={"kind": info["kind"], "dtype": info.get("dtype", "float32"),
                   "index_dtype": info.get("index_dtype", "int64"), "qkv": len(func.params) == 7},
-            version=self.version,
+            version=self.decode_version if decode else self.version,
         )
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
@@ -91,9 +96,14 @@ class AttentionCPU(ScheduleTemplate):
         lanes = _lanes(workload, target)[-1]
         tile = min(64, d["MAXC"])
         if workload.info["kind"] == "decode":
-            # kv heads x splits tasks: 3 x 2 balance 2 cores; chunks stay >= one tile long
+            # One split per kv head when the kv heads divide among the cores: no partials, no serial
+            # merge on the launching thread. TinyLlama (4 kv heads, 2 cores), whole decode step replayed
+            # in alternation, two cores: x1.005-1.007 over 2 splits (benchmarks/results/decode_step_ab_*).
+            # Otherwise kv heads x splits tasks (3 x 2 balance 2 cores); chunks stay >= one tile long.
             cores = max(1, int(target.cores or 2))
-            return {"k_tile": tile, "splits": 2 if cores <= 2 else 4, "lanes": lanes}
+            splits = 1 if d["KVH"] % cores == 0 else 2 if cores <= 2 else 4
+            splits = int(os.environ.get("PERFX_ATTN_DECODE_SPLITS", splits))  # A/B switch
+            return {"k_tile": tile, "splits": splits, "lanes": lanes}
         G = d["H"] // d["KVH"]
         key_block = next(b for b in (4, 2, 1) if tile % b == 0)  # a cache under 4 positions has a shorter tile
         return {"q_tile": 16, "k_tile": tile, "heads_per_task": G, "key_block": key_block, "lanes": lanes}

@@ -9,7 +9,9 @@ q8 — the ``--activations int8`` path).
   each activation load), ``tasks`` (parallel chunks of rows), ``unroll`` (steps per inner loop),
   ``prefetch`` (software prefetch distance of the codes in 64-byte steps, default 128; 0 = hardware
   prefetch only), ``sprefetch`` (the scale / zero chunks prefetched as far ahead, in rows),
-  ``pquant`` (x quantized in a parallel loop of its own; 0: on the calling thread), ``qtree`` (x's
+  ``pquant`` (x quantized in a parallel loop of its own; 0: on the calling thread), ``tquant`` (x
+  quantized by every row task for itself, after the task has requested its first weight lines; the
+  decode default, with one task per core), ``qtree`` (x's
   per-group reductions as trees; same codes), ``split``
   (float accumulators per row, by turns over the steps: shorter FMA dependency chains), ``hinib``
   (int4: the odd row's codes as ``q & 0xF0``, 1/16 in its scale: no shift per step).
@@ -97,7 +99,8 @@ class GemvQVnniCPU(ScheduleTemplate):
             "hinib": [0, 1] if d["bits"] == 4 else [0],
             "sprefetch": [0, 1],  # scales (and zero/min) prefetched as far ahead as the codes
             # pquant (x quantized in a parallel loop of its own) and qtree (its reductions folded in
-            # registers) are configs and env switches, not searched: pquant did not beat an A/A pair at
+            # registers) and tquant (x quantized by each task) are configs and env switches, not searched
+            # (tquant's gain is in the decode step around the GEMV, not in its own timing): pquant did not beat an A/A pair at
             # TinyLlama's shapes (benchmarks/results/gemv_qvnni_shared_copies_ab.csv), qtree=1 is the
             # default (a fixed saving per call); they would only quadruple the space. nta (prefetchnta for the
             # codes) neither: its gain shows in the whole decode step, not in one kernel's timing
@@ -163,8 +166,17 @@ class GemvQVnniCPU(ScheduleTemplate):
         # around the GEMVs, which per-kernel timing cannot see, so nta is a default and an A/B switch,
         # not searched. Short rows: not measured.
         nta = int(os.environ.get("PERFX_VNNI_GEMV_NTA", "1" if long_rows and m == 1 else "0"))
-        return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": prefetch, "split": split,
-                "hinib": hinib, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree, "nta": nta}
+        # One activation row (decode): one task per core, each quantizing x for itself after the fork,
+        # its first weight lines requested before (tquant=1). The serial quantization on the calling
+        # thread and the stream's first misses left the critical path: TinyLlama's whole decode step,
+        # replayed in alternation on two cores, x1.015-1.025 with the one-split attention over it alone
+        # (benchmarks/results/decode_step_ab_*); one core's two threads: within 0.5%. Several rows
+        # (batched decode) keep 16 tasks and the quantization on the calling thread: not measured.
+        tquant = int(os.environ.get("PERFX_VNNI_GEMV_TQUANT", "1" if m == 1 and not pquant else "0"))  # A/B switch
+        tasks = max(1, int(target.cores or 1)) if tquant else 16
+        return {"units": units, "tasks": tasks, "unroll": unroll, "prefetch": prefetch, "split": split,
+                "hinib": hinib, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree, "nta": nta,
+                "tquant": tquant}
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         return self._why_invalid(workload, config) is None
@@ -191,6 +203,8 @@ class GemvQVnniCPU(ScheduleTemplate):
             return f"split={split} must be 1 or 2, and 2 only while 3 vectors per row fit {MAX_REGS} registers"
         if int(config.get("nta", 0)) not in (0, 1):
             return "nta is 0 or 1"
+        if int(config.get("tquant", 0)) not in (0, 1) or (config.get("tquant") and int(config.get("pquant", 0))):
+            return "tquant is 0 or 1, and 1 only with pquant 0 (x is quantized by each task)"
         if int(config.get("sprefetch", 0)) not in (0, 1) or int(config.get("qtree", 0)) not in (0, 1) \
                 or int(config.get("pquant", 0)) < 0:
             return "sprefetch and qtree are 0 or 1, pquant >= 0"
@@ -215,7 +229,8 @@ class GemvQVnniCPU(ScheduleTemplate):
             kernel = vk.gemv(*args, (d["B"], d["MM"]), int(config["units"]), int(config["tasks"]),
                              int(config["unroll"]), int(config.get("prefetch", 0)), int(config.get("split", 1)),
                              bool(config.get("hinib", 0)), int(config.get("sprefetch", 0)),
-                             int(config.get("pquant", 0)), int(config.get("qtree", 0)), int(config.get("nta", 0)))
+                             int(config.get("pquant", 0)), int(config.get("qtree", 0)), int(config.get("nta", 0)),
+                             int(config.get("tquant", 0)))
         return _like(kernel, func)
 
 

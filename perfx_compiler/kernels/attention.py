@@ -12,7 +12,10 @@ positions ``0 .. past_len + i`` with an online softmax over tiles of keys. Three
   task's rows; key tiles past the tile's last query are skipped (causal), and only the diagonal
   tiles are masked.
 * ``split`` (decode, ``seq == 1``): the cache is cut into ``splits`` chunks per kv head, one task
-  each; the partial (max, sum, output) of each chunk are merged afterwards (log-sum-exp).
+  each; the task whose chunk holds the new position appends its kv head's k/v row first (inside
+  the parallel loop: the launching thread does no serial append before the fork). With one split
+  the task writes its heads' output; with more, the partial (max, sum, output) of each chunk are
+  merged afterwards on the launching thread (log-sum-exp).
 
 Per-task buffers are declared inside the parallel loop but outside every per-query/per-key loop:
 each is one allocation per task. ``schedules/attention_cpu.py`` chooses the body and its knobs.
@@ -224,56 +227,86 @@ def cached_attention_kernel(
         W = D + 2  # one partial: output row, max, sum
 
         @T.macro
-        def main_body(Q, KF, VF, COS, SIN, OUT, past, seq):
-            if seq == 1 and past < MAXC:
-                ws = T.decl_buffer((KVH * SPL * G * W,), "float32")
-                ch = ((past + SPL) // SPL + KT - 1) // KT * KT  # chunk: ceil(ctx / SPL) in whole tiles
-                for t in T.parallel(KVH * SPL):
-                    kh = t // SPL
-                    lo = t % SPL * ch
-                    hi = T.min(past + 1, lo + ch)
-                    qr = T.decl_buffer((G * D,), "float32", scope="local")
-                    sc = T.decl_buffer((G * KT,), "float32", scope="local")
-                    acc = T.decl_buffer((G * D,), "float32", scope="local")
-                    st = T.decl_buffer((3 * G,), "float32", scope="local")
-                    for g in T.serial(G):
-                        rope_store(qr, g * D, 1, Q, 0, 0, (kh * G + g) * D, COS, SIN, past, HALF, T.float32(scale))
-                    softmax_init(st, acc, G, D)
-                    for kt in T.serial((T.max(hi - lo, 0) + KT - 1) // KT):
-                        tile_scores(sc, qr, KF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
-                                    G, D, KT, L)
-                        tile_softmax(sc, st, T.min(KT, hi - lo - kt * KT), G, KT, exp)
-                        tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
-                                T.min(KT, hi - lo - kt * KT), G, D, KT, L)
-                    for g in T.serial(G):
-                        for d in T.vectorized(D):
-                            ws[(t * G + g) * W + d] = acc[g * D + d]
-                        ws[(t * G + g) * W + D] = st[g]
-                        ws[(t * G + g) * W + D + 1] = st[G + g]
-                # merge the chunks: weights exp(m_c - M) (an empty chunk has m = NEG, l = 0: weight 0)
-                for h in T.serial(H):
-                    cm = T.decl_buffer((2,), "float32", scope="local")
-                    ao = T.decl_buffer((D,), "float32", scope="local")
-                    cm[0] = T.float32(NEG)
-                    for sp in T.serial(SPL):
-                        cm[0] = T.max(cm[0], ws[((h // G * SPL + sp) * G + h % G) * W + D])
-                    cm[1] = T.float32(0)
+        def split_task(Q, K, V, KF, VF, COS, SIN, OUT, ws, past, ch, t):
+            # Task t: chunk t % SPL of kv head t // SPL. The chunk holding `past` first appends the new
+            # k/v row of its kv head (no other task reads that row), so the step's new rows are written
+            # where they are read, not on the launching thread before the fork.
+            kh = t // SPL
+            lo = t % SPL * ch
+            hi = T.min(past + 1, lo + ch)
+            if lo <= past and past < lo + ch:
+                rope_store(KF, (kh * MAXC + past) * D, 1, K, 0, 0, kh * D, COS, SIN, past, HALF, T.float32(1))
+                copy_row(VF, (kh * MAXC + past) * D, V, 0, 0, kh * D, D)
+            qr = T.decl_buffer((G * D,), "float32", scope="local")
+            sc = T.decl_buffer((G * KT,), "float32", scope="local")
+            acc = T.decl_buffer((G * D,), "float32", scope="local")
+            st = T.decl_buffer((3 * G,), "float32", scope="local")
+            for g in T.serial(G):
+                rope_store(qr, g * D, 1, Q, 0, 0, (kh * G + g) * D, COS, SIN, past, HALF, T.float32(scale))
+            softmax_init(st, acc, G, D)
+            for kt in T.serial((T.max(hi - lo, 0) + KT - 1) // KT):
+                tile_scores(sc, qr, KF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
+                            G, D, KT, L)
+                tile_softmax(sc, st, T.min(KT, hi - lo - kt * KT), G, KT, exp)
+                tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
+                        T.min(KT, hi - lo - kt * KT), G, D, KT, L)
+            if SPL == 1:  # one chunk per kv head: the task's heads are final, no partials to merge
+                for g in T.serial(G):
                     for d in T.vectorized(D):
-                        ao[d] = T.float32(0)
-                    for sp in T.serial(SPL):
-                        cw = T.exp(ws[((h // G * SPL + sp) * G + h % G) * W + D] - cm[0])
-                        cm[1] = cm[1] + cw * ws[((h // G * SPL + sp) * G + h % G) * W + D + 1]
-                        for d in T.vectorized(D):
-                            ao[d] = ao[d] + cw * ws[((h // G * SPL + sp) * G + h % G) * W + d]
-                    for d in T.vectorized(D):
-                        OUT[0, 0, h * D + d] = ao[d] / cm[1]
+                        OUT[0, 0, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
             else:
+                for g in T.serial(G):
+                    for d in T.vectorized(D):
+                        ws[(t * G + g) * W + d] = acc[g * D + d]
+                    ws[(t * G + g) * W + D] = st[g]
+                    ws[(t * G + g) * W + D + 1] = st[G + g]
+
+        @T.macro
+        def merge_chunks(ws, OUT):
+            # weights exp(m_c - M) (an empty chunk has m = NEG, l = 0: weight 0)
+            for h in T.serial(H):
+                cm = T.decl_buffer((2,), "float32", scope="local")
+                ao = T.decl_buffer((D,), "float32", scope="local")
+                cm[0] = T.float32(NEG)
+                for sp in T.serial(SPL):
+                    cm[0] = T.max(cm[0], ws[((h // G * SPL + sp) * G + h % G) * W + D])
+                cm[1] = T.float32(0)
+                for d in T.vectorized(D):
+                    ao[d] = T.float32(0)
+                for sp in T.serial(SPL):
+                    cw = T.exp(ws[((h // G * SPL + sp) * G + h % G) * W + D] - cm[0])
+                    cm[1] = cm[1] + cw * ws[((h // G * SPL + sp) * G + h % G) * W + D + 1]
+                    for d in T.vectorized(D):
+                        ao[d] = ao[d] + cw * ws[((h // G * SPL + sp) * G + h % G) * W + d]
+                for d in T.vectorized(D):
+                    OUT[0, 0, h * D + d] = ao[d] / cm[1]
+
+        @T.macro
+        def step_body(Q, K, V, KF, VF, COS, SIN, OUT, past, seq):
+            if seq == 1 and past < MAXC:
+                ch = ((past + SPL) // SPL + KT - 1) // KT * KT  # chunk: ceil(ctx / SPL) in whole tiles
+                if SPL == 1:
+                    for t in T.parallel(KVH):
+                        split_task(Q, K, V, KF, VF, COS, SIN, OUT, OUT, past, ch, t)
+                else:
+                    ws = T.decl_buffer((KVH * SPL * G * W,), "float32")
+                    for t in T.parallel(KVH * SPL):
+                        split_task(Q, K, V, KF, VF, COS, SIN, OUT, ws, past, ch, t)
+                    merge_chunks(ws, OUT)
+            else:
+                append_kv(Q, K, V, KF, VF, COS, SIN, past, seq)
                 rows_body(Q, KF, VF, COS, SIN, OUT, past, seq)
 
     elif body == "rows":
         main_body = rows_body
     else:
         raise ValueError(f"attention: unknown body {body!r}")
+    if body != "split":
+
+        @T.macro
+        def step_body(Q, K, V, KF, VF, COS, SIN, OUT, past, seq):
+            append_kv(Q, K, V, KF, VF, COS, SIN, past, seq)
+            main_body(Q, KF, VF, COS, SIN, OUT, past, seq)
 
     @T.prim_func(private=True)
     def cached_attention(
@@ -294,8 +327,7 @@ def cached_attention_kernel(
         KF = T.decl_buffer((T.int64(KVH * MAXC * D),), dtype, data=KC.data)
         VF = T.decl_buffer((T.int64(KVH * MAXC * D),), dtype, data=VC.data)
         past: T.int64 = T.Cast("int64", PAST[0])  # the runtime keeps past + seq <= MAXC; reads clamp anyway
-        append_kv(Q, K, V, KF, VF, COS, SIN, past, seq)
-        main_body(Q, KF, VF, COS, SIN, OUT, past, seq)
+        step_body(Q, K, V, KF, VF, COS, SIN, OUT, past, seq)
 
     return cached_attention
 

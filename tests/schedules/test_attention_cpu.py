@@ -141,6 +141,24 @@ def test_configs_from_the_space_match_numpy(template, cpu_target, kind, n) -> No
             assert err < TOL, f"{kind} {cfg} seq={seq} past={past}: max relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("qkv", [False, True])
+def test_decode_splits_append_and_merge_match_numpy(template, cpu_target, splits, qkv) -> None:
+    """Every decode split count, on the separate and the fused QKV signature: with one split the task
+    writes its heads' output directly (no partials), with more the partials are merged; in both the
+    task whose chunk holds the new position appends that kv head's k/v row (the caches are checked
+    too: a row appended late, twice or not at all reads wrong). Positions hit a chunk's first key, a
+    tile edge and the cache's last row."""
+    func = untuned("decode", qkv=qkv)
+    wl = template.match(func, cpu_target)
+    cfg = {**template.builtin_default(wl, cpu_target), "splits": splits, "k_tile": 16}
+    lib = build(template.apply(func, wl, cfg, cpu_target), cpu_target)
+    rng = np.random.default_rng()
+    for past in (0, 1, 15, 16, 47, 500, MAXC - 1):
+        err = run_case(lib, 1, past, rng, qkv=qkv)
+        assert err < TOL, f"splits={splits} qkv={qkv} past={past}: max relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("shape", [(4, 2, 8, 12), (2, 1, 4, 6), (32, 4, 64, 40)])
 def test_odd_tiles_and_lanes_match_numpy(template, cpu_target, shape) -> None:
     """Tiles that are not a multiple of 16 keys and rows narrower than 16 lanes: the scores and the

@@ -88,7 +88,10 @@ def test_gemv_matches_int8_reference_over_configs(template, target, fmt, n, k):
                {"units": 1, "tasks": 2, "unroll": max(1, group // 64), "split": 1, "hinib": 1, "prefetch": 16},
                # scale/zero prefetch and the parallel quantization of x (2 and an uneven 3 tasks)
                {"units": 1, "tasks": 3, "unroll": max(1, group // 64), "prefetch": 16, "sprefetch": 1, "pquant": 2, "qtree": 1},
-               {"units": 2, "tasks": 4, "unroll": max(1, group // 64), "prefetch": 128, "sprefetch": 1, "pquant": 3}]
+               {"units": 2, "tasks": 4, "unroll": max(1, group // 64), "prefetch": 128, "sprefetch": 1, "pquant": 3},
+               # x quantized by every row task for itself (2 tasks, and an uneven 3)
+               {"units": 1, "tasks": 2, "unroll": max(1, group // 64), "prefetch": 128, "sprefetch": 1, "tquant": 1},
+               {"units": 2, "tasks": 3, "unroll": max(1, group // 64), "qtree": 1, "tquant": 1}]
     for config in configs:
         if template.is_valid(wl, config, target):
             _run(template, target, packed, wd, (1, 1), config, rng, group)
@@ -96,6 +99,8 @@ def test_gemv_matches_int8_reference_over_configs(template, target, fmt, n, k):
     _run(template, target, packed, wd, (1, 3), {"units": 1, "tasks": 4, "unroll": max(1, group // 64)}, rng, group)
     _run(template, target, packed, wd, (1, 3), {"units": 1, "tasks": 4, "unroll": max(1, group // 64), "pquant": 2,
                                                 "sprefetch": 1, "prefetch": 64, "qtree": 1}, rng, group)
+    _run(template, target, packed, wd, (1, 3), {"units": 1, "tasks": 2, "unroll": max(1, group // 64), "tquant": 1,
+                                                "qtree": 1}, rng, group)
 
 
 @needs_vnni
@@ -239,7 +244,7 @@ def test_scale_prefetch_default_env_and_code(template, target, monkeypatch):
     assert template.builtin_default(small, target)["pquant"] == 0 and template.builtin_default(small, target)["qtree"] == 1
     monkeypatch.setenv("PERFX_VNNI_GEMV_SPREFETCH", "0")
     assert template.builtin_default(small, target)["sprefetch"] == 0
-    for bad in ({"sprefetch": 2}, {"qtree": 2}, {"pquant": -1}):
+    for bad in ({"sprefetch": 2}, {"qtree": 2}, {"pquant": -1}, {"tquant": 2}, {"tquant": 1, "pquant": 2}):
         assert not template.is_valid(small, {**template.builtin_default(small, target), **bad}, target)
     packed, _ = vnni_weights("Q4_1", 64, 576, rng)  # Q4_1: the min stream is prefetched too
     func = packed.compute("matmul", (1, 1))
