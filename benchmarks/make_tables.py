@@ -201,10 +201,13 @@ def targets_section(names: list[str], results: Path) -> list[str]:
 
 def _thread_pool_rows(name: str, results: Path) -> list[str]:
     """PerfX's decode bandwidth fraction per placement from the A/B runs of PerfX alone (more rounds):
-    thread_pool_ab.csv (the thread team's arm) and decode_replay_ab.csv (the replay's arm, the default)."""
+    thread_pool_ab.csv (the thread team's arm), decode_replay_ab.csv (the replay's arm) and
+    decode_tquant_ab.csv (the current kernel defaults' arm: x quantized per task, one-split attention)."""
     out = []
     for file, arm, what in (("thread_pool_ab.csv", "team", "thread team, decode through the VM"),
-                            ("decode_replay_ab.csv", "replay", "thread team, decode replayed")):
+                            ("decode_replay_ab.csv", "replay", "thread team, decode replayed"),
+                            ("decode_tquant_ab.csv", "tquant_one_split",
+                             "decode replayed, x quantized per task, one-split attention")):
         path = results / file
         rows = [r for r in (_read(path) if path.is_file() else [])
                 if r["round"] == "median" and r["label"] == name and r["pool"] == arm]

@@ -20,8 +20,8 @@ the rounds where both arms ran in that placement, and the paired ratio team / tv
 (arm ``replay``), both on the thread team; the CSV's ``pool`` column then holds the arm, the ratio is
 replay / vm (default stem ``decode_replay_ab``).
 
-``--pair A B --labels a,b --out-stem STEM``: the two arms are two artifacts of one model (a compile-time
-change, e.g. a template default), each on its default runtime path; the ratio is b / a. Their last
+``--pair A B --labels a,b --model NAME --out-stem STEM``: the two arms are two artifacts of model NAME (a
+compile-time change, e.g. a template default), each on its default runtime path; the ratio is b / a. Their last
 greedy tokens may differ (a kernel that rounds differently can flip a later argmax of a random-weight
 model); whether they agree is recorded (``same_last_token``).
 """
@@ -87,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--switch", choices=sorted(SWITCHES), default="pool")
     ap.add_argument("--out-stem", default=None)
     ap.add_argument("--pair", action="store_true", help="the two artifacts are the two arms (see the module doc)")
+    ap.add_argument("--model", default="", help="--pair: the model's name (the rows' label)")
     args = ap.parse_args(argv)
-    if args.pair and (len(args.artifacts) != 2 or len(args.labels.split(",")) != 2 or not args.out_stem):
-        ap.error("--pair takes two artifacts, --labels a,b and --out-stem")
+    if args.pair and (len(args.artifacts) != 2 or len(args.labels.split(",")) != 2 or not args.out_stem
+                      or not args.model):
+        ap.error("--pair takes two artifacts, --labels a,b, --model and --out-stem")
     args.out_stem = args.out_stem or ("thread_pool_ab" if args.switch == "pool" else "decode_replay_ab")
     arms = tuple(SWITCHES[args.switch][1])
     expect = SWITCHES[args.switch][3]
@@ -104,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     from perfx_compiler.bench import machine
 
     labels = args.labels.split(",") if args.labels else [Path(a).name for a in args.artifacts]
-    art_of = {}  # --pair: each arm's artifact (one label, the stem); else both arms run on each artifact
+    art_of = {}  # --pair: each arm's artifact (one label, the model); else both arms run on each artifact
     if args.pair:
-        art_of, labels, args.artifacts = dict(zip(arms, args.artifacts, strict=True)), [args.out_stem], [args.artifacts[0]]
+        art_of, labels, args.artifacts = dict(zip(arms, args.artifacts, strict=True)), [args.model], [args.artifacts[0]]
     logs = Path(tempfile.mkdtemp(prefix="perfx-thread-pool-ab-"))
     probe = machine.BandwidthProbe(args.threads)
     rows: list[dict[str, Any]] = []
