@@ -18,7 +18,9 @@ the rounds where both arms ran in that placement, and the paired ratio team / tv
 ``--switch replay`` runs the same A/B for the decode step replayed without the VM
 (perfx_compiler/runtime/decode_replay.py): ``PERFX_DECODE_REPLAY=0`` (arm ``vm``) against the default
 (arm ``replay``), both on the thread team; the CSV's ``pool`` column then holds the arm, the ratio is
-replay / vm (default stem ``decode_replay_ab``).
+replay / vm (default stem ``decode_replay_ab``). ``--switch loop``: the worker decodes its tokens with one
+``decode`` call per token from Python (``PERFX_BENCH_DECODE_LOOP=python``, arm ``python``) against one
+``Engine.decode_greedy`` call (arm ``engine``: the C++ greedy loop; stem ``decode_loop_ab``).
 
 ``--pair A B --labels a,b --model NAME --out-stem STEM``: the two arms are two artifacts of model NAME (a
 compile-time change, e.g. a template default), each on its default runtime path; the ratio is b / a. Their last
@@ -42,6 +44,8 @@ from _common import RESULTS, alternated, figure, medians, write_csv  # noqa: E40
 SWITCHES = {
     "pool": ("PERFX_THREAD_POOL", {"tvm": "tvm", "team": ""}, "thread_pool", {"tvm": "tvm", "team": "perfx-team"}),
     "replay": ("PERFX_DECODE_REPLAY", {"vm": "0", "replay": "1"}, "decode_path", {"vm": "vm", "replay": "replay"}),
+    "loop": ("PERFX_BENCH_DECODE_LOOP", {"python": "python", "engine": "engine"}, "decode_loop",
+             {"python": "python", "engine": "engine"}),
 }
 
 
@@ -92,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.pair and (len(args.artifacts) != 2 or len(args.labels.split(",")) != 2 or not args.out_stem
                       or not args.model):
         ap.error("--pair takes two artifacts, --labels a,b, --model and --out-stem")
-    args.out_stem = args.out_stem or ("thread_pool_ab" if args.switch == "pool" else "decode_replay_ab")
+    args.out_stem = args.out_stem or {"pool": "thread_pool_ab", "replay": "decode_replay_ab",
+                                      "loop": "decode_loop_ab"}[args.switch]
     arms = tuple(SWITCHES[args.switch][1])
     expect = SWITCHES[args.switch][3]
     if not args.artifacts:

@@ -116,13 +116,25 @@ class PerfXEngine(BenchEngine):
     def decode(self, token: int) -> int:
         return int(np.argmax(self.engine.decode(token)))
 
+    def decode_many(self, token: int, n: int) -> int:
+        """``n`` greedy steps after ``token`` in one call (``Engine.decode_greedy``, what ``LLM.generate``
+        runs for greedy requests); the last token."""
+        return self.engine.decode_greedy(token, n)[-1] if n > 0 else int(token)
+
     def weight_bytes_per_token(self) -> int:
         return perfx_weight_bytes(self.engine.manifest, self.artifact)
 
     def info(self) -> dict[str, Any]:
         m = self.engine.manifest
         return {"quantization": m.get("quantization", ""), "weight_format": weight_format(m),
-                "thread_pool": self.engine.thread_pool, "decode_path": self.engine.decode_path}
+                "thread_pool": self.engine.thread_pool, "decode_path": self.engine.decode_path,
+                "decode_loop": decode_loop()}
+
+
+def decode_loop() -> str:
+    """How the bench worker runs a decode of n tokens on an engine that has ``decode_many``: "engine"
+    (one call) or "python" (a call per token; ``PERFX_BENCH_DECODE_LOOP=python``, for A/B runs)."""
+    return "python" if os.environ.get("PERFX_BENCH_DECODE_LOOP", "").lower() == "python" else "engine"
 
 
 # ----------------------------------------------------------------------------------------- llama.cpp

@@ -71,6 +71,7 @@ struct Calls {
 """
 
 _STEP_CC = CALLS_CC + r"""
+#include <algorithm>
 #include <memory>
 
 // A function that runs the whole list once, in order.
@@ -81,18 +82,51 @@ Function build(Array<Array<Any>> calls) {
     for (size_t i = 0; i < step->size(); ++i) step->run(i, &rv);
   });
 }
+
+// Greedy decoding without Python between steps: per step the token and its position are stored where
+// the recorded calls read them (int32 or int64 scalars at the given addresses), the list runs, and the
+// first index of the largest float32 logit (numpy's argmax, a NaN included) is the next token. Up to
+// `n` steps; stops after a token listed in `stop`. Returns the tokens.
+template <typename T>
+static void store(int64_t addr, int64_t v) { *reinterpret_cast<T*>(addr) = static_cast<T>(v); }
+
+Function build_greedy(Array<Array<Any>> calls) {
+  auto step = std::make_shared<Calls>(calls);
+  return Function::FromTyped([step](int64_t token_addr, bool token_wide, int64_t pos_addr, bool pos_wide,
+                                    int64_t logits_addr, int64_t vocab, int64_t token, int64_t position,
+                                    int64_t n, Array<int64_t> stop) {
+    const float* logits = reinterpret_cast<const float*>(logits_addr);
+    std::vector<int64_t> stops(stop.begin(), stop.end());
+    Array<int64_t> out;
+    Any rv;
+    for (int64_t s = 0; s < n; ++s) {
+      token_wide ? store<int64_t>(token_addr, token) : store<int32_t>(token_addr, token);
+      pos_wide ? store<int64_t>(pos_addr, position + s) : store<int32_t>(pos_addr, position + s);
+      for (size_t i = 0; i < step->size(); ++i) step->run(i, &rv);
+      int64_t best = 0;
+      for (int64_t v = 0; v < vocab; ++v) {
+        if (logits[v] != logits[v]) { best = v; break; }  // NaN: numpy's argmax returns the first
+        if (logits[v] > logits[best]) best = v;
+      }
+      out.push_back(best);
+      token = best;
+      if (std::find(stops.begin(), stops.end(), best) != stops.end()) break;
+    }
+    return out;
+  });
+}
 """
 
 
 @functools.cache
-def _build_fn() -> Any:
-    """``build(calls) -> Function`` from the C++ loop, compiled once per machine (tvm_ffi caches it);
-    None where it cannot be built (no C++ compiler)."""
+def _module() -> Any:
+    """The C++ loops (``build(calls)``, ``build_greedy(calls)``), compiled once per machine (tvm_ffi
+    caches the library); None where they cannot be built (no C++ compiler)."""
     try:
         import tvm_ffi.cpp
 
-        return tvm_ffi.cpp.load_inline("perfx_decode_replay_step", cpp_sources=_STEP_CC, functions=["build"],
-                                       extra_cflags=["-O2"]).build
+        return tvm_ffi.cpp.load_inline("perfx_decode_replay_step", cpp_sources=_STEP_CC,
+                                       functions=["build", "build_greedy"], extra_cflags=["-O2"])
     except Exception as err:  # noqa: BLE001 - a missing or broken C++ toolchain
         log.warning("decode replay unavailable (%s: %s): decode runs through the VM",
                     type(err).__name__, str(err).splitlines()[0] if str(err) else "")
@@ -106,11 +140,13 @@ def enabled() -> bool:
 @dataclass
 class DecodeReplay:
     """The recorded decode step of one engine: ``run()`` makes one step, ``logits`` is a numpy view
-    of the [vocab] row it writes (rewritten by the next step)."""
+    of the [vocab] row it writes (rewritten by the next step); ``greedy`` runs many steps (see
+    ``build_greedy`` in the C++ source; called through ``Engine.decode_greedy``)."""
 
     run: Callable[[], None]
     logits: np.ndarray
     kernels: int
+    greedy: Callable[..., Any] | None = None
 
 
 @dataclass
@@ -157,7 +193,9 @@ def record(vm: Any, step: Callable[[], Any]) -> tuple[Any, DecodeReplay | str]:
     out_ptr = logits.data_ptr()
     if not any(callable(getattr(c[-1], "data_ptr", None)) and c[-1].data_ptr() == out_ptr for c in tr.calls):
         return logits, "the logits are not written by a recorded kernel"
-    build = _build_fn()
-    if build is None:
+    mod = _module()
+    if mod is None:
         return logits, "no C++ compiler for the replay loop"
-    return logits, DecodeReplay(build(tr.calls), np.from_dlpack(logits)[0, 0], len(tr.calls))
+    row = np.from_dlpack(logits)[0, 0]
+    greedy = mod.build_greedy(tr.calls) if row.dtype == np.float32 and row.flags.c_contiguous else None
+    return logits, DecodeReplay(mod.build(tr.calls), row, len(tr.calls), greedy)

@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +216,33 @@ class Engine:
         self.position += 1
         # A view keeps the VM's output buffer alive, so the next step allocates a fresh one.
         return (np.from_dlpack(logits) if self._cpu else logits.numpy())[0, 0]
+
+    def decode_greedy(self, token_id: int, max_tokens: int, stop_ids: Iterable[int] = ()) -> list[int]:
+        """Greedy decoding: feed ``token_id``, then each step's argmax, for up to ``max_tokens`` steps;
+        stop after a token in ``stop_ids``. Returns the tokens (the same as ``decode`` + ``np.argmax``
+        per step). Once the decode replay is in use the steps run in one C++ loop (no Python, no logits
+        copy between steps); else, or for the first (recorded) step, through ``decode``."""
+        tok, n = int(token_id), int(max_tokens)
+        if not 0 <= tok < self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        self._check_room(n)
+        stops = {int(t) for t in stop_ids}
+        out: list[int] = []
+        while len(out) < n:
+            replay = self._replay
+            if replay is not None and replay.greedy is not None:
+                got = replay.greedy(self._token_view.ctypes.data, self._token_view.dtype.itemsize == 8,
+                                    self._pos_view.ctypes.data, self._pos_view.dtype.itemsize == 8,
+                                    replay.logits.ctypes.data, replay.logits.shape[0], tok, self.position,
+                                    n - len(out), sorted(stops))
+                out += [int(t) for t in got]
+                self.position += len(got)
+                break
+            tok = int(np.argmax(self.decode(tok)))
+            out.append(tok)
+            if tok in stops:
+                break
+        return out
 
     def _vm_decode_step(self) -> Any:
         """One decode step by the VM on the bound arguments; its logits tensor [1, 1, vocab]."""

@@ -211,6 +211,10 @@ def generate_sequence(
     want_lp = params.logprobs is not None
 
     history = TokenHistory(vocab, ids) if (params.has_penalties and vocab) else None
+    # Greedy with nothing to look at between steps but the token itself: after the first token the
+    # engine decodes the rest in one call (Engine.decode_greedy: a C++ loop once its replay runs).
+    greedy_rest = getattr(engine, "decode_greedy", None) if (
+        params.greedy and not want_lp and history is None and params.min_tokens <= 1 and not params.stop_list) else None
     detok = IncrementalDetokenizer(tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
     stopper = StopChecker(params.stop_list, params.include_stop_str_in_output)
 
@@ -261,6 +265,24 @@ def generate_sequence(
             break
         if len(out_ids) >= budget or len(ids) + len(out_ids) >= max_ctx:
             break  # "length": max_tokens reached, or prompt + output fill the context (vLLM's rule)
+
+        if greedy_rest is not None:
+            t0 = time.perf_counter()
+            rest = greedy_rest(tok, min(budget, max_ctx - len(ids)) - len(out_ids), end_ids)
+            decode_time += time.perf_counter() - t0
+            steps += len(rest)
+            t0 = time.perf_counter()
+            for tok in rest:  # the bookkeeping above, for tokens that need no sampling
+                out_ids.append(tok)
+                if tok in end_ids:
+                    finish = "stop"
+                    stop_reason = tok if tok in stop_ids else None
+                    if params.include_stop_str_in_output:
+                        detok.add(tok)
+                    break
+                detok.add(tok)
+            sample_time += time.perf_counter() - t0
+            break
 
         t0 = time.perf_counter()
         logits = np.asarray(engine.decode(tok)).reshape(-1)

@@ -121,6 +121,26 @@ class FakeEngine:
         return self._append([token_id])[0]
 
 
+class GreedyLoopFakeEngine(FakeEngine):
+    """A FakeEngine with ``decode_greedy`` (the real Engine's many-step greedy call), counting its calls."""
+
+    greedy_calls = 0
+
+    def decode_greedy(self, token_id: int, max_tokens: int, stop_ids: Sequence[int] = ()) -> list[int]:
+        if self.position + max_tokens > self.max_context:
+            raise ContextLengthError(f"cache full: {self.position}+{max_tokens} > {self.max_context}")
+        self.greedy_calls += 1
+        out: list[int] = []
+        tok = int(token_id)
+        while len(out) < max_tokens:
+            self.decode_calls.append(tok)
+            tok = int(np.argmax(self._append([tok])[0]))
+            out.append(tok)
+            if tok in set(stop_ids):
+                break
+        return out
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
     return build_tokenizer()
@@ -132,13 +152,13 @@ def make_engine(tokenizer: Any, tmp_path: Path) -> Callable[..., FakeEngine]:
     path = tmp_path / "tokenizer.json"
     tokenizer.save(str(path))
 
-    def make(script_text: str | None = None, **kw: Any) -> FakeEngine:
+    def make(script_text: str | None = None, greedy_loop: bool = False, **kw: Any) -> FakeEngine:
         if script_text is not None:
             kw["script"] = tokenizer.encode(script_text, add_special_tokens=False).ids
         kw.setdefault("vocab_size", tokenizer.get_vocab_size(with_added_tokens=True))
         kw.setdefault("bos_token_id", tokenizer.token_to_id(BOS))
         kw.setdefault("eos_token_id", tokenizer.token_to_id(EOS))
-        return FakeEngine(path, **kw)
+        return (GreedyLoopFakeEngine if greedy_loop else FakeEngine)(path, **kw)
 
     return make
 

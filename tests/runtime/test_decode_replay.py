@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from perfx_compiler.runtime import decode_replay
 
@@ -123,3 +124,34 @@ def test_profiler_gets_the_vm_back_after_replayed_steps(smol_artifact):
     decode = profile_engine(engine, PROMPT, 2, [])[0]
     assert engine.decode_path == "vm (profiled)"
     assert decode.phase == "decode" and sum(k.calls for k in decode.kernels) >= 2 * 100
+
+
+def test_decode_greedy_equals_decode_and_argmax(smol_artifact):
+    """``Engine.decode_greedy`` (the first step recorded through ``decode``, the rest in the C++ loop)
+    gives the per-step ``decode`` + ``np.argmax`` tokens, stops after a stop token, advances the
+    position by the tokens it made, refuses more tokens than the context holds (before running any),
+    and does the same through the VM once the replay is given back."""
+    from perfx_compiler.errors import ContextLengthError
+    from perfx_compiler.runtime.engine import Engine
+
+    engine = Engine(smol_artifact)
+    logits = _greedy(engine, PROMPT, 20)
+    want = [int(np.argmax(x)) for x in logits]  # want[0]: the prefill's argmax, fed to the first step
+    fresh = Engine(smol_artifact)
+    fresh.reset()
+    fresh.prefill(PROMPT)
+    assert fresh.decode_greedy(want[0], 20) == want[1:]
+    assert fresh.decode_path.startswith("replay (") and fresh.position == len(PROMPT) + 20
+    fresh.reset()
+    fresh.prefill(PROMPT)  # the replay runs from the first step on now
+    stop = want[12]
+    got = fresh.decode_greedy(want[0], 20, stop_ids=[stop])
+    assert got == want[1 : want.index(stop, 1) + 1] and fresh.position == len(PROMPT) + len(got)
+    room = fresh.max_context - fresh.position
+    with pytest.raises(ContextLengthError):
+        fresh.decode_greedy(got[-1], room + 1)
+    assert fresh.position == len(PROMPT) + len(got)
+    fresh.keep_vm_decode("test")
+    fresh.reset()
+    fresh.prefill(PROMPT)
+    assert fresh.decode_greedy(want[0], 20) == want[1:]

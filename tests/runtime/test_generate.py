@@ -154,6 +154,37 @@ def test_context_full_ends_with_length(make_engine, tokenizer) -> None:
     assert len(g.token_ids) == 1 and g.finish_reason == "length"
 
 
+GREEDY_CASES = [  # (engine kw, sampling kw): every way a greedy generation ends
+    ({"script_text": SCRIPT}, {"max_tokens": 200}),  # EOS
+    ({"script_text": SCRIPT}, {"max_tokens": 3}),  # max_tokens
+    ({"script_text": "ab"}, {"max_tokens": 10, "ignore_eos": True}),  # past an EOS
+    ({"script_text": SCRIPT}, {"max_tokens": 100, "stop_token_ids": "w"}),  # a stop token
+    ({"script_text": SCRIPT}, {"max_tokens": 100, "stop_token_ids": "w", "include_stop_str_in_output": True}),
+    ({"max_context": 12, "add_bos_token": False}, {"max_tokens": 100}),  # the context fills
+    ({"script_text": SCRIPT}, {"max_tokens": 1}),  # no decode step at all
+]
+
+
+@pytest.mark.parametrize("engine_kw,params", GREEDY_CASES)
+def test_greedy_rest_in_one_engine_call_equals_the_token_loop(make_engine, tokenizer, engine_kw, params) -> None:
+    """An engine with ``decode_greedy`` (the real Engine: one C++ loop) gets the tokens after the first
+    in one call; the generation is the per-token loop's in every field that is not a timing."""
+    if params.get("stop_token_ids") == "w":
+        params = {**params, "stop_token_ids": [tokenizer.encode(" w", add_special_tokens=False).ids[0]]}
+    slow_eng, fast_eng = make_engine(**engine_kw), make_engine(greedy_loop=True, **engine_kw)
+    slow, fast = (run(e, tokenizer, "hi", temperature=0.0, **params) for e in (slow_eng, fast_eng))
+    for field in ("prompt_token_ids", "token_ids", "text", "finish_reason", "stop_reason", "num_decode_steps"):
+        assert getattr(fast, field) == getattr(slow, field), field
+    assert fast_eng.decode_calls == slow_eng.decode_calls and fast_eng.position == slow_eng.position
+    assert fast_eng.greedy_calls == (1 if slow.num_decode_steps else 0)
+    # anything to do between steps (sampling, logprobs, penalties, stop strings, min_tokens) keeps the loop
+    others = [{"temperature": 0.7, "seed": 1}, {"logprobs": 1}, {"repetition_penalty": 1.2}, {"stop": ["zz"]}]
+    for other in others + ([{"min_tokens": 2}] if params["max_tokens"] >= 2 else []):
+        eng = make_engine(greedy_loop=True, **engine_kw)
+        run(eng, tokenizer, "hi", **{"temperature": 0.0, **params, **other})
+        assert eng.greedy_calls == 0, other
+
+
 def test_bad_prompts_are_perfx_errors(make_engine, tokenizer) -> None:
     eng = make_engine(add_bos_token=False)
     for ids in ([], [10_000]):
