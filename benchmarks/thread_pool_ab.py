@@ -57,17 +57,19 @@ def measure_arm(art: str, arm: str, args: argparse.Namespace, log: Path) -> dict
     from perfx_compiler.cli.bench import Worker
 
     var, values, key, _ = SWITCHES[args.switch]
-    if args.pair:  # the arm is the artifact: no switch, its default path
-        var, values, key = "PERFX_DECODE_REPLAY", {arm: os.environ.get("PERFX_DECODE_REPLAY", "1")}, "decode_path"
-    saved = os.environ.get(var)
-    os.environ[var] = values[arm]  # read by the worker's Engine at load
-    try:
+    if args.pair:  # the arm is the artifact, on its default path: nothing to switch
         worker = Worker("perfx", Path(art), args.threads, log)
-    finally:
-        if saved is None:
-            os.environ.pop(var)
-        else:
-            os.environ[var] = saved
+        key = "decode_path"
+    else:
+        saved = os.environ.get(var)
+        os.environ[var] = values[arm]  # read by the worker's Engine at load
+        try:
+            worker = Worker("perfx", Path(art), args.threads, log)
+        finally:
+            if saved is None:
+                os.environ.pop(var)
+            else:
+                os.environ[var] = saved
     try:
         prompt = [int(t) for t in np.random.default_rng(0).integers(100, 1000, args.prompt)]
         worker.ask("decode", prompt=prompt, n=8)  # warm-up

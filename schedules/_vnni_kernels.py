@@ -138,10 +138,15 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     # before a task quantizes x: its first `prefetch` steps of codes (flat: over row ends, as the row loop's
     # own prefetch runs) and the scale lines of those rows (64 bytes = 32 scales a line)
     PRO = int(prefetch) if tquant else 0
-    PRO_S = -(-(-(-PRO * STEP // KP) + 1) * RPU * NGP // 32) if tquant and sprefetch else 0
+    pro_units = -(-PRO * STEP // KP) + 1  # units the prologue's codes touch (a partial one at each end)
+    PRO_S = -(-pro_units * RPU * NGP // 32) if tquant and sprefetch else 0
     QPT = -(-(M * NGE) // QT)
     # scale prefetch distance in elements of the flat [N2 * NGP] arrays: the codes' distance in rows
     SPD = max(1, prefetch * STEP // KP) * RPU * NGP if sprefetch else 0
+
+    def prefetch_at(addr: Any, locality: int) -> Any:
+        """llvm.prefetch (read, data cache) of ``addr``; locality 0 = prefetchnta .. 3 = prefetcht0."""
+        return T.call_llvm_intrin("void", "llvm.prefetch.p0", addr, T.int32(0), T.int32(locality), T.int32(1))
 
     def hmask(h: Any) -> Any:  # code mask of row h of a pair (after hshift)
         return T.Select(h == 0, T.uint8(15), T.uint8(240)) if hi else T.uint8(15 if pair else 255)
@@ -199,6 +204,22 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                         gds[bm * NGE + T.min(T.Select(c < F, c * 16 + ln, BT + ln), NGE - 1)], T.float32(0))
 
     @T.macro
+    def step_fma(acc, cb, Q, XQ, unit, u, s_abs, si, idx):
+        # one 64-column step of unit `unit` (the iteration's u-th) for every activation row: vpdpbusd of
+        # its codes and x's, then the FMA with the chunk's per-lane scales into accumulator si % A
+        for bm in T.unroll(M):
+            for h in T.unroll(RPU):
+                acc[T.Ramp((((bm * units + u) * RPU + h) * A + si % A) * 16, 1, 16)] = acc.vload(
+                    [(((bm * units + u) * RPU + h) * A + si % A) * 16], "float32x16") + T.Cast(
+                    "float32x16",
+                    vdot(
+                        T.shift_right(Q.vload([unit, s_abs * STEP], "uint8x64"), T.Broadcast(hshift(h), 64))
+                        & T.Broadcast(hmask(h), 64),
+                        XQ.vload([bm * KP + s_abs * STEP], "int8x64"),
+                    ),
+                ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"), idx)
+
+    @T.macro
     def row_task(t, Q, Sc, Z, Y, XQ, DXC, DSC, Qf, Scf, Zf):
         # task t's rows: iterations t * IPT .. t * IPT + IPT - 1 of `units` units each
         acc = T.decl_buffer((M * RW * A * 16,), "float32", scope="local")
@@ -213,18 +234,12 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                     for u in T.unroll(units):
                         for h in T.unroll(RPU):
                             if SPD > 0:
-                                T.evaluate(T.call_llvm_intrin(
-                                    "void", "llvm.prefetch.p0",
-                                    T.address_of(Scf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU + h)
-                                                           * NGP + T.min(c * 16, NGP - 16) + SPD, N2 * NGP - 16)]),
-                                    T.int32(0), T.int32(3), T.int32(1)))
+                                T.evaluate(prefetch_at(T.address_of(Scf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU + h)
+                                                           * NGP + T.min(c * 16, NGP - 16) + SPD, N2 * NGP - 16)]), 3))
                                 if offset or not (sym or bits == 8):
-                                    T.evaluate(T.call_llvm_intrin(
-                                        "void", "llvm.prefetch.p0",
-                                        T.address_of(Zf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU
+                                    T.evaluate(prefetch_at(T.address_of(Zf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU
                                                                + h) * NGP + T.min(c * 16, NGP - 16) + SPD,
-                                                              N2 * NGP - 16)]),
-                                        T.int32(0), T.int32(3), T.int32(1)))
+                                                              N2 * NGP - 16)]), 3))
                             for bm in T.unroll(M):
                                 cb[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = T.Cast(
                                     "float32x16",
@@ -263,45 +278,16 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                             for si in T.unroll(unroll):
                                 for u in T.unroll(units):
                                     if prefetch > 0:
-                                        T.evaluate(T.call_llvm_intrin(
-                                            "void", "llvm.prefetch.p0",
-                                            T.address_of(Qf[T.min((T.min((t * IPT + it) * units, NU - units) + u) * KP
+                                        T.evaluate(prefetch_at(T.address_of(Qf[T.min((T.min((t * IPT + it) * units, NU - units) + u) * KP
                                                                   + (c * SPC + so * unroll + si + prefetch) * STEP,
-                                                                  QW * KP - STEP)]),
-                                            T.int32(0), T.int32(PF_LOC), T.int32(1)))
-                                    for bm in T.unroll(M):
-                                        for h in T.unroll(RPU):
-                                            acc[T.Ramp((((bm * units + u) * RPU + h) * A + si % A) * 16, 1, 16)] = acc.vload(
-                                                [(((bm * units + u) * RPU + h) * A + si % A) * 16], "float32x16") + T.Cast(
-                                                "float32x16",
-                                                vdot(
-                                                    T.shift_right(
-                                                        Q.vload([T.min((t * IPT + it) * units, NU - units) + u,
-                                                                 (c * SPC + so * unroll + si) * STEP], "uint8x64"),
-                                                        T.Broadcast(hshift(h), 64))
-                                                    & T.Broadcast(hmask(h), 64),
-                                                    XQ.vload([bm * KP + (c * SPC + so * unroll + si) * STEP], "int8x64"),
-                                                ),
-                                            ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"),
-                                                     idx_vec(so * UG, si))
+                                                                  QW * KP - STEP)]), PF_LOC))
+                                    step_fma(acc, cb, Q, XQ, T.min((t * IPT + it) * units, NU - units) + u, u,
+                                             c * SPC + so * unroll + si, si, idx_vec(so * UG, si))
                     else:
                         for si in T.unroll(TS):
                             for u in T.unroll(units):
-                                for bm in T.unroll(M):
-                                    for h in T.unroll(RPU):
-                                        acc[T.Ramp((((bm * units + u) * RPU + h) * A + si % A) * 16, 1, 16)] = acc.vload(
-                                            [(((bm * units + u) * RPU + h) * A + si % A) * 16], "float32x16") + T.Cast(
-                                            "float32x16",
-                                            vdot(
-                                                T.shift_right(
-                                                    Q.vload([T.min((t * IPT + it) * units, NU - units) + u,
-                                                             (F * SPC + si) * STEP], "uint8x64"),
-                                                    T.Broadcast(hshift(h), 64))
-                                                & T.Broadcast(hmask(h), 64),
-                                                XQ.vload([bm * KP + (F * SPC + si) * STEP], "int8x64"),
-                                            ),
-                                        ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"),
-                                                 idx_vec(T.int32(F * 16 - BT), si))
+                                step_fma(acc, cb, Q, XQ, T.min((t * IPT + it) * units, NU - units) + u, u,
+                                         F * SPC + si, si, idx_vec(T.int32(F * 16 - BT), si))
                 # 3. horizontal sums (the split accumulators first added into the first)
                 for i in T.unroll(M * RW):
                     for a in T.unroll(A - 1):
@@ -334,15 +320,9 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 # the task's first codes requested before it quantizes x: the weight stream's first
                 # misses overlap the quantization instead of following it
                 for s in T.serial(PRO):
-                    T.evaluate(T.call_llvm_intrin(
-                        "void", "llvm.prefetch.p0",
-                        T.address_of(Qf[T.min(T.min(t * IPT * units, NU - units) * KP + s * STEP, QW * KP - STEP)]),
-                        T.int32(0), T.int32(PF_LOC), T.int32(1)))
+                    T.evaluate(prefetch_at(T.address_of(Qf[T.min(T.min(t * IPT * units, NU - units) * KP + s * STEP, QW * KP - STEP)]), PF_LOC))
                 for s in T.serial(PRO_S):
-                    T.evaluate(T.call_llvm_intrin(
-                        "void", "llvm.prefetch.p0",
-                        T.address_of(Scf[T.min(T.min(t * IPT * units, NU - units) * RPU * NGP + s * 32, N2 * NGP - 32)]),
-                        T.int32(0), T.int32(3), T.int32(1)))
+                    T.evaluate(prefetch_at(T.address_of(Scf[T.min(T.min(t * IPT * units, NU - units) * RPU * NGP + s * 32, N2 * NGP - 32)]), 3))
                 XQ = T.decl_buffer((M * KP,), "int8", scope="local")
                 DXC = T.decl_buffer((M * NCH * 16,), "float32", scope="local")
                 DSC = T.decl_buffer((M * NCH * 16,), "float32", scope="local")

@@ -98,7 +98,8 @@ class AttentionCPU(ScheduleTemplate):
         if workload.info["kind"] == "decode":
             # One split per kv head when the kv heads divide among the cores: no partials, no serial
             # merge on the launching thread. TinyLlama (4 kv heads, 2 cores), whole decode step replayed
-            # in alternation, two cores: x1.005-1.007 over 2 splits (benchmarks/results/decode_step_ab_*).
+            # in alternation, two cores, 200 rounds: 7.82 -> 7.73 ms over 2 splits (per round x1.016 vs
+            # x1.005 over the previous kernel; benchmarks/results/decode_step_ab_tinyllama-q4_0_attention_tquant.csv).
             # Otherwise kv heads x splits tasks (3 x 2 balance 2 cores); chunks stay >= one tile long.
             cores = max(1, int(target.cores or 2))
             splits = 1 if d["KVH"] % cores == 0 else 2 if cores <= 2 else 4

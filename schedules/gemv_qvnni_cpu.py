@@ -169,9 +169,11 @@ class GemvQVnniCPU(ScheduleTemplate):
         # One activation row (decode): one task per core, each quantizing x for itself after the fork,
         # its first weight lines requested before (tquant=1). The serial quantization on the calling
         # thread and the stream's first misses left the critical path: TinyLlama's whole decode step,
-        # replayed in alternation on two cores, x1.015-1.025 with the one-split attention over it alone
-        # (benchmarks/results/decode_step_ab_*); one core's two threads: within 0.5%. Several rows
-        # (batched decode) keep 16 tasks and the quantization on the calling thread: not measured.
+        # replayed in alternation on two cores, 200 rounds: 7.73 -> 7.63 ms over the one-split attention
+        # alone (decode_step_ab_tinyllama-q4_0_attention_tquant.csv); end to end with it, fresh processes,
+        # x1.025 on two cores (13 pairs) and x1.002 on one core's two threads (15 pairs; decode_tquant_ab.csv,
+        # decode_tquant_ab_shared_run.csv). Several rows (batched decode) keep 16 tasks and the
+        # quantization on the calling thread: not measured.
         tquant = int(os.environ.get("PERFX_VNNI_GEMV_TQUANT", "1" if m == 1 and not pquant else "0"))  # A/B switch
         tasks = max(1, int(target.cores or 1)) if tquant else 16
         return {"units": units, "tasks": tasks, "unroll": unroll, "prefetch": prefetch, "split": split,

@@ -286,7 +286,7 @@ def cached_attention_kernel(
             if seq == 1 and past < MAXC:
                 ch = ((past + SPL) // SPL + KT - 1) // KT * KT  # chunk: ceil(ctx / SPL) in whole tiles
                 if SPL == 1:
-                    for t in T.parallel(KVH):
+                    for t in T.parallel(KVH):  # no partials: OUT stands in for the unused ws
                         split_task(Q, K, V, KF, VF, COS, SIN, OUT, OUT, past, ch, t)
                 else:
                     ws = T.decl_buffer((KVH * SPL * G * W,), "float32")

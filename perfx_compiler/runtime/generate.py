@@ -10,6 +10,7 @@ so a batching scheduler can later drive the same pieces (``prepare_prompt``,
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -215,6 +216,7 @@ def generate_sequence(
     # engine decodes the rest in one call (Engine.decode_greedy: a C++ loop once its replay runs).
     greedy_rest = getattr(engine, "decode_greedy", None) if (
         params.greedy and not want_lp and history is None and params.min_tokens <= 1 and not params.stop_list) else None
+    queued: deque[int] = deque()
     detok = IncrementalDetokenizer(tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
     stopper = StopChecker(params.stop_list, params.include_stop_str_in_output)
 
@@ -236,7 +238,10 @@ def generate_sequence(
     while True:
         t0 = time.perf_counter()
         banned = [sorted(end_ids)] if len(out_ids) < params.min_tokens and end_ids else None
-        tok = int(sample(logits, [params], [rng], [history] if history else None, banned=banned)[0])
+        if queued:  # decoded greedily by the engine: nothing to sample (see greedy_rest)
+            tok = queued.popleft()
+        else:
+            tok = int(sample(logits, [params], [rng], [history] if history else None, banned=banned)[0])
         if history is not None:
             history.append(tok)
         if want_lp:
@@ -266,28 +271,15 @@ def generate_sequence(
         if len(out_ids) >= budget or len(ids) + len(out_ids) >= max_ctx:
             break  # "length": max_tokens reached, or prompt + output fill the context (vLLM's rule)
 
-        if greedy_rest is not None:
-            t0 = time.perf_counter()
-            rest = greedy_rest(tok, min(budget, max_ctx - len(ids)) - len(out_ids), end_ids)
-            decode_time += time.perf_counter() - t0
-            steps += len(rest)
-            t0 = time.perf_counter()
-            for tok in rest:  # the bookkeeping above, for tokens that need no sampling
-                out_ids.append(tok)
-                if tok in end_ids:
-                    finish = "stop"
-                    stop_reason = tok if tok in stop_ids else None
-                    if params.include_stop_str_in_output:
-                        detok.add(tok)
-                    break
-                detok.add(tok)
-            sample_time += time.perf_counter() - t0
-            break
-
         t0 = time.perf_counter()
-        logits = np.asarray(engine.decode(tok)).reshape(-1)
+        if greedy_rest is not None:  # every remaining token at once; the loop above takes them in turn
+            queued.extend(greedy_rest(tok, min(budget, max_ctx - len(ids)) - len(out_ids), end_ids))
+            steps += len(queued)
+            greedy_rest = None
+        elif not queued:
+            logits = np.asarray(engine.decode(tok)).reshape(-1)
+            steps += 1
         decode_time += time.perf_counter() - t0
-        steps += 1
 
     return Generation(
         prompt_token_ids=ids,

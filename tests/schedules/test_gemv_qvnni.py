@@ -259,6 +259,34 @@ def test_scale_prefetch_default_env_and_code(template, target, monkeypatch):
 
 
 @needs_vnni
+def test_per_task_quantization_is_the_one_row_default(template, target, monkeypatch):
+    """One activation row: tquant=1 with a task per core, and the kernel quantizes x inside its parallel
+    loop (no quantization before the fork); several rows, PERFX_VNNI_GEMV_TQUANT=0 or pquant keep 16 tasks
+    and the caller's quantization."""
+    rng = np.random.default_rng(0)
+    packed, _ = vnni_weights("Q4_0", 64, 576, rng)
+    for var in ("PERFX_VNNI_GEMV_TQUANT", "PERFX_VNNI_GEMV_PQUANT"):
+        monkeypatch.delenv(var, raising=False)
+    one = template.match(packed.compute("matmul", (1, 1)), target)
+    batched = template.match(packed.compute("matmul", (1, 3)), target)
+    cfg = template.builtin_default(one, target)
+    assert cfg["tquant"] == 1 and cfg["tasks"] == target.cores
+    assert template.builtin_default(batched, target)["tquant"] == 0
+
+    def quantizes_before_fork(config: dict) -> bool:
+        text = template.apply(packed.compute("matmul", (1, 1)), one, config, target).script()
+        return text.index("T.round(") < text.index("T.parallel(")
+
+    assert not quantizes_before_fork(cfg)
+    assert quantizes_before_fork({**cfg, "tquant": 0})
+    monkeypatch.setenv("PERFX_VNNI_GEMV_TQUANT", "0")
+    assert template.builtin_default(one, target)["tquant"] == 0 and template.builtin_default(one, target)["tasks"] == 16
+    monkeypatch.delenv("PERFX_VNNI_GEMV_TQUANT")
+    monkeypatch.setenv("PERFX_VNNI_GEMV_PQUANT", "2")
+    assert template.builtin_default(one, target)["tquant"] == 0
+
+
+@needs_vnni
 @pytest.mark.parametrize("fmt,n,k", [("Q4_1", 66, 2048), ("Q4_0", 34, 5632)])
 def test_long_rows_default_is_hinib_and_matches_reference(template, target, fmt, n, k, monkeypatch):
     """One-unit ("long") rows default to split=1, hinib=1 (benchmarks/results/gemv_qvnni_long_rows_hinib_2t.csv,
