@@ -52,6 +52,16 @@ def _lanes(workload: Workload, target: TargetDescription) -> list[int]:
     return [w for w in (4, 8, 16) if w <= widest and workload.dims["D"] % w == 0] or [1]
 
 
+def _decode_prefetch() -> int:
+    """Keys ahead whose cached k/v rows the decode kernel prefetches. Not searched: the tuner times a
+    kernel back to back with its cache rows warm, where the prefetch only costs, while in a decode
+    step the weights streamed since the layer's last step have evicted them. TinyLlama dims, 22
+    layers each behind a 26 MB stream, position 96: 335 -> 185 us (scratch microbenchmark; the step
+    figures are in benchmarks/results/decode_step_ab_tinyllama-q4_0_kv_prefetch.csv).
+    ``PERFX_ATTN_DECODE_PREFETCH`` is the A/B switch (0: off)."""
+    return int(os.environ.get("PERFX_ATTN_DECODE_PREFETCH", 8))
+
+
 class AttentionCPU(ScheduleTemplate):
     name = "attention_cpu"
     # The decode kernel's version, part of its workload key (prefill keeps ``version``): 2 appends the
@@ -104,7 +114,7 @@ class AttentionCPU(ScheduleTemplate):
             cores = max(1, int(target.cores or 2))
             splits = 1 if d["KVH"] % cores == 0 else 2 if cores <= 2 else 4
             splits = int(os.environ.get("PERFX_ATTN_DECODE_SPLITS", splits))  # A/B switch
-            return {"k_tile": tile, "splits": splits, "lanes": lanes}
+            return {"k_tile": tile, "splits": splits, "lanes": lanes, "prefetch": _decode_prefetch()}
         G = d["H"] // d["KVH"]
         key_block = next(b for b in (4, 2, 1) if tile % b == 0)  # a cache under 4 positions has a shorter tile
         return {"q_tile": 16, "k_tile": tile, "heads_per_task": G, "key_block": key_block, "lanes": lanes}
@@ -125,9 +135,10 @@ class AttentionCPU(ScheduleTemplate):
             raise ScheduleConfigError(f"attention_cpu: bad lanes/k_tile in {config} for {d}")
         if workload.info["kind"] == "decode":
             splits = int(config.get("splits", 2))
-            if splits < 1:
-                raise ScheduleConfigError(f"attention_cpu: bad splits in {config}")
-            return {"body": "split", "k_tile": k_tile, "splits": splits, "lanes": lanes}
+            prefetch = int(config.get("prefetch", _decode_prefetch()))  # records carry none: see _decode_prefetch
+            if splits < 1 or prefetch < 0:
+                raise ScheduleConfigError(f"attention_cpu: bad splits/prefetch in {config}")
+            return {"body": "split", "k_tile": k_tile, "splits": splits, "lanes": lanes, "prefetch": prefetch}
         q_tile = int(config.get("q_tile", 16))
         hpt = int(config.get("heads_per_task", G))
         if q_tile < 1 or hpt < 1 or G % hpt:

@@ -120,6 +120,33 @@ def tile_scores(sc, qr, KF, key_base, ctx, j0, n, rows, D, KT, L):
             sc[r * KT + jj] = _folded_dot(qr, r * D, KF, key_base(ctx, j0 + jj), D, L)
 
 
+def prefetch_line(addr: Any) -> Any:
+    """llvm.prefetch (read, data cache, keep in all levels) of ``addr``."""
+    return T.call_llvm_intrin("void", "llvm.prefetch.p0", addr, T.int32(0), T.int32(3), T.int32(1))
+
+
+@T.macro
+def prefetch_kv_row(KF, VF, off, D):
+    """Prefetch one cached key row and its value row (``D`` float32 from flat offset ``off``), a cache
+    line (16 floats) at a time."""
+    for c in T.unroll((D + 15) // 16):
+        T.evaluate(prefetch_line(T.address_of(KF[off + c * 16])))
+        T.evaluate(prefetch_line(T.address_of(VF[off + c * 16])))
+
+
+@T.macro
+def tile_scores_ahead(sc, qr, KF, VF, key_base, ctx, j0, n, rows, D, KT, L, ahead, end):
+    """:func:`tile_scores`, and with each key j the key and value rows of key j + ahead are prefetched
+    (when < end). In a decode step the weight stream of the layers in between has evicted this layer's
+    cache rows; without the prefetch each row is a DRAM miss the kernel waits on (the cache read cold
+    took ~3x as long as warm)."""
+    for jj in T.serial(n):
+        if j0 + jj + ahead < end:
+            prefetch_kv_row(KF, VF, key_base(ctx, j0 + jj + ahead), D)
+        for r in T.serial(rows):
+            sc[r * KT + jj] = _folded_dot(qr, r * D, KF, key_base(ctx, j0 + jj), D, L)
+
+
 @T.macro
 def tile_softmax(sc, st, n, rows, KT, exp):
     """Online-softmax update for one tile of n scores per row: new running max, the factor that

@@ -33,10 +33,12 @@ from perfx_compiler.kernels._attention_common import (
     copy_row,
     fast_exp,
     lanes_for,
+    prefetch_kv_row,
     rope_store,
     softmax_init,
     tile_pv,
     tile_scores,
+    tile_scores_ahead,
     tile_softmax,
 )
 
@@ -222,7 +224,8 @@ def cached_attention_kernel(
 
     elif body == "split":
         SPL = int(cfg.get("splits", 2))
-        if SPL < 1:
+        PF = int(cfg.get("prefetch", 0))  # keys ahead whose cached rows are prefetched (0: none)
+        if SPL < 1 or PF < 0:
             raise ValueError(f"attention: splits {SPL} must be >= 1")
         W = D + 2  # one partial: output row, max, sum
 
@@ -244,9 +247,16 @@ def cached_attention_kernel(
             for g in T.serial(G):
                 rope_store(qr, g * D, 1, Q, 0, 0, (kh * G + g) * D, COS, SIN, past, HALF, T.float32(scale))
             softmax_init(st, acc, G, D)
+            if PF > 0:  # the first PF rows; the score loop requests each later row PF keys ahead
+                for j in T.serial(T.min(PF, T.max(hi - lo, 0))):
+                    prefetch_kv_row(KF, VF, _kb((kh * MAXC, D), lo + j), D)
             for kt in T.serial((T.max(hi - lo, 0) + KT - 1) // KT):
-                tile_scores(sc, qr, KF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
-                            G, D, KT, L)
+                if PF > 0:
+                    tile_scores_ahead(sc, qr, KF, VF, _kb, (kh * MAXC, D), lo + kt * KT,
+                                      T.min(KT, hi - lo - kt * KT), G, D, KT, L, PF, hi)
+                else:
+                    tile_scores(sc, qr, KF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
+                                G, D, KT, L)
                 tile_softmax(sc, st, T.min(KT, hi - lo - kt * KT), G, KT, exp)
                 tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
                         T.min(KT, hi - lo - kt * KT), G, D, KT, L)

@@ -159,6 +159,40 @@ def test_decode_splits_append_and_merge_match_numpy(template, cpu_target, splits
         assert err < TOL, f"splits={splits} qkv={qkv} past={past}: max relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_cache_prefetch_matches_numpy(template, cpu_target, splits) -> None:
+    """The decode kernel prefetches cached k/v rows a few keys ahead (first rows in a prologue, the
+    rest from the score loop, never past the chunk's last key): the default does, and distances
+    longer than a short context, 1 and 3 all compute what the reference computes, at positions
+    under, at and past the distance and at the cache's last row."""
+    func = untuned("decode")
+    wl = template.match(func, cpu_target)
+    default = template.builtin_default(wl, cpu_target)
+    assert default["prefetch"] > 0, default
+    rng = np.random.default_rng()
+    for prefetch in (1, 3):
+        cfg = {**default, "splits": splits, "k_tile": 16, "prefetch": prefetch}
+        kernel = template.apply(func, wl, cfg, cpu_target)
+        assert "llvm.prefetch" in kernel.script()
+        lib = build(kernel, cpu_target)
+        for past in (0, 1, 2, 3, 4, 17, 500, MAXC - 1):
+            err = run_case(lib, 1, past, rng)
+            assert err < TOL, f"splits={splits} prefetch={prefetch} past={past}: max relative error {err:.2e}"
+
+
+def test_decode_prefetch_switch(template, cpu_target, monkeypatch) -> None:
+    """``PERFX_ATTN_DECODE_PREFETCH=0`` (the A/B switch) builds the decode kernel without a prefetch;
+    a record without the key gets the default; a negative distance is not a valid config."""
+    func = untuned("decode")
+    wl = template.match(func, cpu_target)
+    record = {"k_tile": 32, "splits": 2, "lanes": 16}  # a tuned decode record carries no prefetch
+    assert "llvm.prefetch" in template.apply(func, wl, record, cpu_target).script()
+    assert not template.is_valid(wl, {**record, "prefetch": -1}, cpu_target)
+    monkeypatch.setenv("PERFX_ATTN_DECODE_PREFETCH", "0")
+    assert template.builtin_default(wl, cpu_target)["prefetch"] == 0
+    assert "llvm.prefetch" not in template.apply(func, wl, record, cpu_target).script()
+
+
 @pytest.mark.parametrize("shape", [(4, 2, 8, 12), (2, 1, 4, 6), (32, 4, 64, 40)])
 def test_odd_tiles_and_lanes_match_numpy(template, cpu_target, shape) -> None:
     """Tiles that are not a multiple of 16 keys and rows narrower than 16 lanes: the scores and the
