@@ -23,6 +23,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from schedules._fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
+
 STEP = 64
 CHUNK = 16
 
@@ -68,17 +70,18 @@ def quantize_group_macro(tree: bool = False) -> Any:
                 sm[0] = sm[0] + sm[ln + 1]
 
     @T.macro
-    def quantize_group(X, XQ, DX, dx_at, bm, g, mx, sm, inv, G, GV, K, KP, MM):  # noqa: ANN001, N803
+    def quantize_group(X, XQ, DX, dx_at, bm, g, mx, sm, inv, G, GV, K, KP, MM, x0):  # noqa: ANN001, N803
         """int8 codes of row ``bm``'s group ``g`` of x into XQ (x beyond K counts as 0, codes up to KP
         are written), its scale amax/127 into DX[dx_at], and the sum of its codes left in sm[0] (for the
-        weights' offset term). mx/sm (16 lanes) and inv (1) are the caller's scratch."""
+        weights' offset term). mx/sm (16 lanes) and inv (1) are the caller's scratch. The group's columns
+        are read from X[..., x0:]: x0 = g * G, or 0 when X holds only this group (a fused prologue's stage)."""
         for ln in T.vectorized(16):
             mx[ln] = T.float32(0)
             sm[ln] = 0
         for c in T.serial(GV):
             if g * G + c * 16 < K:
                 for ln in T.vectorized(16):
-                    mx[ln] = T.max(mx[ln], T.fabs(X[bm // MM, bm % MM, g * G + c * 16 + ln]))
+                    mx[ln] = T.max(mx[ln], T.fabs(X[bm // MM, bm % MM, x0 + c * 16 + ln]))
         lanes_max(mx)
         DX[dx_at] = mx[0] / T.float32(127)
         inv[0] = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
@@ -87,7 +90,7 @@ def quantize_group_macro(tree: bool = False) -> Any:
                 if g * G + c * 16 < K:
                     for ln in T.vectorized(16):
                         XQ[bm * KP + g * G + c * 16 + ln] = T.Cast(
-                            "int8", T.round(X[bm // MM, bm % MM, g * G + c * 16 + ln] * inv[0]))
+                            "int8", T.round(X[bm // MM, bm % MM, x0 + c * 16 + ln] * inv[0]))
                         sm[ln] = sm[ln] + T.Cast("int32", XQ[bm * KP + g * G + c * 16 + ln])
                 else:
                     for ln in T.vectorized(16):
@@ -99,7 +102,8 @@ def quantize_group_macro(tree: bool = False) -> Any:
 
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
          units: int, tasks: int, unroll: int, prefetch: int = 0, split: int = 1, hinib: bool = False,
-         sprefetch: int = 0, pquant: int = 0, qtree: int = 0, nta: int = 0, tquant: int = 0) -> Any:
+         sprefetch: int = 0, pquant: int = 0, qtree: int = 0, nta: int = 0, tquant: int = 0,
+         prologue: str = "", eps: float = 0.0) -> Any:
     """The GEMV PrimFunc (x, q, scale[, zero|min], y) for one configuration; ``prefetch``: software
     prefetch of each unit's codes that many 64-byte steps ahead (0: none); ``split``: float
     accumulators per row, taken by turns over the steps (each step's FMA waits only for the one
@@ -117,6 +121,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     p = plan(K, G)
     KP, S, NGE, NGP, SPC, F, TS, NCH, BT = (p[k] for k in ("KP", "S", "NGE", "NGP", "SPC", "F", "TS", "NCH", "BASE_T"))
     B, MM = rows
+    if prologue not in ("", "add_rms_norm", "swiglu") or (prologue and (bits != 4 or B * MM != 1 or pquant or K % 16)):
+        raise ValueError(f"gemv: prologue {prologue!r} needs one activation row, int4 codes, K % 16 == 0, pquant 0")
     PF_LOC = 0 if nta else 3  # llvm.prefetch locality: 0 = prefetchnta, 3 = prefetcht0
     M = B * MM
     pair = bits == 4
@@ -185,8 +191,48 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         inv = T.decl_buffer((1,), "float32", scope="local")
         for bm in T.serial(M):
             for g in T.serial(NGE):
-                quantize_group(X, XQ, gdx, bm * NGE + g, bm, g, mx, sm, inv, G, GV, K, KP, MM)
+                quantize_group(X, XQ, gdx, bm * NGE + g, bm, g, mx, sm, inv, G, GV, K, KP, MM, g * G)
                 gds[bm * NGE + g] = gdx[bm * NGE + g] * T.Cast("float32", sm[0])
+
+    @T.macro
+    def quantize_fused(PA, PB, PW, SUM, XQ, gdx, gds, writer):
+        # x made from the prologue's inputs one group at a time into a stack stage, then quantized;
+        # add_rms_norm first sums a + b over the row (the writer stores it: the next residual) for the
+        # norm, in the order rms_norm_kernel uses (16 lanes, then a serial fold)
+        mx = T.decl_buffer((16,), "float32", scope="local")
+        sm = T.decl_buffer((16,), "int32", scope="local")
+        inv = T.decl_buffer((1,), "float32", scope="local")
+        xg = T.decl_buffer((1, 1, G), "float32", scope="local")
+        tot = T.decl_buffer((1,), "float32", scope="local")
+        if prologue == "add_rms_norm":
+            acc = T.decl_buffer((16,), "float32", scope="local")
+            for ln in T.vectorized(16):
+                acc[ln] = T.float32(0)
+            for c in T.serial(K // 16):
+                if writer:
+                    for ln in T.vectorized(16):
+                        SUM[0, 0, c * 16 + ln] = PA[0, 0, c * 16 + ln] + PB[0, 0, c * 16 + ln]
+                for ln in T.vectorized(16):
+                    acc[ln] = acc[ln] + (PA[0, 0, c * 16 + ln] + PB[0, 0, c * 16 + ln]) * (
+                        PA[0, 0, c * 16 + ln] + PB[0, 0, c * 16 + ln])
+            tot[0] = T.float32(0)
+            for ln in T.serial(16):
+                tot[0] = tot[0] + acc[ln]
+            tot[0] = T.sqrt(tot[0] * T.float32(1.0 / K) + T.float32(eps))
+        for g in T.serial(NGE):
+            for i in T.vectorized(G):
+                if prologue == "add_rms_norm":
+                    xg[0, 0, i] = T.if_then_else(
+                        g * G + i < K,
+                        (PA[0, 0, T.min(g * G + i, K - 1)] + PB[0, 0, T.min(g * G + i, K - 1)]) / tot[0]
+                        * PW[T.min(g * G + i, K - 1)], T.float32(0))
+                else:
+                    xg[0, 0, i] = T.if_then_else(
+                        g * G + i < K,
+                        PA[0, 0, T.min(g * G + i, K - 1)] * (T.float32(1) / (T.float32(1) + fast_exp(
+                            -PA[0, 0, T.min(g * G + i, K - 1)]))) * PA[0, 0, T.min(g * G + i, K - 1) + K], T.float32(0))
+            quantize_group(xg, XQ, gdx, g, 0, g, mx, sm, inv, G, GV, K, KP, 1, 0)
+            gds[g] = gdx[g] * T.Cast("float32", sm[0])
 
     @T.macro
     def chunk_scales(gdx, gds, DXC, DSC):
@@ -308,7 +354,15 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
 
 
     @T.macro
-    def body(X, Q, Sc, Z, Y):
+    def make_x(X, PB, PW, SUM, XQ, gdx, gds, writer):
+        # x's int8 groups: quantized from X, or made by the fused prologue from its inputs (X, PB, PW)
+        if prologue != "":
+            quantize_fused(X, PB, PW, SUM, XQ, gdx, gds, writer)
+        else:
+            quantize_x(X, XQ, gdx, gds)
+
+    @T.macro
+    def body(X, PB, PW, SUM, Q, Sc, Z, Y):
         # flat views: the prefetch runs on past a row's end into the next rows of the task
         Qf = T.decl_buffer((QW * KP,), "uint8", data=Q.data)
         Scf = T.decl_buffer((N2 * NGP,), "float16", data=Sc.data)
@@ -328,7 +382,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 DSC = T.decl_buffer((M * NCH * 16,), "float32", scope="local")
                 gdx = T.decl_buffer((M * NGE,), "float32", scope="local")
                 gds = T.decl_buffer((M * NGE,), "float32", scope="local")
-                quantize_x(X, XQ, gdx, gds)
+                make_x(X, PB, PW, SUM, XQ, gdx, gds, t == 0)
                 chunk_scales(gdx, gds, DXC, DSC)
                 row_task(t, Q, Sc, Z, Y, XQ, DXC, DSC, Qf, Scf, Zf)
         else:
@@ -346,14 +400,46 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                     for j in T.serial(QPT):
                         if pt * QPT + j < M * NGE:
                             quantize_group(X, XQ, gdx, pt * QPT + j, (pt * QPT + j) // NGE, (pt * QPT + j) % NGE,
-                                           mx, sm, inv, G, GV, K, KP, MM)
+                                           mx, sm, inv, G, GV, K, KP, MM, (pt * QPT + j) % NGE * G)
                             gds[pt * QPT + j] = gdx[pt * QPT + j] * T.Cast("float32", sm[0])
             else:
-                quantize_x(X, XQ, gdx, gds)
+                make_x(X, PB, PW, SUM, XQ, gdx, gds, True)
             chunk_scales(gdx, gds, DXC, DSC)
             # 2. rows
             for t in T.parallel(tasks):
                 row_task(t, Q, Sc, Z, Y, XQ, DXC, DSC, Qf, Scf, Zf)
+
+    if prologue == "add_rms_norm":
+
+        @T.prim_func(private=True)
+        def qv_gemv4_add_rms_norm(a_h: T.handle, b_h: T.handle, w_h: T.handle, q_h: T.handle, s_h: T.handle,
+                                  z_h: T.handle, sum_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            PA = T.match_buffer(a_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
+            PB = T.match_buffer(b_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
+            PW = T.match_buffer(w_h, (T.int64(K),), "float32")
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            SUM = T.match_buffer(sum_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
+            Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
+            body(PA, PB, PW, SUM, Q, Sc, Z, Y)
+
+        return qv_gemv4_add_rms_norm
+
+    if prologue == "swiglu":
+
+        @T.prim_func(private=True)
+        def qv_gemv4_swiglu(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            X = T.match_buffer(x_h, (T.int64(1), T.int64(1), T.int64(2 * K)), "float32")
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
+            body(X, X, X, X, Q, Sc, Z, Y)
+
+        return qv_gemv4_swiglu
 
     if pair:
 
@@ -365,7 +451,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
             Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
             Y = T.match_buffer(y_h, (T.int64(B), T.int64(MM), T.int64(N)), "float32")
-            body(X, Q, Sc, Z, Y)
+            body(X, X, X, X, Q, Sc, Z, Y)
 
         return qv_gemv4
 
@@ -376,7 +462,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
         Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
         Y = T.match_buffer(y_h, (T.int64(B), T.int64(MM), T.int64(N)), "float32")
-        body(X, Q, Sc, Sc, Y)
+        body(X, X, X, X, Q, Sc, Sc, Y)
 
     return qv_gemv8
 

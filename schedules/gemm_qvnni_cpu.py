@@ -104,7 +104,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
             sm = T.decl_buffer((16,), "int32", scope="local")
             inv = T.decl_buffer((1,), "float32", scope="local")
             for g in T.serial(NG):
-                quantize_group(X, XQ, DX, bm * NG + g, bm, g, mx, sm, inv, G, GV, K, KP, MM)
+                quantize_group(X, XQ, DX, bm * NG + g, bm, g, mx, sm, inv, G, GV, K, KP, MM, g * G)
                 SQ[bm * NG + g] = sm[0]
 
     @T.macro

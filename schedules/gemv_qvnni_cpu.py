@@ -51,6 +51,16 @@ def _info(func: Any) -> dict[str, Any] | None:
     return info if info.get("layout") == "vnni" and info.get("bits") in (4, 8) else None
 
 
+def _plain_gemv(info: dict[str, Any], rows: tuple[int, int] | None) -> Any:
+    """The unfused GEMV of a fused one's shape, as the passes emit it (the function a record's key hashes)."""
+    from perfx_compiler.passes._qvnni import vnni_compute
+    from perfx_compiler.passes._relax_util import OPAQUE
+
+    func = vnni_compute(int(info["N"]), int(info["K"]), int(info["group"]), int(info["bits"]), bool(info.get("sym")),
+                        bool(info.get("offset")), "matmul", rows or (1, 1))
+    return func.with_attr("op_pattern", OPAQUE)
+
+
 def _rows(func: Any, kind: str) -> tuple[int, int] | None:
     buf = func.params[0] if kind == "matmul" else None
     if buf is None:
@@ -73,9 +83,14 @@ class GemvQVnniCPU(ScheduleTemplate):
         rows = _rows(func, kind)
         dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "bits": int(info["bits"]),
                 "B": rows[0] if rows else 0, "MM": rows[1] if rows else 0}
+        prologue = str(info.get("prologue", ""))
+        # A GEMV with a fused prologue (passes/fuse_gemv_prologue.py) is keyed as the plain GEMV of its
+        # shape: the row schedule is the same, so its records (tuned before the fusion) still apply
+        keyed = _plain_gemv(info, rows) if prologue else func
         return make_workload(
-            self.name, func, target, dims, symbolic=None if rows or kind != "matmul" else "M",
-            info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "nb": panel_of(func)},
+            self.name, keyed, target, dims, symbolic=None if rows or kind != "matmul" else "M",
+            info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "nb": panel_of(func),
+                  "prologue": prologue, "eps": float(info.get("eps", 0.0))},
             version=self.version,
         )
 
@@ -212,6 +227,8 @@ class GemvQVnniCPU(ScheduleTemplate):
             return "sprefetch and qtree are 0 or 1, pquant >= 0"
         if int(config.get("hinib", 0)) not in (0, 1) or (config.get("hinib") and d["bits"] != 4):
             return "hinib is 0 or 1, and 1 only for int4 codes"
+        if workload.info.get("prologue") and int(config.get("pquant", 0)):
+            return "a fused prologue makes x on the quantizing thread(s): pquant must be 0"
         if unroll < 1 or (unroll * vk.STEP) % d["G"] or spc % unroll:
             return f"unroll={unroll} must cover whole groups (G={d['G']}) and divide {spc} steps per chunk"
         return None
@@ -232,7 +249,7 @@ class GemvQVnniCPU(ScheduleTemplate):
                              int(config["unroll"]), int(config.get("prefetch", 0)), int(config.get("split", 1)),
                              bool(config.get("hinib", 0)), int(config.get("sprefetch", 0)),
                              int(config.get("pquant", 0)), int(config.get("qtree", 0)), int(config.get("nta", 0)),
-                             int(config.get("tquant", 0)))
+                             int(config.get("tquant", 0)), str(info.get("prologue", "")), float(info.get("eps", 0.0)))
         return _like(kernel, func)
 
 

@@ -79,10 +79,13 @@ def pad_groups(a: np.ndarray, k: int, group: int, rows: int) -> np.ndarray:
     return out
 
 
-def vnni_info(n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str) -> str:
+def vnni_info(n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str,
+              prologue: str = "", eps: float = 0.0) -> str:
     ng, ngp = groups_padded(k, group)
     info = {"bits": bits, "N": n, "K": k, "KP": padded_k(k), "group": group, "NGP": ngp,
             "sym": symmetric, "offset": offset, "kind": kind, "layout": "vnni", "act": "int8"}
+    if prologue:
+        info.update(prologue=prologue, eps=eps)
     return json.dumps(info, sort_keys=True)
 
 
@@ -157,12 +160,14 @@ def _int8_activations(x: Any, b: Any, m: Any, k: int, group: int) -> Any:
 
 def vnni_compute(
     n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str = "matmul",
-    rows: tuple[int | None, int | None] = (1, None), ids_dtype: str = "int64",
+    rows: tuple[int | None, int | None] = (1, None), ids_dtype: str = "int64", prologue: str = "", eps: float = 0.0,
 ) -> Any:
     """Reference PrimFunc over the VNNI layouts, tagged ``perfx.quant`` with ``layout: vnni``. The
     matmul multiplies with x quantized to int8 per group exactly as the kernel does
     (:func:`quantize_activations`), so the tuner's check of a candidate against this function holds
-    the kernel to its own semantics."""
+    the kernel to its own semantics. ``prologue`` (matmul of one row): x is made in the same function,
+    ``"add_rms_norm"`` from (a, b, w) (and ``a + b`` is returned too: (a, b, w, codes..., sum, y)),
+    ``"swiglu"`` from [gate | up] (x [1, 1, 2K]): see ``passes/fuse_gemv_prologue.py``."""
     from tvm import te, tirx
 
     kp = padded_k(k)
@@ -201,12 +206,41 @@ def vnni_compute(
         out = te.compute((b, m, k), lambda bi, i, c: w(ids[bi, i], c), name="take_vnni")
         func = te.create_prim_func([*ins, ids, out])
     else:
-        x = te.placeholder((b, m, k), "float32", name="x")
+        head, x, tail = _prologue(prologue, b, m, k, eps)
         xq = _int8_activations(x, b, m, k, group)
         r = te.reduce_axis((0, k), name="k")
         out = te.compute((b, m, n), lambda bi, i, j: te.sum(xq[bi, i, r] * w(j, r), axis=r), name="matmul_vnni")
-        func = te.create_prim_func([x, *ins, out])
-    return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind))
+        func = te.create_prim_func([*head, *ins, *tail, out])
+    return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind, prologue, eps))
+
+
+def _prologue(prologue: str, b: Any, m: Any, k: int, eps: float) -> tuple[list[Any], Any, list[Any]]:
+    """(inputs before the codes, x, outputs before y) of the matmul: x itself, or x made by the fused
+    op (``add_rms_norm``: rmsnorm(a + b) * w as ``passes/_kernels.rms_norm_kernel`` computes it, the sum
+    returned; ``swiglu``: silu(gate) * up)."""
+    from tvm import te, tirx
+
+    if not prologue:
+        x = te.placeholder((b, m, k), "float32", name="x")
+        return [x], x, []
+    if (b, m) != (1, 1):
+        raise PerfXError(f"internal: a fused {prologue} takes one activation row, not {b} x {m}")
+    if prologue == "swiglu":
+        gu = te.placeholder((1, 1, 2 * k), "float32", name="gate_up")
+        x = te.compute((1, 1, k), lambda bi, i, c: gu[bi, i, c] * tirx.sigmoid(gu[bi, i, c]) * gu[bi, i, c + k],
+                       name="swiglu")
+        return [gu], x, []
+    if prologue != "add_rms_norm":
+        raise PerfXError(f"internal: unknown GEMV prologue {prologue!r}")
+    a = te.placeholder((1, 1, k), "float32", name="a")
+    bb = te.placeholder((1, 1, k), "float32", name="b")
+    wn = te.placeholder((k,), "float32", name="norm_weight")
+    ssum = te.compute((1, 1, k), lambda bi, i, c: a[bi, i, c] + bb[bi, i, c], name="residual_sum")
+    r = te.reduce_axis((0, k), name="r")
+    sq = te.compute((1, 1), lambda bi, i: te.sum(ssum[bi, i, r] * ssum[bi, i, r], axis=r), name="sum_sq")
+    x = te.compute((1, 1, k), lambda bi, i, c: ssum[bi, i, c] / tirx.sqrt(
+        sq[bi, i] * tirx.const(1.0 / k, "float32") + tirx.const(eps, "float32")) * wn[c], name="rms_norm")
+    return [a, bb, wn], x, [ssum]
 
 
 # CPUs whose LLVM name implies AVX-512 VNNI (a target file may also list "+avx512vnni" in mattr).

@@ -23,6 +23,9 @@ def exported(mod: tvm.IRModule) -> list[str]:
     return sorted(out, key=lambda n: (n not in EXPORTED, EXPORTED.index(n) if n in EXPORTED else 0, n))
 OPAQUE = 8  # relay/relax OpPatternKind.kOpaque: FuseOps leaves such a call_tir alone
 SKIP = "skip"
+# JSON on the kernels the fusion passes emit ({"op": "add_rms_norm", "eps": ...}, {"op": "swiglu"}), for
+# later passes that fuse them further (fuse_gemv_prologue)
+FUSED_OP_ATTR = "perfx.fused_op"
 
 
 def op_name(expr: Any) -> str | None:

@@ -10,13 +10,22 @@ layer, the final norm after the last-token slice) becomes a one-kernel ``rms_nor
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import tvm
 from tvm import relax
 
 from perfx_compiler.passes._kernels import rms_norm_kernel
-from perfx_compiler.passes._relax_util import SKIP, FuncInfo, exported, match_rms_norm, rewrite_functions, weight_name
+from perfx_compiler.passes._relax_util import (
+    FUSED_OP_ATTR,
+    SKIP,
+    FuncInfo,
+    exported,
+    match_rms_norm,
+    rewrite_functions,
+    weight_name,
+)
 
 NAME = "fuse_add_norm"
 ORDER = 10
@@ -55,7 +64,8 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
             )
             name = _kernel_name(hidden, m.eps, residual)
             if name not in kernels:  # not setdefault: building the kernel parses TVMScript (~0.1 s)
-                kernels[name] = rms_norm_kernel(hidden, m.eps, residual, lanes)
+                kernels[name] = rms_norm_kernel(hidden, m.eps, residual, lanes).with_attr(
+                    FUSED_OP_ATTR, json.dumps({"op": "add_rms_norm" if residual else "rms_norm", "eps": m.eps}))
             found.append((name, m, add if residual else None))
         plans[fn] = found
 

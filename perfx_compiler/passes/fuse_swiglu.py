@@ -16,7 +16,7 @@ import tvm
 from tvm import relax
 
 from perfx_compiler.passes._kernels import swiglu_kernel
-from perfx_compiler.passes._relax_util import SKIP, FuncInfo, exported, rewrite_functions
+from perfx_compiler.passes._relax_util import FUSED_OP_ATTR, SKIP, FuncInfo, exported, rewrite_functions
 
 NAME = "fuse_swiglu"
 ORDER = 30
@@ -77,7 +77,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
             m = _match(info, var)
             if m is not None:
                 if f"swiglu_{m['F']}" not in kernels:  # built once: parsing TVMScript is slow
-                    kernels[f"swiglu_{m['F']}"] = swiglu_kernel(m["F"])
+                    kernels[f"swiglu_{m['F']}"] = swiglu_kernel(m["F"]).with_attr(FUSED_OP_ATTR, '{"op": "swiglu"}')
                 found.append((var, m))
         matches[fn] = found
     if not kernels:

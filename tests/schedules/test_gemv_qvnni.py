@@ -318,3 +318,55 @@ def test_long_rows_default_is_hinib_and_matches_reference(template, target, fmt,
     short = template.match(vnni_weights(fmt, 64, 576, rng)[0].compute("matmul", (1, 1)), target)
     assert {k: template.builtin_default(short, target)[k] for k in ("units", "split", "hinib", "nta")} == \
         {"units": 2, "split": 2, "hinib": 1, "nta": 0}
+
+
+def _prologue_x(prologue: str, inputs: list[np.ndarray], k: int) -> np.ndarray:
+    """x the fused GEMV multiplies with, in float64 then rounded to float32 (as the separate kernel stores it)."""
+    if prologue == "swiglu":
+        g, u = inputs[0][..., :k].astype(np.float64), inputs[0][..., k:].astype(np.float64)
+        return (g / (1 + np.exp(-g)) * u).astype(np.float32)
+    a, b, w = (v.astype(np.float64) for v in inputs)
+    s = a + b
+    return (s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * w).astype(np.float32)
+
+
+@needs_vnni
+@pytest.mark.parametrize("prologue", ["add_rms_norm", "swiglu"])
+@pytest.mark.parametrize("fmt,n,k", [("Q4_0", 70, 576), ("Q4_1", 96, 1536)])
+def test_fused_prologue_gemv_matches_reference(template, target, prologue, fmt, n, k):
+    """A GEMV with add_rms_norm or swiglu fused in front (passes/fuse_gemv_prologue.py): the default
+    (each task makes and quantizes x, task 0 stores a + b) and x made on the calling thread (tquant 0)
+    both multiply with the int8 quantization of the float64 prologue's x, and return a + b exactly; the
+    workload is keyed as the plain GEMV of its shape (its tuning records apply); pquant is refused."""
+    import tvm
+
+    from perfx_compiler.passes._qvnni import vnni_compute
+
+    rng = np.random.default_rng()
+    packed, wd = vnni_weights(fmt, n, k, rng)
+    args = (n, k, 32, 4, fmt == "Q4_0", fmt == "Q4_1", "matmul", (1, 1))
+    func = vnni_compute(*args, prologue=prologue, eps=1e-5)
+    wl = template.match(func, target)
+    plain = template.match(vnni_compute(*args).with_attr("op_pattern", 8), target)
+    assert wl.key == plain.key and wl.info["prologue"] == prologue
+    default = template.default_config(wl, target)
+    assert default["tquant"] == 1
+    assert not template.is_valid(wl, {**default, "tquant": 0, "pquant": 2}, target)
+    if prologue == "swiglu":
+        inputs = [(rng.standard_normal((1, 1, 2 * k)) * 3).astype(np.float32)]
+    else:
+        inputs = [rng.standard_normal((1, 1, k)).astype(np.float32) for _ in range(2)]
+        inputs.append((1 + 0.3 * rng.standard_normal(k)).astype(np.float32))
+    x = _prologue_x(prologue, inputs, k)
+    ref = quantize_activations(x, k, 32) @ wd.T
+    dev = tvm.cpu()
+    for cfg in (default, {**default, "tquant": 0, "tasks": 4}):
+        rt = build_func(template.apply(func, wl, cfg, target), target)
+        tensors = [tvm.runtime.tensor(v, dev) for v in inputs] + [tvm.runtime.tensor(a, dev) for _, a in packed.arrays]
+        total = tvm.runtime.tensor(np.zeros((1, 1, k), np.float32), dev)
+        y = tvm.runtime.tensor(np.zeros((1, 1, n), np.float32), dev)
+        rt["main"](*tensors, *([total] if prologue == "add_rms_norm" else []), y)
+        err = np.abs(y.numpy() - ref).max() / np.abs(ref).max()
+        assert err < 1e-5, (cfg, err)
+        if prologue == "add_rms_norm":
+            assert np.array_equal(total.numpy(), inputs[0] + inputs[1]), cfg
