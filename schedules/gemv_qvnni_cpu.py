@@ -15,6 +15,9 @@ q8 — the ``--activations int8`` path).
   per-group reductions as trees; same codes), ``split``
   (float accumulators per row, by turns over the steps: shorter FMA dependency chains), ``hinib``
   (int4: the odd row's codes as ``q & 0xF0``, 1/16 in its scale: no shift per step).
+* GEMV with a fused prologue (``passes/fuse_gemv_prologue.py``, decode, int4): x made inside the call
+  from add_rms_norm's or swiglu's inputs, group by group as it is quantized; keyed as the plain GEMV
+  of its shape, so the same records and knobs apply.
 * Dequantize (prefill) and the embedding gather read the same layout.
 
 ``match`` declines targets without AVX-512 VNNI (their passes never produce this layout: the

@@ -15,7 +15,8 @@ positions ``0 .. past_len + i`` with an online softmax over tiles of keys. Three
   each; the task whose chunk holds the new position appends its kv head's k/v row first (inside
   the parallel loop: the launching thread does no serial append before the fork). With one split
   the task writes its heads' output; with more, the partial (max, sum, output) of each chunk are
-  merged afterwards on the launching thread (log-sum-exp).
+  merged afterwards on the launching thread (log-sum-exp). With ``prefetch`` > 0 each task requests its
+  cached k/v rows that many keys ahead of the score loop (a decode step's weight stream has evicted them).
 
 Per-task buffers are declared inside the parallel loop but outside every per-query/per-key loop:
 each is one allocation per task. ``schedules/attention_cpu.py`` chooses the body and its knobs.
