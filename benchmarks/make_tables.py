@@ -203,14 +203,19 @@ def _thread_pool_rows(name: str, results: Path) -> list[str]:
     """PerfX's decode bandwidth fraction per placement from the A/B runs of PerfX alone (more rounds):
     thread_pool_ab.csv (the thread team's arm), decode_replay_ab.csv (the replay's arm) and
     decode_tquant_ab.csv (the current kernel defaults' arm: x quantized per task, one-split attention) and
-    decode_tquant_loop_ab.csv (the same arm decoding through Engine.decode_greedy's C++ loop)."""
+    decode_tquant_loop_ab.csv (the same arm decoding through Engine.decode_greedy's C++ loop),
+    decode_kv_prefetch_ab.csv (+ the attention's cache prefetch) and decode_prologue_ab.csv (+ the norm and
+    swiglu fused into the GEMVs that read them)."""
     out = []
     for file, arm, what in (("thread_pool_ab.csv", "team", "thread team, decode through the VM"),
                             ("decode_replay_ab.csv", "replay", "thread team, decode replayed"),
                             ("decode_tquant_ab.csv", "tquant_one_split",
                              "decode replayed, x quantized per task, one-split attention"),
                             ("decode_tquant_loop_ab.csv", "tquant_one_split",
-                             "the same kernels, greedy steps in one C++ loop")):
+                             "the same kernels, greedy steps in one C++ loop"),
+                            ("decode_kv_prefetch_ab.csv", "kv_prefetch", "+ decode attention's k/v rows prefetched"),
+                            ("decode_prologue_ab.csv", "prologue_prefetch",
+                             "+ add_rms_norm / swiglu fused into the GEMVs")):
         path = results / file
         rows = [r for r in (_read(path) if path.is_file() else [])
                 if r["round"] == "median" and r["label"] == name and r["pool"] == arm]
