@@ -4,7 +4,7 @@ A decode step of a CPU artifact is a fixed list of kernel calls on fixed buffers
 time, a KV cache of fixed size updated in place, every intermediate tensor the same shape at every
 position, and the position itself read from a tensor (``Engine._pos_dev``) the engine writes before
 each step. The VM still interprets ~130 builtins per step (argument checks, storage and tensor
-allocation) and calls the ~180 kernels one by one. Here one step is run through the VM with its
+allocation) and calls the kernels (116 for TinyLlama) one by one. Here one step is run through the VM with its
 instrumentation hook to record the kernel calls and their arguments (the VM's own tensors, kept
 alive by the record); later steps call the same kernels on the same tensors from a small C++ loop,
 and read the logits from the tensor the recorded lm_head call writes.
