@@ -78,6 +78,8 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
             if q is None:
                 continue
             x = value.args[1].fields[0]
+            if any(c in info.values for c in value.args[1].fields[1:]):
+                continue  # codes computed in the function (not weights): the fused call may move before them
             m = _match_add_norm(mod, info, x, var) or _match_swiglu(mod, info, x, var)
             if m is None:
                 continue
