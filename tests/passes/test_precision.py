@@ -166,17 +166,24 @@ def test_tiny_half_model_matches_rounded_reference(family, precision, tmp_path):
     engine = Engine(art)
     rng = np.random.default_rng()
     act = precision if precision != "f32" else "f32"
-    got, want = logits_run(engine, precision_reference(rounded_desc(desc, family), act), rng)
-    tight = rel(got, want)
     if precision == "f32":
+        got, want = logits_run(engine, precision_reference(rounded_desc(desc, family), act), rng)
+        tight = rel(got, want)
         assert tight < 2e-5, tight  # same rounding: only fp32 vs fp64 arithmetic differs
     else:
         # Without the input rounding the reference is off by every activation's rounding (3e-3 - 5e-3).
         # With it, only fp32 vs fp64 arithmetic differs (~1e-7), except that now and then the two land
-        # on either side of a bf16 step in one activation (1 draw in 15 here gave 1e-3 vs 3e-3).
-        got2, plain = logits_run(engine, ReferenceModel(rounded_desc(desc, family)), rng)
-        gap = rel(got2, plain)
-        assert gap > 5e-4 and (tight < 2e-5 or tight < 0.5 * gap), (tight, gap)
+        # on either side of a bf16 step in one activation (1 draw in 15 gave 1e-3 vs 3e-3, one in CI
+        # 1.9e-3 vs 3.0e-3): three fresh draws, and the median draw must show the rounding's gap closed
+        # (a kernel that ignored the rounding would leave every draw near the gap).
+        tights, gaps = [], []
+        for _ in range(3):
+            got, want = logits_run(engine, precision_reference(rounded_desc(desc, family), act), rng)
+            got2, plain = logits_run(engine, ReferenceModel(rounded_desc(desc, family)), rng)
+            tights.append(rel(got, want))
+            gaps.append(rel(got2, plain))
+        tight, gap = sorted(tights)[1], sorted(gaps)[1]
+        assert min(gaps) > 5e-4 and (tight < 2e-5 or tight < 0.5 * gap), (tights, gaps)
 
 
 # ------------------------------------------------------------------------------ SmolLM2
