@@ -110,16 +110,6 @@ def softmax_init(st, acc, rows, D):
         acc[i] = T.float32(0)
 
 
-@T.macro
-def tile_scores(sc, qr, KF, key_base, ctx, j0, n, rows, D, KT, L):
-    """sc[r * KT + jj] = q_r . k_{j0 + jj} for jj < n: each key row is loaded once for all rows
-    (the query heads sharing this kv head); LANES-wide partial sums, one horizontal sum per score.
-    ``key_base(ctx, j)``: flat offset of key j's row in KF."""
-    for jj in T.serial(n):
-        for r in T.serial(rows):
-            sc[r * KT + jj] = _folded_dot(qr, r * D, KF, key_base(ctx, j0 + jj), D, L)
-
-
 def prefetch_line(addr: Any) -> Any:
     """llvm.prefetch (read, data cache, keep in all levels) of ``addr``."""
     return T.call_llvm_intrin("void", "llvm.prefetch.p0", addr, T.int32(0), T.int32(3), T.int32(1))
@@ -135,14 +125,17 @@ def prefetch_kv_row(KF, VF, off, D):
 
 
 @T.macro
-def tile_scores_ahead(sc, qr, KF, VF, key_base, ctx, j0, n, rows, D, KT, L, ahead, end):
-    """:func:`tile_scores`, and with each key j the key and value rows of key j + ahead are prefetched
-    (when < end). In a decode step the weight stream of the layers in between has evicted this layer's
-    cache rows; without the prefetch each row is a DRAM miss the kernel waits on (the cache read cold
-    took ~3x as long as warm)."""
+def tile_scores(sc, qr, KF, VF, key_base, ctx, j0, n, rows, D, KT, L, ahead, end):
+    """sc[r * KT + jj] = q_r . k_{j0 + jj} for jj < n: each key row is loaded once for all rows
+    (the query heads sharing this kv head); LANES-wide partial sums, one horizontal sum per score.
+    ``key_base(ctx, j)``: flat offset of key j's row in KF. With ``ahead`` > 0 (a Python int) the
+    key and value rows of key j + ahead are prefetched with key j (when < ``end``): in a decode step
+    the weights streamed since the layer's last step have evicted its cache rows
+    (benchmarks/results/decode_step_ab_tinyllama-q4_0_kv_prefetch.csv)."""
     for jj in T.serial(n):
-        if j0 + jj + ahead < end:
-            prefetch_kv_row(KF, VF, key_base(ctx, j0 + jj + ahead), D)
+        if ahead > 0:
+            if j0 + jj + ahead < end:
+                prefetch_kv_row(KF, VF, key_base(ctx, j0 + jj + ahead), D)
         for r in T.serial(rows):
             sc[r * KT + jj] = _folded_dot(qr, r * D, KF, key_base(ctx, j0 + jj), D, L)
 

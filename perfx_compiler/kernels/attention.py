@@ -39,7 +39,6 @@ from perfx_compiler.kernels._attention_common import (
     softmax_init,
     tile_pv,
     tile_scores,
-    tile_scores_ahead,
     tile_softmax,
 )
 
@@ -115,7 +114,7 @@ def cached_attention_kernel(
                 rope_store(qr, g * D, 1, Q, 0, s, (kh * G + g) * D, COS, SIN, pos, HALF, T.float32(scale))
             softmax_init(st, acc, G, D)
             for kt in T.serial(pos // KT + 1):
-                tile_scores(sc, qr, KF, _kb, (kh * MAXC, D), kt * KT, T.min(KT, pos + 1 - kt * KT), G, D, KT, L)
+                tile_scores(sc, qr, KF, VF, _kb, (kh * MAXC, D), kt * KT, T.min(KT, pos + 1 - kt * KT), G, D, KT, L, 0, 0)
                 tile_softmax(sc, st, T.min(KT, pos + 1 - kt * KT), G, KT, exp)
                 tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), kt * KT, T.min(KT, pos + 1 - kt * KT), G, D, KT, L)
             for g in T.serial(G):
@@ -252,12 +251,8 @@ def cached_attention_kernel(
                 for j in T.serial(T.min(PF, T.max(hi - lo, 0))):
                     prefetch_kv_row(KF, VF, _kb((kh * MAXC, D), lo + j), D)
             for kt in T.serial((T.max(hi - lo, 0) + KT - 1) // KT):
-                if PF > 0:
-                    tile_scores_ahead(sc, qr, KF, VF, _kb, (kh * MAXC, D), lo + kt * KT,
-                                      T.min(KT, hi - lo - kt * KT), G, D, KT, L, PF, hi)
-                else:
-                    tile_scores(sc, qr, KF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
-                                G, D, KT, L)
+                tile_scores(sc, qr, KF, VF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
+                            G, D, KT, L, PF, hi)
                 tile_softmax(sc, st, T.min(KT, hi - lo - kt * KT), G, KT, exp)
                 tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
                         T.min(KT, hi - lo - kt * KT), G, D, KT, L)

@@ -128,8 +128,8 @@ def paged_attention_kernel(
                 rope_store(qr, g * D, 1, Q, b, s, (kh * G + g) * D, COS, SIN, p, HALF, T.float32(scale))
             softmax_init(st, acc, G, D)
             for kt in T.serial(p // KT + 1):
-                tile_scores(sc, qr, KF, _kb, (PT, b, kh, PS, KVH, D), kt * KT, T.min(KT, p + 1 - kt * KT),
-                            G, D, KT, L)
+                tile_scores(sc, qr, KF, VF, _kb, (PT, b, kh, PS, KVH, D), kt * KT, T.min(KT, p + 1 - kt * KT),
+                            G, D, KT, L, 0, 0)
                 tile_softmax(sc, st, T.min(KT, p + 1 - kt * KT), G, KT, exp)
                 tile_pv(acc, sc, st, VF, _kb, (PT, b, kh, PS, KVH, D), kt * KT, T.min(KT, p + 1 - kt * KT),
                         G, D, KT, L)
