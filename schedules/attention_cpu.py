@@ -55,9 +55,9 @@ def _lanes(workload: Workload, target: TargetDescription) -> list[int]:
 def _decode_prefetch() -> int:
     """Keys ahead whose cached k/v rows the decode kernel prefetches. Not searched: the tuner times a
     kernel back to back with its cache rows warm, where the prefetch only costs, while in a decode
-    step the weights streamed since the layer's last step have evicted them. TinyLlama dims, 22
-    layers each behind a 26 MB stream, position 96: 335 -> 185 us (scratch microbenchmark; the step
-    figures are in benchmarks/results/decode_step_ab_tinyllama-q4_0_kv_prefetch.csv).
+    step the weights streamed since the layer's last step have evicted them. TinyLlama's whole decode
+    step, replayed in alternation: x1.013 on two cores, x1.011 on one core's two threads
+    (benchmarks/results/decode_step_ab_tinyllama-q4_0_kv_prefetch.csv).
     ``PERFX_ATTN_DECODE_PREFETCH`` is the A/B switch (0: off)."""
     return int(os.environ.get("PERFX_ATTN_DECODE_PREFETCH", 8))
 

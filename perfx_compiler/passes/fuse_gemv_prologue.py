@@ -10,9 +10,9 @@ fewer, and x is never stored. ``add_rms_norm`` still returns ``a + b`` (the next
 
 Only where the GEMV is the VNNI one of one activation row (decode on an AVX-512 VNNI CPU) with
 int4 codes and is the only reader of the small kernel's output; everything else is left as is.
-TinyLlama's whole decode step (two cores) ran 1.6% / 1.4% faster with the add_rms_norm / swiglu
-calls simply dropped (scratch, an upper bound); the measured gain is in
-benchmarks/results/decode_step_ab_tinyllama-q4_0_gemv_prologue.csv.
+Whole decode step replayed in alternation: TinyLlama x1.004 on two cores (the other core's half of the
+previous GEMV's output is still read, now inside the tasks), SmolLM2 x1.015
+(benchmarks/results/decode_step_ab_tinyllama-q4_0_gemv_prologue.csv, ..._smollm2-q4_1_gemv_prologue.csv).
 """
 
 from __future__ import annotations
