@@ -1,7 +1,9 @@
 """Engines the benchmark drives, behind one small interface.
 
 Every engine runs greedy generation over token ids (no tokenizer in the timed path) and
-reports how many weight bytes one decode step reads. Engines are created inside a worker
+reports how many weight bytes one decode step reads. A decode of n tokens is one call where the
+engine has a many-step loop (``decode_many``: PerfX's C++ greedy loop; llama.cpp's ``llama_decode``
+per token without the bindings' per-token bookkeeping), so no engine pays Python per token. Engines are created inside a worker
 subprocess (``perfx_compiler.bench.worker``), so their imports, threads and peak RSS stay
 apart; the thread count is set before the engine's library is imported.
 
@@ -132,8 +134,9 @@ class PerfXEngine(BenchEngine):
 
 
 def decode_loop() -> str:
-    """How the bench worker runs a decode of n tokens on an engine that has ``decode_many``: "engine"
-    (one call) or "python" (a call per token; ``PERFX_BENCH_DECODE_LOOP=python``, for A/B runs)."""
+    """How the bench worker runs a decode of n tokens on an engine that has ``decode_many`` (PerfX,
+    llama.cpp): "engine" (one call) or "python" (a ``decode`` call per token;
+    ``PERFX_BENCH_DECODE_LOOP=python``, for A/B runs)."""
     return "python" if os.environ.get("PERFX_BENCH_DECODE_LOOP", "").lower() == "python" else "engine"
 
 
@@ -188,9 +191,15 @@ class LlamaCppEngine(BenchEngine):
             self.llm = llama_cpp.Llama(**kwargs)
         self.path = Path(gguf_path)
         self.version = getattr(llama_cpp, "__version__", "")
+        self._lc = llama_cpp
+        self.n_vocab = int(self.llm.n_vocab())
 
     def _next(self) -> int:
-        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        """argmax of the last evaluated token's logits, read in place from llama.cpp's output buffer.
+        (``Llama.scores`` is not it: with ``logits_all=False`` the bindings no longer copy logits there,
+        so its rows stay zero and their argmax is token 0.)"""
+        logits = self._lc.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return int(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).argmax())
 
     def reset(self) -> None:
         self.llm.reset()  # eval() drops cache cells past n_tokens
@@ -203,11 +212,27 @@ class LlamaCppEngine(BenchEngine):
         self.llm.eval([token])
         return self._next()
 
+    def decode_many(self, token: int, n: int) -> int:
+        """``n`` greedy steps as llama.cpp's own programs run them: ``llama_decode`` of a one-token batch
+        (positions follow the cache), then the argmax of its logits; no ``Llama.eval`` bookkeeping per
+        token. The last token."""
+        lc, ctx = self._lc, self.llm._ctx.ctx
+        buf = (lc.llama_token * 1)()
+        for _ in range(n):
+            buf[0] = token
+            rc = lc.llama_decode(ctx, lc.llama_batch_get_one(buf, 1))
+            if rc != 0:
+                raise RuntimeError(f"llama_decode returned {rc} at position {self.llm.n_tokens}")
+            self.llm.n_tokens += 1  # Llama's count of cached tokens, so eval()/reset() stay in step
+            token = self._next()
+        return token
+
     def weight_bytes_per_token(self) -> int:
         return gguf_weight_bytes(self.path)
 
     def info(self) -> dict[str, Any]:
-        return {"quantization": gguf_types(self.path), "weight_format": gguf_types(self.path), "version": self.version}
+        return {"quantization": gguf_types(self.path), "weight_format": gguf_types(self.path), "version": self.version,
+                "decode_loop": decode_loop()}
 
 
 # ----------------------------------------------------------------------------------------- onnx helpers
