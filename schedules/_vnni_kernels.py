@@ -121,8 +121,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     p = plan(K, G)
     KP, S, NGE, NGP, SPC, F, TS, NCH, BT = (p[k] for k in ("KP", "S", "NGE", "NGP", "SPC", "F", "TS", "NCH", "BASE_T"))
     B, MM = rows
-    if prologue not in ("", "add_rms_norm", "swiglu") or (prologue and (bits != 4 or B * MM != 1 or pquant or K % 16)):
-        raise ValueError(f"gemv: prologue {prologue!r} needs one activation row, int4 codes, K % 16 == 0, pquant 0")
+    if prologue not in ("", "add_rms_norm", "swiglu") or (prologue and (B * MM != 1 or pquant or K % 16)):
+        raise ValueError(f"gemv: prologue {prologue!r} needs one activation row, K % 16 == 0, pquant 0")
     PF_LOC = 0 if nta else 3  # llvm.prefetch locality: 0 = prefetchnta, 3 = prefetcht0
     M = B * MM
     pair = bits == 4
@@ -409,11 +409,13 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             for t in T.parallel(tasks):
                 row_task(t, Q, Sc, Z, Y, XQ, DXC, DSC, Qf, Scf, Zf)
 
+    # One PrimFunc per form of x; each takes a zero/min array, which int8 codes do not have: their
+    # function drops that parameter (``_without_zero``; the body then reads the scales in its place).
     if prologue == "add_rms_norm":
 
         @T.prim_func(private=True)
-        def qv_gemv4_add_rms_norm(a_h: T.handle, b_h: T.handle, w_h: T.handle, q_h: T.handle, s_h: T.handle,
-                                  z_h: T.handle, sum_h: T.handle, y_h: T.handle):
+        def qv_gemv_add_rms_norm(a_h: T.handle, b_h: T.handle, w_h: T.handle, q_h: T.handle, s_h: T.handle,
+                                 z_h: T.handle, sum_h: T.handle, y_h: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             PA = T.match_buffer(a_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             PB = T.match_buffer(b_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
@@ -425,12 +427,11 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
             body(PA, PB, PW, SUM, Q, Sc, Z, Y)
 
-        return qv_gemv4_add_rms_norm
-
-    if prologue == "swiglu":
+        func = qv_gemv_add_rms_norm
+    elif prologue == "swiglu":
 
         @T.prim_func(private=True)
-        def qv_gemv4_swiglu(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+        def qv_gemv_swiglu(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             X = T.match_buffer(x_h, (T.int64(1), T.int64(1), T.int64(2 * K)), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
@@ -439,12 +440,11 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
             body(X, X, X, X, Q, Sc, Z, Y)
 
-        return qv_gemv4_swiglu
-
-    if pair:
+        func = qv_gemv_swiglu
+    else:
 
         @T.prim_func(private=True)
-        def qv_gemv4(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+        def qv_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             X = T.match_buffer(x_h, (T.int64(B), T.int64(MM), T.int64(K)), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
@@ -453,18 +453,17 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             Y = T.match_buffer(y_h, (T.int64(B), T.int64(MM), T.int64(N)), "float32")
             body(X, X, X, X, Q, Sc, Z, Y)
 
-        return qv_gemv4
+        func = qv_gemv
+    return func if pair else _without_zero(func)
 
-    @T.prim_func(private=True)
-    def qv_gemv8(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        X = T.match_buffer(x_h, (T.int64(B), T.int64(MM), T.int64(K)), "float32")
-        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-        Y = T.match_buffer(y_h, (T.int64(B), T.int64(MM), T.int64(N)), "float32")
-        body(X, X, X, X, Q, Sc, Sc, Y)
 
-    return qv_gemv8
+def _without_zero(func: Any) -> Any:
+    """``func`` without its zero/min parameter (buffer ``Z``; int8 codes have none), bound to the
+    scales (``PrimFunc.specialize``): the body's only reference to it, a flat view it declares, is
+    never read through."""
+    z = next(p for p in func.params if p.name == "Z")
+    sc = next(p for p in func.params if p.name == "Sc")
+    return func.specialize({z: sc})
 
 
 def transpose_tile(rows: list[Any]) -> list[Any]:

@@ -15,7 +15,7 @@ q8 — the ``--activations int8`` path).
   per-group reductions as trees; same codes), ``split``
   (float accumulators per row, by turns over the steps: shorter FMA dependency chains), ``hinib``
   (int4: the odd row's codes as ``q & 0xF0``, 1/16 in its scale: no shift per step).
-* GEMV with a fused prologue (``passes/fuse_gemv_prologue.py``, decode, int4): x made inside the call
+* GEMV with a fused prologue (``passes/fuse_gemv_prologue.py``, decode, int4 or int8): x made inside the call
   from add_rms_norm's or swiglu's inputs, group by group as it is quantized; keyed as the plain GEMV
   of its shape, so the same records and knobs apply.
 * Dequantize (prefill) and the embedding gather read the same layout.
@@ -26,6 +26,7 @@ pipeline resolves activations to f32 there).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -56,12 +57,17 @@ def _info(func: Any) -> dict[str, Any] | None:
 
 def _plain_gemv(info: dict[str, Any], rows: tuple[int, int] | None) -> Any:
     """The unfused GEMV of a fused one's shape, as the passes emit it (the function a record's key hashes)."""
+    return _plain_gemv_of(int(info["N"]), int(info["K"]), int(info["group"]), int(info["bits"]), bool(info.get("sym")),
+                          bool(info.get("offset")), rows or (1, 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_gemv_of(n: int, k: int, group: int, bits: int, sym: bool, offset: bool, rows: tuple[int, int]) -> Any:
+    # cached: a model has a handful of fused shapes, each matched once per layer and again per tuning task
     from perfx_compiler.passes._qvnni import vnni_compute
     from perfx_compiler.passes._relax_util import OPAQUE
 
-    func = vnni_compute(int(info["N"]), int(info["K"]), int(info["group"]), int(info["bits"]), bool(info.get("sym")),
-                        bool(info.get("offset")), "matmul", rows or (1, 1))
-    return func.with_attr("op_pattern", OPAQUE)
+    return vnni_compute(n, k, group, bits, sym, offset, "matmul", rows).with_attr("op_pattern", OPAQUE)
 
 
 def _rows(func: Any, kind: str) -> tuple[int, int] | None:

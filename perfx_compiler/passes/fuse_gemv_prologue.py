@@ -8,8 +8,9 @@ its rows there) and its output is read back by the other core's GEMV task. This 
 (``schedules/_vnni_kernels.gemv``'s ``prologue``; by every row task with ``tquant``): one launch
 fewer, and x is never stored. ``add_rms_norm`` still returns ``a + b`` (the next residual).
 
-Only where the GEMV is the VNNI one of one activation row (decode on an AVX-512 VNNI CPU) with
-int4 codes and is the only reader of the small kernel's output; everything else is left as is.
+Only where the GEMV is the VNNI one of one activation row (decode on an AVX-512 VNNI CPU; int4 or
+int8 codes, e.g. GGUF Q4_0/Q4_1/Q8_0) and is the only reader of the small kernel's output;
+everything else is left as is.
 Whole decode step replayed in alternation: TinyLlama x1.004 on two cores (the other core's half of the
 previous GEMV's output is still read, now inside the tasks), SmolLM2 x1.015
 (benchmarks/results/decode_step_ab_tinyllama-q4_0_gemv_prologue.csv, ..._smollm2-q4_1_gemv_prologue.csv).
@@ -47,10 +48,10 @@ def _attr(func: Any, key: str) -> dict[str, Any] | None:
     return json.loads(str(func.attrs[key]))
 
 
-def _one_row_int4_gemv(func: Any) -> dict[str, Any] | None:
-    """The ``perfx.quant`` facts of a VNNI GEMV over int4 codes with x of shape [1, 1, K], else None."""
+def _one_row_gemv(func: Any) -> dict[str, Any] | None:
+    """The ``perfx.quant`` facts of a VNNI GEMV (int4 or int8 codes) with x of shape [1, 1, K], else None."""
     info = _attr(func, QUANT_ATTR)
-    if not info or info.get("layout") != "vnni" or info.get("kind") != "matmul" or info.get("bits") != 4:
+    if not info or info.get("layout") != "vnni" or info.get("kind") != "matmul" or info.get("bits") not in (4, 8):
         return None
     if info.get("prologue") or int(info["K"]) % 16:
         return None
@@ -74,7 +75,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         found = []
         for var, value in info.values.items():
             gemv = _callee(mod, value)
-            q = _one_row_int4_gemv(gemv[1]) if gemv else None
+            q = _one_row_gemv(gemv[1]) if gemv else None
             if q is None:
                 continue
             x = value.args[1].fields[0]
@@ -85,7 +86,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
                 continue
             name = f"{m['op']}_{gemv[0]}"
             if name not in kernels:
-                kernels[name] = vnni_compute(int(q["N"]), int(q["K"]), int(q["group"]), 4, bool(q["sym"]),
+                kernels[name] = vnni_compute(int(q["N"]), int(q["K"]), int(q["group"]), int(q["bits"]), bool(q["sym"]),
                                              bool(q["offset"]), "matmul", (1, 1), prologue=m["op"], eps=m["eps"])
             found.append({**m, "gemv": var, "name": name})
         matches[fn] = found

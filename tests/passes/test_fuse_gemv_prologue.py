@@ -1,5 +1,5 @@
 """passes/fuse_gemv_prologue.py: residual add + RMSNorm and SwiGLU fused into the VNNI GEMV that reads
-them (decode, one activation row, int4 codes). The fused model must give the same logits, bit for bit,
+them (decode, one activation row, int4 or int8 codes). The fused model must give the same logits, bit for bit,
 as the one without the pass (the fused kernel makes x with the same float ops in the same order as the
 separate kernels), and only the decode function's GEMVs change."""
 
@@ -74,7 +74,7 @@ def test_decode_gemvs_take_the_norm_and_swiglu() -> None:
 
 
 @needs_vnni
-@pytest.mark.parametrize("quantization", ["q4_g32", "q4_sym_g64"])
+@pytest.mark.parametrize("quantization", ["q4_g32", "q4_sym_g64", "q8"])
 def test_fused_model_gives_the_same_logits(tmp_path_factory, quantization: str) -> None:
     from perfx_compiler.runtime.engine import Engine
 
@@ -82,8 +82,9 @@ def test_fused_model_gives_the_same_logits(tmp_path_factory, quantization: str) 
     root = tmp_path_factory.mktemp(f"prologue-{quantization}")
     plain = _compile(desc, root / "plain", PASSES, quantization)
     fused = _compile(desc, root / "fused", [*PASSES, "fuse_gemv_prologue"], quantization)
-    assert b"add_rms_norm_q4_matmul" in (fused / "model.so").read_bytes()
-    assert b"add_rms_norm_q4_matmul" not in (plain / "model.so").read_bytes()
+    fused_name = b"add_rms_norm_q8_matmul" if quantization == "q8" else b"add_rms_norm_q4_matmul"
+    assert fused_name in (fused / "model.so").read_bytes()
+    assert fused_name not in (plain / "model.so").read_bytes()
     assert json.loads((fused / "perfx-config.json").read_text())["activations"] == "int8"
     ids = np.random.default_rng().integers(0, desc.config.vocab_size, size=12).tolist()
     out = []

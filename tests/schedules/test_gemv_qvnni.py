@@ -332,7 +332,7 @@ def _prologue_x(prologue: str, inputs: list[np.ndarray], k: int) -> np.ndarray:
 
 @needs_vnni
 @pytest.mark.parametrize("prologue", ["add_rms_norm", "swiglu"])
-@pytest.mark.parametrize("fmt,n,k", [("Q4_0", 70, 576), ("Q4_1", 96, 1536)])
+@pytest.mark.parametrize("fmt,n,k", [("Q4_0", 70, 576), ("Q4_1", 96, 1536), ("Q8_0", 40, 576)])
 def test_fused_prologue_gemv_matches_reference(template, target, prologue, fmt, n, k):
     """A GEMV with add_rms_norm or swiglu fused in front (passes/fuse_gemv_prologue.py): the default
     (each task makes and quantizes x, task 0 stores a + b) and x made on the calling thread (tquant 0)
@@ -344,7 +344,7 @@ def test_fused_prologue_gemv_matches_reference(template, target, prologue, fmt, 
 
     rng = np.random.default_rng()
     packed, wd = vnni_weights(fmt, n, k, rng)
-    args = (n, k, 32, 4, fmt == "Q4_0", fmt == "Q4_1", "matmul", (1, 1))
+    args = (n, k, 32, 8 if fmt == "Q8_0" else 4, fmt != "Q4_1", fmt == "Q4_1", "matmul", (1, 1))
     func = vnni_compute(*args, prologue=prologue, eps=1e-5)
     wl = template.match(func, target)
     plain = template.match(vnni_compute(*args).with_attr("op_pattern", 8), target)
