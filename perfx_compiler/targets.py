@@ -80,6 +80,25 @@ def _detect_host() -> str:
     return "x86-generic" if (targets_dir() / "x86-generic.json").exists() else "x86-avx2"
 
 
+def _cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+    return line.partition(":")[2].strip()
+
+
+def _with_vendor(data: dict[str, Any], vendor: str) -> dict[str, Any]:
+    """The host's target data with the file's ``vendor_templates[vendor]`` template defaults merged in."""
+    extra = (data.get("vendor_templates") or {}).get(vendor) or {}
+    templates = {name: dict(knobs) for name, knobs in (data.get("templates") or {}).items()}
+    for name, knobs in extra.items():
+        templates[name] = {**templates.get(name, {}), **knobs}
+    return {**data, "cpu_vendor": vendor, "templates": templates}
+
+
 def load_target(name: str) -> TargetDescription:
     """Load ``targets/<name>.json``; ``host`` resolves to the file matching this machine."""
     resolved = _detect_host() if name == "host" else name
@@ -96,6 +115,7 @@ def load_target(name: str) -> TargetDescription:
         cores = os.cpu_count() or 1
         data.setdefault("tvm_target", {})["num-cores"] = cores
         data["cores"] = cores
+        data = _with_vendor(data, _cpu_vendor())
     known_fields = TargetDescription.__dataclass_fields__
     kwargs = {k: v for k, v in data.items() if k in known_fields and k != "raw"}
     kwargs.setdefault("name", resolved)

@@ -103,7 +103,7 @@ def quantize_group_macro(tree: bool = False) -> Any:
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
          units: int, tasks: int, unroll: int, prefetch: int = 0, split: int = 1, hinib: bool = False,
          sprefetch: int = 0, pquant: int = 0, qtree: int = 0, nta: int = 0, tquant: int = 0,
-         prologue: str = "", eps: float = 0.0) -> Any:
+         prologue: str = "", eps: float = 0.0, epilogue: str = "", ploc: int = 3) -> Any:
     """The GEMV PrimFunc (x, q, scale[, zero|min], y) for one configuration; ``prefetch``: software
     prefetch of each unit's codes that many 64-byte steps ahead (0: none); ``split``: float
     accumulators per row, taken by turns over the steps (each step's FMA waits only for the one
@@ -114,8 +114,13 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     its own before the row loop (a second pool launch) instead of on the calling thread; ``qtree``:
     x's per-group max and code sums reduced as trees (same codes, see ``quantize_group_macro``);
     ``nta``: the codes' prefetches are non-temporal (``prefetchnta``, locality 0) instead of
-    ``prefetcht0``; ``tquant``: every row task quantizes x for itself, on its own stack (no serial
-    quantization before the fork; one per thread when ``tasks`` equals the thread count)."""
+    ``prefetcht0``; ``ploc``: without nta, the codes' prefetch locality (3 = prefetcht0 into L1, 2 =
+    prefetcht1 into L2, ...); ``tquant``: every row task quantizes x for itself, on its own stack (no serial
+    quantization before the fork; one per thread when ``tasks`` equals the thread count);
+    ``epilogue="swiglu"`` (one activation row; y = [gate | up], N even): each task takes the same
+    range of gate rows and of up rows (gate's first, then up's: two streams one after the other) and
+    ends with ``h = silu(gate) * up`` over its range, read back from its own y rows, into a second
+    output h [1, 1, N/2] (see ``passes/fuse_gemv_prologue.py``)."""
     from tvm.script import tirx as T
 
     p = plan(K, G)
@@ -123,7 +128,11 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     B, MM = rows
     if prologue not in ("", "add_rms_norm", "swiglu") or (prologue and (B * MM != 1 or pquant or K % 16)):
         raise ValueError(f"gemv: prologue {prologue!r} needs one activation row, K % 16 == 0, pquant 0")
-    PF_LOC = 0 if nta else 3  # llvm.prefetch locality: 0 = prefetchnta, 3 = prefetcht0
+    if epilogue not in ("", "swiglu") or (epilogue and (B * MM != 1 or prologue == "swiglu"
+                                                        or N % (4 if bits == 4 else 2) or N // 2 < units * 2)):
+        raise ValueError(f"gemv: epilogue {epilogue!r} needs one activation row, no swiglu prologue, "
+                         f"N = 2F with F a whole number of row units (N={N}, units={units})")
+    PF_LOC = 0 if nta else ploc  # llvm.prefetch locality: 0 = prefetchnta, 2 = prefetcht1, 3 = prefetcht0
     M = B * MM
     pair = bits == 4
     NU = -(-N // 2) if pair else N  # units: row pairs or rows
@@ -149,6 +158,26 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     QPT = -(-(M * NGE) // QT)
     # scale prefetch distance in elements of the flat [N2 * NGP] arrays: the codes' distance in rows
     SPD = max(1, prefetch * STEP // KP) * RPU * NGP if sprefetch else 0
+    # The units of task t's iteration it: a contiguous run of the rows, or with the swiglu epilogue
+    # HPT iterations over its share of the gate half, then the same share of the up half
+    HALF = NU // 2  # units in the gate half (epilogue)
+    HNIT = -(-HALF // units)
+    HPT = -(-HNIT // tasks)
+    FR = HALF * RPU  # rows of the gate half: h's length
+    ITERS = 2 * HPT if epilogue else IPT
+    ECH = -(-(HPT * units * RPU) // 16)  # 16-lane chunks of a task's h rows
+
+    def ubase(t: Any, it: Any) -> Any:
+        if epilogue:
+            return (it // HPT) * HALF + T.min((t * HPT + it % HPT) * units, HALF - units)
+        return T.min((t * IPT + it) * units, NU - units)
+
+    def uvalid(t: Any, it: Any) -> Any:
+        return t * HPT + it % HPT < HNIT if epilogue else t * IPT + it < NIT
+
+    def swiglu_at(Y: Any, j: Any) -> Any:
+        # the elementwise swiglu's float ops in its order (bit-equal h)
+        return Y[0, 0, j] * (T.float32(1) / (T.float32(1) + fast_exp(-Y[0, 0, j]))) * Y[0, 0, j + FR]
 
     def prefetch_at(addr: Any, locality: int) -> Any:
         """llvm.prefetch (read, data cache) of ``addr``; locality 0 = prefetchnta .. 3 = prefetcht0."""
@@ -266,13 +295,13 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"), idx)
 
     @T.macro
-    def row_task(t, Q, Sc, Z, Y, XQ, DXC, DSC, Qf, Scf, Zf):
-        # task t's rows: iterations t * IPT .. t * IPT + IPT - 1 of `units` units each
+    def row_task(t, Q, Sc, Z, Y, H, XQ, DXC, DSC, Qf, Scf, Zf):
+        # task t's rows: its ITERS iterations of `units` units each (ubase), then the epilogue's h
         acc = T.decl_buffer((M * RW * A * 16,), "float32", scope="local")
         cb = T.decl_buffer((M * RW * 16,), "float32", scope="local")
         red = T.decl_buffer((4,), "float32", scope="local")
-        for it in T.serial(IPT):
-            if t * IPT + it < NIT:
+        for it in T.serial(ITERS):
+            if uvalid(t, it):
                 for i in T.unroll(M * RW * A):
                     acc[T.Ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
                 for c in T.serial(NCH):
@@ -280,16 +309,16 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                     for u in T.unroll(units):
                         for h in T.unroll(RPU):
                             if SPD > 0:
-                                T.evaluate(prefetch_at(T.address_of(Scf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU + h)
+                                T.evaluate(prefetch_at(T.address_of(Scf[T.min(((ubase(t, it) + u) * RPU + h)
                                                            * NGP + T.min(c * 16, NGP - 16) + SPD, N2 * NGP - 16)]), 3))
                                 if offset or not (sym or bits == 8):
-                                    T.evaluate(prefetch_at(T.address_of(Zf[T.min(((T.min((t * IPT + it) * units, NU - units) + u) * RPU
+                                    T.evaluate(prefetch_at(T.address_of(Zf[T.min(((ubase(t, it) + u) * RPU
                                                                + h) * NGP + T.min(c * 16, NGP - 16) + SPD,
                                                               N2 * NGP - 16)]), 3))
                             for bm in T.unroll(M):
                                 cb[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = T.Cast(
                                     "float32x16",
-                                    Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                    Sc.vload([(ubase(t, it) + u) * RPU + h,
                                               T.min(c * 16, NGP - 16)], "float16x16"),
                                 ) * (DXC.vload([(bm * NCH + c) * 16], "float32x16")
                                      * T.Broadcast(hscale(h), 16))
@@ -297,7 +326,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                                     acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
                                         [((bm * units + u) * RPU + h) * A * 16], "float32x16") + T.Cast(
                                         "float32x16",
-                                        Z.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                        Z.vload([(ubase(t, it) + u) * RPU + h,
                                                  T.min(c * 16, NGP - 16)], "float16x16"),
                                     ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
                                 elif sym or bits == 8:
@@ -305,18 +334,18 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                                         [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Broadcast(
                                         T.float32(zconst), 16) * T.Cast(
                                         "float32x16",
-                                        Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                        Sc.vload([(ubase(t, it) + u) * RPU + h,
                                                   T.min(c * 16, NGP - 16)], "float16x16"),
                                     ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
                                 else:
                                     acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
                                         [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Cast(
                                         "float32x16",
-                                        Sc.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                        Sc.vload([(ubase(t, it) + u) * RPU + h,
                                                   T.min(c * 16, NGP - 16)], "float16x16"),
                                     ) * T.Cast(
                                         "float32x16",
-                                        Z.vload([(T.min((t * IPT + it) * units, NU - units) + u) * RPU + h,
+                                        Z.vload([(ubase(t, it) + u) * RPU + h,
                                                  T.min(c * 16, NGP - 16)], "uint8x16"),
                                     ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
                     if c < F:
@@ -324,15 +353,15 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                             for si in T.unroll(unroll):
                                 for u in T.unroll(units):
                                     if prefetch > 0:
-                                        T.evaluate(prefetch_at(T.address_of(Qf[T.min((T.min((t * IPT + it) * units, NU - units) + u) * KP
+                                        T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * KP
                                                                   + (c * SPC + so * unroll + si + prefetch) * STEP,
                                                                   QW * KP - STEP)]), PF_LOC))
-                                    step_fma(acc, cb, Q, XQ, T.min((t * IPT + it) * units, NU - units) + u, u,
+                                    step_fma(acc, cb, Q, XQ, ubase(t, it) + u, u,
                                              c * SPC + so * unroll + si, si, idx_vec(so * UG, si))
                     else:
                         for si in T.unroll(TS):
                             for u in T.unroll(units):
-                                step_fma(acc, cb, Q, XQ, T.min((t * IPT + it) * units, NU - units) + u, u,
+                                step_fma(acc, cb, Q, XQ, ubase(t, it) + u, u,
                                          F * SPC + si, si, idx_vec(T.int32(F * 16 - BT), si))
                 # 3. horizontal sums (the split accumulators first added into the first)
                 for i in T.unroll(M * RW):
@@ -348,9 +377,20 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                                 "float32x4", T.vectorlow(
                                     "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")) + T.vectorhigh(
                                     "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")))
-                            if (T.min((t * IPT + it) * units, NU - units) + u) * RPU + h < N:
-                                Y[bm // MM, bm % MM, (T.min((t * IPT + it) * units, NU - units) + u) * RPU + h] = (
+                            if (ubase(t, it) + u) * RPU + h < N:
+                                Y[bm // MM, bm % MM, (ubase(t, it) + u) * RPU + h] = (
                                     red[0] + red[2]) + (red[1] + red[3])
+        if epilogue == "swiglu":
+            # h over the task's gate rows j0 .. j1 (and the up rows FR later, also its own): y read back
+            # from this core's cache, 16 lanes at a time; a short last chunk lane by lane
+            for c in T.serial(ECH):
+                if t * HPT * units * RPU + c * 16 + 16 <= T.min((t + 1) * HPT * units, HALF) * RPU:
+                    for ln in T.vectorized(16):
+                        H[0, 0, t * HPT * units * RPU + c * 16 + ln] = swiglu_at(Y, t * HPT * units * RPU + c * 16 + ln)
+                else:
+                    for ln in T.serial(16):
+                        if t * HPT * units * RPU + c * 16 + ln < T.min((t + 1) * HPT * units, HALF) * RPU:
+                            H[0, 0, t * HPT * units * RPU + c * 16 + ln] = swiglu_at(Y, t * HPT * units * RPU + c * 16 + ln)
 
 
     @T.macro
@@ -362,7 +402,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             quantize_x(X, XQ, gdx, gds)
 
     @T.macro
-    def body(X, PB, PW, SUM, Q, Sc, Z, Y):
+    def body(X, PB, PW, SUM, Q, Sc, Z, Y, H):
         # flat views: the prefetch runs on past a row's end into the next rows of the task
         Qf = T.decl_buffer((QW * KP,), "uint8", data=Q.data)
         Scf = T.decl_buffer((N2 * NGP,), "float16", data=Sc.data)
@@ -374,9 +414,9 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 # the task's first codes requested before it quantizes x: the weight stream's first
                 # misses overlap the quantization instead of following it
                 for s in T.serial(PRO):
-                    T.evaluate(prefetch_at(T.address_of(Qf[T.min(T.min(t * IPT * units, NU - units) * KP + s * STEP, QW * KP - STEP)]), PF_LOC))
+                    T.evaluate(prefetch_at(T.address_of(Qf[T.min(T.min(ubase(t, 0), NU - units) * KP + s * STEP, QW * KP - STEP)]), PF_LOC))
                 for s in T.serial(PRO_S):
-                    T.evaluate(prefetch_at(T.address_of(Scf[T.min(T.min(t * IPT * units, NU - units) * RPU * NGP + s * 32, N2 * NGP - 32)]), 3))
+                    T.evaluate(prefetch_at(T.address_of(Scf[T.min(T.min(ubase(t, 0), NU - units) * RPU * NGP + s * 32, N2 * NGP - 32)]), 3))
                 XQ = T.decl_buffer((M * KP,), "int8", scope="local")
                 DXC = T.decl_buffer((M * NCH * 16,), "float32", scope="local")
                 DSC = T.decl_buffer((M * NCH * 16,), "float32", scope="local")
@@ -384,7 +424,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 gds = T.decl_buffer((M * NGE,), "float32", scope="local")
                 make_x(X, PB, PW, SUM, XQ, gdx, gds, t == 0)
                 chunk_scales(gdx, gds, DXC, DSC)
-                row_task(t, Q, Sc, Z, Y, XQ, DXC, DSC, Qf, Scf, Zf)
+                row_task(t, Q, Sc, Z, Y, H, XQ, DXC, DSC, Qf, Scf, Zf)
         else:
             XQ = T.decl_buffer((M * KP,), "int8")
             DXC = T.decl_buffer((M * NCH * 16,), "float32")
@@ -407,11 +447,44 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             chunk_scales(gdx, gds, DXC, DSC)
             # 2. rows
             for t in T.parallel(tasks):
-                row_task(t, Q, Sc, Z, Y, XQ, DXC, DSC, Qf, Scf, Zf)
+                row_task(t, Q, Sc, Z, Y, H, XQ, DXC, DSC, Qf, Scf, Zf)
 
     # One PrimFunc per form of x; each takes a zero/min array, which int8 codes do not have: their
     # function drops that parameter (``_without_zero``; the body then reads the scales in its place).
-    if prologue == "add_rms_norm":
+    if prologue == "add_rms_norm" and epilogue:
+
+        @T.prim_func(private=True)
+        def qv_gemv_add_rms_norm_swiglu(a_h: T.handle, b_h: T.handle, w_h: T.handle, q_h: T.handle, s_h: T.handle,
+                                        z_h: T.handle, sum_h: T.handle, y_h: T.handle, h_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            PA = T.match_buffer(a_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
+            PB = T.match_buffer(b_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
+            PW = T.match_buffer(w_h, (T.int64(K),), "float32")
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            SUM = T.match_buffer(sum_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
+            Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
+            H = T.match_buffer(h_h, (T.int64(1), T.int64(1), T.int64(FR)), "float32")
+            body(PA, PB, PW, SUM, Q, Sc, Z, Y, H)
+
+        func = qv_gemv_add_rms_norm_swiglu
+    elif epilogue:
+
+        @T.prim_func(private=True)
+        def qv_gemv_then_swiglu(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle,
+                                h_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            X = T.match_buffer(x_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
+            H = T.match_buffer(h_h, (T.int64(1), T.int64(1), T.int64(FR)), "float32")
+            body(X, X, X, X, Q, Sc, Z, Y, H)
+
+        func = qv_gemv_then_swiglu
+    elif prologue == "add_rms_norm":
 
         @T.prim_func(private=True)
         def qv_gemv_add_rms_norm(a_h: T.handle, b_h: T.handle, w_h: T.handle, q_h: T.handle, s_h: T.handle,
@@ -425,7 +498,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
             SUM = T.match_buffer(sum_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
-            body(PA, PB, PW, SUM, Q, Sc, Z, Y)
+            body(PA, PB, PW, SUM, Q, Sc, Z, Y, Y)
 
         func = qv_gemv_add_rms_norm
     elif prologue == "swiglu":
@@ -438,7 +511,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
             Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
-            body(X, X, X, X, Q, Sc, Z, Y)
+            body(X, X, X, X, Q, Sc, Z, Y, Y)
 
         func = qv_gemv_swiglu
     else:
@@ -451,7 +524,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
             Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
             Y = T.match_buffer(y_h, (T.int64(B), T.int64(MM), T.int64(N)), "float32")
-            body(X, X, X, X, Q, Sc, Z, Y)
+            body(X, X, X, X, Q, Sc, Z, Y, Y)
 
         func = qv_gemv
     return func if pair else _without_zero(func)

@@ -16,8 +16,9 @@ q8 — the ``--activations int8`` path).
   (float accumulators per row, by turns over the steps: shorter FMA dependency chains), ``hinib``
   (int4: the odd row's codes as ``q & 0xF0``, 1/16 in its scale: no shift per step).
 * GEMV with a fused prologue (``passes/fuse_gemv_prologue.py``, decode, int4 or int8): x made inside the call
-  from add_rms_norm's or swiglu's inputs, group by group as it is quantized; keyed as the plain GEMV
-  of its shape, so the same records and knobs apply.
+  from add_rms_norm's or swiglu's inputs, group by group as it is quantized; or with a swiglu epilogue
+  (gate|up GEMV: each task takes gate and up rows of the same range and writes their h); keyed as the
+  plain GEMV of its shape, so the same records and knobs apply.
 * Dequantize (prefill) and the embedding gather read the same layout.
 
 ``match`` declines targets without AVX-512 VNNI (their passes never produce this layout: the
@@ -92,14 +93,14 @@ class GemvQVnniCPU(ScheduleTemplate):
         rows = _rows(func, kind)
         dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "bits": int(info["bits"]),
                 "B": rows[0] if rows else 0, "MM": rows[1] if rows else 0}
-        prologue = str(info.get("prologue", ""))
-        # A GEMV with a fused prologue (passes/fuse_gemv_prologue.py) is keyed as the plain GEMV of its
-        # shape: the row schedule is the same, so its records (tuned before the fusion) still apply
-        keyed = _plain_gemv(info, rows) if prologue else func
+        prologue, epilogue = str(info.get("prologue", "")), str(info.get("epilogue", ""))
+        # A GEMV with a fused prologue or epilogue (passes/fuse_gemv_prologue.py) is keyed as the plain
+        # GEMV of its shape: the row schedule is the same, so its records (tuned before the fusion) apply
+        keyed = _plain_gemv(info, rows) if prologue or epilogue else func
         return make_workload(
             self.name, keyed, target, dims, symbolic=None if rows or kind != "matmul" else "M",
             info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "nb": panel_of(func),
-                  "prologue": prologue, "eps": float(info.get("eps", 0.0))},
+                  "prologue": prologue, "eps": float(info.get("eps", 0.0)), "epilogue": epilogue},
             version=self.version,
         )
 
@@ -190,6 +191,11 @@ class GemvQVnniCPU(ScheduleTemplate):
         # around the GEMVs, which per-kernel timing cannot see, so nta is a default and an A/B switch,
         # not searched. Short rows: not measured.
         nta = int(os.environ.get("PERFX_VNNI_GEMV_NTA", "1" if long_rows and m == 1 else "0"))
+        # Without nta, the codes are prefetched into L1 (3, prefetcht0). Target files may override both
+        # per CPU vendor (targets/x86-avx512.json "vendor_templates", applied to `host`): on an Intel
+        # Xeon (2 vCPUs, 31 GB/s), prefetchnta streamed TinyLlama's GEMVs at 14 GB/s, prefetcht0 at 24-25
+        # and prefetcht1 (2, into L2) at 26-28 (benchmarks/results/gemv_prefetch_locality_intel.csv).
+        ploc = int(os.environ.get("PERFX_VNNI_GEMV_PLOC", "3"))
         # One activation row (decode): one task per core, each quantizing x for itself after the fork,
         # its first weight lines requested before (tquant=1). The serial quantization on the calling
         # thread and the stream's first misses left the critical path: TinyLlama's whole decode step,
@@ -202,7 +208,15 @@ class GemvQVnniCPU(ScheduleTemplate):
         tasks = max(1, int(target.cores or 1)) if tquant else 16
         return {"units": units, "tasks": tasks, "unroll": unroll, "prefetch": prefetch, "split": split,
                 "hinib": hinib, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree, "nta": nta,
-                "tquant": tquant}
+                "tquant": tquant, "ploc": ploc}
+
+    def default_config(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
+        config = super().default_config(workload, target)
+        # the A/B switches win over a target file's defaults too
+        for knob, env in (("nta", "PERFX_VNNI_GEMV_NTA"), ("ploc", "PERFX_VNNI_GEMV_PLOC")):
+            if knob in config and os.environ.get(env):
+                config[knob] = int(os.environ[env])
+        return config
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         return self._why_invalid(workload, config) is None
@@ -229,6 +243,8 @@ class GemvQVnniCPU(ScheduleTemplate):
             return f"split={split} must be 1 or 2, and 2 only while 3 vectors per row fit {MAX_REGS} registers"
         if int(config.get("nta", 0)) not in (0, 1):
             return "nta is 0 or 1"
+        if int(config.get("ploc", 3)) not in (0, 1, 2, 3):
+            return "ploc (the codes' prefetch locality) is 0..3"
         if int(config.get("tquant", 0)) not in (0, 1) or (config.get("tquant") and int(config.get("pquant", 0))):
             return "tquant is 0 or 1, and 1 only with pquant 0 (x is quantized by each task)"
         if int(config.get("sprefetch", 0)) not in (0, 1) or int(config.get("qtree", 0)) not in (0, 1) \
@@ -238,6 +254,8 @@ class GemvQVnniCPU(ScheduleTemplate):
             return "hinib is 0 or 1, and 1 only for int4 codes"
         if workload.info.get("prologue") and int(config.get("pquant", 0)):
             return "a fused prologue makes x on the quantizing thread(s): pquant must be 0"
+        if workload.info.get("epilogue") and d["N"] // 2 < units * 2:
+            return f"units={units}: the swiglu epilogue splits N={d['N']} rows into gate and up halves of whole units"
         if unroll < 1 or (unroll * vk.STEP) % d["G"] or spc % unroll:
             return f"unroll={unroll} must cover whole groups (G={d['G']}) and divide {spc} steps per chunk"
         return None
@@ -254,11 +272,15 @@ class GemvQVnniCPU(ScheduleTemplate):
         elif kind == "dequant":
             kernel = vk.dequant(*args, int(config["tasks"]), int(info.get("nb", 0)))
         else:
+            # a record tuned before `ploc` existed (or one that does not search it) gets the target's
+            # default: the locality is the machine's, not the shape's
+            ploc = int(config["ploc"]) if "ploc" in config else int(self.default_config(workload, target).get("ploc", 3))
             kernel = vk.gemv(*args, (d["B"], d["MM"]), int(config["units"]), int(config["tasks"]),
                              int(config["unroll"]), int(config.get("prefetch", 0)), int(config.get("split", 1)),
                              bool(config.get("hinib", 0)), int(config.get("sprefetch", 0)),
                              int(config.get("pquant", 0)), int(config.get("qtree", 0)), int(config.get("nta", 0)),
-                             int(config.get("tquant", 0)), str(info.get("prologue", "")), float(info.get("eps", 0.0)))
+                             int(config.get("tquant", 0)), str(info.get("prologue", "")), float(info.get("eps", 0.0)),
+                             str(info.get("epilogue", "")), ploc)
         return _like(kernel, func)
 
 

@@ -38,6 +38,18 @@ from perfx_compiler.errors import PerfXError
 PROG = "perfx-bench"
 DEFAULT_PEERS = "llama.cpp,ort-genai,ort"
 PREFILL_LENS = (128, 512)  # the CSV's prefill128/prefill512 columns
+# llama-cpp-python built for this CPU's AVX-512 (VNNI, BF16, VBMI) without ggml's AMX kernels
+LLAMA_NO_AMX_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+                           "-DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
+                           "-DGGML_AVX_VNNI=ON")
+
+
+def _cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_int8" in next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +106,12 @@ class Worker:
         if not line:
             self.proc.wait(timeout=10)
             err = self.log.read_text(errors="replace") if self.log.is_file() else ""
-            raise PerfXError(f"{self.engine} worker died (rc={self.proc.returncode}): {err.strip()[-1200:]}")
+            hint = ""
+            if self.engine == "llama.cpp" and self.proc.returncode == -11 and _cpu_has_amx():
+                # ggml's AMX kernels (built in by -march=native) crash where the VM does not grant the tile state
+                hint = (" -- this CPU has AMX: rebuild llama-cpp-python without it, CMAKE_ARGS=\"" + LLAMA_NO_AMX_CMAKE_ARGS
+                        + "\" pip install --force-reinstall --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36")
+            raise PerfXError(f"{self.engine} worker died (rc={self.proc.returncode}){hint}: {err.strip()[-1200:]}")
         msg = json.loads(line)
         if "error" in msg:
             raise PerfXError(f"{self.engine} worker: {msg['error']}\n{msg.get('traceback', '')}")

@@ -80,12 +80,14 @@ def pad_groups(a: np.ndarray, k: int, group: int, rows: int) -> np.ndarray:
 
 
 def vnni_info(n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str,
-              prologue: str = "", eps: float = 0.0) -> str:
+              prologue: str = "", eps: float = 0.0, epilogue: str = "") -> str:
     ng, ngp = groups_padded(k, group)
     info = {"bits": bits, "N": n, "K": k, "KP": padded_k(k), "group": group, "NGP": ngp,
             "sym": symmetric, "offset": offset, "kind": kind, "layout": "vnni", "act": "int8"}
     if prologue:
         info.update(prologue=prologue, eps=eps)
+    if epilogue:
+        info.update(epilogue=epilogue)
     return json.dumps(info, sort_keys=True)
 
 
@@ -161,13 +163,15 @@ def _int8_activations(x: Any, b: Any, m: Any, k: int, group: int) -> Any:
 def vnni_compute(
     n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str = "matmul",
     rows: tuple[int | None, int | None] = (1, None), ids_dtype: str = "int64", prologue: str = "", eps: float = 0.0,
+    epilogue: str = "",
 ) -> Any:
     """Reference PrimFunc over the VNNI layouts, tagged ``perfx.quant`` with ``layout: vnni``. The
     matmul multiplies with x quantized to int8 per group exactly as the kernel does
     (:func:`quantize_activations`), so the tuner's check of a candidate against this function holds
     the kernel to its own semantics. ``prologue`` (matmul of one row): x is made in the same function,
     ``"add_rms_norm"`` from (a, b, w) (and ``a + b`` is returned too: (a, b, w, codes..., sum, y)),
-    ``"swiglu"`` from [gate | up] (x [1, 1, 2K]): see ``passes/fuse_gemv_prologue.py``."""
+    ``"swiglu"`` from [gate | up] (x [1, 1, 2K]): see ``passes/fuse_gemv_prologue.py``. ``epilogue``
+    ``"swiglu"`` (one row, y = [gate | up]): ``h = silu(gate) * up`` [1, 1, N/2] is returned after y."""
     from tvm import te, tirx
 
     kp = padded_k(k)
@@ -210,8 +214,15 @@ def vnni_compute(
         xq = _int8_activations(x, b, m, k, group)
         r = te.reduce_axis((0, k), name="k")
         out = te.compute((b, m, n), lambda bi, i, j: te.sum(xq[bi, i, r] * w(j, r), axis=r), name="matmul_vnni")
-        func = te.create_prim_func([*head, *ins, *tail, out])
-    return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind, prologue, eps))
+        after = []
+        if epilogue:
+            if epilogue != "swiglu" or (b, m) != (1, 1) or n % 2:
+                raise PerfXError(f"internal: GEMV epilogue {epilogue!r} needs one activation row and an even N")
+            f = n // 2
+            after = [te.compute((1, 1, f), lambda bi, i, c: out[bi, i, c] * tirx.sigmoid(out[bi, i, c])
+                                * out[bi, i, c + f], name="swiglu")]
+        func = te.create_prim_func([*head, *ins, *tail, out, *after])
+    return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind, prologue, eps, epilogue))
 
 
 def _prologue(prologue: str, b: Any, m: Any, k: int, eps: float) -> tuple[list[Any], Any, list[Any]]:

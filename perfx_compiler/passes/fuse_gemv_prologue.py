@@ -8,6 +8,12 @@ its rows there) and its output is read back by the other core's GEMV task. This 
 (``schedules/_vnni_kernels.gemv``'s ``prologue``; by every row task with ``tquant``): one launch
 fewer, and x is never stored. ``add_rms_norm`` still returns ``a + b`` (the next residual).
 
+SwiGLU goes the other way where it can: into the gate|up GEMV that makes its input (``epilogue``):
+each task takes the same range of gate and of up rows and writes their ``silu(gate) * up`` from its
+own y rows, so the down GEMV reads h (half of gate|up's size) and only quantizes it; without it,
+both of down's tasks computed swiglu over all of gate|up, half of which the other core wrote.
+``PERFX_GEMV_SWIGLU_EPILOGUE=0`` keeps swiglu as down's prologue (A/B switch).
+
 Only where the GEMV is the VNNI one of one activation row (decode on an AVX-512 VNNI CPU; int4 or
 int8 codes, e.g. GGUF Q4_0/Q4_1/Q8_0) and is the only reader of the small kernel's output;
 everything else is left as is.
@@ -19,6 +25,7 @@ previous GEMV's output is still read, now inside the tasks), SmolLM2 x1.015
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import tvm
@@ -67,28 +74,45 @@ def _only_reader(info: FuncInfo, var: Any, reader: Any) -> bool:
     return info.uses.get(var, 0) == 1 and info.users(var) == [reader] and not info.used_outside(var)
 
 
+def _gemvs(mod: tvm.IRModule, info: FuncInfo) -> dict[Any, tuple[str, dict[str, Any]]]:
+    """var -> (callee name, quant facts) of the function's one-row VNNI GEMVs over weight codes."""
+    out = {}
+    for var, value in info.values.items():
+        gemv = _callee(mod, value)
+        q = _one_row_gemv(gemv[1]) if gemv else None
+        # codes computed in the function (not weights) are left alone: the fused call may move before them
+        if q is not None and not any(c in info.values for c in value.args[1].fields[1:]):
+            out[var] = (gemv[0], q)
+    return out
+
+
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
     kernels: dict[str, Any] = {}
     matches: dict[str, list[dict[str, Any]]] = {}
+    epilogues_on = os.environ.get("PERFX_GEMV_SWIGLU_EPILOGUE", "1") != "0"  # A/B: 0 = swiglu as down's prologue
     for fn in exported(mod):
         info = FuncInfo.of(mod[fn])
+        gemvs = _gemvs(mod, info)
+        # swiglu of a GEMV's y, its only reader: fused after that GEMV (epilogue), not before down
+        tails = {var: t for var, (_, q) in gemvs.items() if epilogues_on and int(q["N"]) % (4 if int(q["bits"]) == 4 else 2) == 0
+                 and (t := _match_swiglu_of(mod, info, var)) is not None}
+        taken = {t["out"] for t in tails.values()}
         found = []
-        for var, value in info.values.items():
-            gemv = _callee(mod, value)
-            q = _one_row_gemv(gemv[1]) if gemv else None
-            if q is None:
+        for var, (callee, q) in gemvs.items():
+            x = info.values[var].args[1].fields[0]
+            m = _match_add_norm(mod, info, x, var)
+            if m is None and x not in taken:
+                m = _match_swiglu(mod, info, x, var)
+            tail = tails.get(var)  # (a GEMV whose x is a swiglu is not one whose y is: not in LLMs)
+            if m is None and tail is None or (m is not None and m["op"] == "swiglu" and tail is not None):
                 continue
-            x = value.args[1].fields[0]
-            if any(c in info.values for c in value.args[1].fields[1:]):
-                continue  # codes computed in the function (not weights): the fused call may move before them
-            m = _match_add_norm(mod, info, x, var) or _match_swiglu(mod, info, x, var)
-            if m is None:
-                continue
-            name = f"{m['op']}_{gemv[0]}"
+            m = m or {"op": "", "eps": 0.0, "skip": []}
+            name = "_".join(p for p in (m["op"], callee, "swiglu" if tail else "") if p)
             if name not in kernels:
                 kernels[name] = vnni_compute(int(q["N"]), int(q["K"]), int(q["group"]), int(q["bits"]), bool(q["sym"]),
-                                             bool(q["offset"]), "matmul", (1, 1), prologue=m["op"], eps=m["eps"])
-            found.append({**m, "gemv": var, "name": name})
+                                             bool(q["offset"]), "matmul", (1, 1), prologue=m["op"], eps=m["eps"],
+                                             epilogue="swiglu" if tail else "")
+            found.append({**m, "gemv": var, "name": name, "tail": tail})
         matches[fn] = found
     if not kernels:
         return mod, weights
@@ -100,6 +124,9 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
             codes = list(call.args[1].fields[1:])
             for v in m["skip"]:
                 plan[v] = SKIP
+            tail = m["tail"]
+            if tail is not None:
+                plan[tail["out"]] = SKIP
             if m["op"] == "swiglu":
 
                 def swiglu(rw: Any, binding: Any, m=m, gv=gv, codes=codes) -> None:
@@ -107,17 +134,22 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
                     rw.remap(binding.var, rw.emit(relax.call_tir(gv, args, _tensor(binding.var)), binding.var))
 
                 plan[m["gemv"]] = swiglu
-            else:
+                continue
+
+            def fused(rw: Any, binding: Any, m=m, gv=gv, codes=codes, tail=tail, x=call.args[1].fields[0]) -> None:
+                # the fused call (at the norm's place with a prologue): the norm's sum, the GEMV's y and
+                # the epilogue's h for the vars they replace
+                outs = ([m["sum"]] if m["op"] else []) + [m["gemv"]] + ([tail["out"]] if tail else [])
+                args = [*(rw.arg(a) for a in (m["inputs"] if m["op"] else [x])), *(rw.arg(c) for c in codes)]
+                out = rw.emit(relax.call_tir(gv, args, [_tensor(v) for v in outs]))
+                for i, v in enumerate(outs):
+                    rw.remap(v, rw.emit(relax.TupleGetItem(out, i), v))
+
+            if m["op"] == "add_rms_norm":
                 plan[m["gemv"]] = SKIP
-
-                def add_norm(rw: Any, binding: Any, m=m, gv=gv, codes=codes) -> None:
-                    # at the norm's place: the fused call, its sum for the norm's first output, its y for the GEMV's
-                    args = [*(rw.arg(a) for a in m["inputs"]), *(rw.arg(c) for c in codes)]
-                    out = rw.emit(relax.call_tir(gv, args, [_tensor(m["sum"]), _tensor(m["gemv"])]))
-                    rw.remap(m["sum"], rw.emit(relax.TupleGetItem(out, 0), m["sum"]))
-                    rw.remap(m["gemv"], rw.emit(relax.TupleGetItem(out, 1), m["gemv"]))
-
-                plan[m["norm"]] = add_norm
+                plan[m["norm"]] = fused
+            else:
+                plan[m["gemv"]] = fused
         return plan
 
     mod, _ = rewrite_functions(mod, plan_for, kernels)
@@ -140,6 +172,16 @@ def _match_add_norm(mod: tvm.IRModule, info: FuncInfo, x: Any, gemv: Any) -> dic
         return None
     return {"op": "add_rms_norm", "eps": float(op["eps"]), "inputs": list(info.value(norm).args[1].fields),
             "norm": norm, "sum": sums[0], "skip": [x, sums[0]]}
+
+
+def _match_swiglu_of(mod: tvm.IRModule, info: FuncInfo, y: Any) -> dict[str, Any] | None:
+    """``h = swiglu(y)``, the only reader of the GEMV output ``y`` (and h's own var)."""
+    readers = info.users(y)
+    if len(readers) != 1 or info.uses.get(y, 0) != 1 or info.used_outside(y):
+        return None
+    callee = _callee(mod, info.value(readers[0]))
+    op = _attr(callee[1], FUSED_OP_ATTR) if callee else None
+    return {"out": readers[0]} if op and op.get("op") == "swiglu" else None
 
 
 def _match_swiglu(mod: tvm.IRModule, info: FuncInfo, x: Any, gemv: Any) -> dict[str, Any] | None:

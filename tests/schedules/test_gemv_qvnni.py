@@ -370,3 +370,96 @@ def test_fused_prologue_gemv_matches_reference(template, target, prologue, fmt, 
         assert err < 1e-5, (cfg, err)
         if prologue == "add_rms_norm":
             assert np.array_equal(total.numpy(), inputs[0] + inputs[1]), cfg
+
+
+@needs_vnni
+@pytest.mark.parametrize("prologue", ["", "add_rms_norm"])
+@pytest.mark.parametrize("fmt,n,k", [("Q4_0", 136, 576), ("Q4_1", 192, 1536), ("Q8_0", 84, 576)])
+def test_swiglu_epilogue_gemv_matches_reference(template, target, prologue, fmt, n, k):
+    """A gate|up GEMV with the swiglu epilogue (passes/fuse_gemv_prologue.py): each task takes the same
+    range of gate and up rows, so y must still be the plain GEMV's and h = silu(gate) * up of that y,
+    for the default (one task per core), an uneven task count, x quantized on the calling thread and two
+    units per iteration; keyed as the plain GEMV. F = n/2 rows per half, not a multiple of 16 for Q4_0
+    and Q8_0 (a short last chunk of h)."""
+    import tvm
+
+    from perfx_compiler.passes._qvnni import vnni_compute
+
+    rng = np.random.default_rng()
+    packed, wd = vnni_weights(fmt, n, k, rng)
+    args = (n, k, 32, 8 if fmt == "Q8_0" else 4, fmt != "Q4_1", fmt == "Q4_1", "matmul", (1, 1))
+    func = vnni_compute(*args, prologue=prologue, eps=1e-5, epilogue="swiglu")
+    wl = template.match(func, target)
+    plain = template.match(vnni_compute(*args).with_attr("op_pattern", 8), target)
+    assert wl.key == plain.key and wl.info["epilogue"] == "swiglu"
+    default = template.default_config(wl, target)
+    if prologue:
+        inputs = [rng.standard_normal((1, 1, k)).astype(np.float32) for _ in range(2)]
+        inputs.append((1 + 0.3 * rng.standard_normal(k)).astype(np.float32))
+        x = _prologue_x(prologue, inputs, k)
+    else:
+        inputs = [rng.standard_normal((1, 1, k)).astype(np.float32)]
+        x = inputs[0]
+    ref = quantize_activations(x, k, 32) @ wd.T
+    f = n // 2
+    dev = tvm.cpu()
+    configs = [default, {**default, "tasks": 3}, {**default, "tquant": 0, "tasks": 4}, {**default, "units": 2}]
+    for cfg in configs:
+        assert template.is_valid(wl, cfg, target), cfg
+        rt = build_func(template.apply(func, wl, cfg, target), target)
+        tensors = [tvm.runtime.tensor(v, dev) for v in inputs] + [tvm.runtime.tensor(a, dev) for _, a in packed.arrays]
+        total = tvm.runtime.tensor(np.zeros((1, 1, k), np.float32), dev)
+        y = tvm.runtime.tensor(np.zeros((1, 1, n), np.float32), dev)
+        h = tvm.runtime.tensor(np.full((1, 1, f), np.nan, np.float32), dev)
+        rt["main"](*tensors, *([total] if prologue else []), y, h)
+        yv = y.numpy()
+        err = np.abs(yv - ref).max() / np.abs(ref).max()
+        assert err < 1e-5, (cfg, err)
+        g, u = yv[..., :f].astype(np.float64), yv[..., f:].astype(np.float64)
+        want = g / (1 + np.exp(-g)) * u
+        herr = np.abs(h.numpy() - want).max() / np.abs(want).max()
+        assert herr < 1e-5, (cfg, herr)
+    assert not template.is_valid(wl, {**default, "units": n}, target)
+
+
+@pytest.mark.parametrize("vendor,want", [("GenuineIntel", (0, 2)), ("AuthenticAMD", (1, 3)), ("", (1, 3))])
+def test_host_vendor_picks_the_prefetch_locality(template, monkeypatch, vendor, want):
+    """`host` takes targets/x86-avx512.json's vendor_templates for its CPU vendor: on Intel the long-row
+    decode GEMVs prefetch their codes into L2 (ploc 2, no nta; benchmarks/results/
+    gemv_prefetch_locality_intel.csv), elsewhere non-temporally as before. The env switches still win, and
+    a tuning record without `ploc` is built with the target's."""
+    import tvm
+
+    from perfx_compiler import targets
+
+    monkeypatch.setattr(targets, "_detect_host", lambda: "x86-avx512")
+    monkeypatch.setattr(targets, "_cpu_vendor", lambda: vendor)
+    for env in ("PERFX_VNNI_GEMV_NTA", "PERFX_VNNI_GEMV_PLOC"):
+        monkeypatch.delenv(env, raising=False)
+    host = targets.load_target("host")
+    assert host.raw["cpu_vendor"] == vendor
+    rng = np.random.default_rng()
+    packed, _ = vnni_weights("Q4_0", 34, 2048, rng)
+    func = packed.compute("matmul", (1, 1))
+    wl = template.match(func, host)
+    cfg = template.default_config(wl, host)
+    assert (cfg["nta"], cfg["ploc"]) == want
+    monkeypatch.setenv("PERFX_VNNI_GEMV_NTA", "1")
+    assert template.default_config(wl, host)["nta"] == 1
+    monkeypatch.delenv("PERFX_VNNI_GEMV_NTA")
+    if vendor == "GenuineIntel":
+        record = {k: v for k, v in cfg.items() if k not in ("ploc", "nta")}
+        f = template.apply(func, wl, record, host).with_attr("global_symbol", "main")
+        asm = tvm.compile(tvm.IRModule({"main": f}), host.tvm()).mod.inspect_source("asm")
+        assert "prefetcht1" in asm and "prefetchnta" not in asm
+    assert not template.is_valid(wl, {**cfg, "ploc": 4}, host)
+
+
+@needs_vnni
+def test_l2_prefetch_gemv_matches_reference(template, target):
+    """The codes prefetched into L2 (ploc 2) or L3 (1): the same numbers as any other config."""
+    rng = np.random.default_rng()
+    packed, wd = vnni_weights("Q4_0", 34, 2048, rng)
+    base = template.builtin_default(template.match(packed.compute("matmul", (1, 1)), target), target)
+    for ploc in (1, 2):
+        _run(template, target, packed, wd, (1, 1), {**base, "nta": 0, "ploc": ploc}, rng, 32)
