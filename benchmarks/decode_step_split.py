@@ -40,12 +40,15 @@ GEMV = re.compile(r"matmul")
 
 
 def gemv_weights(call: list[Any], manifest: dict[str, Any]) -> list[np.ndarray]:
-    """The weight arrays a recorded quantized-GEMV call ``[func, x, codes, scale[, zero|min], y]``
-    streams: codes, scales and a Q4_1 min / asymmetric zero array; a zero array the kernel never reads
-    (``engines.is_unread_sym_zero``: Q4_0's all-8 zeros under int8 activations) is not counted."""
+    """The weight arrays a recorded quantized-GEMV call streams: its uint8 codes and float16 scales and
+    Q4_1 min / asymmetric zero array, whatever float32 activations come before or after them (x, or a
+    fused prologue's a, b, norm weight and sum; y, or an epilogue's y and h); a zero array the kernel
+    never reads (``engines.is_unread_sym_zero``: Q4_0's all-8 zeros under int8 activations) is not
+    counted. (Before 2026-12-01 a fused add_rms_norm GEMV's unread zeros and its a/b/w/sum counted too:
+    its GB/s in results/decode_step_split_*_kernels.csv of that date read ~6% high.)"""
     from perfx_compiler.bench.engines import is_unread_sym_zero
 
-    arrays = [np.from_dlpack(t) for t in call[2:-1]]
+    arrays = [a for a in (np.from_dlpack(t) for t in call[1:]) if a.dtype != np.float32]
     if len(arrays) == 3 and is_unread_sym_zero(manifest, arrays[2]):
         arrays = arrays[:2]
     return arrays
