@@ -319,6 +319,17 @@ def _machine_title(folder: Path, names: list[str], other: bool = True) -> str:
     return f"### Against the targets {where}" + (f" ({cpu}, 2 vCPUs)" if cpu else "")
 
 
+def _model_sections(names: list[str], folder: Path, link: str) -> list[str]:
+    """Each model's table and plot, then each profile and roofline, from ``folder`` (linked as ``link``)."""
+    lines: list[str] = []
+    for kind, section, png in (("", model_section, "bench_{}.png"), ("roofline ", profile_section, "profile_{}_roofline.png")):
+        for n in names:
+            lines += section(n, folder)
+            if (folder / png.format(n)).is_file():
+                lines += [f"![{kind}{n}]({link}/{png.format(n)})", ""]
+    return lines
+
+
 def generate(results: Path = RESULTS) -> str:
     names = _models(results)
     lines: list[str] = [BEGIN, ""]
@@ -327,25 +338,11 @@ def generate(results: Path = RESULTS) -> str:
     else:
         lines += targets_section(names, results, _machine_title(results, names, other=False))
         lines += findings_section(names, results)
-        for n in names:
-            lines += model_section(n, results)
-            if (results / f"bench_{n}.png").is_file():
-                lines += [f"![{n}](results/bench_{n}.png)", ""]
-        for n in names:
-            lines += profile_section(n, results)
-            if (results / f"profile_{n}_roofline.png").is_file():
-                lines += [f"![roofline {n}](results/profile_{n}_roofline.png)", ""]
+        lines += _model_sections(names, results, "results")
     for folder in other_machines(results):
         others = _models(folder)
         lines += targets_section(others, folder, _machine_title(folder, others))
-        for n in others:
-            lines += model_section(n, folder)
-            if (folder / f"bench_{n}.png").is_file():
-                lines += [f"![{n}](results/{folder.name}/bench_{n}.png)", ""]
-        for n in others:
-            lines += profile_section(n, folder)
-            if (folder / f"profile_{n}_roofline.png").is_file():
-                lines += [f"![roofline {n}](results/{folder.name}/profile_{n}_roofline.png)", ""]
+        lines += _model_sections(others, folder, f"results/{folder.name}")
     lines.append(END)
     return "\n".join(lines) + "\n"
 
