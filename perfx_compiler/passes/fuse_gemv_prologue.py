@@ -12,7 +12,9 @@ SwiGLU goes the other way where it can: into the gate|up GEMV that makes its inp
 each task takes the same range of gate and of up rows and writes their ``silu(gate) * up`` from its
 own y rows, so the down GEMV reads h (half of gate|up's size) and only quantizes it; without it,
 both of down's tasks computed swiglu over all of gate|up, half of which the other core wrote.
-``PERFX_GEMV_SWIGLU_EPILOGUE=0`` keeps swiglu as down's prologue (A/B switch).
+``PERFX_GEMV_SWIGLU_EPILOGUE=0`` keeps swiglu as down's prologue (A/B switch). Decode step replayed in
+alternation on the Intel Xeon: TinyLlama x1.013 (80 rounds), SmolLM2 Q4_1 x0.999 (150 rounds)
+(benchmarks/results/decode_step_ab_tinyllama-q4_0_intel_l2_epilogue.csv, ..._smollm2-q4_1_intel_l2_epilogue.csv).
 
 Only where the GEMV is the VNNI one of one activation row (decode on an AVX-512 VNNI CPU; int4 or
 int8 codes, e.g. GGUF Q4_0/Q4_1/Q8_0) and is the only reader of the small kernel's output;
