@@ -58,20 +58,27 @@ def list_targets() -> list[str]:
     return sorted(p.stem for p in targets_dir().glob("*.json"))
 
 
-def _detect_host() -> str:
-    """Pick the x86 target file matching this CPU's vector extensions."""
-    flags = ""
+def cpuinfo(field: str) -> str:
+    """The first ``field`` ("flags", "vendor_id", "model name", ...) of /proc/cpuinfo, or "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line
-                    break
+            line = next((ln for ln in f if ln.startswith(field)), "")
     except OSError:
-        pass
-    if " avx512f" in flags and " avx512bw" in flags:
+        return ""
+    return line.partition(":")[2].strip()
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (avx512f, avx512_vnni, amx_int8, ...); empty where /proc/cpuinfo has none."""
+    return set(cpuinfo("flags").split())
+
+
+def _detect_host() -> str:
+    """Pick the x86 target file matching this CPU's vector extensions."""
+    flags = cpu_flags()
+    if {"avx512f", "avx512bw"} <= flags:
         return "x86-avx512"
-    if " avx2" in flags:
+    if "avx2" in flags:
         return "x86-avx2"
     import platform
 
@@ -82,12 +89,7 @@ def _detect_host() -> str:
 
 def _cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...), or "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("vendor_id")), "")
-    except OSError:
-        return ""
-    return line.partition(":")[2].strip()
+    return cpuinfo("vendor_id")
 
 
 def _with_vendor(data: dict[str, Any], vendor: str) -> dict[str, Any]:

@@ -275,14 +275,9 @@ def placement(ns: float) -> str:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from perfx_compiler.targets import cpuinfo
+
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 @dataclass

@@ -34,6 +34,7 @@ from typing import Any
 
 from perfx_compiler.cli._errors import run_command
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.targets import cpu_flags
 
 PROG = "perfx-bench"
 DEFAULT_PEERS = "llama.cpp,ort-genai,ort"
@@ -44,12 +45,14 @@ LLAMA_NO_AMX_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGM
                            "-DGGML_AVX_VNNI=ON")
 
 
-def _cpu_has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " amx_int8" in next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
+def death_hint(engine: str, returncode: int | None) -> str:
+    """What to do about a worker that died: for llama.cpp killed by SIGSEGV on a CPU with AMX, the
+    rebuild without ggml's AMX kernels (built in by -march=native; they crash where the VM does not
+    grant the tile state)."""
+    if engine == "llama.cpp" and returncode == -11 and "amx_int8" in cpu_flags():
+        return (" -- this CPU has AMX: rebuild llama-cpp-python without it, CMAKE_ARGS=\"" + LLAMA_NO_AMX_CMAKE_ARGS
+                + "\" pip install --force-reinstall --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36")
+    return ""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,11 +109,7 @@ class Worker:
         if not line:
             self.proc.wait(timeout=10)
             err = self.log.read_text(errors="replace") if self.log.is_file() else ""
-            hint = ""
-            if self.engine == "llama.cpp" and self.proc.returncode == -11 and _cpu_has_amx():
-                # ggml's AMX kernels (built in by -march=native) crash where the VM does not grant the tile state
-                hint = (" -- this CPU has AMX: rebuild llama-cpp-python without it, CMAKE_ARGS=\"" + LLAMA_NO_AMX_CMAKE_ARGS
-                        + "\" pip install --force-reinstall --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36")
+            hint = death_hint(self.engine, self.proc.returncode)
             raise PerfXError(f"{self.engine} worker died (rc={self.proc.returncode}){hint}: {err.strip()[-1200:]}")
         msg = json.loads(line)
         if "error" in msg:

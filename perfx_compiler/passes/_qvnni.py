@@ -271,10 +271,7 @@ def has_avx512_vnni(target: Any) -> bool:
     if "+avx512vnni" not in mattr and str(tt.get("mcpu", "")) not in _VNNI_CPUS:
         return False
     if (getattr(target, "raw", None) or {}).get("detected_as"):
-        try:
-            with open("/proc/cpuinfo") as f:
-                flags = next((line for line in f if line.startswith("flags")), "")
-        except OSError:
-            return False
-        return " avx512_vnni" in flags
+        from perfx_compiler.targets import cpu_flags
+
+        return "avx512_vnni" in cpu_flags()
     return True

@@ -70,3 +70,16 @@ def test_bench_cli_writes_csv(tmp_path):
     assert float(r0["bw_fraction"]) == pytest.approx(float(r0["achieved_gbs"]) / ceiling, rel=2e-2)
     machine = json.loads((out / "bench_tiny_machine.json").read_text())
     assert machine["bw_start_gbs"] > 1.0 and machine["cores"] >= 1
+
+
+def test_llamacpp_segfault_on_amx_cpu_says_how_to_rebuild(monkeypatch):
+    """A llama.cpp worker killed by SIGSEGV on a CPU with AMX (ggml's AMX matmul crashes in VMs that do not
+    grant the tile state) gets the rebuild without AMX in its error; other deaths and CPUs get nothing."""
+    from perfx_compiler.cli import bench
+
+    monkeypatch.setattr(bench, "cpu_flags", lambda: {"avx512f", "amx_int8"})
+    hint = bench.death_hint("llama.cpp", -11)
+    assert "-DGGML_NATIVE=OFF" in hint and "-DGGML_AVX512_VNNI=ON" in hint and "llama-cpp-python==0.3.36" in hint
+    assert bench.death_hint("llama.cpp", 1) == "" and bench.death_hint("ort", -11) == ""
+    monkeypatch.setattr(bench, "cpu_flags", lambda: {"avx512f"})
+    assert bench.death_hint("llama.cpp", -11) == ""
