@@ -175,9 +175,15 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     def uvalid(t: Any, it: Any) -> Any:
         return t * HPT + it % HPT < HNIT if epilogue else t * IPT + it < NIT
 
-    def swiglu_at(Y: Any, j: Any) -> Any:
-        # the elementwise swiglu's float ops in its order (bit-equal h)
-        return Y[0, 0, j] * (T.float32(1) / (T.float32(1) + fast_exp(-Y[0, 0, j]))) * Y[0, 0, j + FR]
+    def silu_mul(g: Any, u: Any) -> Any:
+        # the elementwise swiglu's float ops in its order (fast_sigmoid's form): bit-equal x / h
+        return g * (T.float32(1) / (T.float32(1) + fast_exp(-g))) * u
+
+    def h_row(t: Any, c: Any, ln: Any) -> Any:  # epilogue: row of h at lane ln of task t's chunk c
+        return t * HPT * units * RPU + c * 16 + ln
+
+    def h_end(t: Any) -> Any:  # epilogue: one past task t's last h row
+        return T.min((t + 1) * HPT * units, HALF) * RPU
 
     def prefetch_at(addr: Any, locality: int) -> Any:
         """llvm.prefetch (read, data cache) of ``addr``; locality 0 = prefetchnta .. 3 = prefetcht0."""
@@ -258,8 +264,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 else:
                     xg[0, 0, i] = T.if_then_else(
                         g * G + i < K,
-                        PA[0, 0, T.min(g * G + i, K - 1)] * (T.float32(1) / (T.float32(1) + fast_exp(
-                            -PA[0, 0, T.min(g * G + i, K - 1)]))) * PA[0, 0, T.min(g * G + i, K - 1) + K], T.float32(0))
+                        silu_mul(PA[0, 0, T.min(g * G + i, K - 1)], PA[0, 0, T.min(g * G + i, K - 1) + K]), T.float32(0))
             quantize_group(xg, XQ, gdx, g, 0, g, mx, sm, inv, G, GV, K, KP, 1, 0)
             gds[g] = gdx[g] * T.Cast("float32", sm[0])
 
@@ -384,13 +389,13 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             # h over the task's gate rows j0 .. j1 (and the up rows FR later, also its own): y read back
             # from this core's cache, 16 lanes at a time; a short last chunk lane by lane
             for c in T.serial(ECH):
-                if t * HPT * units * RPU + c * 16 + 16 <= T.min((t + 1) * HPT * units, HALF) * RPU:
+                if h_row(t, c, 16) <= h_end(t):
                     for ln in T.vectorized(16):
-                        H[0, 0, t * HPT * units * RPU + c * 16 + ln] = swiglu_at(Y, t * HPT * units * RPU + c * 16 + ln)
+                        H[0, 0, h_row(t, c, ln)] = silu_mul(Y[0, 0, h_row(t, c, ln)], Y[0, 0, h_row(t, c, ln) + FR])
                 else:
                     for ln in T.serial(16):
-                        if t * HPT * units * RPU + c * 16 + ln < T.min((t + 1) * HPT * units, HALF) * RPU:
-                            H[0, 0, t * HPT * units * RPU + c * 16 + ln] = swiglu_at(Y, t * HPT * units * RPU + c * 16 + ln)
+                        if h_row(t, c, ln) < h_end(t):
+                            H[0, 0, h_row(t, c, ln)] = silu_mul(Y[0, 0, h_row(t, c, ln)], Y[0, 0, h_row(t, c, ln) + FR])
 
 
     @T.macro

@@ -96,8 +96,12 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         info = FuncInfo.of(mod[fn])
         gemvs = _gemvs(mod, info)
         # swiglu of a GEMV's y, its only reader: fused after that GEMV (epilogue), not before down
-        tails = {var: t for var, (_, q) in gemvs.items() if epilogues_on and int(q["N"]) % (4 if int(q["bits"]) == 4 else 2) == 0
-                 and (t := _match_swiglu_of(mod, info, var)) is not None}
+        tails = {}
+        for var, (_, q) in gemvs.items():
+            # y splits into gate and up halves of whole row units (int4: row pairs)
+            if epilogues_on and int(q["N"]) % (4 if int(q["bits"]) == 4 else 2) == 0:
+                if (t := _match_swiglu_of(mod, info, var)) is not None:
+                    tails[var] = t
         taken = {t["out"] for t in tails.values()}
         found = []
         for var, (callee, q) in gemvs.items():
@@ -105,9 +109,11 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
             m = _match_add_norm(mod, info, x, var)
             if m is None and x not in taken:
                 m = _match_swiglu(mod, info, x, var)
-            tail = tails.get(var)  # (a GEMV whose x is a swiglu is not one whose y is: not in LLMs)
-            if m is None and tail is None or (m is not None and m["op"] == "swiglu" and tail is not None):
+            tail = tails.get(var)
+            if m is None and tail is None:
                 continue
+            if tail is not None and m is not None and m["op"] == "swiglu":
+                continue  # swiglu on both sides of one GEMV: no LLM has it, left unfused
             m = m or {"op": "", "eps": 0.0, "skip": []}
             name = "_".join(p for p in (m["op"], callee, "swiglu" if tail else "") if p)
             if name not in kernels:
