@@ -2,9 +2,11 @@
 decode shapes, as a fraction of the read-bandwidth probe measured alongside, for several configs.
 
 Shapes (N x K, one activation row): qkv 2560x2048, o 2048x2048, gate|up 11264x2048, down 2048x5632,
-lm-head 32000x2048. Each kernel is built for the template default and for the ``--configs``
-overrides; consecutive calls read different copies of the weights (copies total >= 8x the L3), so
-the weights come from DRAM as in a decode step. Bytes are the arrays the kernel reads (codes and
+lm-head 32000x2048 (and, by name in ``--shapes``, SmolLM2's smollm2_gate_up 3072x576 and smollm2_down
+576x1536). Each kernel is built for ``--target``'s template default (``host``: with the vendor's
+defaults) and for the ``--configs`` overrides; consecutive calls read different copies of the
+weights (copies total >= 8x 32 MiB and >= 2x this host's last-level cache), so the weights come from
+DRAM as in a decode step. Bytes are the arrays the kernel reads (codes and
 scales; Q4_0's zero array is not read by the symmetric kernel).
 
 One round: the 1 GiB probe (best of 3 passes), then ``--passes`` passes over every (shape, config)
@@ -18,7 +20,7 @@ windows after every pass, then the 1 GiB probe again. Reported per (shape, confi
   load-robust figure;
 * ``speedup_vs_default``: per pass, the default's time over this config's (paired), median.
 
-    python benchmarks/gemv_qvnni_shapes_bw.py [--rounds 3] [--passes 20] [--threads 2]
+    python benchmarks/gemv_qvnni_shapes_bw.py [--rounds 3] [--passes 20] [--threads 2] [--target x86-avx512]
         [--shapes qkv,o,gate_up,down,lm_head] [--configs 'prefetch=0;prefetch=16']
         [--out benchmarks/results/gemv_qvnni_shapes_bw.csv]
 
@@ -43,11 +45,13 @@ from perfx_compiler.passes._gguf_blocks import Q4_0
 from perfx_compiler.passes._qvnni import q4_vnni_packed
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
+from perfx_compiler.tune.traffic import llc_bytes
 
 L3_BYTES = 32 << 20
 PROBE_WINDOW = 8 << 20
 SHAPES = {"qkv": (2560, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632),
           "lm_head": (32000, 2048)}
+EXTRA_SHAPES = {"smollm2_gate_up": (3072, 576), "smollm2_down": (576, 1536)}  # by name only
 
 
 def _parse_configs(text: str) -> list[dict[str, int]]:
@@ -73,7 +77,7 @@ class Case:
 
         from schedules.gemv_qvnni_cpu import TEMPLATE
 
-        n, k = SHAPES[shape]
+        n, k = {**SHAPES, **EXTRA_SHAPES}[shape]
         packed = _shared[shape][0] if shape in _shared else _packed(n, k, rng)
         func = packed.compute("matmul", (1, 1))
         wl = TEMPLATE.match(func, target)
@@ -85,7 +89,7 @@ class Case:
         dev = tvm.cpu()
         # the symmetric kernel uses the constant zero point 8: its zero array is passed, never read
         self.bytes = sum(a.nbytes for name, a in packed.arrays if not name.endswith("_zero"))
-        ncopy = max(3, -(-8 * L3_BYTES // self.bytes))
+        ncopy = max(3, -(-max(8 * L3_BYTES, 2 * llc_bytes()) // self.bytes))
         # the configs of a shape read the SAME weight copies: with copies of their own, two cases of one
         # config differed by up to 5-8% (paired, A/A) -- the placement of their memory, not the kernel
         if shape not in _shared:
@@ -116,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--passes", type=int, default=20, help="alternated passes per round (paired timings)")
     ap.add_argument("--configs", default="prefetch=0;prefetch=16", help="';'-separated overrides of the default")
+    ap.add_argument("--target", default="x86-avx512", help="host: this machine's target, vendor defaults included")
     ap.add_argument("--out", default=str(RESULTS / "gemv_qvnni_shapes_bw.csv"))
     args = ap.parse_args(argv)
     os.environ.setdefault("TVM_NUM_THREADS", str(args.threads))
-    target = load_target("x86-avx512")
+    target = load_target(args.target)
     rng = np.random.default_rng(0)
     cases = [Case(s, o, target, rng) for s in args.shapes.split(",") for o in _parse_configs(args.configs)]
     for c in cases:  # warm-up: page in every copy, start the thread pool
@@ -150,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             load = os.getloadavg()[0]
             got = [(c, c.bytes / statistics.median(times[id(c)]) / 1e9) for c in cases]
             for c, g in got:
-                rows.append({"round": r, "shape": c.shape, "N": SHAPES[c.shape][0], "K": SHAPES[c.shape][1],
+                n, k = {**SHAPES, **EXTRA_SHAPES}[c.shape]
+                rows.append({"round": r, "shape": c.shape, "N": n, "K": k,
                              "config": c.label, "knobs": str(c.config), "weight_mb": round(c.bytes / 1e6, 2),
                              "copies": len(c.copies), "pass_gbs": round(g, 2), "probe_before_gbs": round(before, 2),
                              "probe_after_gbs": round(after, 2), "frac_of_probe": round(g / bw, 4),
@@ -197,7 +203,7 @@ def _plot(summary: list[dict[str, Any]], path: Path) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))])
         ax.set_xticklabels(shapes)
         ax.set_ylabel("call p10 GB/s, % of probe windows p90")
-        ax.set_title(f"VNNI Q4_0 GEMV at TinyLlama decode shapes; load {summary[0]['load_avg_1m']}", fontsize=9)
+        ax.set_title(f"VNNI Q4_0 GEMV at decode shapes; load {summary[0]['load_avg_1m']}", fontsize=9)
         ax.legend(fontsize=8)
 
 

@@ -193,9 +193,10 @@ class GemvQVnniCPU(ScheduleTemplate):
         nta = int(os.environ.get("PERFX_VNNI_GEMV_NTA", "1" if long_rows and m == 1 else "0"))
         # Without nta, the codes are prefetched into L1 (3, prefetcht0). Target files may override both
         # per CPU vendor (targets/x86-avx512.json "vendor_templates", applied to `host`): on an Intel
-        # Xeon (2 vCPUs, 31 GB/s probe), prefetchnta streamed TinyLlama's GEMVs at 12.6-13.6 GB/s,
-        # prefetcht0 at 24.4-29.3 and prefetcht1 (2, into L2) at 26.3-31.4; SmolLM2's short rows at
-        # 12.9 / 21.3-21.9 / 21.1-23.4 (benchmarks/results/gemv_prefetch_locality_intel.csv).
+        # Xeon (2 vCPUs, 30 GB/s probe), per pass over DRAM-resident copies, prefetchnta streamed
+        # TinyLlama's GEMVs at 12.8-14.5 GB/s, prefetcht0 at 21.6-26.1 and prefetcht1 (2, into L2) at
+        # 23.6-28.7 (x1.67-2.16 paired over nta); SmolLM2's short rows at 11.8-12.7 / 19.8-20.9 /
+        # 19.6-22.1 (benchmarks/results/intel-xeon/gemv_qvnni_shapes_bw_prefetch.csv).
         ploc = int(os.environ.get("PERFX_VNNI_GEMV_PLOC", "3"))
         # One activation row (decode): one task per core, each quantizing x for itself after the fork,
         # its first weight lines requested before (tquant=1). The serial quantization on the calling

@@ -425,8 +425,8 @@ def test_swiglu_epilogue_gemv_matches_reference(template, target, prologue, fmt,
 @pytest.mark.parametrize("vendor,want", [("GenuineIntel", (0, 2)), ("AuthenticAMD", (1, 3)), ("", (1, 3))])
 def test_host_vendor_picks_the_prefetch_locality(template, monkeypatch, vendor, want):
     """`host` takes targets/x86-avx512.json's vendor_templates for its CPU vendor: on Intel the long-row
-    decode GEMVs prefetch their codes into L2 (ploc 2, no nta; benchmarks/results/
-    gemv_prefetch_locality_intel.csv), elsewhere non-temporally as before. The env switches still win, and
+    decode GEMVs prefetch their codes into L2 (ploc 2, no nta; benchmarks/results/intel-xeon/
+    gemv_qvnni_shapes_bw_prefetch.csv), elsewhere non-temporally as before. The env switches still win, and
     a tuning record without `ploc` is built with the target's."""
     import tvm
 
