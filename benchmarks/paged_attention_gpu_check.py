@@ -73,7 +73,7 @@ def register_rows(build: dict[str, Any]) -> list[dict[str, Any]]:
                 t = load_target(target)
                 prepare_build_env(t)
                 if target.startswith("rocm") and not os.environ.get("ROCM_PATH"):
-                    print(f"{target}: no ROCm toolchain (tests/targets/setup_targets.sh), skipped")
+                    print(f"{target}: no ROCm toolchain (tests/setup.sh), skipped")
                     continue
                 cf = compile_primfunc("paged_attention_gpu", func, t.tvm())
                 if target.startswith("cuda"):

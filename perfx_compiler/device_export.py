@@ -46,7 +46,7 @@ def _capture_rocm_link() -> None:
 
 
 def prepare_build_env(target: Any) -> None:
-    """ROCm: TVM needs $ROCM_PATH/amdgcn/bitcode and an ld.lld >= 19 (tests/targets/setup_targets.sh makes one)."""
+    """ROCm: TVM needs $ROCM_PATH/amdgcn/bitcode and an ld.lld >= 19 (tests/setup.sh makes one)."""
     if target.tvm_target.get("kind") != "rocm":
         return
     _HSACO.clear()

@@ -40,7 +40,7 @@ def opencl_available() -> str | None:
     try:
         import pyopencl as cl
     except ImportError as err:
-        return f"pyopencl missing ({err}); run tests/targets/setup_targets.sh"
+        return f"pyopencl missing ({err}); run tests/setup.sh"
     try:
         platforms = cl.get_platforms()
     except Exception as err:  # noqa: BLE001 - no ICD loader / platform

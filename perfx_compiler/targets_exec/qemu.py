@@ -1,7 +1,7 @@
 """Run cross-compiled (aarch64) artifacts under qemu-user with the TVM runtime of PyPI's aarch64 wheels.
 
 ``native/vm_decode.cc`` is a small C++ program linked against ``libtvm_runtime.so`` +
-``libtvm_ffi.so`` (aarch64, unpacked by tests/targets/setup_targets.sh); it loads ``model.so``,
+``libtvm_ffi.so`` (aarch64, unpacked by tests/setup.sh); it loads ``model.so``,
 creates the Relax VM and runs ``decode`` for a list of tokens, writing the logits. The plan file
 tells it each argument after (input_ids, past_len): KV caches as zeros, weights read from
 ``weights.bin`` at their manifest offsets.
@@ -28,9 +28,9 @@ def qemu_missing(arch: str = "aarch64") -> str | None:
     cxx, qemu, _ = ARCHES[arch]
     for tool in (cxx, qemu):
         if shutil.which(tool) is None:
-            return f"{tool} not found; run tests/targets/setup_targets.sh"
+            return f"{tool} not found; run tests/setup.sh"
     if aarch64_runtime_dir() is None:
-        return "aarch64 TVM runtime libraries missing; run tests/targets/setup_targets.sh"
+        return "aarch64 TVM runtime libraries missing; run tests/setup.sh"
     return None
 
 

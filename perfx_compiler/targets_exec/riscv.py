@@ -32,7 +32,7 @@ def riscv_missing() -> str | None:
     """None when the riscv64 cross compilers, qemu-riscv64 and the sysroot are present, else why not."""
     for tool in (CC, CXX, QEMU):
         if shutil.which(tool) is None:
-            return f"{tool} not found; run tests/targets/setup_targets.sh"
+            return f"{tool} not found; run tests/setup.sh"
     if not Path(SYSROOT).is_dir():
         return f"riscv64 sysroot {SYSROOT} missing (libc6-riscv64-cross)"
     return None

@@ -70,7 +70,7 @@ def which(*names: str) -> str | None:
 
 
 def aarch64_runtime_dir() -> Path | None:
-    """Folder holding the aarch64 libtvm_runtime.so + libtvm_ffi.so (setup_targets.sh unpacks them)."""
+    """Folder holding the aarch64 libtvm_runtime.so + libtvm_ffi.so (tests/setup.sh unpacks them)."""
     d = CACHE / "aarch64-runtime" / "lib"
     if (d / "libtvm_runtime.so").exists() and (d / "libtvm_ffi.so").exists():
         return d

@@ -55,7 +55,7 @@ def webgpu_available() -> str | None:
     try:
         import wgpu
     except ImportError as err:
-        return f"wgpu missing ({err}); run tests/targets/setup_targets.sh"
+        return f"wgpu missing ({err}); run tests/setup.sh"
     try:
         adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
     except Exception as err:  # noqa: BLE001 - no Vulkan loader / ICD

@@ -1,7 +1,7 @@
 """Our GGUF tokenizers against llama.cpp's own expected tokenizations.
 
 llama.cpp ships vocab-only GGUFs with inputs (.inp) and the token ids its
-tokenizer must produce (.out). Fetch them once with tests/fetch_llamacpp_vocab.sh;
+tokenizer must produce (.out). Fetch them once with tests/setup.sh;
 the directory is $PERFX_LLAMACPP_VOCAB_DIR or ~/.cache/perfx/llamacpp-vocab.
 """
 
@@ -58,7 +58,7 @@ def _tokenizer_json(gguf_path: Path, cache_dir: Path) -> str:
 def test_matches_llamacpp(name: str, request: pytest.FixtureRequest) -> None:
     gguf_path = VOCAB_DIR / f"ggml-vocab-{name}.gguf"
     if not Path(f"{gguf_path}.out").is_file():
-        reason = f"llama.cpp vocab files absent in {VOCAB_DIR}; run tests/fetch_llamacpp_vocab.sh"
+        reason = f"llama.cpp vocab files absent in {VOCAB_DIR}; run tests/setup.sh"
         print(reason)
         pytest.skip(reason)
     cache = getattr(request.config, "cache", None)  # absent under -p no:cacheprovider

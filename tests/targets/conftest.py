@@ -1,14 +1,12 @@
 """Target execution checks (``pytest -m targets``): every target compiles; kernels and whole models run
 on this CPU-only machine through qemu-user, PoCL, nvcc and the ROCm code object toolchain.
 
-The session first runs ``setup_targets.sh`` (idempotent; set PERFX_TARGETS_NO_SETUP=1 to skip it);
-a test whose tool is still missing afterwards skips with the reason.
+``tests/setup.sh`` (the README's test command) installs every tool they use; a test whose tool is missing
+skips with the reason, and under ``CI=true`` fails (tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,15 +18,6 @@ if str(REPO) not in sys.path:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from targets_common import MAX_CONTEXT, TOKENS  # noqa: E402
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _setup_targets() -> None:
-    if os.environ.get("PERFX_TARGETS_NO_SETUP") == "1":
-        return
-    script = Path(__file__).with_name("setup_targets.sh")
-    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=1800)
-    print(proc.stdout[-2000:], proc.stderr[-2000:])
 
 
 @pytest.fixture(scope="session")

@@ -47,7 +47,7 @@ def test_rocm_code_objects(target: str, tiny_gguf: Path, tmp_path: Path) -> None
     import os
 
     if not os.environ.get("ROCM_PATH"):
-        pytest.skip("no ROCm bitcode / ld.lld-19 (run tests/targets/setup_targets.sh)")
+        pytest.skip("no ROCm bitcode / ld.lld-19 (run tests/setup.sh)")
     out = compile_model(str(tiny_gguf), target, tmp_path / target, progress=False, max_context=MAX_CONTEXT)
     mcpu = load_target(target).tvm_target["mcpu"]
     hsaco = (out / f"kernels.{mcpu}.hsaco").read_bytes()

