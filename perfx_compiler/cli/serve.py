@@ -1,10 +1,13 @@
 """``perfx-serve``: an OpenAI-compatible HTTP server with continuous batching over a compiled model.
 
     perfx-serve ARTIFACT_DIR [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--max-batch 16] [--queue-size 64]
+                [--served-model-name NAME]
 
 Serves ``/v1/completions``, ``/v1/chat/completions`` (streaming too), ``/v1/models``,
 ``/health`` and ``/metrics``. It binds to 127.0.0.1 unless told otherwise; the API key
-may also come from $PERFX_API_KEY. User errors print ``perfx-serve: error: ...`` and exit 2.
+may also come from $PERFX_API_KEY. The model is served under the artifact folder's name
+(``perfx-serve out`` serves ``"model": "out"``), or ``--served-model-name``, as vLLM names it
+after the path it was given. User errors print ``perfx-serve: error: ...`` and exit 2.
 """
 
 from __future__ import annotations
@@ -36,7 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-size", type=int, default=64, help="waiting requests before answering 503 (default 64)")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: max-batch full contexts)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per step (default 256)")
-    p.add_argument("--model-name", default=None, help="model id in the API (default: the artifact's model name)")
+    # --model-name: this option's earlier spelling, kept so existing command lines still work
+    p.add_argument(
+        "--served-model-name",
+        "--model-name",
+        dest="served_model_name",
+        default=None,
+        help="model id in the API (default: the artifact folder's name, e.g. 'out')",
+    )
     p.add_argument("--seed", type=int, default=None, help="seed for requests that give none")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--no-verify", action="store_true", help="skip the artifact's sha256 check (faster start)")
@@ -50,6 +60,8 @@ def _check(args: argparse.Namespace) -> None:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     if args.num_pages is not None and args.num_pages < 1:
         raise UsageError("--num-pages must be at least 1")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise UsageError("--served-model-name must not be empty")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if not (Path(args.artifact) / "perfx-config.json").is_file():
@@ -57,6 +69,14 @@ def _check(args: argparse.Namespace) -> None:
             f"{args.artifact} is not a compiled artifact (no perfx-config.json); "
             "compile one with 'perfx-compile MODEL -o DIR'"
         )
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """The name clients put in "model": the one the user gave, else the artifact folder's own name
+    (not the weights' metadata name, which the user never typed and may hold spaces)."""
+    if args.served_model_name is not None:
+        return str(args.served_model_name)
+    return Path(os.path.abspath(args.artifact)).name  # abspath: "out/" and "." name a folder too
 
 
 def _is_loopback(host: str) -> bool:
@@ -85,7 +105,7 @@ def _run(args: argparse.Namespace) -> int:
     engine = BatchEngine(args.artifact, verify=not args.no_verify, num_pages=args.num_pages, max_batch=args.max_batch)
     app = create_app(
         engine,
-        model_name=args.model_name,
+        model_name=served_model_name(args),
         api_key=api_key,
         max_queue=args.queue_size,
         max_batch=args.max_batch,

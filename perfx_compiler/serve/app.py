@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -215,6 +216,20 @@ class Server:
             raise P.RequestError(str(e), status=503, type="server_error", code="shutting_down") from None
 
 
+async def _parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """The body as JSON whatever its Content-Type: curl's ``-d`` sends form-urlencoded, and OpenAI's API
+    (as vLLM's) reads the JSON anyway; FastAPI's own body parsing would refuse it with a 400."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise P.RequestError(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:  # reported by the same handler as FastAPI's own validation errors
+        raise RequestValidationError(e.errors()) from None
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -379,7 +394,10 @@ def create_app(
     seed: int | None = None,
     retry_after: float = 1.0,
 ) -> FastAPI:
-    """The FastAPI app serving ``engine`` (a ``BatchEngine``); the scheduler runs while the app is up."""
+    """The FastAPI app serving ``engine`` (a ``BatchEngine``); the scheduler runs while the app is up.
+
+    ``model_name`` is the id clients send as "model" (default: the manifest's model name; ``perfx-serve``
+    passes the artifact folder's name or ``--served-model-name``)."""
     srv = Server(
         engine,
         model_name=model_name,
@@ -430,12 +448,12 @@ def create_app(
         return _error(P.RequestError(f"internal error: {e}", status=500, type="server_error"))
 
     @app.post("/v1/completions")
-    async def completions(body: P.CompletionRequest, request: Request) -> Response:
-        return await _completions(srv, body, request)
+    async def completions(request: Request) -> Response:
+        return await _completions(srv, await _parse_body(request, P.CompletionRequest), request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: P.ChatRequest, request: Request) -> Response:
-        return await _chat(srv, body, request)
+    async def chat_completions(request: Request) -> Response:
+        return await _chat(srv, await _parse_body(request, P.ChatRequest), request)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

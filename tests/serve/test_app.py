@@ -260,6 +260,24 @@ def test_bad_completion_requests(serve_shared: Any, name: str, body: bytes, stat
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("content_type", [None, "application/x-www-form-urlencoded", "text/plain"])
+def test_json_body_read_whatever_the_content_type(serve_shared: Any, content_type: str | None) -> None:
+    # curl -d sends application/x-www-form-urlencoded; OpenAI's API (and vLLM) read the JSON anyway
+    headers = {"content-type": content_type} if content_type else {}
+    url = serve_shared.url
+    body = b'{"model": "fake-model", "prompt": "Hello", "max_tokens": 3}'
+    r = httpx.post(f"{url}/v1/completions", content=body, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+    chat = b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}'
+    r = httpx.post(f"{url}/v1/chat/completions", content=chat, headers=headers, timeout=30)
+    assert r.status_code == 200, r.text
+    bad = httpx.post(f"{url}/v1/completions", content=b"prompt=Hello", headers=headers, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+    typed = httpx.post(f"{url}/v1/completions", content=b'{"prompt": 5}', headers=headers, timeout=30)
+    assert typed.status_code == 400 and typed.json()["error"]["param"] == "prompt"
+
+
 BAD_CHAT = [
     ("messages missing", {}, "messages"),
     ("messages empty", {"messages": []}, "messages"),

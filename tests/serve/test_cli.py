@@ -22,3 +22,17 @@ def test_defaults_bind_loopback() -> None:
     assert args.host == "127.0.0.1" and args.port == 8000 and args.max_batch == 16 and args.queue_size == 64
     assert _is_loopback("127.0.0.1") and _is_loopback("localhost") and _is_loopback("::1")
     assert not _is_loopback("0.0.0.0")
+
+
+def test_served_model_name_is_what_the_user_typed(tmp_path: Path, capsys: Any) -> None:
+    from perfx_compiler.cli.serve import main, served_model_name
+
+    parse = build_parser().parse_args
+    assert served_model_name(parse(["out"])) == "out"  # the README's `perfx-serve out`, not general.name
+    assert served_model_name(parse(["out/"])) == "out"
+    assert served_model_name(parse([str(tmp_path / "art")])) == "art"
+    assert served_model_name(parse(["out", "--served-model-name", "smol"])) == "smol"
+    assert served_model_name(parse(["out", "--model-name", "old-spelling"])) == "old-spelling"
+    (tmp_path / "perfx-config.json").write_text("{}")
+    assert main([str(tmp_path), "--served-model-name", " "]) == 2
+    assert "--served-model-name must not be empty" in capsys.readouterr().err
