@@ -14,17 +14,27 @@ The record is used only when it is safe:
 * the logits tensor the VM returned is the output argument of a recorded call;
 * the same step (token, position) run again by the replay gives the VM's logits bit for bit
   (re-running a step rewrites the same KV row with the same values).
-Without a C++ compiler (the loop is built once per machine by ``tvm_ffi.cpp.load_inline``) the VM
-runs every step. ``PERFX_DECODE_REPLAY=0`` keeps the VM (A/B runs).
+The loop is a small C++ library built once per machine (``tvm_ffi.cpp.build_inline``) into
+``~/.cache/perfx/native`` ($XDG_CACHE_HOME respected) under a name keyed by its source, the C++
+compiler and the tvm_ffi version. ``perfx-compile`` builds it for a host CPU artifact and the engine
+at load, so no decode step waits for a compiler; once the file exists it is loaded as is, ninja never
+runs again (ninja rebuilt the object whenever a header's mtime moved, e.g. after a reinstall of
+apache-tvm-ffi, inside a timed decode step). Without a C++ compiler the VM runs every step.
+``PERFX_DECODE_REPLAY=0`` keeps the VM (A/B runs).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -118,19 +128,78 @@ Function build_greedy(Array<Array<Any>> calls) {
 """
 
 
-@functools.cache
-def _module() -> Any:
-    """The C++ loops (``build(calls)``, ``build_greedy(calls)``), compiled once per machine (tvm_ffi
-    caches the library); None where they cannot be built (no C++ compiler)."""
-    try:
-        import tvm_ffi.cpp
+_NAME = "perfx_decode_replay_step"
+_FUNCTIONS = ["build", "build_greedy"]
+_CFLAGS = ["-O2"]
 
-        return tvm_ffi.cpp.load_inline("perfx_decode_replay_step", cpp_sources=_STEP_CC,
-                                       functions=["build", "build_greedy"], extra_cflags=["-O2"])
+
+def cache_dir() -> Path:
+    """Where the built loop lives: $XDG_CACHE_HOME/perfx/native, else ~/.cache/perfx/native."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "perfx" / "native"
+
+
+def _compiler_id() -> str:
+    """The C++ compiler tvm_ffi's ninja file calls ($CXX, else c++) and its version line: a new
+    compiler gets a new library, an unchanged one keeps the old."""
+    cxx = os.environ.get("CXX", "c++")
+    path = shutil.which(cxx) or cxx
+    try:
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return f"{os.path.realpath(path)}\n{version.splitlines()[0] if version else ''}"
+
+
+def library_path() -> Path:
+    """The built loop's file: named by a hash of everything that decides its bytes (the source, the
+    exported names, the flags, the compiler, tvm_ffi's version: its headers and ABI)."""
+    import tvm_ffi
+
+    key = "\0".join([_STEP_CC, *_FUNCTIONS, *_CFLAGS, _compiler_id(), str(tvm_ffi.__version__)])
+    return cache_dir() / f"{_NAME}_{hashlib.sha256(key.encode()).hexdigest()[:16]}.so"
+
+
+def build_library() -> Path:
+    """The loop's library, built now if this machine has none yet (seconds; raises where it cannot be
+    built). Built in a private folder and renamed into place, so concurrent builders never see half a
+    file; an existing library is never rebuilt."""
+    out = library_path()
+    if out.is_file():
+        return out
+    import tvm_ffi.cpp
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{_NAME}-", dir=out.parent)
+    try:
+        built = tvm_ffi.cpp.build_inline(_NAME, cpp_sources=_STEP_CC, functions=_FUNCTIONS, extra_cflags=_CFLAGS,
+                                         build_directory=tmp)
+        os.replace(built, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def prebuild() -> Path | None:
+    """Build the loop ahead of any run (``perfx-compile``, engine load); None where it cannot be."""
+    try:
+        return build_library()
     except Exception as err:  # noqa: BLE001 - a missing or broken C++ toolchain
         log.warning("decode replay unavailable (%s: %s): decode runs through the VM",
                     type(err).__name__, str(err).splitlines()[0] if str(err) else "")
         return None
+
+
+@functools.cache
+def _module() -> Any:
+    """The C++ loops (``build(calls)``, ``build_greedy(calls)``), loaded once per process from the
+    library ``build_library`` made; None where they cannot be built (no C++ compiler)."""
+    path = prebuild()
+    if path is None:
+        return None
+    import tvm_ffi
+
+    return tvm_ffi.load_module(str(path))
 
 
 def enabled() -> bool:

@@ -116,23 +116,23 @@ class Engine:
         if self._cpu:
             self._token_view = np.from_dlpack(self._one_token_dev)
             self._pos_view = np.from_dlpack(self._pos_dev)
-        # On the CPU, the first decode step records its kernel calls; later steps replay them from C++
-        # without the VM (decode_replay.py). _vm_reason: why the VM runs them (None: not decided yet).
+        # On the CPU, one decode step's kernel calls are recorded; decode steps replay them from C++
+        # without the VM (decode_replay.py). _vm_reason: why the VM runs them (None only until decided,
+        # in __init__).
         self._replay: decode_replay.DecodeReplay | None = None
         self._vm_reason: str | None = None
         if not (self._cpu and kv_cache):
             self._vm_reason = ""
         elif not decode_replay.enabled():
             self._vm_reason = "PERFX_DECODE_REPLAY=0"
+        else:
+            self._prepare_decode()
 
     @property
     def decode_path(self) -> str:
-        """What runs the decode steps: ``replay (N kernels)``, ``vm (why)``, or ``pending`` before the
-        first step has decided."""
+        """What runs the decode steps: ``replay (N kernels)`` or ``vm (why)`` (decided at load)."""
         if self._replay is not None:
             return f"replay ({self._replay.kernels} kernels)"
-        if self._vm_reason is None:
-            return "pending"
         return f"vm ({self._vm_reason})" if self._vm_reason else "vm"
 
     def _load_weights(self) -> list[Any]:
@@ -205,8 +205,6 @@ class Engine:
                 self._replay.run()
                 self.position += 1
                 return self._replay.logits.copy()  # the replay rewrites this buffer every step
-            if self._vm_reason is None:
-                return self._record_decode()
         else:
             self._one_token[0, 0] = tok
             self._pos[0] = self.position
@@ -220,8 +218,8 @@ class Engine:
     def decode_greedy(self, token_id: int, max_tokens: int, stop_ids: Iterable[int] = ()) -> list[int]:
         """Greedy decoding: feed ``token_id``, then each step's argmax, for up to ``max_tokens`` steps;
         stop after a token in ``stop_ids``. Returns the tokens (the same as ``decode`` + ``np.argmax``
-        per step). Once the decode replay is in use the steps run in one C++ loop (no Python, no logits
-        copy between steps); else, or for the first (recorded) step, through ``decode``."""
+        per step). With the decode replay the steps run in one C++ loop (no Python, no logits copy
+        between steps); else through ``decode``."""
         tok, n = int(token_id), int(max_tokens)
         if not 0 <= tok < self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
@@ -253,23 +251,25 @@ class Engine:
         """Run every later decode step through the VM (for tools that hook the VM's calls)."""
         self._replay, self._vm_reason = None, reason
 
-    def _record_decode(self) -> np.ndarray:
-        """The first decode step: run by the VM and recorded; the record is replayed once on the same
-        token and position (which rewrites the same KV row) and kept only if its logits are the VM's,
-        bit for bit."""
+    def _prepare_decode(self) -> None:
+        """Record the decode step at load: the replay loop's build (seconds on a new machine), the VM's
+        traced step and the replayed check are one-time setup, which must not land in the first timed
+        decode step of a run. The step decodes token 0 at position 0 (its KV row is rewritten by the
+        next prefill); the record is replayed once on the same token and position and kept only if
+        its logits are the VM's, bit for bit."""
+        self._token_view[0, 0] = 0
+        self._pos_view[0] = 0
         logits, replay = decode_replay.record(self.vm, self._vm_decode_step)
         got = np.from_dlpack(logits)[0, 0].copy()
         if isinstance(replay, str):
             self._vm_reason = replay
+            return
+        replay.run()
+        if np.array_equal(replay.logits, got):
+            self._replay = replay
         else:
-            replay.run()
-            if np.array_equal(replay.logits, got):
-                self._replay = replay
-            else:
-                self._vm_reason = "the replayed step differed from the VM's"
-                log.warning("decode replay disabled: its logits differ from the VM's")
-        self.position += 1
-        return got
+            self._vm_reason = "the replayed step differed from the VM's"
+            log.warning("decode replay disabled: its logits differ from the VM's")
 
 
 class HugePageArena:

@@ -41,14 +41,13 @@ np.save(sys.argv[2], np.stack(out))
 
 
 def test_replayed_decode_equals_the_vm_bit_for_bit(smol_artifact, tmp_path):
-    """The replay runs every step after the first, across positions and a second prompt (a prefill by
-    the VM between replayed steps), and gives the VM's logits exactly (the VM in a process of its own)."""
+    """The replay (recorded at load) runs every step, across positions and a second prompt (a prefill
+    by the VM between replayed steps), and gives the VM's logits exactly (the VM in a process of its own)."""
     from perfx_compiler.runtime.engine import Engine
 
     engine = Engine(smol_artifact)
-    assert engine.decode_path == "pending"
+    assert engine.decode_path.startswith("replay ("), engine.decode_path  # recorded at load
     got = _greedy(engine, PROMPT, 12)
-    assert engine.decode_path.startswith("replay ("), engine.decode_path
     got += _greedy(engine, SECOND_PROMPT, 5)
     env = dict(os.environ, PERFX_DECODE_REPLAY="0")
     subprocess.run([sys.executable, "-c", VM_SCRIPT, str(smol_artifact), str(tmp_path / "vm.npy")], env=env,
@@ -61,8 +60,8 @@ def test_replayed_logits_are_not_overwritten_by_the_next_step(smol_artifact):
 
     engine = Engine(smol_artifact)
     engine.prefill(PROMPT)
-    engine.decode(260)  # recorded
-    first = engine.decode(28)  # replayed
+    engine.decode(260)
+    first = engine.decode(28)
     kept = first.copy()
     second = engine.decode(253)
     assert engine.decode_path.startswith("replay (")
@@ -127,10 +126,10 @@ def test_profiler_gets_the_vm_back_after_replayed_steps(smol_artifact):
 
 
 def test_decode_greedy_equals_decode_and_argmax(smol_artifact):
-    """``Engine.decode_greedy`` (the first step recorded through ``decode``, the rest in the C++ loop)
-    gives the per-step ``decode`` + ``np.argmax`` tokens, stops after a stop token, advances the
-    position by the tokens it made, refuses more tokens than the context holds (before running any),
-    and does the same through the VM once the replay is given back."""
+    """``Engine.decode_greedy`` (the steps in the C++ loop) gives the per-step ``decode`` + ``np.argmax``
+    tokens, stops after a stop token, advances the position by the tokens it made, refuses more tokens
+    than the context holds (before running any), and does the same through the VM once the replay is
+    given back."""
     from perfx_compiler.errors import ContextLengthError
     from perfx_compiler.runtime.engine import Engine
 
@@ -143,7 +142,7 @@ def test_decode_greedy_equals_decode_and_argmax(smol_artifact):
     assert fresh.decode_greedy(want[0], 20) == want[1:]
     assert fresh.decode_path.startswith("replay (") and fresh.position == len(PROMPT) + 20
     fresh.reset()
-    fresh.prefill(PROMPT)  # the replay runs from the first step on now
+    fresh.prefill(PROMPT)
     stop = want[12]
     got = fresh.decode_greedy(want[0], 20, stop_ids=[stop])
     assert got == want[1 : want.index(stop, 1) + 1] and fresh.position == len(PROMPT) + len(got)
