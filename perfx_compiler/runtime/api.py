@@ -121,7 +121,10 @@ class Tokenizer:
 
         path = Path(path)
         if not path.is_file():
-            raise ArtifactError(f"tokenizer file {path} is missing; recompile the model")
+            raise ArtifactError(
+                f"tokenizer file {path} is missing; recompile from a model that has a tokenizer, or run "
+                "on token ids with LLM(..., skip_tokenizer_init=True)"
+            )
         try:
             backend = _HFTokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own Exception type
@@ -162,6 +165,14 @@ class Tokenizer:
             **kwargs,
         )
         return self.encode(text) if tokenize else text
+
+
+class _NoTokenizer:
+    """The detokenizer of an ``LLM`` made with ``skip_tokenizer_init``: every text is empty (vLLM's
+    outputs carry token ids only then)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
 
 
 def load_engine(artifact_dir: str | Path, *, verify: bool = True) -> Any:
@@ -250,18 +261,22 @@ class LLM:
         seed: int = 0,
         verify: bool = True,
         cache_dir: str | Path | None = None,
+        skip_tokenizer_init: bool = False,
         **compile_options: Any,
     ) -> None:
         """``model``: an artifact directory, or a model spec (GGUF / HF folder / name) that is
         compiled for ``target`` once and cached under ``cache_dir`` ($PERFX_CACHE_DIR or
-        ~/.cache/perfx/artifacts). Extra keyword arguments are compile options (e.g. max_context)."""
+        ~/.cache/perfx/artifacts). Extra keyword arguments are compile options (e.g. max_context).
+        ``skip_tokenizer_init`` (vLLM's): load no tokenizer, so an artifact without tokenizer.json
+        (e.g. from a torch.onnx export) runs; prompts are token ids, outputs have token ids and
+        empty text, and ``logits`` works as usual."""
         self.model = str(model)
         self.target = target
         self.artifact_dir = resolve_artifact(model, target, cache_dir, compile_options)
         self.engine = load_engine(self.artifact_dir, verify=verify)
         self.manifest: dict[str, Any] = self.engine.manifest
         self.model_info: dict[str, Any] = dict(self.manifest.get("model", {}))
-        self.tokenizer = Tokenizer.from_file(
+        self.tokenizer: Tokenizer | None = None if skip_tokenizer_init else Tokenizer.from_file(
             self.engine.tokenizer_path, self.model_info, self.manifest.get("chat_template")
         )
         self._rng = np.random.default_rng(seed)  # requests without a seed draw theirs from here
@@ -269,7 +284,16 @@ class LLM:
 
     # -- public API -------------------------------------------------------------------------------
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The model's tokenizer; None when made with ``skip_tokenizer_init``."""
+        return self.tokenizer
+
+    def _need_tokenizer(self, what: str) -> Tokenizer:
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                f"{what} needs the tokenizer, which this LLM skipped (skip_tokenizer_init=True); "
+                'give token ids: {"prompt_token_ids": [...]}'
+            )
         return self.tokenizer
 
     @property
@@ -305,9 +329,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template (ChatML if none) and generate."""
         conversations = list(messages) if is_conversation_list(messages) else [messages]
+        tokenizer = self._need_tokenizer("chat()")
         prompts = [
             str(
-                self.tokenizer.apply_chat_template(
+                tokenizer.apply_chat_template(
                     conv,
                     add_generation_prompt=add_generation_prompt,
                     chat_template=chat_template,
@@ -355,7 +380,7 @@ class LLM:
                     continue
                 p = p.get("prompt")
             if isinstance(p, str):
-                items.append((p, self.tokenizer.encode(p)))
+                items.append((p, self._need_tokenizer("a text prompt").encode(p)))
             elif isinstance(p, Sequence) and all(isinstance(t, (int, np.integer)) for t in p):
                 items.append((None, [int(t) for t in p]))
             else:
@@ -377,7 +402,10 @@ class LLM:
         request_id = str(next(self._request_counter))
         arrival = time.time()
         rng = make_generator(sp.seed, self._rng)
-        gens: list[Generation] = generate_n(self.engine, ids, sp, tokenizer=self.tokenizer.backend, rng=rng)
+        if self.tokenizer is None and sp.stop_list:
+            raise InvalidRequestError("stop strings need the tokenizer (skip_tokenizer_init=True); use stop_token_ids")
+        detok = self.tokenizer.backend if self.tokenizer is not None else _NoTokenizer()
+        gens: list[Generation] = generate_n(self.engine, ids, sp, tokenizer=detok, rng=rng)
         outputs = [
             CompletionOutput(
                 index=i,
