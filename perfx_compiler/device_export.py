@@ -21,6 +21,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from perfx_compiler.build_switches import build_switch
+
 CACHE = Path(os.environ.get("PERFX_TARGETS_CACHE", Path.home() / ".cache" / "perfx-targets"))
 
 
@@ -110,7 +112,7 @@ def export_device_code(executable: Any, target: Any, out_dir: Path) -> dict[str,
             src = m.inspect_source()
             (out_dir / "kernels.cu").write_text(src)
             facts["files"].append("kernels.cu")
-            if os.environ.get("PERFX_NO_CUBIN") != "1":
+            if build_switch("PERFX_NO_CUBIN") != "1":
                 arch = str(tt.get("arch", "sm_80"))
                 res = nvcc_cubin(src, arch, out_dir)
                 if "cubin" in res:

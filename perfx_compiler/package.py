@@ -66,6 +66,7 @@ def write_artifact(state: Any) -> Path:
 
 def _write_into(state: Any, tmp: Path, out: Path) -> Path:
     from perfx_compiler import __version__
+    from perfx_compiler.build_switches import build_switches
     from perfx_compiler.passes.texture_weights import texture_manifest
 
     desc, target = state.desc, state.target
@@ -87,6 +88,10 @@ def _write_into(state: Any, tmp: Path, out: Path) -> Path:
         "quantization": state.options.quantization,
         "activations": getattr(state.options, "activations", "f32"),
         "precision": getattr(state.options, "precision", "f32"),
+        # PERFX_* switches in effect (build_switches.py): they change kernels, so they are part of the record
+        "build_switches": build_switches(),
+        # every kernel and the template that scheduled it (schedule.py; --report prints them)
+        "schedules": state.notes.get("schedules", []),
         "functions": {name: name for name in exported_functions(state.options)},
         # element type of input_ids / past_len / positions / page_table (int32 on targets without i64)
         "index_dtype": index_dtype_of(target),

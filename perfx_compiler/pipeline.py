@@ -24,6 +24,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from perfx_compiler.build_switches import build_switch
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.model.description import ModelDescription
 from perfx_compiler.targets import TargetDescription, load_target
@@ -62,6 +63,7 @@ class CompileOptions:
     batching: bool = True  # also export the paged, batched functions used for serving
     activations: str = "auto"  # quantized linears' inputs: auto | f32 | int8 (resolve_activations)
     precision: str = "f32"  # matmul inputs: f32 | bf16 | f16 | fp8 (passes/precision.py; checked per target)
+    best_effort: bool = False  # build kernels no template could schedule unscheduled (warning) instead of failing
 
 
 @dataclass
@@ -183,26 +185,45 @@ def phase_lower(state: CompileState) -> None:
 
 
 def phase_schedule(state: CompileState) -> None:
+    from perfx_compiler.schedule import KernelSchedule, schedule_module
+
     if state.options.schedule == "perfx":
-        from perfx_compiler.schedule import apply_schedules
         from perfx_compiler.tune.records import default_records
 
         records = default_records(state.target.name, state.options.tuning_log)
         state.notes["tuning_records"] = 0 if records is None else len(records)
-        state.mod = apply_schedules(state.mod, state.target, records)
-        _bind_gpu_host_kernels(state)
-        return
-    from tvm.s_tir import dlight as dl
+        state.mod, outcomes = schedule_module(state.mod, state.target, records, state.options.best_effort)
+    else:
+        from tvm.s_tir import dlight as dl
 
-    tgt = state.target.tvm()
-    rules = (
-        [dl.cpu.GEMV(), dl.cpu.Reduction()]
-        if state.target.family == "cpu"
-        else [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
-    )
-    with tgt:
-        state.mod = dl.ApplyDefaultSchedule(*rules)(state.mod)
+        tgt = state.target.tvm()
+        rules = (
+            [dl.cpu.GEMV(), dl.cpu.Reduction()]
+            if state.target.family == "cpu"
+            else [dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()]
+        )
+        before = {gv.name_hint for gv, f in state.mod.functions.items() if _scheduled_prim(f)}
+        with tgt:
+            state.mod = dl.ApplyDefaultSchedule(*rules)(state.mod)
+        # dlight is TVM's baseline (--schedule dlight): what it leaves is reported, never an error
+        outcomes = [
+            KernelSchedule(gv.name_hint, "hand-written", "pre-scheduled") if gv.name_hint in before
+            else KernelSchedule(gv.name_hint, "dlight" if _scheduled_prim(f) else None,
+                                "dlight" if _scheduled_prim(f) else "unmatched")
+            for gv, f in state.mod.functions.items() if isinstance(f, tvm.tirx.PrimFunc)
+        ]
     _bind_gpu_host_kernels(state)
+    adapted = set(state.notes.get("gpu_host_kernels_adapted") or [])
+    for o in outcomes:
+        if o.kernel in adapted:  # moved to the device by gpu_adapt's generic net (see its docstring)
+            o.source = f"{o.source}, gpu_adapt" if o.template else "gpu_adapt"
+    state.notes["schedules"] = [o.to_json() for o in sorted(outcomes, key=lambda o: o.kernel)]
+
+
+def _scheduled_prim(func: Any) -> bool:
+    from perfx_compiler.schedule import SCHEDULED_ATTR
+
+    return isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None and bool(func.attrs.get(SCHEDULED_ATTR, False))
 
 
 def _bind_gpu_host_kernels(state: CompileState) -> None:
@@ -244,7 +265,7 @@ def phase_build(state: CompileState) -> None:
     # CPU: one tensor view per planned buffer instead of an alloc_tensor + kill per use (decode step:
     # ~300 VM builtin calls fewer); other targets keep TVM's lowering as it was tested there.
     # PERFX_REUSE_VIEWS=0 builds without it (A/B: benchmarks/decode_overhead.py).
-    on = state.target.family == "cpu" and os.environ.get("PERFX_REUSE_VIEWS", "1") != "0"
+    on = state.target.family == "cpu" and build_switch("PERFX_REUSE_VIEWS", "1") != "0"
     # Phases 1-3 did legalization, fusion and scheduling; only VM lowering remains.
     finish = tvm.transform.Sequential(vm_lowering_passes(reuse_views=on))
     state.executable = tvm.compile(state.mod, target=tgt, relax_pipeline=finish, tir_pipeline=_tir_pipeline(state))

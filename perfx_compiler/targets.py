@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from perfx_compiler.build_switches import build_switch
 from perfx_compiler.errors import PerfXError, UnknownTargetError
 
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "targets"
@@ -18,7 +19,7 @@ TARGETS_DIR = Path(__file__).resolve().parent.parent / "targets"
 
 def targets_dir() -> Path:
     """Where target files live: $PERFX_TARGETS_DIR, the repo's targets/, or the installed copy."""
-    env = os.environ.get("PERFX_TARGETS_DIR")
+    env = build_switch("PERFX_TARGETS_DIR")
     if env:
         return Path(env)
     if TARGETS_DIR.is_dir():

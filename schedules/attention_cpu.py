@@ -19,9 +19,9 @@ the same rewrite, so the function keeps its signature.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
+from perfx_compiler.build_switches import build_switch
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -59,7 +59,7 @@ def _decode_prefetch() -> int:
     step, replayed in alternation: x1.013 on two cores, x1.011 on one core's two threads
     (benchmarks/results/decode_step_ab_tinyllama-q4_0_kv_prefetch.csv).
     ``PERFX_ATTN_DECODE_PREFETCH`` is the A/B switch (0: off)."""
-    return int(os.environ.get("PERFX_ATTN_DECODE_PREFETCH", 8))
+    return int(build_switch("PERFX_ATTN_DECODE_PREFETCH", 8))
 
 
 class AttentionCPU(ScheduleTemplate):
@@ -113,7 +113,7 @@ class AttentionCPU(ScheduleTemplate):
             # Otherwise kv heads x splits tasks (3 x 2 balance 2 cores); chunks stay >= one tile long.
             cores = max(1, int(target.cores or 2))
             splits = 1 if d["KVH"] % cores == 0 else 2 if cores <= 2 else 4
-            splits = int(os.environ.get("PERFX_ATTN_DECODE_SPLITS", splits))  # A/B switch
+            splits = int(build_switch("PERFX_ATTN_DECODE_SPLITS", splits))  # A/B switch
             return {"k_tile": tile, "splits": splits, "lanes": lanes, "prefetch": _decode_prefetch()}
         G = d["H"] // d["KVH"]
         key_block = next(b for b in (4, 2, 1) if tile % b == 0)  # a cache under 4 positions has a shorter tile

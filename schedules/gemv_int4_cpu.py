@@ -23,9 +23,9 @@ L consecutive codes):
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from perfx_compiler.build_switches import build_switch
 from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.passes._quant_attr import QUANT_ATTR, read_quant_info
 from perfx_compiler.schedule_template import (
@@ -402,7 +402,7 @@ class GemvInt4CPU(ScheduleTemplate):
         config: dict[str, Any] = {"tasks": rows_divisor(workload.dims["N"], 16)}
         if self._gemv_once() is not None and self._multi_row(workload):
             # PERFX_GEMV_UNPACK_ONCE=0: the per-row kernel (A/B baseline of whole-model benchmarks)
-            config["unpack_once"] = 0 if os.environ.get("PERFX_GEMV_UNPACK_ONCE", "1") == "0" else 1
+            config["unpack_once"] = 0 if build_switch("PERFX_GEMV_UNPACK_ONCE", "1") == "0" else 1
             if workload.info.get("batch"):
                 # 4 rows x 4 weight rows of accumulators: beat 8 x 2 at batch 1..4, about even at 8
                 config["chunk"] = 4

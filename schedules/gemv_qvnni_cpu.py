@@ -28,9 +28,9 @@ pipeline resolves activations to f32 there).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
+from perfx_compiler.build_switches import build_switch
 from perfx_compiler.passes._qvnni import has_avx512_vnni
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
@@ -159,30 +159,30 @@ class GemvQVnniCPU(ScheduleTemplate):
         # PERFX_VNNI_GEMV_LONG_ROWS=plain | split: the earlier defaults (A/B switch); the tuner searches both knobs.
         # Several activation rows (batched decode, small prefill buckets; units may drop to 1 there for
         # the accumulators) keep split/hinib: not measured.
-        long_mode = os.environ.get("PERFX_VNNI_GEMV_LONG_ROWS", "hinib")
+        long_mode = build_switch("PERFX_VNNI_GEMV_LONG_ROWS", "hinib")
         if long_rows and m == 1 and long_mode in ("plain", "hinib"):
             split, hinib = 1, int(long_mode == "hinib")
-        if os.environ.get("PERFX_VNNI_GEMV_BASE") == "1":  # A/B baseline: the kernel before split/hinib
+        if build_switch("PERFX_VNNI_GEMV_BASE") == "1":  # A/B baseline: the kernel before split/hinib
             return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0}
         # Codes prefetched 128 steps (8 KiB) ahead: the hardware prefetchers alone keep too few lines in
         # flight while the core also computes; one thread read ~75% of the probe's one-thread bandwidth
         # without it. At TinyLlama's shapes, 2 threads, per-call best and 10th percentile GB/s rose
         # 6-27% (benchmarks/gemv_qvnni_shapes_bw.py); 16 steps (1 KiB) did not help.
-        prefetch = int(os.environ.get("PERFX_VNNI_GEMV_PREFETCH", "128"))  # A/B: 0 = hardware only
+        prefetch = int(build_switch("PERFX_VNNI_GEMV_PREFETCH", "128"))  # A/B: 0 = hardware only
         # Scale (and zero/min) chunks prefetched as far ahead as the codes, for N <= 4096: at TinyLlama's
         # qkv / o / down, 2 threads, paired x1.02-1.08 and call p10 x1.02-1.06 over two runs (load 0.6
         # and 1.6), reverting it lost 3-8% (call p10, shared weight copies); at gate_up (N=11264) and
         # lm_head (N=32000) it lost 3-4% (call p10, vs an A/A pair within 2%): off there
         # (benchmarks/results/gemv_qvnni_shared_copies_ab.csv, gemv_qvnni_sprefetch_large_ab.csv).
-        sprefetch = int(os.environ.get("PERFX_VNNI_GEMV_SPREFETCH", "1" if d["N"] <= 4096 else "0"))
+        sprefetch = int(build_switch("PERFX_VNNI_GEMV_SPREFETCH", "1" if d["N"] <= 4096 else "0"))
         # x quantized on the calling thread: a parallel loop of its own (pquant=2) lost 3% at qkv and o,
         # a second pool launch costing more than the quantization it splits (same CSVs)
-        pquant = int(os.environ.get("PERFX_VNNI_GEMV_PQUANT", "0"))  # A/B switch
+        pquant = int(build_switch("PERFX_VNNI_GEMV_PQUANT", "0"))  # A/B switch
         # x's per-group max and code sum folded in registers (qtree=1): the N=2 GEMV (launch + x's
         # quantization + one row pair) took 4-15% less than with 15-step chains at K=576..5632
         # (benchmarks/results/gemv_qvnni_overheads.csv, prologue_K vs prologue_K_qtree); the tree
         # through a buffer it replaced had timed no better than an A/A pair (store-forwarding stalls)
-        qtree = int(os.environ.get("PERFX_VNNI_GEMV_QTREE", "1"))  # A/B switch
+        qtree = int(build_switch("PERFX_VNNI_GEMV_QTREE", "1"))  # A/B switch
         # Long rows of one activation row prefetch their codes non-temporally (prefetchnta): TinyLlama's
         # whole decode, mirrored A/B, x1.079 on one thread (80-81% -> 87-89% of the probe) and x1.044 on
         # two (steady turns on one core's two threads: 74.4 -> 77.8 tok/s, 86% -> 90%; the run had no
@@ -190,14 +190,14 @@ class GemvQVnniCPU(ScheduleTemplate):
         # threads and -4%..+4% on one (gemv_qvnni_nta_2t.csv, _1t.csv): the gain is in the decode step
         # around the GEMVs, which per-kernel timing cannot see, so nta is a default and an A/B switch,
         # not searched. Short rows: not measured.
-        nta = int(os.environ.get("PERFX_VNNI_GEMV_NTA", "1" if long_rows and m == 1 else "0"))
+        nta = int(build_switch("PERFX_VNNI_GEMV_NTA", "1" if long_rows and m == 1 else "0"))
         # Without nta, the codes are prefetched into L1 (3, prefetcht0). Target files may override both
         # per CPU vendor (targets/x86-avx512.json "vendor_templates", applied to `host`): on an Intel
         # Xeon (2 vCPUs, 30 GB/s probe), per pass over DRAM-resident copies, prefetchnta streamed
         # TinyLlama's GEMVs at 12.8-14.5 GB/s, prefetcht0 at 21.6-26.1 and prefetcht1 (2, into L2) at
         # 23.6-28.7 (x1.67-2.16 paired over nta); SmolLM2's short rows at 11.8-12.7 / 19.8-20.9 /
         # 19.6-22.1 (benchmarks/results/intel-xeon/gemv_qvnni_shapes_bw_prefetch.csv).
-        ploc = int(os.environ.get("PERFX_VNNI_GEMV_PLOC", "3"))
+        ploc = int(build_switch("PERFX_VNNI_GEMV_PLOC", "3"))
         # One activation row (decode): one task per core, each quantizing x for itself after the fork,
         # its first weight lines requested before (tquant=1). The serial quantization on the calling
         # thread and the stream's first misses left the critical path: TinyLlama's whole decode step,
@@ -206,7 +206,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         # x1.025 on two cores (13 pairs) and x1.002 on one core's two threads (15 pairs; decode_tquant_ab.csv,
         # decode_tquant_ab_shared_run.csv). Several rows (batched decode) keep 16 tasks and the
         # quantization on the calling thread: not measured.
-        tquant = int(os.environ.get("PERFX_VNNI_GEMV_TQUANT", "1" if m == 1 and not pquant else "0"))  # A/B switch
+        tquant = int(build_switch("PERFX_VNNI_GEMV_TQUANT", "1" if m == 1 and not pquant else "0"))  # A/B switch
         tasks = max(1, int(target.cores or 1)) if tquant else 16
         return {"units": units, "tasks": tasks, "unroll": unroll, "prefetch": prefetch, "split": split,
                 "hinib": hinib, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree, "nta": nta,
@@ -216,8 +216,8 @@ class GemvQVnniCPU(ScheduleTemplate):
         config = super().default_config(workload, target)
         # the A/B switches win over a target file's defaults too
         for knob, env in (("nta", "PERFX_VNNI_GEMV_NTA"), ("ploc", "PERFX_VNNI_GEMV_PLOC")):
-            if knob in config and os.environ.get(env):
-                config[knob] = int(os.environ[env])
+            if knob in config and (value := build_switch(env)):
+                config[knob] = int(value)
         return config
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:

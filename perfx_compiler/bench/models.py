@@ -63,6 +63,15 @@ def compiler_stamp() -> str:
     return digest.hexdigest()[:12]
 
 
+def build_stamp(gguf_path: Path, quantization: str, max_context: int) -> str:
+    """What a cached PerfX build of ``gguf_path`` must match to be reused: the file, the options, the
+    compiler's sources and the PERFX_* build switches in effect (build_switches.py)."""
+    from perfx_compiler.build_switches import build_switches
+
+    switches = json.dumps(build_switches(), sort_keys=True)
+    return _stamp(gguf_path) + f":{quantization}:{max_context}:{compiler_stamp()}:{switches}"
+
+
 def _fresh(marker: Path, stamp: str) -> bool:
     return marker.is_file() and marker.read_text() == stamp
 
@@ -217,7 +226,7 @@ def compile_perfx(
     for q in cands:
         out = work / f"perfx-{model_key(gguf_path)}-{q}-ctx{max_context}"
         marker = out / ".bench-stamp"
-        stamp = _stamp(gguf_path) + f":{q}:{max_context}:{compiler_stamp()}"
+        stamp = build_stamp(gguf_path, q, max_context)
         if not rebuild and _fresh(marker, stamp):
             manifest = json.loads((out / "perfx-config.json").read_text())
         else:

@@ -48,9 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=None,
                    help="also export the paged, batched functions perfx-serve uses")
+    p.add_argument("--best-effort", action="store_true",
+                   help="build kernels that no schedule template could schedule unscheduled (a warning) "
+                        "instead of failing")
     p.add_argument("--emit-onnx", default=None, metavar="FILE", help="also write the model as a runnable ONNX graph")
     p.add_argument("--report", action="store_true",
-                   help="print kernel launches per decode step before/after each fusion pass and the decode time")
+                   help="print every kernel with the template that scheduled it, kernel launches per decode step "
+                        "before/after each fusion pass and the decode time")
     p.add_argument("--list-targets", action="store_true", help="list the known targets and exit")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -110,6 +114,7 @@ def _run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         activations=args.activations,
         precision=args.precision,
+        best_effort=args.best_effort,
         progress=not args.quiet,
         verbose=args.debug,
         **({} if args.batching is None else {"batching": args.batching}),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from perfx_compiler.build_switches import build_switch
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.passes._relax_util import (
     SKIP,
@@ -86,7 +86,7 @@ def use_batch_gemv(on: bool) -> Iterator[None]:
 def batch_gemv_rows(rows: list[int | None], family: str) -> bool:
     """A symbolic batch of few-row linears that the batched GEMV serves (f32 activations; under
     int8 activations the VNNI GEMM already takes symbolic rows)."""
-    if os.environ.get("PERFX_BATCH_GEMV", "1") == "0":  # the old dequantize + GEMM path (A/B baseline)
+    if build_switch("PERFX_BATCH_GEMV", "1") == "0":  # the old dequantize + GEMM path (A/B baseline)
         return False
     return (_BATCH_GEMV.get() and current_activations() == "f32" and family in ("q4", "q8")
             and rows[0] is None and rows[1] is not None and rows[1] <= GEMV_MAX_ROWS)
@@ -161,7 +161,7 @@ def rewrite_linears(
     gemm_rows: set[str] = set()  # weights whose prefill linears run the int8 GEMM (gemm_qvnni_cpu)
     if current_activations() == "int8":
         # PERFX_VNNI_GEMM=0 keeps dequantize + float GEMM for prefill (the A/B benchmarks' baseline)
-        if os.environ.get("PERFX_VNNI_GEMM", "1") != "0":
+        if build_switch("PERFX_VNNI_GEMM", "1") != "0":
             # GGUF passthrough hands over packs already in the VNNI layout (tag suffix "v", no .vnni)
             gemm_rows = {n for n, pk in packed.items() if pk.n % 16 == 0 and (
                 pk.vnni is not None or (pk.family in ("q4", "q8") and pk.tag.endswith("v")))}

@@ -27,12 +27,12 @@ previous GEMV's output is still read, now inside the tasks), SmolLM2 x1.015
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import tvm
 from tvm import relax
 
+from perfx_compiler.build_switches import build_switch
 from perfx_compiler.passes._quant_attr import QUANT_ATTR
 from perfx_compiler.passes._qvnni import vnni_compute
 from perfx_compiler.passes._relax_util import FUSED_OP_ATTR, SKIP, FuncInfo, exported, rewrite_functions
@@ -91,7 +91,7 @@ def _gemvs(mod: tvm.IRModule, info: FuncInfo) -> dict[Any, tuple[str, dict[str, 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
     kernels: dict[str, Any] = {}
     matches: dict[str, list[dict[str, Any]]] = {}
-    epilogues_on = os.environ.get("PERFX_GEMV_SWIGLU_EPILOGUE", "1") != "0"  # A/B: 0 = swiglu as down's prologue
+    epilogues_on = build_switch("PERFX_GEMV_SWIGLU_EPILOGUE", "1") != "0"  # A/B: 0 = swiglu as down's prologue
     for fn in exported(mod):
         info = FuncInfo.of(mod[fn])
         gemvs = _gemvs(mod, info)

@@ -1,4 +1,5 @@
-"""Kernel-launch counts per exported function (what ``--report`` prints before/after fusion).
+"""What ``perfx-compile --report`` prints: every kernel with its schedule template, and kernel-launch
+counts per exported function before/after fusion.
 
 Not a pass (no ``apply``): a helper over any phase's module. After phase 2 every kernel launch is
 a ``call_tir``/``call_tir_inplace``; before lowering, each remaining Relax operator call becomes
@@ -127,8 +128,37 @@ def decode_ms(artifact: Any, steps: int = 32) -> float:
     return 1e3 * float(np.median(times))
 
 
+def schedule_table(rows: list[dict[str, Any]], title: str = "kernels and their schedules") -> str:
+    """One line per kernel (PrimFunc): the template that scheduled it and where its configuration
+    came from (record: a tuning record; default: the template's default; pre-scheduled: a
+    hand-written kernel; gpu_adapt: moved to the device by the generic net), from the manifest's
+    ``schedules`` list. Kernels nothing scheduled (best effort) come first, marked."""
+    rows = sorted(rows, key=lambda r: (r.get("template") is not None, r["kernel"]))
+    width = max([len(r["kernel"]) for r in rows] + [6])
+    counts = Counter(r.get("template") or "UNSCHEDULED" for r in rows)
+    lines = [f"{title} ({len(rows)}: " + ", ".join(f"{n} {t}" for t, n in counts.most_common()) + "):",
+             f"  {'kernel':<{width}} {'template':<18} config"]
+    for r in rows:
+        template = r.get("template") or "UNSCHEDULED"
+        why = f"  [tried: {'; '.join(r['failures'])}]" if r.get("failures") else ""
+        lines.append(f"  {r['kernel']:<{width}} {template:<18} {r.get('source', '')}{why}")
+    return "\n".join(lines)
+
+
+def artifact_schedule_table(artifact: Any) -> str:
+    """:func:`schedule_table` of a compiled artifact's manifest."""
+    import json
+    from pathlib import Path
+
+    manifest = json.loads((Path(artifact) / "perfx-config.json").read_text())
+    rows = manifest.get("schedules")
+    if not rows:
+        return f"kernels and their schedules: not recorded in {artifact} (compiled before they were)"
+    return schedule_table(rows, f"kernels and their schedules in {artifact}")
+
+
 def compile_report(model: str, target: str, artifact: Any, **options: Any) -> str:
-    """What ``perfx-compile --report`` prints: decode/prefill kernel launches per fusion variant
+    """What ``perfx-compile --report`` prints: every kernel of the artifact with its template, decode/prefill kernel launches per fusion variant
     (each lowered for real), this artifact's decode step time when it runs here, and where the
     per-variant decode times are measured."""
     from perfx_compiler.model.loader import load_model
@@ -137,7 +167,8 @@ def compile_report(model: str, target: str, artifact: Any, **options: Any) -> st
     desc = load_model(model, max_context=options.get("max_context"))
     rows = variant_counts(desc, target, **options)
     q = options.get("quantization", "auto")
-    text = [format_counts(rows, f"kernel launches per decode step / prefill call ({model}, target {target}, "
+    text = [artifact_schedule_table(artifact),
+            format_counts(rows, f"kernel launches per decode step / prefill call ({model}, target {target}, "
                                 f"quantization {q}; counted in the lowered Relax module of each variant):")]
     if load_target(target).name == load_target("host").name:
         text.append(f"decode step of {artifact} (all fusions): {decode_ms(artifact):.2f} ms (median of 32 steps)")

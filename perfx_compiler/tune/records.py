@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from perfx_compiler.build_switches import build_switch
 from perfx_compiler.errors import TuningLogError
 
 log = logging.getLogger(__name__)
@@ -276,7 +277,7 @@ def default_records(target_name: str, tuning_log: str | os.PathLike[str] | None 
     Set ``PERFX_TUNING_LOGS`` to another log root, or to ``none`` to build from template defaults."""
     if tuning_log is not None:
         return TuningDatabase.from_path(tuning_log, target_name)
-    env = os.environ.get("PERFX_TUNING_LOGS")
+    env = build_switch("PERFX_TUNING_LOGS")
     if env is not None and env.strip().lower() in ("", "none", "0", "off"):
         return None
     root = Path(env) if env else DEFAULT_LOG_ROOT
