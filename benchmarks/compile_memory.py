@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compile_memory.csv"))
     args = p.parse_args(argv)
 
-    from perfx_compiler.bench.models import _stamp, model_key
+    from perfx_compiler.bench.models import build_stamp, model_key
     from perfx_compiler.model.lazy import is_lazy
     from perfx_compiler.model.loader import load_model
     from perfx_compiler.pipeline import CompileState, compile_model
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.perf_counter()
     compile_model(desc, "host", out, progress=True, quantization=q, max_context=args.max_context)
     total = time.perf_counter() - t1
-    (out / ".bench-stamp").write_text(_stamp(path) + f":{q}:{args.max_context}")
+    (out / ".bench-stamp").write_text(build_stamp(path, q, args.max_context))  # the stamp perfx-bench checks
     timings = timings_ref[-1] if timings_ref else {}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     weights_mb = (out / "weights.bin").stat().st_size / 2**20

@@ -15,6 +15,11 @@ its own bracket is what makes "weights streamed / ceiling" comparable between tu
 measurement during which other processes used more than ``--busy`` CPUs is redone
 (``--max-redo`` times, then kept and flagged).
 
+Every requested peer must run: one that cannot (package missing, conversion or worker load
+failed) stops the bench with one line naming it (exit 2), so a "fastest peer" never silently
+comes from fewer engines; ``--skip-failed-peers`` runs without it, and the run prints (and
+``_machine.json`` records) which engines ran and which were skipped.
+
 Writes ``bench_<model>.csv`` (medians, PerfX/peer ratios taken round by round), ``_rounds.csv``,
 ``_machine.json`` and ``bench_<model>.png``; with ``--profile`` also ``profile_<model>.csv`` and
 ``profile_<model>_roofline.png``.
@@ -38,6 +43,12 @@ from perfx_compiler.targets import cpu_flags
 
 PROG = "perfx-bench"
 DEFAULT_PEERS = "llama.cpp,ort-genai,ort"
+# peer -> (Python package it runs on, the install that provides it)
+PEER_PACKAGES = {
+    "llama.cpp": ("llama_cpp", 'pip install "perfx[bench]" (llama-cpp-python)'),
+    "ort-genai": ("onnxruntime_genai", 'pip install "perfx[bench]" (onnxruntime-genai)'),
+    "ort": ("onnxruntime", "pip install onnxruntime"),
+}
 PREFILL_LENS = (128, 512)  # the CSV's prefill128/prefill512 columns
 # llama-cpp-python built for this CPU's AVX-512 (VNNI, BF16, VBMI) without ggml's AMX kernels
 LLAMA_NO_AMX_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
@@ -61,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default=None, help="PerfX quantization (default: best available for the file)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peers", default=DEFAULT_PEERS, help=f"comma list of peers, '' for PerfX only ({DEFAULT_PEERS})")
+    p.add_argument("--skip-failed-peers", action="store_true",
+                   help="run without a requested peer that fails to load (default: that is an error, exit 2), "
+                        "so a 'fastest peer' may come from fewer engines; the summary says which ran")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -133,10 +147,42 @@ class Worker:
             self.proc.kill()
 
 
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def peer_failed(args: argparse.Namespace, peer: str, why: str, skipped: dict[str, str]) -> None:
+    """A requested peer that cannot run: an error naming it (a 'fastest peer' over fewer engines than
+    asked for would mislead), or with ``--skip-failed-peers`` one printed line and a note in ``skipped``."""
+    if not getattr(args, "skip_failed_peers", False):
+        raise PerfXError(f"peer {peer} failed: {why} (--skip-failed-peers runs without it)")
+    print(f"{PROG}: skipping {peer}: {why}")
+    skipped[peer] = why
+
+
+def check_peers(args: argparse.Namespace, peers: list[str], skipped: dict[str, str]) -> list[str]:
+    """The requested peers that can start, checked before the machine probes and the builds: an
+    unknown name is always an error; a missing package goes through :func:`peer_failed`."""
+    import importlib.util
+
+    unknown = [p for p in peers if p not in PEER_PACKAGES]
+    if unknown:
+        raise PerfXError(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEER_PACKAGES)}")
+    ok = []
+    for peer in peers:
+        module, install = PEER_PACKAGES[peer]
+        if importlib.util.find_spec(module) is None:
+            peer_failed(args, peer, f"{module} is not installed ({install})", skipped)
+        else:
+            ok.append(peer)
+    return ok
+
+
 def _prepare(
-    args: argparse.Namespace, gguf: Path, work: Path, peers: list[str]
+    args: argparse.Namespace, gguf: Path, work: Path, peers: list[str], skipped: dict[str, str]
 ) -> tuple[dict[str, Path], dict[str, dict[str, Any]]]:
-    """Model forms for PerfX and each available peer; skipped peers print a reason."""
+    """Model forms for PerfX and each requested peer (a peer that fails: see :func:`peer_failed`)."""
     from perfx_compiler.bench import models
 
     paths: dict[str, Path] = {}
@@ -152,20 +198,14 @@ def _prepare(
     for peer in peers:
         try:
             if peer == "llama.cpp":
-                import importlib.util
-
-                if importlib.util.find_spec("llama_cpp") is None:
-                    raise PerfXError("llama-cpp-python is not installed (pip install .[bench])")
                 paths[peer] = gguf
             elif peer == "ort-genai":
                 paths[peer] = models.build_ort_genai(gguf, work, rebuild=args.rebuild)
             elif peer == "ort":
                 paths[peer] = models.emit_ort_onnx(gguf, work, args.max_context, args.rebuild)
-            else:
-                raise PerfXError(f"unknown peer {peer!r}")
             meta[peer] = {"note": ""}
-        except Exception as err:  # a missing peer is not fatal
-            print(f"{PROG}: skipping {peer}: {err}")
+        except Exception as err:  # noqa: BLE001 - any failure of a peer's conversion is that peer's
+            peer_failed(args, peer, f"preparing its model failed: {_one_line(err)}", skipped)
     return paths, meta
 
 
@@ -228,9 +268,11 @@ def run(args: argparse.Namespace) -> int:
 
     size = args.bw_size_mb << 20
     print(f"{PROG}: probing the machine ...")
+    skipped: dict[str, str] = {}  # peer -> why it did not run (--skip-failed-peers)
+    peers = check_peers(args, peers, skipped)
     m0 = mach.probe_machine(args.threads, size)
     print(m0.line())
-    paths, meta = _prepare(args, gguf, work, peers)
+    paths, meta = _prepare(args, gguf, work, peers, skipped)
 
     workers: dict[str, Worker] = {}
     probes: list[Any] = []
@@ -247,8 +289,10 @@ def run(args: argparse.Namespace) -> int:
             except PerfXError as err:
                 if eng == "perfx":
                     raise
-                print(f"{PROG}: skipping {eng}: {err}")
-                workers.pop(eng, None)
+                failed = workers.pop(eng, None)
+                if failed is not None:
+                    failed.close()
+                peer_failed(args, eng, f"its worker failed to load: {_one_line(err)}", skipped)
                 continue
             extra = {k: v for k, v in info["info"].items() if v}
             if eng == "perfx":  # keep "requested->effective" from the compile step
@@ -271,6 +315,8 @@ def run(args: argparse.Namespace) -> int:
                 w.ask("prefill", ids=prefill_ids[prefill_lens[0]])
         rounds: list[dict[str, Any]] = []
         names = list(workers)
+        print(f"{PROG}: engines: {', '.join(names)}"
+              + (f"; skipped: {', '.join(f'{k} ({v})' for k, v in skipped.items())}" if skipped else ""))
         probe = mach.BandwidthProbe(args.threads, size)  # one buffer for all the probes of the run
         probes.append(probe)
         for r in range(args.rounds):
@@ -337,6 +383,8 @@ def run(args: argparse.Namespace) -> int:
         "prompt_tokens": args.prompt_tokens,
         "decode_tokens": args.decode_tokens,
         "rounds": args.rounds,
+        "engines": list(dict.fromkeys(r["engine"] for r in rounds)),
+        "peers_skipped": skipped,  # requested peers that did not run (--skip-failed-peers), and why
     }
     summary = report.summarize(rounds, meta, machine, name, args.threads)
     report.write_csv(out / f"bench_{name}.csv", summary, report.SUMMARY_COLUMNS)
@@ -344,6 +392,8 @@ def run(args: argparse.Namespace) -> int:
     (out / f"bench_{name}_machine.json").write_text(json.dumps(machine, indent=1))
     report.print_summary(summary)
     print(m0.line())
+    print(f"{PROG}: engines that ran: {', '.join(machine['engines'])}"
+          + (f"; requested but skipped: {', '.join(skipped)}" if skipped else ""))
     if not args.no_plot:
         report.plot_summary(summary, out / f"bench_{name}.png", f"{name}: {args.threads} threads; {m0.line()}")
     if profiles is not None:
