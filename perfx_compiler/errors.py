@@ -37,3 +37,7 @@ class TuningLogError(PerfXError):
 
 class KVCacheFullError(PerfXError):
     """The paged KV pool has no free pages for a request right now."""
+
+
+class MissingDependencyError(PerfXError):
+    """An optional package a command needs is not installed (the message names the extra)."""

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from perfx_compiler.cli._errors import run_command
+from perfx_compiler.cli._errors import require, run_command
 from perfx_compiler.errors import PerfXError
 
 PROG = "perfx-serve"
@@ -89,6 +89,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def _run(args: argparse.Namespace) -> int:
+    require("uvicorn", "fastapi", "prometheus_client")  # the "serve" extra; checked before any other work
     _check(args)
     # Imported here so `perfx-serve --help` stays instant.
     import uvicorn
