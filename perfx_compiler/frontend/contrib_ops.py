@@ -30,7 +30,7 @@ import onnx
 from tvm import relax
 from tvm.relax.frontend.onnx.onnx_frontend import OnnxOpConverter
 
-from perfx_compiler.errors import UnsupportedModelError
+from perfx_compiler.errors import ModelFormatError, UnsupportedModelError
 
 
 def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
@@ -38,6 +38,30 @@ def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
         if a.name == name:
             return onnx.helper.get_attribute_value(a)
     return default
+
+
+def int_attr(node: onnx.NodeProto, name: str, default: int | None = None) -> int:
+    """An integer attribute a converter must find (absent or not an integer: a corrupt file)."""
+    v = _attr(node, name, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ModelFormatError(f"{node.op_type} '{node.name}' has no integer attribute {name} (got {v!r}); "
+                               "the file is corrupt, re-export it")
+    return v
+
+
+def float_attr(node: onnx.NodeProto, name: str, default: float) -> float:
+    """A number attribute (a string or a list there: a corrupt file)."""
+    v = _attr(node, name, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ModelFormatError(f"{node.op_type} '{node.name}' attribute {name} is {v!r}, not a number; "
+                               "the file is corrupt, re-export it")
+    return float(v)
+
+
+def _expect_size(node: onnx.NodeProto, what: str, arr: np.ndarray, size: int) -> None:
+    if arr.size != size:
+        raise ModelFormatError(f"{node.op_type} '{node.name}' {what} has {arr.size} elements, expected {size} for its "
+                               "K, N, bits and block_size; the file is corrupt, re-export it")
 
 
 def unpack_codes(packed: np.ndarray, bits: int) -> np.ndarray:
@@ -88,10 +112,12 @@ def matmulnbits_table(node: onnx.NodeProto, const: Callable[[str], np.ndarray | 
     """A com.microsoft MatMulNBits node's weight: an :class:`NBitsTable` when its zero points are
     absent or packed uint8 (the integer form kernels can use), else the float32 weight [N, K]
     (float zero points); None if its inputs are not constant."""
-    k, n = int(_attr(node, "K")), int(_attr(node, "N"))
-    bits, block = int(_attr(node, "bits", 4)), int(_attr(node, "block_size"))
+    k, n, bits, block = (int_attr(node, a, d) for a, d in (("K", None), ("N", None), ("bits", 4), ("block_size", None)))
     if bits not in (2, 4, 8):
         raise UnsupportedModelError(f"MatMulNBits '{node.name}' with bits={bits} is not supported (2, 4, 8 are)")
+    if k < 1 or n < 1 or block < 16 or block & (block - 1):
+        raise ModelFormatError(f"MatMulNBits '{node.name}' has K={k}, N={n}, block_size={block} (want K, N >= 1 and "
+                               "a power-of-two block_size >= 16); the file is corrupt, re-export it")
     n_blocks = -(-k // block)
     if len(node.input) > 4 and node.input[4]:
         g_idx = const(node.input[4])
@@ -102,6 +128,9 @@ def matmulnbits_table(node: onnx.NodeProto, const: Callable[[str], np.ndarray | 
     scales = const(node.input[2])
     if codes_raw is None or scales is None:
         return None
+    # The tables' sizes follow from K, N, bits and block_size; a mismatch is a corrupt file, not a numpy error.
+    _expect_size(node, "weight", codes_raw, n * n_blocks * (block * bits // 8))
+    _expect_size(node, "scales", scales, n * n_blocks)
     codes = unpack_codes(codes_raw.astype(np.uint8).reshape(n, n_blocks, -1), bits)[:, :, :block]
     codes = np.ascontiguousarray(codes.reshape(n, n_blocks * block)[:, :k], dtype=np.uint8)
     scales = np.ascontiguousarray(scales.reshape(n, n_blocks))
@@ -109,6 +138,7 @@ def matmulnbits_table(node: onnx.NodeProto, const: Callable[[str], np.ndarray | 
         z = const(node.input[3])
         if z is None:
             return None
+        _expect_size(node, "zero points", z, n * n_blocks if z.dtype != np.uint8 else n * (-(-n_blocks * bits // 8)))
         if z.dtype != np.uint8:  # float zero points: no integer form, the float weight only
             zp = z.astype(np.float32).reshape(n, n_blocks)
             idx = np.arange(k) // block

@@ -36,13 +36,13 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
 
-from perfx_compiler.errors import UnsupportedModelError
-from perfx_compiler.frontend.contrib_ops import NBitsTable, matmulnbits_table
+from perfx_compiler.errors import ModelFormatError, UnsupportedModelError
+from perfx_compiler.frontend.contrib_ops import NBitsTable, float_attr, int_attr, matmulnbits_table
 from perfx_compiler.frontend.decoder_io import DecoderIO, read_genai_config, recognize_io
 from perfx_compiler.frontend.rope_fit import fit_rope, rope_inv_freq_of
 from perfx_compiler.model.description import ModelConfig, ModelDescription, rope_inv_freq
+from perfx_compiler.model.onnx_read import tensor_array
 
 _PASS_THROUGH = ("Cast", "Identity")
 _ATTENTION_OPS = ("GroupQueryAttention", "MultiHeadAttention", "Attention", "RotaryEmbedding")
@@ -85,13 +85,13 @@ class OnnxGraph:
             return self._cache[name]
         val: np.ndarray | None = None
         if name in self._inits:
-            val = numpy_helper.to_array(self._inits[name])
+            val = tensor_array(self._inits[name])
         elif name in self.producer:
             n = self.producer[name]
             if n.op_type == "Constant" and n.attribute:
                 a = n.attribute[0]
                 if a.name == "value":
-                    val = numpy_helper.to_array(a.t)
+                    val = tensor_array(a.t, f"Constant '{n.name}'")
                 elif a.name in ("value_float", "value_int"):
                     val = np.array(onnx.helper.get_attribute_value(a))
                 elif a.name in ("value_floats", "value_ints"):
@@ -99,7 +99,7 @@ class OnnxGraph:
             elif n.op_type in _PASS_THROUGH:
                 inner = self.const(n.input[0])
                 if inner is not None and n.op_type == "Cast":
-                    val = inner.astype(onnx.helper.tensor_dtype_to_np_dtype(_attr(n, "to")))
+                    val = inner.astype(_cast_dtype(n))
                 else:
                     val = inner
         if val is not None:
@@ -114,6 +114,15 @@ class OnnxGraph:
 
     def node_of(self, name: str) -> onnx.NodeProto | None:
         return self.producer.get(self.unwrap(name))
+
+
+def _cast_dtype(node: onnx.NodeProto) -> np.dtype:
+    """The numpy type of a Cast's ``to`` (an unknown type number: a corrupt file)."""
+    to = int_attr(node, "to")
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(to))
+    except (KeyError, ValueError, TypeError):
+        raise ModelFormatError(f"Cast '{node.name}' casts to unknown type {to}; the file is corrupt, re-export it") from None
 
 
 def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
@@ -139,15 +148,15 @@ def _linear_at(g: OnnxGraph, node: onnx.NodeProto) -> Linear | None:
         elif node.input[1] in g.producer and g.producer[node.input[1]].op_type == "Transpose":
             t = g.producer[node.input[1]]
             src = g.const(t.input[0])
-            if src is not None and src.ndim == 2 and list(_attr(t, "perm", [1, 0])) == [1, 0]:
+            if src is not None and src.ndim == 2 and _attr(t, "perm", [1, 0]) == [1, 0]:
                 w = src
-    elif node.op_type == "Gemm" and float(_attr(node, "alpha", 1.0)) == 1.0 and not _attr(node, "transA", 0):
+    elif node.op_type == "Gemm" and float_attr(node, "alpha", 1.0) == 1.0 and not int_attr(node, "transA", 0):
         b = g.const(node.input[1])
         if b is not None and b.ndim == 2:
-            w = b if _attr(node, "transB", 0) else b.T
+            w = b if int_attr(node, "transB", 0) else b.T
             if len(node.input) > 2 and node.input[2]:
                 c = g.const(node.input[2])
-                bias = None if c is None else c.reshape(-1) * float(_attr(node, "beta", 1.0))
+                bias = None if c is None else c.reshape(-1) * float_attr(node, "beta", 1.0)
     elif node.op_type == "MatMulNBits" and node.domain == "com.microsoft":
         t = matmulnbits_table(node, g.const)
         if isinstance(t, NBitsTable):
@@ -205,7 +214,7 @@ def _rms_norm(g: OnnxGraph, x: str, where: str) -> tuple[np.ndarray, float]:
         w = g.const(n.input[scale_idx])
         if w is None:
             raise UnsupportedModelError(f"{where}: {n.op_type} '{n.name}' has a non-constant scale")
-        return _f32(w.reshape(-1)), float(_attr(n, "epsilon", 1e-5))
+        return _f32(w.reshape(-1)), float_attr(n, "epsilon", 1e-5)
     if n.op_type == "Mul":
         consts = [(i, g.const(i)) for i in n.input]
         ws = [(i, c) for i, c in consts if c is not None and c.size > 1]
@@ -310,7 +319,7 @@ def _split_qkv(group: list[Linear], g: OnnxGraph, stop: set[str], io: DecoderIO,
 def _attention_heads(g: OnnxGraph) -> tuple[int | None, int | None, onnx.NodeProto | None]:
     for n in g.nodes:
         if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft":
-            return int(_attr(n, "num_heads")), int(_attr(n, "kv_num_heads")), n
+            return int_attr(n, "num_heads"), int_attr(n, "kv_num_heads"), n
     return None, None, None
 
 
@@ -325,7 +334,7 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
     g = OnnxGraph(model)
     heads, kv_heads, gqa = _attention_heads(g)
     if gqa is not None:
-        if float(_attr(gqa, "softcap", 0.0)) != 0.0:
+        if float_attr(gqa, "softcap", 0.0) != 0.0:
             raise UnsupportedModelError(f"{source}: GroupQueryAttention with softcap is not supported")
 
     emb = next((n for n in g.nodes if n.op_type == "Gather" and g.unwrap(n.input[1]) == io.input_ids
@@ -459,8 +468,8 @@ def _sliding_window(hf: dict[str, Any], gqa: onnx.NodeProto | None, genai: dict[
     gw = ((genai or {}).get("model", {}).get("decoder", {}).get("sliding_window") or {})
     if isinstance(gw, dict) and isinstance(gw.get("window_size"), int) and gw["window_size"] > 0:
         windows.append(int(gw["window_size"]))
-    if gqa is not None and int(_attr(gqa, "local_window_size", -1)) > 0:
-        windows.append(int(_attr(gqa, "local_window_size")))
+    if gqa is not None and int_attr(gqa, "local_window_size", -1) > 0:
+        windows.append(int_attr(gqa, "local_window_size"))
     w = hf.get("sliding_window")
     if isinstance(w, int) and w > 0 and hf.get("use_sliding_window", hf.get("model_type") != "qwen2"):
         windows.append(w)
@@ -471,7 +480,7 @@ def _feeds_silu(g: OnnxGraph, name: str) -> bool:
     for n in g.consumers.get(name, []):
         if n.op_type == "Sigmoid":
             return any(m.op_type == "Mul" and name in m.input for m in g.consumers.get(n.output[0], []))
-        if n.op_type in ("Silu", "QuickGelu") and (n.op_type == "Silu" or float(_attr(n, "alpha", 1.702)) == 1.0):
+        if n.op_type in ("Silu", "QuickGelu") and (n.op_type == "Silu" or float_attr(n, "alpha", 1.702) == 1.0):
             return True
     return False
 

@@ -91,6 +91,8 @@ def unsupported_ops(
 def _unsupported_message(found: list[tuple[str, str, int]], source: str) -> str:
     by_type: dict[tuple[str, int], list[str]] = {}
     for label, name, opset in found:
+        if isinstance(name, bytes):  # protobuf hands back a name that is not UTF-8 as bytes
+            name = name.decode("utf-8", errors="replace")
         by_type.setdefault((label, opset), []).append(name or "<unnamed>")
     parts = []
     for (label, opset), names in list(by_type.items())[:_MAX_LISTED_TYPES]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from perfx_compiler.errors import UnsupportedModelError
+from perfx_compiler.errors import ModelFormatError, UnsupportedModelError
 from perfx_compiler.frontend.contrib_ops import _attr
 
 if TYPE_CHECKING:
@@ -50,9 +50,15 @@ def rope_inv_freq_of(g: OnnxGraph, source: str) -> tuple[np.ndarray, bool]:
             if n.op_type == "GroupQueryAttention" and not _attr(n, "do_rotary", 0):
                 continue
             idx = (7, 8) if n.op_type == "GroupQueryAttention" else (2, 3)
+            if len(n.input) <= idx[1]:
+                raise ModelFormatError(f"{source}: {n.op_type} '{n.name}' has {len(n.input)} inputs, no cos/sin "
+                                       "caches; the file is corrupt, re-export it")
             cos, sin = g.const(n.input[idx[0]]), g.const(n.input[idx[1]])
             if cos is None or sin is None:
                 raise UnsupportedModelError(f"{source}: {n.op_type} '{n.name}' has non-constant cos/sin caches")
+            if cos.ndim != 2 or cos.shape != sin.shape or cos.shape[0] < 2 or cos.shape[1] < 1:
+                raise ModelFormatError(f"{source}: {n.op_type} '{n.name}' cos/sin caches have shapes {cos.shape} and "
+                                       f"{sin.shape} (want equal [positions, head_dim / 2]); the file is corrupt")
             return inv_freq_from_tables(cos, sin), bool(_attr(n, "interleaved" if n.op_type == "RotaryEmbedding"
                                                                  else "rotary_interleaved", 0))
     cands = [t.name for t in g.model.graph.initializer if "inv_freq" in t.name]

@@ -8,7 +8,7 @@ order, i.e. llama.cpp's interleave permutation already undone).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -41,6 +41,7 @@ class ModelConfig:
     name: str = ""
 
     def __post_init__(self) -> None:
+        self._check_values()
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"architecture '{self.architecture}' is not supported; "
@@ -50,6 +51,44 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+
+    def _check_values(self) -> None:
+        """Types and ranges of every field: a corrupt file's config (a count of 0 or 2^62, a NaN
+        epsilon, a string where a number belongs) is refused here, in one line, instead of failing
+        somewhere in the compiler or the runtime."""
+        from perfx_compiler.errors import ModelFormatError
+
+        def bad(name: str, value: Any, want: str) -> ModelFormatError:
+            return ModelFormatError(f"model config {name}={value!r} is not {want}; the model file is corrupt or not a decoder PerfX reads")
+
+        if not isinstance(self.architecture, str):
+            raise bad("architecture", self.architecture, "a name")
+        for name in _COUNTS:
+            v = getattr(self, name)
+            if not _is_int(v) or not 1 <= int(v) <= _MAX_COUNT:
+                raise bad(name, v, f"an integer in 1..{_MAX_COUNT}")
+            setattr(self, name, int(v))
+        for name, low in (("rms_norm_eps", 0.0), ("rope_theta", None)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not np.isfinite(float(v)) \
+                    or (low is None and float(v) <= 0) or (low is not None and float(v) < low):
+                raise bad(name, v, "a finite number" + (" > 0" if low is None else " >= 0"))
+            setattr(self, name, float(v))
+        for name in ("tie_word_embeddings", "attention_bias", "add_bos_token"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)) and v not in (0, 1):
+                raise bad(name, v, "true or false")
+            setattr(self, name, bool(v))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise bad("rope_scaling", self.rope_scaling, "an object or null")
+        if self.bos_token_id is not None and (not _is_int(self.bos_token_id) or not 0 <= self.bos_token_id < self.vocab_size):
+            raise bad("bos_token_id", self.bos_token_id, f"a token id in 0..{self.vocab_size - 1}")
+        eos = self.eos_token_ids
+        if not isinstance(eos, (list, tuple)) or not all(_is_int(t) and 0 <= t < self.vocab_size for t in eos):
+            raise bad("eos_token_ids", eos, f"a list of token ids in 0..{self.vocab_size - 1}")
+        self.bos_token_id = None if self.bos_token_id is None else int(self.bos_token_id)
+        self.eos_token_ids = [int(t) for t in eos]
+        self.name = str(self.name)
 
     @property
     def q_size(self) -> int:
@@ -64,8 +103,27 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        """The config of a dict (unknown keys ignored); a non-dict or missing fields: ModelFormatError."""
+        from perfx_compiler.errors import ModelFormatError
+
+        if not isinstance(data, dict):
+            raise ModelFormatError(f"model config is a {type(data).__name__}, not an object; the model file is corrupt")
         known = {f for f in cls.__dataclass_fields__}
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [k for k in required if k not in data]
+        if missing:
+            raise ModelFormatError(f"model config lacks {', '.join(missing)}; the model file is corrupt or incomplete")
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# Sizes and counts of a config: positive, and within int32 (index arithmetic in the kernels).
+_COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+           "max_context")
+_MAX_COUNT = (1 << 31) - 1
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 def layer_weight_names(i: int, config: ModelConfig) -> list[str]:

@@ -12,12 +12,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import onnx
 from onnx import numpy_helper
 
 from perfx_compiler.errors import ModelFormatError
 from perfx_compiler.model.description import ModelConfig, ModelDescription
 from perfx_compiler.model.onnx_emit import ROPE_COS, ROPE_SIN
+
+
+def tensor_array(t: onnx.TensorProto, what: str = "initializer") -> np.ndarray:
+    """``numpy_helper.to_array`` of a tensor whose bytes may not match its dims or type (a corrupt or
+    hand-edited file): the mismatch is one ModelFormatError naming the tensor, not a numpy error."""
+    try:
+        return numpy_helper.to_array(t)
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError) as err:
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ModelFormatError(
+            f"ONNX {what} '{t.name}' (dims {list(t.dims)}, type {t.data_type}) cannot be decoded ({msg}); "
+            "the file is corrupt, re-export it"
+        ) from None
 
 
 def load_onnx(path: str | Path, max_context: int | None = None) -> ModelDescription:
@@ -33,11 +47,15 @@ def load_onnx(path: str | Path, max_context: int | None = None) -> ModelDescript
         from perfx_compiler.frontend.graph_to_description import load_foreign_onnx
 
         return load_foreign_onnx(model, path, max_context)
-    config = ModelConfig.from_dict(json.loads(meta["perfx.config"]))
+    try:
+        data = json.loads(meta["perfx.config"])
+    except json.JSONDecodeError as err:
+        raise ModelFormatError(f"{path}: its perfx.config metadata is not valid JSON ({err.msg}); re-export it with --emit-onnx") from None
+    config = ModelConfig.from_dict(data)
     if max_context is not None:
         config.max_context = int(max_context)
     weights = {
-        t.name: numpy_helper.to_array(t)
+        t.name: tensor_array(t)
         for t in model.graph.initializer
         if t.name not in (ROPE_COS, ROPE_SIN)
     }

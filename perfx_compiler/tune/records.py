@@ -97,25 +97,53 @@ class TuningRecord:
 
     @classmethod
     def from_json(cls, line: str) -> TuningRecord:
+        """The record of one JSON line; ValueError when the line is not one, field by field (a
+        record of the wrong shape would otherwise fail later, inside ``best`` or the cost model)."""
         data = json.loads(line)
         if not isinstance(data, dict) or "workload_key" not in data or "config" not in data:
             raise ValueError("not a tuning record")
-        mean = data.get("mean_s")
+        for key in ("workload_key", "target_key", "template"):
+            if not isinstance(data.get(key), str):
+                raise ValueError(f"{key} is {type(data.get(key)).__name__}, not a string")
+        mean, std, bucket = data.get("mean_s"), data.get("std_s"), data.get("bucket")
+        for key, value in (("mean_s", mean), ("std_s", std), ("timestamp", data.get("timestamp"))):
+            if value is not None and (not _is_number(value) or value < 0):
+                raise ValueError(f"{key} is {value!r}, not a number of seconds >= 0")
+        if bucket is not None and not (_is_int(bucket) and bucket >= 0):
+            raise ValueError(f"bucket is {bucket!r}, not a row count")
+        dims = data.get("dims")
+        if dims is not None and not (isinstance(dims, dict) and all(_is_int(v) for v in dims.values())):
+            raise ValueError(f"dims is {dims!r}, not a map of names to integers")
+        versions = data.get("versions") or {}
+        if not isinstance(versions, dict) or not all(isinstance(v, str) for v in versions.values()):
+            raise ValueError(f"versions is {versions!r}, not a map of names to strings")
+        kinds = {"config": dict, "error": str, "source": str, "confirm": dict}
+        for key, kind in kinds.items():
+            if data.get(key) is not None and not isinstance(data[key], kind):
+                raise ValueError(f"{key} is {type(data[key]).__name__}, not {kind.__name__}")
         return cls(
-            workload_key=str(data["workload_key"]),
-            target_key=str(data["target_key"]),
-            template=str(data["template"]),
+            workload_key=data["workload_key"],
+            target_key=data["target_key"],
+            template=data["template"],
             config=dict(data["config"]),
             mean_s=float("inf") if mean is None else float(mean),
-            std_s=float(data.get("std_s") or 0.0),
-            bucket=data.get("bucket"),
+            std_s=float(std or 0.0),
+            bucket=bucket,
             error=data.get("error"),
-            dims=data.get("dims"),
-            source=str(data.get("source") or "measured"),
-            versions=dict(data.get("versions") or {}),
+            dims=dims,
+            source=data.get("source") or "measured",
+            versions=dict(versions),
             timestamp=float(data.get("timestamp") or 0.0),
-            confirm=data.get("confirm") if isinstance(data.get("confirm"), dict) else None,
+            confirm=data.get("confirm"),
         )
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def read_records(path: Path, strict: bool = False) -> Iterator[TuningRecord]:
@@ -124,7 +152,8 @@ def read_records(path: Path, strict: bool = False) -> Iterator[TuningRecord]:
     ``strict``: an unreadable line anywhere but at the end raises TuningLogError (a corrupt file,
     not a writer killed mid-line)."""
     try:
-        text = path.read_text()
+        # bytes that are not UTF-8 (a disk error, another file) spoil their line only, not the file
+        text = path.read_bytes().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return
     except OSError as err:
@@ -135,7 +164,7 @@ def read_records(path: Path, strict: bool = False) -> Iterator[TuningRecord]:
             continue
         try:
             yield TuningRecord.from_json(line)
-        except (ValueError, TypeError, KeyError) as err:
+        except (ValueError, TypeError, KeyError, RecursionError) as err:  # RecursionError: JSON nested too deep
             last = number == len(lines) or all(not rest.strip() for rest in lines[number:])
             if last:
                 log.warning("%s: skipping torn last line %d (%s)", path, number, err)
