@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
@@ -142,17 +143,37 @@ def test_batch_of_prompts(serve: Any) -> None:
     assert r.choices[2].text == r.choices[3].text == one.choices[0].text
 
 
-def test_32_concurrent_streams_match_alone(serve: Any) -> None:
+def greedy_alone(engine: Any, prompt: str, max_tokens: int = 16) -> str:
+    """The greedy text of ``prompt`` straight from ``engine``: one sequence, no server, no scheduler."""
+    from perfx_compiler.runtime.api import Tokenizer
+    from perfx_compiler.runtime.generate import model_info, prepare_prompt
+
+    tok = Tokenizer.from_file(engine.tokenizer_path, model_info(engine))
+    sid = engine.add_sequence()
+    logits = engine.prefill(sid, prepare_prompt(engine, tok.encode(prompt)))
+    out: list[int] = []
+    for _ in range(max_tokens):
+        out.append(int(np.argmax(logits)))
+        if out[-1] == engine.eos:
+            break
+        logits = engine.decode([sid], [out[-1]])[0]
+    engine.remove_sequence(sid)
+    return tok.decode(out)
+
+
+def test_32_concurrent_streams_match_alone(serve: Any, make_engine: Any) -> None:
     srv = serve(engine_kw={"max_batch": 16})
     c = client(srv)
-    prompts = [f"Prompt number {i}:" for i in range(32)]
-    alone = {p: stream_text(c, p) for p in prompts[:8]}  # one at a time
+    prompts = [f"Prompt {i} says {chr(65 + i)}" for i in range(32)]
+    # Each stream's expectation comes from its own engine (same weights as the server's, seed 0), run
+    # alone: independent of the server, the scheduler and the other 31 streams.
+    expected = [greedy_alone(make_engine(), p) for p in prompts]
+    assert len(set(expected)) == 32  # distinct texts: a stream handed another's tokens cannot pass
+    assert [stream_text(c, p) for p in prompts[:4]] == expected[:4]  # one at a time through the server
     with ThreadPoolExecutor(32) as pool:
-        together = list(pool.map(lambda p: stream_text(c, p), prompts))
-    for p, t in zip(prompts, together, strict=True):
-        if p in alone:
-            assert t == alone[p]
-    assert together[8:] == [stream_text(c, p) for p in prompts[8:12]] + together[12:]
+        together = list(pool.map(lambda p: stream_text(c, p), prompts, timeout=120))
+    for i, (t, e) in enumerate(zip(together, expected, strict=True)):
+        assert t == e, f"stream {i} ({prompts[i]!r}): {t!r}, alone {e!r}"
     assert max(srv.engine.decode_batch_sizes) > 1
     assert metric(srv, "perfx_kv_pages_used") == 0
 
@@ -197,7 +218,8 @@ def test_pool_exhausted_queues_and_queue_full_is_503(serve: Any) -> None:
         try:
             assert wait_for(lambda: metric(srv, "perfx_queue_depth") == 2, 60), (  # one runs, two wait for pages
                 f"queue depth {metric(srv, 'perfx_queue_depth')}, running {metric(srv, 'perfx_running_sequences')}, "
-                f"pages used {metric(srv, 'perfx_kv_pages_used')}, requests done {[f.done() for f in futs]}")
+                f"pages used {metric(srv, 'perfx_kv_pages_used')}, requests done {[f.done() for f in futs]}"
+            )
             assert metric(srv, "perfx_running_sequences") == 1
             r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=10)
             assert r.status_code == 503 and r.headers["retry-after"] == "3"
