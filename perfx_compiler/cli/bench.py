@@ -45,8 +45,8 @@ PROG = "perfx-bench"
 DEFAULT_PEERS = "llama.cpp,ort-genai,ort"
 # peer -> (Python package it runs on, the install that provides it)
 PEER_PACKAGES = {
-    "llama.cpp": ("llama_cpp", 'pip install "perfx[bench]" (llama-cpp-python)'),
-    "ort-genai": ("onnxruntime_genai", 'pip install "perfx[bench]" (onnxruntime-genai)'),
+    "llama.cpp": ("llama_cpp", 'pip install "perfx[bench]"'),
+    "ort-genai": ("onnxruntime_genai", 'pip install "perfx[bench]"'),
     "ort": ("onnxruntime", "pip install onnxruntime"),
 }
 PREFILL_LENS = (128, 512)  # the CSV's prefill128/prefill512 columns
@@ -173,7 +173,7 @@ def check_peers(args: argparse.Namespace, peers: list[str], skipped: dict[str, s
     for peer in peers:
         module, install = PEER_PACKAGES[peer]
         if importlib.util.find_spec(module) is None:
-            peer_failed(args, peer, f"{module} is not installed ({install})", skipped)
+            peer_failed(args, peer, f"{module} is not installed; {install}", skipped)
         else:
             ok.append(peer)
     return ok
