@@ -137,7 +137,7 @@ def schedule_table(rows: list[dict[str, Any]], title: str = "kernels and their s
     width = max([len(r["kernel"]) for r in rows] + [6])
     counts = Counter(r.get("template") or "UNSCHEDULED" for r in rows)
     lines = [f"{title} ({len(rows)}: " + ", ".join(f"{n} {t}" for t, n in counts.most_common()) + "):",
-             f"  {'kernel':<{width}} {'template':<18} config"]
+             f"  {'kernel':<{width}} {'template':<18} config from"]
     for r in rows:
         template = r.get("template") or "UNSCHEDULED"
         why = f"  [tried: {'; '.join(r['failures'])}]" if r.get("failures") else ""
