@@ -90,6 +90,8 @@ def _write_into(state: Any, tmp: Path, out: Path) -> Path:
         "precision": getattr(state.options, "precision", "f32"),
         # PERFX_* switches in effect (build_switches.py): they change kernels, so they are part of the record
         "build_switches": build_switches(),
+        # the compile options the fields above do not show (LLM()'s cache key holds them all)
+        "compile_options": _compile_options(state),
         # every kernel and the template that scheduled it (schedule.py; --report prints them)
         "schedules": state.notes.get("schedules", []),
         "functions": {name: name for name in exported_functions(state.options)},
@@ -122,6 +124,18 @@ def _write_into(state: Any, tmp: Path, out: Path) -> Path:
         shutil.rmtree(out)
     tmp.rename(out)  # the artifact appears whole or not at all
     return out
+
+
+def _compile_options(state: Any) -> dict[str, Any]:
+    """Schedule source, pass list, tuning records and best effort: knobs that change the kernels."""
+    opts = state.options
+    return {
+        "schedule": getattr(opts, "schedule", "perfx"),
+        "passes": getattr(opts, "passes", None),  # None: the default pass list of this PerfX version
+        "tuning_log": None if getattr(opts, "tuning_log", None) is None else str(opts.tuning_log),
+        "tuning_records": state.notes.get("tuning_records"),  # how many records the schedule phase had
+        "best_effort": getattr(opts, "best_effort", False),
+    }
 
 
 def _weight_dtypes(index: list[dict[str, Any]]) -> dict[str, int]:

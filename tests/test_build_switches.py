@@ -82,3 +82,6 @@ def test_manifest_records_the_switches(tmp_path: Path, monkeypatch: pytest.Monke
     out = compile_model(str(gguf), "host", tmp_path / "art", progress=False, batching=False)
     manifest = json.loads((Path(out) / "perfx-config.json").read_text())
     assert manifest["build_switches"] == {"PERFX_REUSE_VIEWS": "0"}
+    # the compile options beside them: schedule source, pass list (None: default), records
+    assert manifest["compile_options"]["schedule"] == "perfx" and manifest["compile_options"]["passes"] is None
+    assert manifest["compile_options"]["best_effort"] is False

@@ -120,7 +120,9 @@ def test_cli_error_then_best_effort_artifact_and_report(
     assert not out.exists()
 
     assert main([str(tiny), "-o", str(out), "--quiet", "--best-effort"]) == 0
-    rows = json.loads((out / "perfx-config.json").read_text())["schedules"]
+    manifest = json.loads((out / "perfx-config.json").read_text())
+    assert manifest["compile_options"]["best_effort"] is True
+    rows = manifest["schedules"]
     assert {r["kernel"] for r in rows} == kernels
     # the report: every kernel on its own line with its template or UNSCHEDULED
     monkeypatch.setattr(report, "variant_counts", lambda *a, **k: [{"variant": "unfused", "decode": 1, "prefill": 1}])
