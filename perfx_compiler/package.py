@@ -3,12 +3,11 @@
     model.so            compiled Relax VM executable + kernels (host library)
     weights.bin         every weight, packed in the layout the kernels read, 64-byte aligned
     tokenizer.json      `tokenizers` JSON
-    perfx-config.json   manifest: model, target, functions, weight index, sha256 of every file
+    perfx-config.json   manifest: model, target, functions, weight index, sha256 of every file and of itself
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import time
@@ -18,20 +17,14 @@ from typing import Any
 import numpy as np
 import tvm
 
+from perfx_compiler.artifact_hash import MANIFEST_DIGEST_KEY, manifest_digest, sha256_file
 from perfx_compiler.model.onnx_emit import PAGE_SIZE, cache_shape, pages_per_sequence, pool_shape
 from perfx_compiler.pipeline import exported_functions, index_dtype_of
 
-FORMAT_VERSION = 1
+# 2: the manifest carries its own checksum (artifact_hash.manifest_digest); the runtime reads 1 and 2
+FORMAT_VERSION = 2
 MANIFEST = "perfx-config.json"
 ALIGN = 64
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> list[dict[str, Any]]:
@@ -119,6 +112,7 @@ def _write_into(state: Any, tmp: Path, out: Path) -> Path:
     manifest["device_code"] = export_for_target(state, tmp)  # kernels.* files + DEPLOY.md
     for f in sorted(tmp.iterdir()):
         manifest["files"][f.name] = sha256_file(f)
+    manifest[MANIFEST_DIGEST_KEY] = manifest_digest(manifest)  # last: it covers every other key
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     if out.exists():
         shutil.rmtree(out)

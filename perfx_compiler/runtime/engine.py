@@ -7,7 +7,6 @@ keys/values into them in place, so a step allocates nothing but its logits.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -27,21 +26,15 @@ if "tvm" not in sys.modules:
 import tvm.runtime  # noqa: E402
 from tvm.runtime.vm import VirtualMachine  # noqa: E402
 
+from perfx_compiler.artifact_hash import MANIFEST_DIGEST_KEY, manifest_digest, sha256_file  # noqa: E402
 from perfx_compiler.errors import ArtifactError, ContextLengthError  # noqa: E402
 from perfx_compiler.runtime import decode_replay, thread_team  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "perfx-config.json"
-SUPPORTED_FORMAT = 1
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
+# 1: files checksummed; 2: the manifest too (artifact_hash.manifest_digest)
+SUPPORTED_FORMATS = (1, 2)
 
 
 def read_manifest(artifact_dir: str | Path, *, verify: bool = True) -> dict[str, Any]:
@@ -51,20 +44,30 @@ def read_manifest(artifact_dir: str | Path, *, verify: bool = True) -> dict[str,
     if not path.is_file():
         raise ArtifactError(f"{root} is not a PerfX artifact ({MANIFEST} missing); compile one with perfx-compile")
     try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ArtifactError(f"{path} is not valid JSON ({err.msg}); recompile the artifact") from None
-    if manifest.get("format") != SUPPORTED_FORMAT:
+        manifest = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as err:
+        raise ArtifactError(f"{path} is not valid JSON ({getattr(err, 'msg', err)}); recompile with perfx-compile") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path} is not a PerfX manifest (a JSON {type(manifest).__name__}); recompile with perfx-compile")
+    fmt = manifest.get("format")
+    if fmt not in SUPPORTED_FORMATS:
         raise ArtifactError(
-            f"artifact format {manifest.get('format')} is not supported by this runtime "
-            f"(expects {SUPPORTED_FORMAT}); recompile with this PerfX version"
+            f"artifact format {fmt!r} is not supported by this runtime "
+            f"(reads {', '.join(map(str, SUPPORTED_FORMATS))}); recompile with this PerfX version"
         )
-    for name, digest in manifest.get("files", {}).items():
+    # Checked before anything in it is used: a changed shape, offset or digest must not reach the kernels.
+    if (fmt != 1 or MANIFEST_DIGEST_KEY in manifest) and manifest.get(MANIFEST_DIGEST_KEY) != manifest_digest(manifest):
+        raise ArtifactError(f"artifact file {MANIFEST} is corrupt (checksum mismatch); recompile with perfx-compile")
+    files = manifest.get("files", {})
+    if not isinstance(files, dict):
+        raise ArtifactError(f"{path} has no file list; recompile with perfx-compile")
+    for name, digest in files.items():
         f = root / name
         if not f.is_file():
             raise ArtifactError(f"artifact file {name} is missing from {root}; recompile or copy the whole directory")
-        if verify and _sha256(f) != digest:
-            raise ArtifactError(f"artifact file {name} does not match its sha256 in {MANIFEST}; it was modified or corrupted")
+        # before the shared library is loaded: a corrupt model.so would crash the process, not raise
+        if verify and sha256_file(f) != digest:
+            raise ArtifactError(f"artifact file {name} is corrupt (sha256 checksum mismatch); recompile with perfx-compile")
     return manifest
 
 
