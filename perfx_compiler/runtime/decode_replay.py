@@ -193,13 +193,21 @@ def prebuild() -> Path | None:
 @functools.cache
 def _module() -> Any:
     """The C++ loops (``build(calls)``, ``build_greedy(calls)``), loaded once per process from the
-    library ``build_library`` made; None where they cannot be built (no C++ compiler)."""
-    path = prebuild()
-    if path is None:
-        return None
+    library ``build_library`` made; None where they cannot be built (no C++ compiler). A library that
+    does not load (a damaged cache file) is built anew once."""
     import tvm_ffi
 
-    return tvm_ffi.load_module(str(path))
+    for attempt in range(2):
+        path = prebuild()
+        if path is None:
+            return None
+        try:
+            return tvm_ffi.load_module(str(path))
+        except Exception as err:  # noqa: BLE001 - a truncated or foreign file in the cache
+            log.warning("decode replay library %s does not load (%s)%s", path, str(err).splitlines()[0] if str(err)
+                        else type(err).__name__, "; rebuilding it" if attempt == 0 else ": decode runs through the VM")
+            path.unlink(missing_ok=True)
+    return None
 
 
 def enabled() -> bool:

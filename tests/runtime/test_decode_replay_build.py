@@ -10,7 +10,11 @@ decode call is logged in order, so the test does not depend on timings.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +23,8 @@ from perfx_compiler.cli import run as run_cli
 from perfx_compiler.model.testing import write_tiny_gguf
 from perfx_compiler.runtime import decode_replay
 from perfx_compiler.runtime.engine import Engine
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -82,3 +88,15 @@ def test_loop_built_at_compile_and_load_never_in_a_decode_step(events, tmp_path,
     events.clear()
     engine = Engine(art, verify=False)
     assert events == ["record"] and engine.decode_path.startswith("replay ("), (events, engine.decode_path)
+
+    # a damaged library in the cache (a truncated copy) is built anew, not a failed load; in a process of
+    # its own (this one holds the loaded library, which dlopen would hand back), the file replaced, not
+    # written over (this process maps it)
+    lib = decode_replay.library_path()
+    lib.unlink()
+    lib.write_bytes(b"\x7fELF truncated")
+    script = "import sys; from perfx_compiler.runtime.engine import Engine; print(Engine(sys.argv[1]).decode_path)"
+    res = subprocess.run([sys.executable, "-c", script, str(art)], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode == 0 and res.stdout.startswith("replay ("), res.stderr[-2000:]
+    assert lib.stat().st_size > 1000 and "rebuilding it" in res.stderr
