@@ -302,6 +302,7 @@ def test_adreno_compile(quickstart: tuple[Path, str], env: dict[str, str]) -> No
     bundle = cwd / "bundle"
     assert json.loads((bundle / "perfx-config.json").read_text())["target"]["name"] == "adreno"
     head = (bundle / "model.so").read_bytes()[:20]
-    assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183  # EM_AARCH64: host code
+    machine = int.from_bytes(head[18:20], "little")
+    assert head[:4] == b"\x7fELF" and machine == 183, f"model.so: e_machine {machine}, not aarch64 (183)"
     assert "__kernel" in (bundle / "kernels.cl").read_text()  # device code (OpenCL C)
     assert "adreno" in (bundle / "DEPLOY.md").read_text()
