@@ -43,11 +43,12 @@ from perfx_compiler.targets import cpu_flags
 
 PROG = "perfx-bench"
 DEFAULT_PEERS = "llama.cpp,ort-genai,ort"
-# peer -> (Python package it runs on, the install that provides it)
+# peer -> (Python packages it runs on, the install that provides them); ort-genai's model builder
+# (onnxruntime_genai.models.builder, run to convert the GGUF) imports torch, transformers and onnx_ir
 PEER_PACKAGES = {
-    "llama.cpp": ("llama_cpp", 'pip install "perfx[bench]"'),
-    "ort-genai": ("onnxruntime_genai", 'pip install "perfx[bench]"'),
-    "ort": ("onnxruntime", "pip install onnxruntime"),
+    "llama.cpp": (("llama_cpp",), 'pip install "perfx[bench]"'),
+    "ort-genai": (("onnxruntime_genai", "torch", "transformers", "onnx_ir"), 'pip install "perfx[bench]"'),
+    "ort": (("onnxruntime",), "pip install onnxruntime"),
 }
 PREFILL_LENS = (128, 512)  # the CSV's prefill128/prefill512 columns
 # llama-cpp-python built for this CPU's AVX-512 (VNNI, BF16, VBMI) without ggml's AMX kernels
@@ -171,9 +172,11 @@ def check_peers(args: argparse.Namespace, peers: list[str], skipped: dict[str, s
         raise PerfXError(f"unknown peer(s) {', '.join(unknown)}; known: {', '.join(PEER_PACKAGES)}")
     ok = []
     for peer in peers:
-        module, install = PEER_PACKAGES[peer]
-        if importlib.util.find_spec(module) is None:
-            peer_failed(args, peer, f"{module} is not installed; {install}", skipped)
+        modules, install = PEER_PACKAGES[peer]
+        missing = [m for m in modules if importlib.util.find_spec(m) is None]
+        if missing:
+            peer_failed(args, peer, f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed; "
+                        f"{install}", skipped)
         else:
             ok.append(peer)
     return ok

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import argparse
+import sys
+
 import pytest
 
-from perfx_compiler.cli import _errors, serve
-from perfx_compiler.errors import MissingDependencyError
+from perfx_compiler.cli import _errors, bench, serve
+from perfx_compiler.errors import MissingDependencyError, PerfXError
 
 
 def _raise(exc: BaseException):
@@ -39,3 +42,11 @@ def test_require_names_the_extra(monkeypatch, capsys) -> None:
     # perfx-serve checks before looking at its arguments' artifact
     assert serve.main(["/nonexistent/artifact"]) == 2
     assert capsys.readouterr().err == 'perfx-serve: error: fastapi is not installed; pip install "perfx[serve]"\n'
+
+
+def test_ort_genai_peer_names_what_its_model_builder_imports(monkeypatch) -> None:
+    """The ort-genai peer's GGUF conversion runs onnxruntime-genai's builder, which imports torch: a
+    missing torch is named with the bench extra before any build, not a builder traceback later."""
+    monkeypatch.setitem(sys.modules, "torch", None)  # find_spec() -> None: as if not installed
+    with pytest.raises(PerfXError, match=r'peer ort-genai failed: .*torch.* not installed; pip install "perfx\[bench\]"'):
+        bench.check_peers(argparse.Namespace(skip_failed_peers=False), ["ort-genai"], {})
