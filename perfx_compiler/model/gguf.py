@@ -140,7 +140,24 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
     for t in reader.tensors:
         if int(t.data_offset) + int(t.n_bytes) > size or t.data.nbytes != int(t.n_bytes):
             raise ModelFormatError(f"{p}: tensor '{t.name}' runs past the end of the file (truncated); re-download the model")
+    _check_tensor_layout(reader, p)
     return reader
+
+
+def _check_tensor_layout(reader: Any, p: Path) -> None:
+    """llama.cpp's rule (gguf.cpp): tensors are stored back to back in the order of their infos, each
+    padded to the alignment. A data offset that breaks it (a flipped byte: two tensors sharing bytes,
+    one reading another's) or a size that does (a changed type or shape) is a corrupt file, refused
+    as llama.cpp refuses it, not read as other weights."""
+    align = int(getattr(reader, "alignment", 32)) or 32
+    expected = int(reader.data_offset)
+    for t in reader.tensors:
+        if int(t.data_offset) != expected:
+            raise ModelFormatError(
+                f"{p}: tensor '{t.name}' data is at byte {int(t.data_offset)}, expected {expected} (after the previous "
+                "tensor); the file is corrupt, re-download or re-convert the model"
+            )
+        expected += -(-int(t.n_bytes) // align) * align
 
 
 def dequantize_tensor(t: Any, source: str = "") -> np.ndarray:
