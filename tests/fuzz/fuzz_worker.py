@@ -68,7 +68,28 @@ def _op_artifact(case: dict[str, Any]) -> Any:
     return {"token_ids": out[0].outputs[0].token_ids}
 
 
-OPS = {"load_model": _op_load_model, "tuning_log": _op_tuning_log, "artifact": _op_artifact}
+def _op_selftest(case: dict[str, Any]) -> Any:
+    """What the harness must survive and report (test_fuzz_harness.py)."""
+    import signal
+    import time
+
+    from perfx_compiler.errors import ModelFormatError
+
+    action = case["action"]
+    if action == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif action == "abort":
+        os.abort()
+    elif action == "hang":
+        time.sleep(3600)
+    elif action == "perfx":
+        raise ModelFormatError("a clear error")
+    elif action == "raise":
+        raise KeyError("a bug")
+    return {"action": action}
+
+
+OPS = {"load_model": _op_load_model, "tuning_log": _op_tuning_log, "artifact": _op_artifact, "selftest": _op_selftest}
 
 
 def _warm(cases: list[dict[str, Any]]) -> None:
