@@ -135,3 +135,13 @@ def smol_reference(smol_desc):
     from perfx_compiler.model.reference import ReferenceModel
 
     return ReferenceModel(smol_desc)
+
+
+@pytest.fixture(scope="session")
+def smol_int8_artifact(smol_desc, tmp_path_factory):
+    """The default model compiled with int8 activations (the default on AVX-512 VNNI CPUs; callers need
+    VNNI). batching=False: the tests that use it run one sequence."""
+    from perfx_compiler.pipeline import compile_model
+
+    out = tmp_path_factory.mktemp("smol-int8") / "artifact"
+    return compile_model(smol_desc, "host", out, progress=False, activations="int8", batching=False)

@@ -1,0 +1,164 @@
+"""SmolLM2 (the shipped Q4_1 GGUF) against llama.cpp on the same file: an engine PerfX shares no code with.
+
+* Tokenization: PerfX's tokenizer (built from the GGUF's vocabulary) gives llama.cpp's token ids on the
+  shipped evaluation text, whole and line by line, with llama.cpp's BOS rule and special-token parsing.
+* Logits, teacher-forced over the first ``N_TOKENS`` tokens of that text: llama.cpp evaluates the whole
+  sequence once (``logits_all=True``); PerfX runs it as one prefill (and, for int8 activations, also one
+  token at a time through the decode kernels). Per position: does PerfX's top-1 token equal llama.cpp's,
+  and KL(llama.cpp || PerfX).
+
+llama.cpp itself is not a float reference: its KV cache is fp16 and it multiplies quantized weights with
+activations rounded to int8 (Q8_1 blocks for Q4_1, Q8_0 for Q8_0). PerfX with int8 activations does the
+same activation rounding, so it is held to the tighter bound; with f32 activations it differs by that
+rounding at every linear.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests._cpu import needs_vnni
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+TEXT = Path(__file__).resolve().parents[2] / "perfx_compiler" / "data" / "kjv_genesis_1-3.txt"
+N_TOKENS = 480  # positions compared in one prefill (the issue asks for >= 256; smol_desc's context is 512)
+N_DECODE = 256  # of them, run one token at a time (decode is the slower way through)
+
+
+def _gguf_path() -> str:
+    from perfx_compiler.bench.models import resolve_model
+
+    return str(resolve_model("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Any:
+    """llama.cpp's tokenizer for the shipped file (vocabulary only: no weights loaded)."""
+    return llama_cpp.Llama(model_path=_gguf_path(), vocab_only=True, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def perfx_tok(smol_desc) -> Any:
+    from perfx_compiler.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(smol_desc.tokenizer_json)
+
+
+@pytest.fixture(scope="module")
+def eval_ids(perfx_tok) -> list[int]:
+    ids = perfx_tok.encode(TEXT.read_text(encoding="utf-8"), add_special_tokens=False).ids[:N_TOKENS]
+    assert len(ids) == N_TOKENS
+    return ids
+
+
+@pytest.fixture(scope="module")
+def llamacpp_logits(eval_ids) -> np.ndarray:
+    """llama.cpp's logits of every position [N_TOKENS, vocab], one eval of the whole sequence."""
+    llm = llama_cpp.Llama(model_path=_gguf_path(), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2,
+                          logits_all=True, verbose=False)
+    llm.eval(eval_ids)
+    out = np.array(llm.scores[: len(eval_ids)], dtype=np.float64)
+    llm.close()
+    return out
+
+
+def _log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def compare(ref: np.ndarray, got: np.ndarray) -> tuple[float, float, float]:
+    """(top-1 agreement, mean KL(ref || got), max KL) over positions, in float64."""
+    ref, got = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+    assert ref.shape == got.shape, (ref.shape, got.shape)
+    lp, lq = _log_softmax(ref), _log_softmax(got)
+    kl = (np.exp(lp) * (lp - lq)).sum(axis=-1)
+    agree = float(np.mean(ref.argmax(-1) == got.argmax(-1)))
+    return agree, float(kl.mean()), float(kl.max())
+
+
+def _perfx_prefill(artifact: Path, ids: list[int]) -> np.ndarray:
+    from perfx_compiler.runtime.engine import Engine
+
+    eng = Engine(Path(artifact))
+    eng.reset()
+    return np.asarray(eng.prefill_all(ids), dtype=np.float64)
+
+
+def _perfx_decode(artifact: Path, ids: list[int]) -> np.ndarray:
+    """Teacher-forced one token at a time: the decode step's kernels (GEMV, fused prologues)."""
+    from perfx_compiler.runtime.engine import Engine
+
+    eng = Engine(Path(artifact))
+    eng.reset()
+    out = [np.asarray(eng.prefill(ids[:1]), dtype=np.float64).reshape(-1)]
+    out += [np.asarray(eng.decode(t), dtype=np.float64).reshape(-1) for t in ids[1:]]
+    return np.stack(out)
+
+
+def _check(name: str, ref: np.ndarray, got: np.ndarray, min_agree: float, max_kl: float) -> None:
+    agree, kl, kl_max = compare(ref, got)
+    print(f"SmolLM2 {name} vs llama.cpp over {len(ref)} positions: top-1 agreement {agree:.4f}, "
+          f"mean KL {kl:.5f}, max KL {kl_max:.4f}")
+    assert agree >= min_agree and kl <= max_kl, (name, agree, kl)
+
+
+# -- tokenization -------------------------------------------------------------------------------------
+
+
+def _llama_ids(vocab: Any, text: str, add_bos: bool = False, special: bool = False) -> list[int]:
+    return list(vocab.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
+
+
+def test_tokenization_matches_llamacpp_on_eval_text(vocab, perfx_tok) -> None:
+    text = TEXT.read_text(encoding="utf-8")
+    assert _llama_ids(vocab, text) == perfx_tok.encode(text, add_special_tokens=False).ids
+    # each line (a chapter), and each clause alone with and without the space before it (the text has 5
+    # lines; a piece tokenized alone starts a new pre-tokenizer word, which the whole text never does)
+    clauses = [c for c in re.split(r"(?<=[.;:,?!]) ", text.replace("\n", " ")) if c]
+    pieces = text.splitlines() + clauses + [" " + c for c in clauses]
+    assert len(pieces) > 500
+    bad = [p for p in pieces if _llama_ids(vocab, p) != perfx_tok.encode(p, add_special_tokens=False).ids]
+    assert not bad, f"{len(bad)} of {len(pieces)} pieces differ, first: {bad[0][:60]!r}"
+
+
+def test_tokenization_bos_and_special_tokens_match_llamacpp(vocab, perfx_tok, smol_desc) -> None:
+    """llama.cpp's BOS rule (the GGUF's add_bos_token) is the one PerfX's generation loop applies, and
+    special tokens in the text are parsed as such (special=True) or tokenized as text (special=False)."""
+    from perfx_compiler.model.tokenizer import render_chat
+
+    line = TEXT.read_text(encoding="utf-8").splitlines()[0]
+    bos = [smol_desc.config.bos_token_id] if smol_desc.config.add_bos_token else []
+    assert _llama_ids(vocab, line, add_bos=True) == bos + perfx_tok.encode(line, add_special_tokens=False).ids
+    chat = render_chat(smol_desc.chat_template, [{"role": "user", "content": line}], add_generation_prompt=True)
+    assert "<|im_start|>" in chat
+    parsed = perfx_tok.encode(chat, add_special_tokens=False).ids
+    assert _llama_ids(vocab, chat, special=True) == parsed
+    assert parsed.count(vocab.tokenize(b"<|im_start|>", add_bos=False, special=True)[0]) >= 2
+    perfx_tok.encode_special_tokens = True  # special tokens as plain text, as llama.cpp's special=False
+    try:
+        assert _llama_ids(vocab, chat, special=False) == perfx_tok.encode(chat, add_special_tokens=False).ids
+    finally:
+        perfx_tok.encode_special_tokens = False
+
+
+# -- logits -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_f32_activations_agree_with_llamacpp(smol_artifact, eval_ids, llamacpp_logits) -> None:
+    _check("f32 activations (prefill)", llamacpp_logits, _perfx_prefill(smol_artifact, eval_ids), 0.95, 0.015)
+
+
+@pytest.mark.slow
+@needs_vnni
+def test_int8_activations_agree_with_llamacpp(smol_int8_artifact, eval_ids, llamacpp_logits) -> None:
+    _check("int8 activations (prefill)", llamacpp_logits, _perfx_prefill(smol_int8_artifact, eval_ids), 0.94, 0.02)
+    ids = eval_ids[:N_DECODE]
+    _check("int8 activations (decode)", llamacpp_logits[:N_DECODE], _perfx_decode(smol_int8_artifact, ids), 0.94, 0.02)
