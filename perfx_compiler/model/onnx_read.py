@@ -34,6 +34,18 @@ def tensor_array(t: onnx.TensorProto, what: str = "initializer") -> np.ndarray:
         ) from None
 
 
+def _check_tokenizer(text: str, path: Path) -> None:
+    """A tokenizer the runtime can load, checked now: a broken one would be copied into the artifact
+    and fail only at run time, where recompiling cannot fix it."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_str(text)
+    except Exception as err:  # noqa: BLE001 - tokenizers raises its own Exception type
+        msg = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise ModelFormatError(f"{path}: its perfx.tokenizer metadata is not a tokenizer ({msg}); re-export it") from None
+
+
 def load_onnx(path: str | Path, max_context: int | None = None) -> ModelDescription:
     """The ModelDescription of an ONNX file; ``max_context`` overrides the KV cache length."""
     path = Path(path)
@@ -42,6 +54,9 @@ def load_onnx(path: str | Path, max_context: int | None = None) -> ModelDescript
     except Exception as err:  # protobuf/decode errors: say what the file is not
         raise ModelFormatError(f"{path} is not a readable ONNX file ({type(err).__name__}); re-export it") from None
     meta = {p.key: p.value for p in model.metadata_props}
+    for key in ("perfx.config", "perfx.tokenizer", "perfx.chat_template"):
+        if isinstance(meta.get(key), bytes):  # protobuf hands back a string that is not UTF-8 as bytes
+            raise ModelFormatError(f"{path}: its {key} metadata is not UTF-8 text; the file is corrupt, re-export it")
     if "perfx.config" not in meta:
         # A third-party decoder (torch.onnx, onnxruntime-genai): recognise it and rebuild its description.
         from perfx_compiler.frontend.graph_to_description import load_foreign_onnx
@@ -49,9 +64,12 @@ def load_onnx(path: str | Path, max_context: int | None = None) -> ModelDescript
         return load_foreign_onnx(model, path, max_context)
     try:
         data = json.loads(meta["perfx.config"])
-    except json.JSONDecodeError as err:
-        raise ModelFormatError(f"{path}: its perfx.config metadata is not valid JSON ({err.msg}); re-export it with --emit-onnx") from None
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise ModelFormatError(f"{path}: its perfx.config metadata is not valid JSON ({getattr(err, 'msg', err)}); "
+                               "re-export it with --emit-onnx") from None
     config = ModelConfig.from_dict(data)
+    if meta.get("perfx.tokenizer"):
+        _check_tokenizer(meta["perfx.tokenizer"], path)
     if max_context is not None:
         config.max_context = int(max_context)
     weights = {
