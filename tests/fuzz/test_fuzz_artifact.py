@@ -91,7 +91,8 @@ def make_cases(art: Path, root: Path) -> list[dict]:
         walk({k: v for k, v in m.items() if k in ("model", "kv_cache", "paged_kv", "weights")})
         node, key = leaves[int(rng.integers(len(leaves)))]
         old = node[key]  # type: ignore[index]
-        node[key] = [0, 1, old + 1, old * 2, max(0, old - 1), 1 << 40][int(rng.integers(6))]  # type: ignore[index]
+        new = [v for v in (0, 1, old + 1, old * 2, max(0, old - 1), 1 << 40) if v != old]
+        node[key] = new[int(rng.integers(len(new)))]  # type: ignore[index]
         (d / MANIFEST).write_text(json.dumps(m, indent=1))
 
     variant("control/clean", 0, lambda d, rng: None)
