@@ -10,31 +10,24 @@ loaded into the process) or in exactly the unmodified artifact's tokens.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-from fuzz_harness import assert_clean, run_cases, summary
+from fuzz_harness import SEED, assert_clean, case_seed, run_cases, summary
 
 from perfx_compiler.artifact_hash import MANIFEST_DIGEST_KEY
 from perfx_compiler.model.testing import write_tiny_gguf
 
-SEED = int(os.environ.get("PERFX_FUZZ_SEED", "0"))
 FLIPS_PER_FILE = 5
 MANIFEST_VALUES = 8  # manifests with one number changed (model sizes, cache shapes, weight offsets)
 PROMPT = "hello there"
 MANIFEST = "perfx-config.json"
 # The first run of an artifact on a fresh machine may build the decode replay's C++ loop (ninja).
 CASE_S = 300.0
-
-
-def case_seed(*parts: object) -> int:
-    return zlib.crc32(repr((SEED, *parts)).encode())
 
 
 @pytest.fixture(scope="module")

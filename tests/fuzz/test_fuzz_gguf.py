@@ -8,17 +8,13 @@ a failure names each bad case's id, seed and file.
 
 from __future__ import annotations
 
-import os
-import zlib
 from pathlib import Path
 
 import pytest
-from fuzz_harness import assert_clean, run_cases, summary
+from fuzz_harness import SEED, assert_clean, case_seed, run_cases, summary
 from gguf_mutate import KINDS, layout, mutate
 
 from perfx_compiler.model.testing import write_tiny_gguf
-
-SEED = int(os.environ.get("PERFX_FUZZ_SEED", "0"))
 
 # name -> write_tiny_gguf arguments: float, and the two quantized types PerfX keeps as raw blocks
 BASES = {
@@ -26,10 +22,6 @@ BASES = {
     "q4_0": {"qtype": "Q4_0"},
     "q8_0": {"qtype": "Q8_0", "embed_qtype": "Q8_0", "tied": False, "layers": 1},
 }
-
-
-def case_seed(*parts: object) -> int:
-    return zlib.crc32(repr((SEED, *parts)).encode())
 
 
 def make_cases(root: Path) -> list[dict]:

@@ -8,14 +8,12 @@ Every case must end in a PerfXError with a message or a description that validat
 
 from __future__ import annotations
 
-import os
 import sys
-import zlib
 from pathlib import Path
 
 import onnx
 import pytest
-from fuzz_harness import assert_clean, run_cases, summary
+from fuzz_harness import SEED, assert_clean, case_seed, run_cases, summary
 from onnx_mutate import KINDS, mutate
 
 from perfx_compiler.model.loader import load_model
@@ -24,12 +22,6 @@ from perfx_compiler.model.testing import write_tiny_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontend"))
 from genai_testgraph import GenaiSpec, build_genai_model  # noqa: E402
-
-SEED = int(os.environ.get("PERFX_FUZZ_SEED", "0"))
-
-
-def case_seed(*parts: object) -> int:
-    return zlib.crc32(repr((SEED, *parts)).encode())
 
 
 def make_cases(root: Path) -> list[dict]:

@@ -10,17 +10,14 @@ whose line was left intact comes back, and nothing of the wrong shape does.
 from __future__ import annotations
 
 import json
-import os
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-from fuzz_harness import assert_clean, run_cases, summary
+from fuzz_harness import SEED, assert_clean, case_seed, run_cases, summary
 
 from perfx_compiler.tune.records import TuningDatabase, TuningRecord
 
-SEED = int(os.environ.get("PERFX_FUZZ_SEED", "0"))
 KINDS = {"torn_last": 15, "garbage_lines": 25, "wrong_shape": 40, "flip": 20, "cut": 15, "binary": 5,
          "strict_garbage": 10, "strict_torn_last": 5}
 
@@ -34,10 +31,6 @@ WRONG_FIELDS = [
 ]
 NOT_RECORDS = ["[]", "1", '"record"', "null", "{}", '{"workload_key": "w0"}', '{"config": {}}', "[" * 5000 + "]" * 5000,
                '{"workload_key": "w", "config": {}, "target_key": "t"}']
-
-
-def case_seed(*parts: object) -> int:
-    return zlib.crc32(repr((SEED, *parts)).encode())
 
 
 def good_lines() -> list[str]:
