@@ -232,6 +232,8 @@ def config_from_metadata(
         )
     hidden = int(meta.require(f"{arch}.embedding_length"))
     heads = int(meta.require(f"{arch}.attention.head_count"))
+    if heads < 1:  # divides below; ModelConfig checks every other count
+        raise ModelFormatError(f"{source}: metadata '{arch}.attention.head_count' is {heads}; the file is corrupt")
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or meta.get(f"{arch}.rope.dimension_count", 0)
                    or hidden // heads)
@@ -337,7 +339,7 @@ def load_gguf(
     tensors = {t.name: t for t in reader.tensors}
     try:
         cfg = config_from_metadata(reader.fields, tensors, source, max_context)
-    except (ValueError, TypeError) as e:  # e.g. a string where a count belongs
+    except (ValueError, TypeError, ArithmeticError) as e:  # e.g. a string where a count belongs, an infinite float
         raise ModelFormatError(f"{source}: malformed model metadata ({e}); re-convert the model") from None
     permuted = _ARCHS[str(field_value(reader.fields["general.architecture"]))]
 

@@ -24,6 +24,7 @@ class Layout:
     tinfo: tuple[int, int]  # byte range of the tensor infos
     data: int  # first byte of tensor data
     fields: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # kind -> [(offset, width)]
+    floats: set[tuple[int, int]] = field(default_factory=set)  # the scalars that are float32 / float64
 
     def add(self, kind: str, off: int, width: int) -> None:
         self.fields.setdefault(kind, []).append((off, width))
@@ -62,6 +63,8 @@ def layout(buf: bytes) -> Layout:
                     pos += _SCALAR[itype]
         else:
             lay.add("scalar", pos, _SCALAR[vtype])
+            if vtype in (6, 12):  # float32 / float64
+                lay.floats.add((pos, _SCALAR[vtype]))
             pos += _SCALAR[vtype]
     lay.meta = (24, pos)
     for _ in range(n_tensors):
@@ -102,8 +105,11 @@ def _flip(buf: bytearray, rng: np.random.Generator, lo: int, hi: int, n: int = 1
 KINDS = {
     "truncate": 30, "truncate_at_field": 20, "flip_header": 12, "flip_metadata": 35, "flip_tensor_info": 25,
     "data_offset": 20, "dims": 18, "ggml_type": 10, "lengths": 25, "counts": 10, "value_type": 8,
-    "flip_data": 8,
+    "flip_data": 8, "scalar_value": 25,
 }
+# Values a metadata number is set to (as the field's own width): zero, one, negatives, huge, NaN / inf.
+_F32 = [0.0, -1.0, 1e-45, 3.4e38, float("nan"), float("inf"), -float("inf")]
+_F64 = _F32 + [1e308]
 
 
 def mutate(data: bytes, lay: Layout, kind: str, seed: int) -> bytes:
@@ -151,6 +157,13 @@ def mutate(data: bytes, lay: Layout, kind: str, seed: int) -> bytes:
         set_field("n_tensors", "n_kv")
     elif kind == "value_type":
         set_field("value_type", "array_type")
+    elif kind == "scalar_value":  # a metadata number (a count, a size, epsilon, theta) set to an extreme
+        off, width = one_of("scalar")
+        if (off, width) in lay.floats:
+            value = _F32[int(rng.integers(len(_F32)))] if width == 4 else _F64[int(rng.integers(len(_F64)))]
+            buf[off : off + width] = struct.pack("<f" if width == 4 else "<d", value)
+        else:
+            _set(buf, off, width, _interesting(rng, width, int.from_bytes(buf[off : off + width], "little"), size))
     elif kind == "flip_data":
         _flip(buf, rng, lay.data, size, int(rng.integers(1, 8)))
     else:

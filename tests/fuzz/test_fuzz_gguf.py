@@ -1,4 +1,4 @@
-"""Fuzzing the GGUF reader: 663 mutated tiny GGUF files (F32, Q4_0 and Q8_0), each loaded the way
+"""Fuzzing the GGUF reader: 738 mutated tiny GGUF files (F32, Q4_0 and Q8_0), each loaded the way
 perfx-compile loads a model. Every case must end in a PerfXError with a message, or a model that
 loads and validates; never a crash, a hang or another exception.
 
