@@ -28,6 +28,7 @@ from perfx_compiler.model.description import (
     ModelDescription,
     rope_inv_freq,
 )
+from perfx_compiler.model.gguf_header import check_gguf_header
 
 # Architectures read from GGUF; value: whether llama.cpp's converter permuted Q/K rows.
 _ARCHS = {"llama": True, "mistral": True, "qwen2": False}
@@ -132,6 +133,7 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise ModelFormatError(f"{p}: not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf model file")
+    check_gguf_header(p)  # counts and lengths against the file's size: which field is wrong, and where
     try:
         reader = gguf.GGUFReader(p, "r")
     except READ_ERRORS as e:  # truncated/corrupt headers: ValueError, IndexError, KeyError...
