@@ -1,16 +1,29 @@
 """SmolLM2 (the shipped Q4_1 GGUF) against llama.cpp on the same file: an engine PerfX shares no code with.
 
 * Tokenization: PerfX's tokenizer (built from the GGUF's vocabulary) gives llama.cpp's token ids on the
-  shipped evaluation text, whole and line by line, with llama.cpp's BOS rule and special-token parsing.
+  shipped evaluation text (whole, per line, per clause), on the inputs of llama.cpp's own tokenizer tests,
+  with llama.cpp's BOS rule and special-token parsing.
 * Logits, teacher-forced over the first ``N_TOKENS`` tokens of that text: llama.cpp evaluates the whole
-  sequence once (``logits_all=True``); PerfX runs it as one prefill (and, for int8 activations, also one
-  token at a time through the decode kernels). Per position: does PerfX's top-1 token equal llama.cpp's,
-  and KL(llama.cpp || PerfX).
+  sequence once (``logits_all=True``, 2 threads); PerfX runs it as one prefill (int8 activations: also one
+  token at a time through the decode kernels). Per position: PerfX's top-1 token == llama.cpp's, and
+  KL(llama.cpp || PerfX).
 
-llama.cpp itself is not a float reference: its KV cache is fp16 and it multiplies quantized weights with
-activations rounded to int8 (Q8_1 blocks for Q4_1, Q8_0 for Q8_0). PerfX with int8 activations does the
-same activation rounding, so it is held to the tighter bound; with f32 activations it differs by that
-rounding at every linear.
+Why the bounds are not tighter (measured 2026-12 on this code, numbers are the test's own output):
+llama.cpp is not a float reference. It rounds every quantized linear's input to int8 (Q8_1 blocks for
+Q4_1 weights, Q8_0 for Q8_0: 32 values, d = amax/127 stored as fp16, round to nearest even, the same codes
+PerfX's VNNI kernels make; PerfX keeps d in f32) and keeps K/V, Q and the attention weights in fp16. On this
+model int8 rounding is chaotic: in a numpy emulation of SmolLM2 (320 tokens), inputs moved by 1e-6 relative
+before each rounding move the logits by ~4% of max |logit| and flip top-1 on 3-4% of positions, as much as
+int8 against float itself; llama.cpp with an f32 KV cache disagrees with llama.cpp on 3.75%; PerfX's own
+int8 prefill (GEMM) and decode (GEMV) kernels, same formula, disagree on 3%. An emulation rounding exactly
+as llama.cpp does (fp16 d and block sums, fp16 K/V/Q/P) agrees with llama.cpp on 96.6-97.2%, no closer
+than PerfX: matching the block format cannot align rounding noise, only bit-equal inputs to every rounding
+could. So int8 agreement with llama.cpp is ~97% (not the 98% first hoped for), float ~97%.
+
+Measured: f32 97.1% top-1, mean KL 0.0055; int8 prefill 96.9%, KL 0.0070; int8 decode (256 positions)
+97.3%, KL 0.0081. Broken on purpose: RoPE base read as the 10000 default instead of the file's 100000 ->
+79% / KL 0.34 (both builds); int8 activations truncated instead of rounded -> 93.1% / KL 0.028; activation
+scale 5% off (amax/121) -> 87% / KL 0.12; 0.8% off (amax/126) -> 97.5% / KL 0.0089 passes (within the noise).
 """
 
 from __future__ import annotations
@@ -57,15 +70,33 @@ def eval_ids(perfx_tok) -> list[int]:
     return ids
 
 
+_LLAMA_EVAL = """
+import sys
+import llama_cpp
+import numpy as np
+path, ids_file, out_file = sys.argv[1:]
+ids = np.load(ids_file).tolist()
+llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, logits_all=True,
+                      verbose=False)
+llm.eval(ids)
+np.save(out_file, np.asarray(llm.scores[: len(ids)], dtype=np.float32))
+"""
+
+
 @pytest.fixture(scope="module")
-def llamacpp_logits(eval_ids) -> np.ndarray:
-    """llama.cpp's logits of every position [N_TOKENS, vocab], one eval of the whole sequence."""
-    llm = llama_cpp.Llama(model_path=_gguf_path(), n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2,
-                          logits_all=True, verbose=False)
-    llm.eval(eval_ids)
-    out = np.array(llm.scores[: len(eval_ids)], dtype=np.float64)
-    llm.close()
-    return out
+def llamacpp_logits(eval_ids, tmp_path_factory) -> np.ndarray:
+    """llama.cpp's logits of every position [N_TOKENS, vocab], one eval of the whole sequence. In a
+    process of its own: llama.cpp's OpenMP workers once segfaulted in a pytest process that had compiled
+    and run PerfX artifacts (TVM, torch: other OpenMP runtimes), which would end the whole run."""
+    import subprocess
+    import sys
+
+    tmp = tmp_path_factory.mktemp("llamacpp")
+    np.save(tmp / "ids.npy", np.asarray(eval_ids, dtype=np.int64))
+    proc = subprocess.run([sys.executable, "-c", _LLAMA_EVAL, _gguf_path(), str(tmp / "ids.npy"), str(tmp / "out.npy")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"llama.cpp eval failed ({proc.returncode}): {proc.stderr[-2000:]}"
+    return np.load(tmp / "out.npy").astype(np.float64)
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -148,17 +179,38 @@ def test_tokenization_bos_and_special_tokens_match_llamacpp(vocab, perfx_tok, sm
         perfx_tok.encode_special_tokens = False
 
 
+def test_tokenization_matches_llamacpp_on_vocab_test_inputs(vocab, perfx_tok) -> None:
+    """SmolLM2's vocabulary over the inputs of llama.cpp's tokenizer tests (every ggml-vocab-*.inp: odd
+    whitespace, scripts, emoji, digits, code), as text (special=False, as those tests tokenize)."""
+    from tests.model.test_llamacpp_vocab import SEP, VOCAB_DIR
+
+    files = sorted(VOCAB_DIR.glob("ggml-vocab-*.gguf.inp"))
+    if not files:
+        pytest.skip(f"llama.cpp vocab files absent in {VOCAB_DIR}; run tests/setup.sh")
+    texts = sorted({t for f in files for t in f.read_text(encoding="utf-8").split(SEP) if t})
+    assert len(texts) >= 40  # the files share most inputs: 49 distinct ones in llama-cpp-python 0.3.36
+    perfx_tok.encode_special_tokens = True
+    try:
+        bad = [t for t in texts if _llama_ids(vocab, t) != perfx_tok.encode(t, add_special_tokens=False).ids]
+    finally:
+        perfx_tok.encode_special_tokens = False
+    assert not bad, f"{len(bad)} of {len(texts)} inputs differ, first: {bad[0][:60]!r}"
+
+
 # -- logits -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
 def test_f32_activations_agree_with_llamacpp(smol_artifact, eval_ids, llamacpp_logits) -> None:
-    _check("f32 activations (prefill)", llamacpp_logits, _perfx_prefill(smol_artifact, eval_ids), 0.95, 0.015)
+    """>= 95% top-1, mean KL <= 0.01 (measured 97.1%, 0.0055: llama.cpp's own int8/fp16 rounding)."""
+    _check("f32 activations (prefill)", llamacpp_logits, _perfx_prefill(smol_artifact, eval_ids), 0.95, 0.01)
 
 
 @pytest.mark.slow
 @needs_vnni
 def test_int8_activations_agree_with_llamacpp(smol_int8_artifact, eval_ids, llamacpp_logits) -> None:
-    _check("int8 activations (prefill)", llamacpp_logits, _perfx_prefill(smol_int8_artifact, eval_ids), 0.94, 0.02)
+    """>= 94% top-1, mean KL <= 0.015 (measured 96.9% / 0.0070 prefill, 97.3% / 0.0081 decode: two
+    independent int8 rounding noises, see the module docstring; a bound at 98% would fail at random)."""
+    _check("int8 activations (prefill)", llamacpp_logits, _perfx_prefill(smol_int8_artifact, eval_ids), 0.94, 0.015)
     ids = eval_ids[:N_DECODE]
-    _check("int8 activations (decode)", llamacpp_logits[:N_DECODE], _perfx_decode(smol_int8_artifact, ids), 0.94, 0.02)
+    _check("int8 activations (decode)", llamacpp_logits[:N_DECODE], _perfx_decode(smol_int8_artifact, ids), 0.94, 0.015)
