@@ -15,8 +15,11 @@ from perfx_compiler.bench.models import resolve_model  # noqa: E402
 
 
 def _reference_greedy(path: str, prompt: list[int], steps: int) -> list[int]:
-    """Greedy tokens from logits the bindings copy out themselves (``logits_all=True``: ``scores``)."""
-    llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_batch=64, n_threads=2, logits_all=True, verbose=False)
+    """Greedy tokens from logits the bindings copy out themselves (``logits_all=True``: ``scores``), with the
+    peer's own settings otherwise (flash attention, batch sizes, threads): other settings round differently
+    and flip near-ties (seeds 1 and 8 did with the defaults)."""
+    llm = llama_cpp.Llama(model_path=path, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=2, n_threads_batch=2,
+                          logits_all=True, flash_attn=True, verbose=False)
     llm.eval(prompt)
     out = [int(np.argmax(llm.scores[llm.n_tokens - 1]))]
     for _ in range(steps):
