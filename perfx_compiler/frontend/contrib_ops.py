@@ -124,6 +124,9 @@ def matmulnbits_table(node: onnx.NodeProto, const: Callable[[str], np.ndarray | 
         # g_idx equal to k // block is the plain layout some exporters still write; anything else is act-order.
         if g_idx is None or not np.array_equal(g_idx.reshape(-1), np.arange(k) // block):
             raise UnsupportedModelError(f"MatMulNBits '{node.name}' uses act-order g_idx, which is not supported")
+    if len(node.input) < 3:
+        raise ModelFormatError(f"MatMulNBits '{node.name}' has {len(node.input)} inputs (A, B, scales at least); "
+                               "the file is corrupt, re-export it")
     codes_raw = const(node.input[1])
     scales = const(node.input[2])
     if codes_raw is None or scales is None:

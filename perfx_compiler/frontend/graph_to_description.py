@@ -141,6 +141,8 @@ def _linear_at(g: OnnxGraph, node: onnx.NodeProto) -> Linear | None:
     w: np.ndarray | None = None
     bias: np.ndarray | None = None
     table: NBitsTable | None = None
+    if node.op_type in ("MatMul", "Gemm", "MatMulNBits") and len(node.input) < (3 if node.op_type == "MatMulNBits" else 2):
+        raise ModelFormatError(f"{node.op_type} '{node.name}' has {len(node.input)} inputs; the file is corrupt, re-export it")
     if node.op_type == "MatMul":
         b = g.const(node.input[1])
         if b is not None and b.ndim == 2:
@@ -342,6 +344,9 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
     if emb is None:
         raise UnsupportedModelError(f"{source}: no embedding lookup Gather(table, {io.input_ids}) found")
     embed = _f32(g.const(emb.input[0]))
+    if embed.ndim != 2:
+        raise ModelFormatError(f"{source}: the embedding table '{emb.input[0]}' has shape {embed.shape}, not [vocab, hidden]; "
+                               "the file is corrupt, re-export it")
     vocab, hidden = embed.shape
 
     groups = _group_linears(g)

@@ -8,6 +8,7 @@ order, i.e. llama.cpp's interleave permutation already undone).
 
 from __future__ import annotations
 
+import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
@@ -64,9 +65,9 @@ class ModelConfig:
         if not isinstance(self.architecture, str):
             raise bad("architecture", self.architecture, "a name")
         for name in _COUNTS:
-            v = getattr(self, name)
-            if not _is_int(v) or not 1 <= int(v) <= _MAX_COUNT:
-                raise bad(name, v, f"an integer in 1..{_MAX_COUNT}")
+            v, top = getattr(self, name), _MAX_CONTEXT if name == "max_context" else _MAX_COUNT
+            if not _is_int(v) or not 1 <= int(v) <= top:
+                raise bad(name, v, f"an integer in 1..{top}")
             setattr(self, name, int(v))
         for name, low in (("rms_norm_eps", 0.0), ("rope_theta", None)):
             v = getattr(self, name)
@@ -116,10 +117,12 @@ class ModelConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # Sizes and counts of a config: positive, and within int32 (index arithmetic in the kernels).
 _COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
            "max_context")
 _MAX_COUNT = (1 << 31) - 1
+_MAX_CONTEXT = 1 << 24  # the KV cache and RoPE tables are allocated for this many positions
 
 
 def _is_int(v: Any) -> bool:
@@ -184,6 +187,16 @@ class ModelDescription:
 
     def validate(self) -> None:
         """Check every expected weight is present with the right shape."""
+        from perfx_compiler.errors import ModelFormatError
+
+        # The layer count first, from the names alone: a corrupt count (a billion layers) must not
+        # be walked layer by layer below.
+        layers = {int(m.group(1)) for n in self.weights if (m := _LAYER_NAME.match(n))}
+        if len(layers) != self.config.num_layers or (layers and max(layers) != len(layers) - 1):
+            raise ModelFormatError(
+                f"model weights do not match its config ({self.source}): the config has {self.config.num_layers} "
+                f"layers, the weights have {len(layers)} (indices {min(layers, default=0)}..{max(layers, default=-1)})"
+            )
         missing, wrong = [], []
         for name, shape in expected_weight_shapes(self.config).items():
             if name not in self.weights:
@@ -191,8 +204,6 @@ class ModelDescription:
             elif tuple(self.weights[name].shape) != shape:
                 wrong.append(f"{name} {tuple(self.weights[name].shape)} != {shape}")
         if missing or wrong:
-            from perfx_compiler.errors import ModelFormatError
-
             detail = "; ".join((["missing " + ", ".join(missing[:5])] if missing else []) + wrong[:5])
             raise ModelFormatError(f"model weights do not match its config ({self.source}): {detail}")
 
