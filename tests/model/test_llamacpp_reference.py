@@ -17,15 +17,19 @@ PerfX's VNNI kernels make; PerfX keeps d in f32) and keeps K/V, Q and the attent
 model int8 rounding is chaotic: in a numpy emulation of SmolLM2 (320 tokens), inputs moved by 1e-6 relative
 before each rounding move the logits by ~4% of max |logit| and flip top-1 on 3-4% of positions, as much as
 int8 against float itself; llama.cpp with an f32 KV cache disagrees with llama.cpp on 3.75%; PerfX's own
-int8 prefill (GEMM) and decode (GEMV) kernels, same formula, disagree on 3%. An emulation rounding exactly
-as llama.cpp does (fp16 d and block sums, fp16 K/V/Q/P) agrees with llama.cpp on 96.6-97.2%, no closer
-than PerfX: matching the block format cannot align rounding noise, only bit-equal inputs to every rounding
-could. So int8 agreement with llama.cpp is ~97% (not the 98% first hoped for), float ~97%.
+int8 prefill (GEMM) and decode (GEMV) kernels, same formula, disagree on 3%. An emulation with llama.cpp's
+fp16 d (and fp16 K/V/Q/P) agrees with llama.cpp on 96.6-97.2%; PerfX's kernels changed to round d and the
+Q4_1 block sums to fp16 as llama.cpp does gave 96.0% (prefill) and 97.3% (decode): no closer. Matching the
+block format cannot align rounding noise, only bit-equal inputs to every rounding could. So top-1
+agreement with llama.cpp as it runs the file is ~97% for both builds (not the 98% first hoped for for int8);
+the float32 comparison is the tight one.
 
 Measured: f32 97.1% top-1, mean KL 0.0055; int8 prefill 96.9%, KL 0.0070; int8 decode (256 positions)
-97.3%, KL 0.0081. Broken on purpose: RoPE base read as the 10000 default instead of the file's 100000 ->
-79% / KL 0.34 (both builds); int8 activations truncated instead of rounded -> 93.1% / KL 0.028; activation
-scale 5% off (amax/121) -> 87% / KL 0.12; 0.8% off (amax/126) -> 97.5% / KL 0.0089 passes (within the noise).
+97.3%, KL 0.0081; float32 1.0e-5. Broken on purpose: RoPE base read as the 10000 default instead of the
+file's 100000 -> 79% / KL 0.34 (both builds); RMSNorm eps read as 1e-6 instead of the file's 1e-5 -> the
+float32 test fails (1.4e-3), the others pass (97.3% / 0.0055); int8 activations truncated instead of rounded
+-> 93.1% / KL 0.028; activation scale 5% off (amax/121) -> 87% / KL 0.12; 0.8% off (amax/126) -> 97.5% /
+KL 0.0089, which passes (within the rounding noise).
 """
 
 from __future__ import annotations
