@@ -34,6 +34,17 @@ def tensor_array(t: onnx.TensorProto, what: str = "initializer") -> np.ndarray:
         ) from None
 
 
+def _check_names(model: onnx.ModelProto, path: Path) -> None:
+    """Every tensor name is text: protobuf hands back a name that is not UTF-8 as bytes, which no
+    lookup by name would match (the file is corrupt; found by tests/fuzz)."""
+    g = model.graph
+    names = [t.name for t in g.initializer] + [v.name for v in (*g.input, *g.output)]
+    names += [e for n in g.node for e in (*n.input, *n.output)]
+    bad = next((n for n in names if not isinstance(n, str)), None)
+    if bad is not None:
+        raise ModelFormatError(f"{path}: tensor name {bad!r} is not UTF-8 text; the file is corrupt, re-export it")
+
+
 def _check_tokenizer(text: str, path: Path) -> None:
     """A tokenizer the runtime can load, checked now: a broken one would be copied into the artifact
     and fail only at run time, where recompiling cannot fix it."""
@@ -53,6 +64,7 @@ def load_onnx(path: str | Path, max_context: int | None = None) -> ModelDescript
         model = onnx.load(str(path), load_external_data=True)
     except Exception as err:  # protobuf/decode errors: say what the file is not
         raise ModelFormatError(f"{path} is not a readable ONNX file ({type(err).__name__}); re-export it") from None
+    _check_names(model, path)
     meta = {p.key: p.value for p in model.metadata_props}
     for key in ("perfx.config", "perfx.tokenizer", "perfx.chat_template"):
         if isinstance(meta.get(key), bytes):  # protobuf hands back a string that is not UTF-8 as bytes
