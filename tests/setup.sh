@@ -12,6 +12,7 @@
 #   files:  llama.cpp's vocab test files and convert_hf_to_gguf.py (from the llama-cpp-python sdist)
 #   cache:  $PERFX_TEST_CACHE (default ~/.cache/perfx-test)
 set -euo pipefail
+main() {
 cd "$(dirname "$0")/.."
 CACHE="${PERFX_TEST_CACHE:-$HOME/.cache/perfx-test}"
 LOG="$CACHE/setup.log"
@@ -85,9 +86,11 @@ if [ "$(pyver llama-cpp-python)" != "$LLAMA_CPP_VERSION" ]; then
       CMAKE_ARGS_LLAMA="$CMAKE_ARGS_LLAMA -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"
     fi
   fi
+  # --no-cache-dir: pip's wheel cache keys on the sdist, not on CMAKE_ARGS, and could hand back an AMX build
   step "build llama-cpp-python $LLAMA_CPP_VERSION (minutes)" env CMAKE_ARGS="$CMAKE_ARGS_LLAMA" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-    "$PY" -m pip install -q --no-deps "$SDIST"
+    "$PY" -m pip install -q --no-cache-dir "$SDIST"
 fi
+step "import llama_cpp" "$PY" -c "import llama_cpp"
 VOCAB="${PERFX_LLAMACPP_VOCAB_DIR:-$HOME/.cache/perfx/llamacpp-vocab}"
 if ! ls "$VOCAB"/ggml-vocab-*.gguf >/dev/null 2>&1; then
   mkdir -p "$VOCAB"
@@ -132,3 +135,5 @@ mkdir -p "$RP/amdgcn" "$RP/bin"
 ln -sfn /usr/lib/x86_64-linux-gnu/amdgcn/bitcode "$RP/amdgcn/bitcode"
 ln -sfn "$(command -v ld.lld-19)" "$RP/bin/ld.lld"
 echo "tests/setup.sh: done"
+}
+main "$@"
