@@ -28,41 +28,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from _common import REPO, RESULTS, write_csv
 
+from perfx_compiler.bench.llamacpp_logits import llamacpp_logits
 from perfx_compiler.model.reference import _apply_rope, _rms_norm, _silu, rope_tables
 
 WORK = Path("/tmp/perfx-bench/llamacpp-agreement")
 TEXT = REPO / "perfx_compiler" / "data" / "kjv_genesis_1-3.txt"
-
-LLAMA_EVAL = """
-import ctypes, os, sys
-import llama_cpp
-import numpy as np
-path, ids_file, out_file, mode = sys.argv[1:]
-kw = {"f32-kv": {"type_k": 0, "type_v": 0}, "flash-attn": {"flash_attn": True}}.get(mode, {})
-if mode == "f32-weights":
-    p = llama_cpp.llama_model_quantize_default_params()
-    p.ftype, p.nthread, p.allow_requantize = llama_cpp.LLAMA_FTYPE_ALL_F32, 2, True
-    f32 = out_file + ".f32.gguf"
-    assert llama_cpp.llama_model_quantize(path.encode(), f32.encode(), ctypes.byref(p)) == 0
-    path, kw = f32, {"type_k": 0, "type_v": 0}
-ids = np.load(ids_file).tolist()
-llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, logits_all=True,
-                      verbose=False, **kw)
-llm.eval(ids)
-np.save(out_file, np.asarray(llm.scores[: len(ids)], dtype=np.float32))
-if mode == "f32-weights":
-    os.remove(path)
-"""
-
 
 def f16(a: np.ndarray) -> np.ndarray:
     return np.asarray(a, np.float32).astype(np.float16).astype(np.float64)
@@ -113,16 +89,6 @@ def numpy_logits(desc: Any, ids: list[int], int8: bool = False, fp16_d: bool = F
         gate, up = lin(h, W(p + "mlp.gate_proj.weight")), lin(h, W(p + "mlp.up_proj.weight"))
         x = x + lin(_silu(gate) * up, W(p + "mlp.down_proj.weight"))
     return lin(_rms_norm(x, W("model.norm.weight"), c.rms_norm_eps), np.asarray(desc.lm_head(), np.float64))
-
-
-def llamacpp_logits(gguf: str, ids: list[int], mode: str) -> np.ndarray:
-    with tempfile.TemporaryDirectory() as tmp:
-        np.save(f"{tmp}/ids.npy", np.asarray(ids, np.int64))
-        proc = subprocess.run([sys.executable, "-c", LLAMA_EVAL, gguf, f"{tmp}/ids.npy", f"{tmp}/out.npy", mode],
-                              capture_output=True, text=True, timeout=900)
-        if proc.returncode:
-            raise SystemExit(f"llama.cpp ({mode}) failed with {proc.returncode}: {proc.stderr[-1000:]}")
-        return np.load(f"{tmp}/out.npy").astype(np.float64)
 
 
 def perfx_logits(desc: Any, ids: list[int], activations: str, decode: bool) -> np.ndarray:

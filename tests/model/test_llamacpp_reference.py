@@ -76,49 +76,16 @@ def eval_ids(perfx_tok) -> list[int]:
     return ids
 
 
-_LLAMA_EVAL = """
-import ctypes, os, sys
-import llama_cpp
-import numpy as np
-path, ids_file, out_file, mode = sys.argv[1:]
-kw = {}
-if mode == "f32":
-    # llama.cpp's own dequantization of every tensor into an F32 copy; F32 KV cache, no flash attention:
-    # then no step of its forward pass rounds below float32
-    p = llama_cpp.llama_model_quantize_default_params()
-    p.ftype, p.nthread, p.allow_requantize = llama_cpp.LLAMA_FTYPE_ALL_F32, 2, True
-    f32 = out_file + ".f32.gguf"
-    assert llama_cpp.llama_model_quantize(path.encode(), f32.encode(), ctypes.byref(p)) == 0
-    path, kw = f32, {"type_k": 0, "type_v": 0, "flash_attn": False}  # 0: GGML_TYPE_F32
-ids = np.load(ids_file).tolist()
-llm = llama_cpp.Llama(model_path=path, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=2, logits_all=True,
-                      verbose=False, **kw)
-llm.eval(ids)
-np.save(out_file, np.asarray(llm.scores[: len(ids)], dtype=np.float32))
-if mode == "f32":
-    os.remove(path)  # 540 MB
-"""
+def _llamacpp_eval(ids: list[int], mode: str) -> np.ndarray:
+    from perfx_compiler.bench.llamacpp_logits import llamacpp_logits
 
-
-def _llamacpp_eval(ids: list[int], tmp: Path, mode: str) -> np.ndarray:
-    """llama.cpp's logits of every position [len(ids), vocab], one eval of the whole sequence, in a
-    process of its own: a crash there (a llama.cpp built with AMX segfaults on some VMs, see
-    perfx-bench's hint) fails this test instead of ending the pytest run."""
-    import subprocess
-    import sys
-
-    np.save(tmp / "ids.npy", np.asarray(ids, dtype=np.int64))
-    out = tmp / f"{mode}.npy"
-    proc = subprocess.run([sys.executable, "-c", _LLAMA_EVAL, _gguf_path(), str(tmp / "ids.npy"), str(out), mode],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"llama.cpp eval failed ({proc.returncode}): {proc.stderr[-2000:]}"
-    return np.load(out).astype(np.float64)
+    return llamacpp_logits(_gguf_path(), ids, mode)
 
 
 @pytest.fixture(scope="module")
-def llamacpp_logits(eval_ids, tmp_path_factory) -> np.ndarray:
+def llamacpp_logits(eval_ids) -> np.ndarray:
     """llama.cpp as it runs the file: int8 activations (Q8_1 / Q8_0 blocks), fp16 KV cache."""
-    return _llamacpp_eval(eval_ids, tmp_path_factory.mktemp("llamacpp"), "default")
+    return _llamacpp_eval(eval_ids, "default")
 
 
 def _log_softmax(z: np.ndarray) -> np.ndarray:
@@ -223,12 +190,12 @@ def test_tokenization_matches_llamacpp_on_vocab_test_inputs(vocab, perfx_tok) ->
 
 
 @pytest.mark.slow
-def test_f32_activations_equal_llamacpp_in_float32(smol_artifact, eval_ids, tmp_path) -> None:
+def test_f32_activations_equal_llamacpp_in_float32(smol_artifact, eval_ids) -> None:
     """llama.cpp on an F32 copy of the file it dequantized itself, F32 KV cache: a float32 engine with no
     int8 or fp16 step, so PerfX's f32 build must give its logits to float32 summation order: every
     position within 1e-4 of max |logit| (measured 1.0e-5), the same top-1 everywhere. Tighter than the
     float64 reference check (1e-3) and independent of PerfX's GGUF reader (RoPE base, eps, Q/K rows)."""
-    ref = _llamacpp_eval(eval_ids, tmp_path, "f32")
+    ref = _llamacpp_eval(eval_ids, "f32-weights")
     got = _perfx_prefill(smol_artifact, eval_ids)
     err = np.abs(got - ref).max(axis=-1) / np.abs(ref).max(axis=-1)
     agree, kl, _ = compare(ref, got)
