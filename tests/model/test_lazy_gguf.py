@@ -74,10 +74,11 @@ def test_lazy_path_never_dequantizes_a_matrix(files: dict[str, Path], monkeypatc
     """Load + import + passes (gguf passthrough, int8 and f32 activations) with every float
     dequantizer booby-trapped for matrices, and numpy's peak allocation well under the float32
     size of the matrices (an fp32 copy of even one FFN matrix set would exceed it)."""
+    # gguf_passthrough is imported before the traps: imported under them, it would bind the trapped
+    # dequantize_blocks by name, and undoing the patches would restore that
     import perfx_compiler.model.gguf as gguf_mod
     import perfx_compiler.passes._gguf_blocks as blocks_mod
-    import perfx_compiler.passes.gguf_passthrough  # noqa: F401 - imported before the traps: imported under
-    # them, it would bind the trapped dequantize_blocks by name, and undoing the patches would restore that
+    import perfx_compiler.passes.gguf_passthrough  # noqa: F401
     from perfx_compiler import pipeline
     from perfx_compiler.targets import load_target
 
