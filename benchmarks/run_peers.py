@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peers", default="llama.cpp,ort-genai,ort")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--skip-failed-peers", action="store_true", help="perfx-bench --skip-failed-peers")
     p.add_argument("--prefill-lens", default=None, help="perfx-bench --prefill-lens (e.g. 128 for llama2-7b-q4_0)")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "perfx-bench"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         if args.profile:
             cmd.append("--profile")
+        if args.skip_failed_peers:
+            cmd.append("--skip-failed-peers")
         if args.prefill_lens is not None:
             cmd += ["--prefill-lens", args.prefill_lens]
         rc |= bench_main(cmd)
