@@ -150,3 +150,11 @@ def assert_clean(cases: list[dict[str, Any]], results: list[dict[str, Any]], che
     bad = failures(cases, results, check_ok)
     head = f"{len(bad)} of {len(cases)} fuzz cases failed with PERFX_FUZZ_SEED={SEED} ({summary(results)})"
     assert not bad, head + "\n\n" + "\n\n".join(bad[:15])
+
+
+def run_and_check(label: str, cases: list[dict[str, Any]], check_ok: Any = None, **run: Any) -> list[dict[str, Any]]:
+    """run_cases, print the outcome counts, assert_clean; the results, for a test's own further checks."""
+    results = run_cases(cases, **run)
+    print(f"PERFX_FUZZ_SEED={SEED}: {len(cases)} {label} cases: {summary(results)}")
+    assert_clean(cases, results, check_ok)
+    return results

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from fuzz_harness import SEED, assert_clean, case_seed, run_cases, summary
+from fuzz_harness import case_seed, run_and_check
 from gguf_mutate import KINDS, layout, mutate
 
 from perfx_compiler.model.testing import write_tiny_gguf
@@ -56,9 +56,7 @@ def gguf_cases(tmp_path_factory) -> list[dict]:
 
 def test_mutated_gguf_files_fail_cleanly(gguf_cases):
     assert len(gguf_cases) >= 500
-    results = run_cases(gguf_cases)
-    print(f"PERFX_FUZZ_SEED={SEED}: {len(gguf_cases)} GGUF cases: {summary(results)}")
-    assert_clean(gguf_cases, results, lambda case, res: "loaded, but must be refused" if case["refuse"] else None)
+    results = run_and_check("GGUF", gguf_cases, lambda case, res: "loaded, but must be refused" if case["refuse"] else None)
     # A cut file is named as one, with the field that runs past its end (the header walk, gguf_header.py),
     # not as a numpy error from inside the reader.
     vague = [f"{c['id']} (seed {c['seed']}): {r['message']}" for c, r in zip(gguf_cases, results, strict=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from fuzz_harness import SEED, assert_clean, case_seed, run_cases, summary
+from fuzz_harness import case_seed, run_and_check
 from onnx_mutate import KINDS, mutate
 
 from perfx_compiler.model.loader import load_model
@@ -48,7 +48,5 @@ def onnx_cases(tmp_path_factory) -> list[dict]:
 
 def test_mutated_onnx_files_fail_cleanly(onnx_cases):
     assert len(onnx_cases) >= 100
-    results = run_cases(onnx_cases)
-    print(f"PERFX_FUZZ_SEED={SEED}: {len(onnx_cases)} ONNX cases: {summary(results)}")
-    assert_clean(onnx_cases, results)
+    results = run_and_check("ONNX", onnx_cases)
     assert {r["status"] for r in results} == {"ok", "perfx"}

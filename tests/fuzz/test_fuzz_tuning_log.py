@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fuzz_harness import SEED, assert_clean, case_seed, run_cases, summary
+from fuzz_harness import case_seed, run_and_check
 
 from perfx_compiler.tune.records import TuningDatabase, TuningRecord
 
@@ -130,8 +130,6 @@ def test_base_log_reads_whole(tmp_path):
 
 
 def test_torn_and_garbage_tuning_logs(log_cases):
-    results = run_cases(log_cases)
-    print(f"PERFX_FUZZ_SEED={SEED}: {len(log_cases)} tuning-log cases: {summary(results)}")
-    assert_clean(log_cases, results, check_records)
+    results = run_and_check("tuning-log", log_cases, check_records)
     strict = [r for c, r in zip(log_cases, results, strict=True) if c["id"].startswith("tuning/strict_garbage")]
     assert all(r["status"] == "perfx" and r["type"] == "TuningLogError" for r in strict)
