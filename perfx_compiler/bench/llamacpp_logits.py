@@ -5,7 +5,6 @@ llama.cpp built with AMX segfaults on some VMs; see perfx-bench's hint) fails th
 ending it. Modes:
 
 * ``default``: llama.cpp as it runs the file (int8 activations in its own blocks, fp16 KV cache);
-* ``f32-kv``: an F32 KV cache; ``flash-attn``: flash attention on;
 * ``f32-weights``: an F32 copy of the file that llama.cpp dequantized itself, F32 KV cache, no flash
   attention: no step of its forward pass rounds below float32.
 """
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-MODES = ("default", "f32-kv", "flash-attn", "f32-weights")
+MODES = ("default", "f32-weights")
 _F32 = 0  # GGML_TYPE_F32
 
 
@@ -43,7 +42,7 @@ def _eval(path: str, ids_file: str, out_file: str, mode: str) -> None:
 
     import llama_cpp
 
-    kw: dict = {"f32-kv": {"type_k": _F32, "type_v": _F32}, "flash-attn": {"flash_attn": True}}.get(mode, {})
+    kw: dict = {}
     f32_copy = None
     if mode == "f32-weights":
         p = llama_cpp.llama_model_quantize_default_params()

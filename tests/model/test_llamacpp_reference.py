@@ -10,8 +10,7 @@
 * The same against llama.cpp in float32 (an F32 copy of the file that llama.cpp dequantized itself, F32 KV
   cache): PerfX's f32 build equals it to float32 rounding (1e-4 of max |logit|; measured 1.0e-5).
 
-Why the bounds are not tighter (benchmarks/llamacpp_int8_agreement.py -> results/llamacpp_int8_agreement.csv,
-320 tokens): llama.cpp is not a float reference. It rounds every quantized linear's input to int8 (Q8_1
+Why the bounds are not tighter (docs/decisions/int8-agreement-with-llamacpp.md, 320 tokens): llama.cpp is not a float reference. It rounds every quantized linear's input to int8 (Q8_1
 blocks for Q4_1 weights, Q8_0 for Q8_0: 32 values, d = amax/127 stored as fp16, round to nearest even: the
 codes PerfX's VNNI kernels make; PerfX keeps d in f32) and keeps K/V in fp16. On this model int8 rounding is
 chaotic: in a numpy emulation, inputs moved by 1e-6 relative before each rounding move the logits by up to
