@@ -20,9 +20,14 @@ import numpy as np
 # TVM's thread pool assumes SMT and takes half the logical CPUs (ONE thread on a 2-vCPU machine);
 # it is created on first use, so size it before any kernel runs.
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
-if "tvm" not in sys.modules:
+if "tvm" not in sys.modules and "TVM_USE_RUNTIME_LIB" not in os.environ:
     # Load only TVM's runtime library: a deployed runtime needs no compiler (and skips its import cost).
-    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    # Set for this import only: a child process (a compile) inheriting it would load no compiler.
+    os.environ["TVM_USE_RUNTIME_LIB"] = "1"
+    try:
+        import tvm.runtime
+    finally:
+        del os.environ["TVM_USE_RUNTIME_LIB"]
 import tvm.runtime  # noqa: E402
 from tvm.runtime.vm import VirtualMachine  # noqa: E402
 

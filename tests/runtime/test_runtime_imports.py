@@ -81,3 +81,22 @@ def test_engine_imports_without_compiler() -> None:
         "engine must import with the compiler blocked; note that a plain `import tvm` pulls in "
         "tvm.relax.frontend unless TVM_USE_RUNTIME_LIB=1 is set first\n" + r.stderr[-3000:]
     )
+
+
+def test_engine_import_leaves_child_processes_a_compiler() -> None:
+    """The engine loads TVM's runtime-only library through TVM_USE_RUNTIME_LIB; a compile started as a
+    child process afterwards (perfx-bench, a user's script) must not inherit it, or its ``import
+    tvm.relax`` fails with an AttributeError from TVM's FFI."""
+    script = textwrap.dedent(
+        """
+        import os, subprocess, sys
+        import perfx_compiler.runtime.engine  # noqa: F401
+        assert "TVM_USE_RUNTIME_LIB" not in os.environ, os.environ["TVM_USE_RUNTIME_LIB"]
+        child = subprocess.run([sys.executable, "-c", "import tvm.relax"], capture_output=True, text=True)
+        assert child.returncode == 0, child.stderr[-2000:]
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TVM_USE_RUNTIME_LIB"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
