@@ -369,56 +369,13 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
     # MatMulNBits weights as the file stores them (ModelDescription.quantized, for the int4 passthrough)
     quantized: dict[str, tuple[str, NBitsTable, tuple[int, int]]] = {}
     eps_seen: set[float] = set()
-    has_bias = False
     for i in range(n_layers):
-        p = f"model.layers.{i}."
-        where = f"{source} layer {i}"
-        attn, o, mlp, down = groups[4 * i: 4 * i + 4]
-        q_size = heads * head_dim if heads else None
-        kv_size = kv_heads * head_dim if kv_heads else None
-        q, k, v = _split_qkv(attn, g, stop, io, i, q_size, kv_size, where)
-        if len(o) != 1 or len(down) != 1 or len(mlp) != 2:
-            raise UnsupportedModelError(f"{where}: linears are not q/k/v -> o -> gate/up -> down (SwiGLU)")
-        gate = next((lin for lin in mlp if _feeds_silu(g, lin.out)), None)
-        if gate is None:
-            raise UnsupportedModelError(f"{where}: the MLP has no SiLU-gated projection (only SwiGLU MLPs are supported)")
-        up = mlp[1] if gate is mlp[0] else mlp[0]
-        for lin, name in ((o[0], "o_proj"), (gate, "gate_proj"), (up, "up_proj"), (down[0], "down_proj")):
-            if lin.bias is not None and np.any(lin.bias):
-                raise UnsupportedModelError(f"{where}: {name} has a bias, which Llama/Qwen2 models do not")
-        w_in, eps1 = _rms_norm(g, attn[0].x, f"{where} attention")
-        w_post, eps2 = _rms_norm(g, mlp[0].x, f"{where} MLP")
-        eps_seen |= {eps1, eps2}
-        qw, kw = q.weight, k.weight
-        qt, kt = q.table, k.table
-        if interleaved:
-            from perfx_compiler.model.gguf import unpermute_qk
-
-            qw, kw = unpermute_qk(qw, qw.shape[0] // head_dim), unpermute_qk(kw, kw.shape[0] // head_dim)
-            # the same row permutation moves whole quantized rows
-            qt = None if qt is None else qt.rows(unpermute_qk(np.arange(qw.shape[0]), qw.shape[0] // head_dim))
-            kt = None if kt is None else kt.rows(unpermute_qk(np.arange(kw.shape[0]), kw.shape[0] // head_dim))
-        for name, table in (("self_attn.q_proj", qt), ("self_attn.k_proj", kt), ("self_attn.v_proj", v.table),
-                            ("self_attn.o_proj", o[0].table), ("mlp.gate_proj", gate.table),
-                            ("mlp.up_proj", up.table), ("mlp.down_proj", down[0].table)):
-            if table is not None and table.bits == 4:
-                quantized[f"{p}{name}.weight"] = (QTYPE, table, table.shape)
-        weights.update({
-            p + "input_layernorm.weight": w_in, p + "post_attention_layernorm.weight": w_post,
-            p + "self_attn.q_proj.weight": qw, p + "self_attn.k_proj.weight": kw,
-            p + "self_attn.v_proj.weight": v.weight, p + "self_attn.o_proj.weight": o[0].weight,
-            p + "mlp.gate_proj.weight": gate.weight, p + "mlp.up_proj.weight": up.weight,
-            p + "mlp.down_proj.weight": down[0].weight,
-        })
-        if any(lin.bias is not None for lin in (q, k, v)):
-            has_bias = True
-            for lin, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")):
-                b = lin.bias if lin.bias is not None else np.zeros(lin.weight.shape[0], np.float32)
-                if interleaved and name != "v_proj":
-                    from perfx_compiler.model.gguf import unpermute_qk
-
-                    b = unpermute_qk(b[:, None], b.shape[0] // head_dim)[:, 0]
-                weights[p + f"self_attn.{name}.bias"] = b
+        layer_weights, layer_quantized, layer_eps = _layer(g, groups[4 * i: 4 * i + 4], stop, io, i, heads, kv_heads,
+                                                           head_dim, interleaved, f"{source} layer {i}")
+        weights.update(layer_weights)
+        quantized.update(layer_quantized)
+        eps_seen |= layer_eps
+    has_bias = any(k.endswith(".bias") for k in weights)
     (head,) = groups[-1] if len(groups[-1]) == 1 else (None,)
     if head is None or head.weight.shape != (vocab, hidden) or io.logits not in _reach(g, head.out, stop)[0]:
         raise UnsupportedModelError(f"{source}: the last linear is not an lm_head producing {io.logits}")
@@ -463,6 +420,61 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
                             quantized=quantized)
     desc.validate()
     return desc
+
+
+def _layer(
+    g: OnnxGraph, groups: list[list[Linear]], stop: set[str], io: DecoderIO, i: int, heads: int | None,
+    kv_heads: int | None, head_dim: int, interleaved: bool, where: str,
+) -> tuple[dict[str, np.ndarray], dict[str, tuple[str, NBitsTable, tuple[int, int]]], set[float]]:
+    """One decoder layer's weights in HF names (q/k rows un-permuted when RoPE is interleaved), its int4
+    MatMulNBits tables, and the RMSNorm epsilons it uses."""
+    p = f"model.layers.{i}."
+    attn, o, mlp, down = groups
+    q_size = heads * head_dim if heads else None
+    kv_size = kv_heads * head_dim if kv_heads else None
+    q, k, v = _split_qkv(attn, g, stop, io, i, q_size, kv_size, where)
+    if len(o) != 1 or len(down) != 1 or len(mlp) != 2:
+        raise UnsupportedModelError(f"{where}: linears are not q/k/v -> o -> gate/up -> down (SwiGLU)")
+    gate = next((lin for lin in mlp if _feeds_silu(g, lin.out)), None)
+    if gate is None:
+        raise UnsupportedModelError(f"{where}: the MLP has no SiLU-gated projection (only SwiGLU MLPs are supported)")
+    up = mlp[1] if gate is mlp[0] else mlp[0]
+    for lin, name in ((o[0], "o_proj"), (gate, "gate_proj"), (up, "up_proj"), (down[0], "down_proj")):
+        if lin.bias is not None and np.any(lin.bias):
+            raise UnsupportedModelError(f"{where}: {name} has a bias, which Llama/Qwen2 models do not")
+    w_in, eps1 = _rms_norm(g, attn[0].x, f"{where} attention")
+    w_post, eps2 = _rms_norm(g, mlp[0].x, f"{where} MLP")
+    qw, kw = q.weight, k.weight
+    qt, kt = q.table, k.table
+    if interleaved:
+        from perfx_compiler.model.gguf import unpermute_qk
+
+        qw, kw = unpermute_qk(qw, qw.shape[0] // head_dim), unpermute_qk(kw, kw.shape[0] // head_dim)
+        # the same row permutation moves whole quantized rows
+        qt = None if qt is None else qt.rows(unpermute_qk(np.arange(qw.shape[0]), qw.shape[0] // head_dim))
+        kt = None if kt is None else kt.rows(unpermute_qk(np.arange(kw.shape[0]), kw.shape[0] // head_dim))
+    quantized: dict[str, tuple[str, NBitsTable, tuple[int, int]]] = {}
+    for name, table in (("self_attn.q_proj", qt), ("self_attn.k_proj", kt), ("self_attn.v_proj", v.table),
+                        ("self_attn.o_proj", o[0].table), ("mlp.gate_proj", gate.table),
+                        ("mlp.up_proj", up.table), ("mlp.down_proj", down[0].table)):
+        if table is not None and table.bits == 4:
+            quantized[f"{p}{name}.weight"] = (QTYPE, table, table.shape)
+    weights = {
+        p + "input_layernorm.weight": w_in, p + "post_attention_layernorm.weight": w_post,
+        p + "self_attn.q_proj.weight": qw, p + "self_attn.k_proj.weight": kw,
+        p + "self_attn.v_proj.weight": v.weight, p + "self_attn.o_proj.weight": o[0].weight,
+        p + "mlp.gate_proj.weight": gate.weight, p + "mlp.up_proj.weight": up.weight,
+        p + "mlp.down_proj.weight": down[0].weight,
+    }
+    if any(lin.bias is not None for lin in (q, k, v)):
+        for lin, name in ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")):
+            b = lin.bias if lin.bias is not None else np.zeros(lin.weight.shape[0], np.float32)
+            if interleaved and name != "v_proj":
+                from perfx_compiler.model.gguf import unpermute_qk
+
+                b = unpermute_qk(b[:, None], b.shape[0] // head_dim)[:, 0]
+            weights[p + f"self_attn.{name}.bias"] = b
+    return weights, quantized, {eps1, eps2}
 
 
 def _sliding_window(hf: dict[str, Any], gqa: onnx.NodeProto | None, genai: dict[str, Any] | None) -> int | None:
