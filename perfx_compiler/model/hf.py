@@ -32,6 +32,8 @@ HF_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 _HF_CLASS = {v: k for k, v in HF_ARCHITECTURES.items()}
+_INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "bos_token_id")
 # Buffers some exporters save that are recomputed from the config.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -44,14 +46,24 @@ def _read_json(path: Path) -> Any:
 
 
 def _config_from_hf(hf: dict[str, Any], source: str, max_context: int | None) -> ModelConfig:
+    if not isinstance(hf, dict):
+        raise ModelFormatError(f"{source}/config.json is not a JSON object; use the model's original config.json")
     archs = hf.get("architectures") or []
-    arch_cls = archs[0] if archs else None
+    arch_cls = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
     if arch_cls not in HF_ARCHITECTURES:
         raise UnsupportedModelError(
             f"{source}: architecture '{arch_cls or hf.get('model_type')}' is not supported; "
             f"PerfX reads {', '.join(HF_ARCHITECTURES)}"
         )
     arch = HF_ARCHITECTURES[arch_cls]
+    act = hf.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedModelError(
+            f"{source}: hidden_act {act!r} is not supported; PerfX runs {arch_cls} MLPs as SwiGLU (hidden_act 'silu')"
+        )
+    flags = [k for k in _INT_KEYS if isinstance(hf.get(k), bool)]
+    if flags:
+        raise ModelFormatError(f"{source}/config.json: {flags[0]} is true/false, not a number; use the model's original config.json")
     try:
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])
@@ -143,6 +155,17 @@ def _post_processor_adds_bos(data: dict[str, Any], bos_id: int | None) -> bool:
     return False
 
 
+def _check_tokenizer(path: Path) -> None:
+    """tokenizer.json must be one the tokenizers library can build (it is used only after the compile)."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises plain Exception for any malformed file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelFormatError(f"{path}: not a valid tokenizer ({first}); fix or re-download it") from None
+
+
 def _tokenizer_files(folder: Path, cfg: ModelConfig) -> tuple[str | None, str | None]:
     tok_json = None
     tok_path = folder / "tokenizer.json"
@@ -152,6 +175,7 @@ def _tokenizer_files(folder: Path, cfg: ModelConfig) -> tuple[str | None, str | 
     adds_bos = False
     if tok_path.is_file():
         data = _read_json(tok_path)
+        _check_tokenizer(tok_path)
         adds_bos = _post_processor_adds_bos(data, cfg.bos_token_id)
         data["post_processor"] = None  # our contract: BOS is the runtime's job (config.add_bos_token)
         tok_json = json.dumps(data, ensure_ascii=False)

@@ -135,3 +135,14 @@ def test_default_model_path() -> None:
     except ModelFormatError as e:
         pytest.skip(str(e))
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90e6
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "relu"])
+def test_non_silu_mlp_is_refused(tmp_path: Path, tiny, act: str) -> None:
+    """A Llama-class config with another activation would otherwise run as SwiGLU, silently wrong."""
+    folder = write_hf_folder(tiny, tmp_path / "out")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["hidden_act"] = act
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=f"hidden_act '{act}'"):
+        load_model(str(folder))
