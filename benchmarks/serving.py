@@ -14,7 +14,13 @@ Each run: c clients start together, each with its own prompt, ``--max-tokens`` t
 ``agg_decode_tok_s`` sums the streams' decode rates, ``agg_wall_tok_s`` is all tokens / wall time.
 Writes benchmarks/results/serving.csv.
 
-    python benchmarks/bench_serving.py [--artifact DIR] [--concurrency 1 4 16] [--max-tokens 64]
+``--soak MINUTES``: instead, perfx-serve (its CLI, in a subprocess) under steady load from ``--clients``
+loopback clients for that long; server RSS and KV pages in use are sampled every 10 s into
+benchmarks/results/soak_serving.csv (+ .png). Passes when the RSS at the end is within 5% (+20 MB) of
+the RSS after the first minute, no request failed and 0 pages are in use once idle.
+
+    python benchmarks/serving.py [--artifact DIR] [--concurrency 1 4 16] [--max-tokens 64]
+    python benchmarks/serving.py --soak 10 [--artifact DIR] [--clients 4]
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -39,6 +47,7 @@ if str(REPO) not in sys.path:
 
 DEFAULT_ARTIFACT = REPO / "build" / "bench-serving" / "smollm2-135m-host"
 RESULTS = REPO / "benchmarks" / "results" / "serving.csv"
+SOAK_RESULTS = RESULTS.with_name("soak_serving.csv")
 TOPICS = ["the ocean", "a small town", "mountains", "a robot", "the moon", "coffee", "trains", "a library",
           "winter", "a garden", "music", "the desert", "a city at night", "rivers", "a lighthouse", "bread"]  # fmt: skip
 
@@ -173,6 +182,101 @@ def run_http(url: str, model: str, c: int, max_tokens: int) -> dict[str, Any]:
     return summarize("http", c, streams, time.perf_counter() - t0)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(base: str, name: str) -> float:
+    import httpx
+
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
+def soak(artifact: Path, args: argparse.Namespace) -> int:
+    """The soak run (see the module doc); 0 when it passed."""
+    import httpx
+    import psutil
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "perfx_compiler.cli.serve", str(artifact), "--port", str(port), "--max-batch", "8"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        proc = psutil.Process(server.pid)
+        stop = threading.Event()
+        done, errors = [0], [0]
+        prompts = ["Once upon a time", "The history of the city", "def quicksort(xs):", "Dear diary, today"]
+
+        def client(i: int) -> None:
+            with httpx.Client(timeout=120) as c:
+                n = 0
+                while not stop.is_set():
+                    body = {"prompt": prompts[(i + n) % len(prompts)], "max_tokens": args.max_tokens,
+                            "temperature": 0.8, "seed": n, "stream": n % 2 == 0}
+                    try:
+                        r = c.post(f"{base}/v1/completions", json=body)
+                        done[0] += r.status_code == 200
+                        errors[0] += r.status_code != 200
+                    except httpx.HTTPError:
+                        errors[0] += 1
+                    n += 1
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        rows, start = [], time.monotonic()
+        while time.monotonic() - start < args.soak * 60:
+            time.sleep(10)
+            rows.append({"elapsed_s": round(time.monotonic() - start, 1), "rss_mb": round(proc.memory_info().rss / 2**20, 1),
+                         "kv_pages_used": metric(base, "perfx_kv_pages_used"), "requests_done": done[0], "errors": errors[0]})
+            print(rows[-1], flush=True)
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+        time.sleep(2)
+        idle_pages = metric(base, "perfx_kv_pages_used")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    out = write_csv(args.out or SOAK_RESULTS, rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([r["elapsed_s"] for r in rows], [r["rss_mb"] for r in rows], label="server RSS (MB)")
+    ax2 = ax.twinx()
+    ax2.plot([r["elapsed_s"] for r in rows], [r["kv_pages_used"] for r in rows], color="tab:orange", label="KV pages in use")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("RSS MB")
+    ax2.set_ylabel("pages")
+    fig.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    base_rss = next((r["rss_mb"] for r in rows if r["elapsed_s"] >= 60), rows[0]["rss_mb"])
+    grew = rows[-1]["rss_mb"] - base_rss
+    ok = grew <= 0.05 * base_rss + 20 and idle_pages == 0 and errors[0] == 0
+    print(f"requests {done[0]}, errors {errors[0]}, RSS {base_rss} -> {rows[-1]['rss_mb']} MB, idle pages {idle_pages}: "
+          + ("OK" if ok else "FAIL"))
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifact", type=Path, default=None, help="a compiled artifact with batched functions")
@@ -181,10 +285,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--modes", nargs="+", choices=["http", "scheduler"], default=["scheduler", "http"])
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--soak", type=float, default=0.0, metavar="MINUTES", help="run the soak test instead")
+    p.add_argument("--clients", type=int, default=4, help="--soak: concurrent clients")
     args = p.parse_args(argv)
 
     artifact, passes = ensure_artifact(args.artifact, args.model)
+    if args.soak:
+        if args.max_tokens == 64:
+            args.max_tokens = 32
+        return soak(artifact, args)
+    args.out = args.out or RESULTS
     import uvicorn
 
     from perfx_compiler.runtime.batch_engine import BatchEngine
@@ -218,11 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in args.concurrency:
             record(run_scheduler(srv.scheduler, srv.tokenizer, c, args.max_tokens))
     if "http" in args.modes:
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
