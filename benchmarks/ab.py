@@ -36,6 +36,7 @@ process and step levels, a PNG of the per-round ratios.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import statistics
@@ -137,13 +138,15 @@ def run_process_arm(art: str, env: str, args: argparse.Namespace, log: Path) -> 
         worker = Worker("perfx", Path(art), args.threads, log)
     try:
         rng = np.random.default_rng(0)
-        prompt = [int(t) for t in rng.integers(100, 1000, args.prompt)]
+        vocab = int(json.loads((Path(art) / "perfx-config.json").read_text())["model"]["vocab_size"])
+        hi = min(1000, vocab)
+        prompt = [int(t) for t in rng.integers(1, hi, args.prompt)]
         worker.ask("decode", prompt=prompt, n=4)  # warm-up
         runs = [worker.ask("decode", prompt=prompt, n=args.tokens) for _ in range(args.runs)]
         res: dict[str, Any] = {"decode_tok_s": statistics.median(args.tokens / r["decode_s"] for r in runs),
                                "last_token": runs[-1]["token"]}
         for n in args.prefill:
-            ids = [int(t) for t in rng.integers(100, 1000, n)]
+            ids = [int(t) for t in rng.integers(1, hi, n)]
             worker.ask("prefill", ids=ids)  # warm-up (first-call allocation at this length)
             res[f"prefill{n}_tok_s"] = statistics.median(n / worker.ask("prefill", ids=ids)["prefill_s"]
                                                         for _ in range(args.runs))

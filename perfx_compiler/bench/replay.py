@@ -78,8 +78,8 @@ def nbytes(a: Any) -> int:
 
 
 class TracedStep:
-    """One artifact loaded in this process: its engine, one token fed at a fixed position, and the
-    kernel calls (``calls``; kernel symbols in ``names``) of that decode step."""
+    """One artifact loaded in this process: its engine, one token fed at ``position`` (after the first
+    ``position`` ids of ``prompt``, taken modulo the vocabulary), and the kernel calls (``calls``; kernel symbols in ``names``) of that decode step."""
 
     def __init__(self, label: str, art: str | Path, prompt: list[int], position: int):
         from perfx_compiler.runtime import decode_replay
@@ -88,7 +88,8 @@ class TracedStep:
         self.label, self.art = label, str(art)
         self.engine = e = Engine(self.art, verify=False)
         e.reset()
-        self.token = int(np.argmax(e.prefill(prompt[:position])))
+        ids = [int(t) % e.vocab_size for t in prompt[:position]]  # any prompt fits any vocabulary
+        self.token = int(np.argmax(e.prefill(ids)))
         self.position = e.position  # every timed step runs at this position (same attention length)
         e.keep_vm_decode("traced")  # the hook sees only the VM's calls
         tr = decode_replay.trace(e.vm, lambda: e.decode(self.token))
