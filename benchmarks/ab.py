@@ -107,7 +107,7 @@ def paired(rows: list[dict[str, Any]], labels: list[str], key: str, higher_is_be
             continue
         for label in labels:
             ratios = [(v[label] / v[labels[0]]) if higher_is_better else (v[labels[0]] / v[label]) for v in pairs]
-            q1, q3 = (statistics.quantiles(ratios, n=4, method="inclusive")[::2] if len(ratios) > 1 else (ratios[0], ratios[0]))
+            q1, _, q3 = statistics.quantiles(ratios * (2 if len(ratios) == 1 else 1), n=4, method="inclusive")
             out.append({"round": "median", "placement": place, "arm": label,
                         key: round(statistics.median(v[label] for v in pairs), 4),
                         "speedup": round(statistics.median(ratios), 4), "speedup_q1": round(q1, 4),

@@ -79,7 +79,8 @@ def nbytes(a: Any) -> int:
 
 class TracedStep:
     """One artifact loaded in this process: its engine, one token fed at ``position`` (after the first
-    ``position`` ids of ``prompt``, taken modulo the vocabulary), and the kernel calls (``calls``; kernel symbols in ``names``) of that decode step."""
+    ``position`` ids of ``prompt``, taken modulo the vocabulary), and the kernel calls of that decode
+    step (``calls``; their kernel symbols in ``names``, the weight bytes each reads in ``weight_bytes``)."""
 
     def __init__(self, label: str, art: str | Path, prompt: list[int], position: int):
         from perfx_compiler.runtime import decode_replay
