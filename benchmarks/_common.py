@@ -1,5 +1,5 @@
 """Plumbing shared by the scripts in benchmarks/: where results go, CSV writing, a matplotlib figure
-that saves itself, the alternated order of A/B rounds and per-column medians.
+that saves itself and the alternated order of A/B rounds.
 
 Scripts run as ``python benchmarks/<name>.py`` (this folder is then on ``sys.path``) and import it as
 ``from _common import ...``; importing it also puts the repository root on ``sys.path`` so that
@@ -8,7 +8,6 @@ Scripts run as ``python benchmarks/<name>.py`` (this folder is then on ``sys.pat
 
 from __future__ import annotations
 
-import statistics
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -56,26 +55,3 @@ def alternated(items: Sequence[Any], round_index: int) -> list[Any]:
     """``items`` in order on even rounds, reversed on odd ones: neither variant always runs first
     (after the probe, or on a machine that is warming up)."""
     return list(items) if round_index % 2 == 0 else list(items)[::-1]
-
-
-def prefill_decode_rates(engine: Any, prompt_ids: Sequence[int], steps: int) -> tuple[float, float]:
-    """(prefill tok/s of ``prompt_ids``, decode tok/s over ``steps`` greedy tokens after it) of one run
-    of a ``runtime.engine.Engine`` from an empty cache."""
-    import time
-
-    import numpy as np
-
-    engine.reset()
-    t0 = time.perf_counter()
-    logits = engine.prefill(prompt_ids)
-    t1 = time.perf_counter()
-    tok = int(np.argmax(logits))
-    for _ in range(steps):
-        tok = int(np.argmax(engine.decode(tok)))
-    t2 = time.perf_counter()
-    return len(prompt_ids) / (t1 - t0), steps / (t2 - t1)
-
-
-def medians(rows: Sequence[dict[str, Any]], **ndigits: int) -> dict[str, float]:
-    """``{column: median over rows, rounded to ndigits}`` for each ``column=ndigits``, in that order."""
-    return {key: round(statistics.median(r[key] for r in rows), nd) for key, nd in ndigits.items()}

@@ -11,11 +11,32 @@
 ``--dry`` builds every kernel for the target without running anything (works on a machine without a GPU).
 ``--csv`` appends the table's rows (with the date, device and mode) to a CSV file.
 No network is used: the model must be loadable offline (see perfx_compiler/model/loader.py).
+
+Two checks that need no GPU:
+
+    python benchmarks/gpu_check.py ptxas [--model smollm2-135m] [--targets cuda-sm80 cuda-sm90]
+        [--csv benchmarks/results/ptxas_sm80_sm90a.csv] [--work DIR]
+
+registers and spills of every CUDA kernel of the model per target (nvcc ``-Xptxas -v``; the bundle keeps
+``kernels.<arch>.ptxas.txt``): one CSV row per (target, kernel), with whether it is a hot one
+(GEMM/GEMV/attention) or a CPU kernel run as-is on the device (``device_code.adapted_cpu_kernels``).
+Exits 1 when a hot kernel spills.
+
+    XDG_RUNTIME_DIR=/tmp python benchmarks/gpu_check.py lavapipe [--model smollm2-135m] [--tokens 1 504 3458]
+        [--quantization auto|f32|gguf|q8|q4_g128] [--host-build DIR] [--csv benchmarks/results/vulkan_lavapipe.csv]
+
+the vulkan build (phases 0-3: int32 indices, WGSL kernels) decoding each token kernel by kernel through
+PerfX's WGSL launcher on the first wgpu adapter (Mesa's lavapipe on a CPU-only machine), against an x86
+build of the same model and quantization (``--host-build`` reuses one) and the float64 reference model.
+Exits 1 when the logits differ from x86's by more than 1e-3 x scale or the greedy tokens differ; appends
+one row to ``--csv``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
 import sys
 import time
 from pathlib import Path
@@ -204,15 +225,15 @@ def model_rows(model: str, target: str, work: Path, dry: bool, steps: int) -> No
     row("decode", f"{steps / sec:.0f} tok/s", f"{steps} greedy steps after an {len(tokens)}-token prompt")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
+def cuda_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="GPU check on a CUDA device (see the module doc)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--target", default="cuda-sm90")
     ap.add_argument("--work", default="/tmp/perfx-gpu-check")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--dry", action="store_true", help="build only (no GPU needed)")
     ap.add_argument("--csv", type=Path, default=None, help="append the rows to this CSV")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import tvm
 
     from perfx_compiler.targets import load_target
@@ -262,6 +283,147 @@ def main() -> int:
     if args.csv is not None:
         print(f"rows appended to {args.csv}")
     return 1 if any(value == "FAILED" for _, value, _ in ROWS) else 0
+
+
+# -- ptxas: registers and spills per CUDA kernel (nvcc, no GPU) ------------------------------------
+
+HOT = ("matmul", "attention", "gemv")
+FIELDS = ["model", "quantization", "target", "arch", "kernel", "hot", "adapted_cpu_kernel", "registers",
+          "spill_stores", "spill_loads", "stack_bytes", "shared_bytes"]  # fmt: skip
+
+
+def kernel_rows(model: str, target: str, out: Path) -> list[dict[str, object]]:
+    from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.targets_exec.toolchains import parse_ptxas
+
+    if not (out / "perfx-config.json").exists():
+        start = time.perf_counter()
+        compile_model(model, target, out, progress=False)
+        print(f"{target}: built {model} in {time.perf_counter() - start:.0f} s -> {out}", flush=True)
+    manifest = json.loads((out / "perfx-config.json").read_text())
+    facts = manifest["device_code"]["cubin"]
+    if "error" in facts:
+        raise SystemExit(f"{target}: no cubin: {facts['error']}")
+    adapted = manifest["device_code"].get("adapted_cpu_kernels", [])
+    stats = parse_ptxas((out / f"kernels.{facts['arch']}.ptxas.txt").read_text())
+    rows = []
+    for name, st in sorted(stats.items()):
+        rows.append({
+            "model": model, "quantization": manifest.get("quantization", ""), "target": target,
+            "arch": facts["arch"], "kernel": name, "hot": any(h in name for h in HOT),
+            "adapted_cpu_kernel": any(name.startswith(a) for a in adapted), **st,
+        })  # fmt: skip
+    return rows
+
+
+def ptxas_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="registers and spills of every CUDA kernel (see the module doc)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--targets", nargs="+", default=["cuda-sm80", "cuda-sm90"])
+    ap.add_argument("--csv", type=Path, default=REPO / "benchmarks" / "results" / "ptxas_sm80_sm90a.csv")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/perfx-ptxas"))
+    args = ap.parse_args(argv)
+    rows: list[dict[str, object]] = []
+    for target in args.targets:
+        rows += kernel_rows(args.model, target, args.work / target)
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    with args.csv.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r[k] for k in FIELDS})
+    bad = [r for r in rows if r["hot"] and (r["spill_stores"] or r["spill_loads"])]
+    for target in args.targets:
+        mine = [r for r in rows if r["target"] == target]
+        spills = [r["kernel"] for r in mine if r["spill_stores"] or r["spill_loads"]]
+        hot = [r for r in mine if r["hot"]]
+        print(f"{target}: {len(mine)} kernels, {len(hot)} hot (max {max(int(r['registers']) for r in hot)} registers), "
+              f"spilling: {spills or 'none'}")  # fmt: skip
+    print(f"wrote {args.csv}")
+    return 1 if bad else 0
+
+
+# -- lavapipe: the vulkan build through the WGSL launcher -------------------------------------------
+
+def lavapipe_main(argv: list[str] | None = None) -> int:
+    from perfx_compiler import pipeline as P
+    from perfx_compiler.model.loader import load_model
+    from perfx_compiler.model.reference import ReferenceModel
+    from perfx_compiler.targets import load_target
+    from perfx_compiler.targets_exec.relax_exec import run_decode_steps
+    from perfx_compiler.targets_exec.webgpu import WebGPULauncher, webgpu_available
+
+    ap = argparse.ArgumentParser(description="the vulkan build on lavapipe vs x86 (see the module doc)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 504, 3458])
+    ap.add_argument("--max-context", type=int, default=256)
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--host-build", type=Path, default=None, help="an x86 artifact of the same model (else built)")
+    ap.add_argument("--csv", type=Path, default=None)
+    args = ap.parse_args(argv)
+    why = webgpu_available()
+    if why:
+        print(f"skip: {why}")
+        return 2
+    start = time.perf_counter()
+    desc = load_model(args.model, max_context=args.max_context)
+    quant = P.resolve_quantization(args.quantization, desc, load_target("vulkan"))
+    options = P.CompileOptions(target="vulkan", progress=False, quantization=quant, batching=False)
+    state = P.CompileState(desc=desc, target=load_target("vulkan"), options=options)
+    phases = dict(P.PHASES)
+    for name in ("import", "passes", "lower", "schedule"):
+        phases[name](state)
+    print(f"vulkan module for {args.model} ({quant}): {time.perf_counter() - start:.1f} s")
+    launcher = WebGPULauncher()
+    start = time.perf_counter()
+    got = np.stack(run_decode_steps(state, launcher, args.tokens, state.weights))
+    print(f"{len(args.tokens)} decode steps on {launcher.adapter.info['device']}: "
+          f"{time.perf_counter() - start:.1f} s, {launcher.launches} WGSL launches")  # fmt: skip
+    host = x86_logits(args, quant)
+    ref = ReferenceModel(desc)
+    want = np.stack([ref.forward([t]).reshape(-1) for t in args.tokens])
+    err_x86 = float(np.abs(got - host).max())
+    err_ref = float(np.abs(got - want).max())
+    scale = float(np.abs(host).max())
+    same = bool((got.argmax(-1) == host.argmax(-1)).all())
+    print(f"max |logit - x86 build| = {err_x86:.3g}, max |logit - float64 reference| = {err_ref:.3g} "
+          f"(logit scale {scale:.3g}); greedy tokens equal x86's: {same}")  # fmt: skip
+    ok = err_x86 <= 1e-3 * max(scale, 1.0) and same
+    if args.csv is not None:
+        new = not args.csv.exists()
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with args.csv.open("a") as f:
+            if new:
+                f.write("model,quantization,device,tokens,max_err_vs_x86,max_err_vs_float64,logit_scale,greedy_equal,ok\n")
+            f.write(f"{args.model},{quant},{launcher.adapter.info['device']},{' '.join(map(str, args.tokens))},"
+                    f"{err_x86:.3g},{err_ref:.3g},{scale:.3g},{same},{ok}\n")  # fmt: skip
+    return 0 if ok else 1
+
+
+def x86_logits(args: argparse.Namespace, quant: str) -> np.ndarray:
+    """Decode logits of ``args.tokens`` from an x86 build of the same model and quantization."""
+    import tempfile
+
+    from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.runtime.engine import Engine
+
+    out = args.host_build
+    if out is None or not (out / "perfx-config.json").exists():
+        out = out or Path(tempfile.mkdtemp(prefix="perfx-x86-"))
+        start = time.perf_counter()
+        compile_model(args.model, "host", out, progress=False, max_context=args.max_context, quantization=quant,
+                      activations="f32")  # fmt: skip  # float activations, as the WGSL kernels compute
+        print(f"x86 build ({quant}): {time.perf_counter() - start:.1f} s -> {out}")
+    engine = Engine(out)
+    return np.stack([engine.decode(t) for t in args.tokens])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    modes = {"ptxas": ptxas_main, "lavapipe": lavapipe_main}
+    if argv and argv[0] in modes:
+        return modes[argv[0]](argv[1:])
+    return cuda_main(argv)
 
 
 if __name__ == "__main__":

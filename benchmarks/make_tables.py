@@ -118,19 +118,6 @@ def _overhead(name: str, px: dict[str, str], results: Path) -> tuple[float, floa
     return min(1.0, builtin_us / plain_us), max(0.0, 1.0 - plain_us / token_us)
 
 
-def _overhead_hook_free(name: str, results: Path) -> tuple[float, str] | None:
-    """Median overhead of a decode step measured without a hook (benchmarks/decode_overhead.py:
-    the step's kernels replayed back to back vs Engine.decode + argmax), at the most threads run."""
-    best: tuple[int, float, str] | None = None
-    for f in sorted(results.glob("decode_overhead*.csv")):
-        for r in _read(f):
-            if r.get("round") == "median" and r.get("variant") == name:
-                threads = int(r["threads"])
-                if best is None or threads > best[0]:
-                    best = (threads, float(r["overhead_frac"]), f.name)
-    return None if best is None else (best[1], f"{best[0]} threads, {best[2]}")
-
-
 def targets_section(names: list[str], results: Path, title: str = "### Against the targets") -> list[str]:
     """Every speed target of the benchmark issue, checked against the committed CSVs."""
     out = [
@@ -162,7 +149,6 @@ def targets_section(names: list[str], results: Path, title: str = "### Against t
                 else:  # the placement is the host's choice: say so rather than drop the row
                     out.append(f"| {label} | not measured (no turn of this run in that placement) | >= 90% | "
                                "**not shown** |")
-            out += _thread_pool_rows(name, results)
         if name.startswith("llama2"):  # 3.7 GB of weights a token: past every cache, bound by DRAM
             out.append(_check(f"{name}: decode vs llama.cpp", _ratio(px, lc, "decode_tok_s") if lc else None, 1.0))
             frac = float(px["bw_fraction"]) if px.get("bw_fraction") else None
@@ -180,10 +166,6 @@ def targets_section(names: list[str], results: Path, title: str = "### Against t
             out.append(f"| {name}: runtime overhead (not in any kernel), upper bound | <= {total * 100:.0f}% "
                        f"(VM builtins <= {ovh[0] * 100:.0f}%, outside the VM {ovh[1] * 100:.0f}%) | < 10% | "
                        f"{'yes' if total < 0.10 else '**not shown**'} |")
-        free = _overhead_hook_free(name, results)
-        if free is not None:
-            out.append(f"| {name}: runtime overhead of a decode step, hook-free ({free[1]}) | {max(free[0], 0) * 100:.1f}% "
-                       f"| < 10% | {'yes' if free[0] < 0.10 else '**no**'} |")
     if four_bit:
         best_name, best = max(four_bit, key=lambda nr: float(nr[1]["decode_tok_s"]))
         px_best = max(
@@ -198,33 +180,9 @@ def targets_section(names: list[str], results: Path, title: str = "### Against t
             "state), else ratios of the medians. Runtime overhead: the VM builtins' time per decode step in the "
             "profile over the plain (uninstrumented) step, plus the share of a timed token spent outside the VM call "
             "(Python, sampling); the builtins are timed under the instrumentation hook, which inflates them, so "
-            "this is an upper bound. The hook-free row replays the step's recorded kernels back to back from a C++ "
-            "loop and compares them with Engine.decode + argmax (benchmarks/decode_overhead.py), in its own run.", ""]
-    return out
-
-
-def _thread_pool_rows(name: str, results: Path) -> list[str]:
-    """PerfX's decode bandwidth fraction per placement from the A/B runs of PerfX alone (more rounds):
-    thread_pool_ab.csv (the thread team's arm), decode_replay_ab.csv (the replay's arm) and
-    decode_tquant_ab.csv (the current kernel defaults' arm: x quantized per task, one-split attention) and
-    decode_tquant_loop_ab.csv (the same arm decoding through Engine.decode_greedy's C++ loop),
-    decode_kv_prefetch_ab.csv (+ the attention's cache prefetch) and decode_prologue_ab.csv (+ the norm and
-    swiglu fused into the GEMVs that read them)."""
-    out = []
-    for file, arm, what in (("thread_pool_ab.csv", "team", "thread team, decode through the VM"),
-                            ("decode_replay_ab.csv", "replay", "thread team, decode replayed"),
-                            ("decode_tquant_ab.csv", "tquant_one_split",
-                             "decode replayed, x quantized per task, one-split attention"),
-                            ("decode_tquant_loop_ab.csv", "tquant_one_split",
-                             "the same kernels, greedy steps in one C++ loop"),
-                            ("decode_kv_prefetch_ab.csv", "kv_prefetch", "+ decode attention's k/v rows prefetched"),
-                            ("decode_prologue_ab.csv", "prologue_prefetch",
-                             "+ add_rms_norm / swiglu fused into the GEMVs")):
-        path = results / file
-        rows = [r for r in (_read(path) if path.is_file() else [])
-                if r["round"] == "median" and r["label"] == name and r["pool"] == arm]
-        out += [_check(f"{name}: PerfX alone ({what}), {r['placement']} placement, {r['rounds']} paired rounds "
-                       f"({file})", float(r["bw_fraction"]), 0.9, "%") for r in rows]
+            "this is an upper bound; measured without a hook (`benchmarks/ab.py --level step --engine-steps N`) it "
+            "was 6.7% (SmolLM2 Q4_1), 8.6% (Q4_0) and ~0% (TinyLlama) on the EPYC: "
+            "docs/decisions/decode-step-runtime.md.", ""]
     return out
 
 

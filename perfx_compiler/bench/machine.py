@@ -213,7 +213,7 @@ class BandwidthProbe:
 
     def measure(self, reps: int = 3, threads: int | None = None, prefetch: bool = True) -> float:
         """GB/s (10^9 bytes/s) of the fastest of ``reps`` full reads of the buffer (``prefetch=False``:
-        hardware prefetch only, the lower figure; kept for comparison, benchmarks/probe_ab.py)."""
+        hardware prefetch only, the lower figure; kept for comparison, docs/decisions/decode-step-runtime.md)."""
         if not self._ptr:
             raise RuntimeError("the bandwidth probe was closed")
         sink = ctypes.c_double(0.0)

@@ -18,7 +18,7 @@ def test_tiny_model_prefill_gemm_equals_decode_gemv(tmp_path):
     """Whole model: prefill through the GEMM and token-by-token decode through the GEMV do the same
     int8 arithmetic. They sum in different orders (~1e-7 apart), and once in a while that moves one
     activation across an int8 rounding step; the KV cache then carries the flip, and the logits drift to
-    the int8 error level (benchmarks/int8_drift.py: one flip at layer 0 gives 0.026 of max |logit| on
+    the int8 error level (docs/decisions/int8-activations-cpu.md: one flip at layer 0 gives 0.026 of max |logit| on
     SmolLM2; int8 vs float activations differ by ~1.5e-2 on this model). Most draws agree to 1e-6.
     A wrong GEMM (tile, tail, zero point) is order 1 off. The kernels' own bit-level agreement with a
     numpy int8 model is checked in tests/schedules/test_gemm_qvnni.py."""

@@ -100,7 +100,7 @@ def _check_module(mod, target, templates):
 def test_readme_model_uses_committed_attention_and_vnni_records(readme_desc):
     """The README's first command builds SmolLM2's decode GEMVs and prefill GEMMs from the committed
     cold-timed, confirmed VNNI records (tuned quiet; decode 249 -> 306 tok/s against the template
-    defaults in benchmarks/results/vnni_records_ab.csv) and the prefill attention from its record. The
+    defaults, docs/decisions/tuning-records.md) and the prefill attention from its record. The
     decode attention's records are retired (its kernel's version 2 appends k/v inside the tasks): the
     template default, checked to be what was built."""
     mod, state = _lowered(readme_desc, "auto")  # the README's first command: the GGUF's Q4_1, int8 activations

@@ -230,8 +230,7 @@ def test_tuner_measures_vnni_configs(template, target, fmt):
 
 @needs_vnni
 def test_scale_prefetch_default_env_and_code(template, target, monkeypatch):
-    """sprefetch defaults on for N <= 4096 only (A/B: benchmarks/results/gemv_qvnni_shared_copies_ab.csv,
-    gemv_qvnni_sprefetch_large_ab.csv), the env switch overrides it, and it really emits prefetches."""
+    """sprefetch defaults on for N <= 4096 only (A/B: docs/decisions/gemv-qvnni-cpu.md), the env switch overrides it, and it really emits prefetches."""
     import tvm
 
     rng = np.random.default_rng(0)
@@ -289,8 +288,7 @@ def test_per_task_quantization_is_the_one_row_default(template, target, monkeypa
 @needs_vnni
 @pytest.mark.parametrize("fmt,n,k", [("Q4_1", 66, 2048), ("Q4_0", 34, 5632)])
 def test_long_rows_default_is_hinib_and_matches_reference(template, target, fmt, n, k, monkeypatch):
-    """One-unit ("long") rows default to split=1, hinib=1 (benchmarks/results/gemv_qvnni_long_rows_hinib_2t.csv,
-    decode_ab_tinyllama-q4_0_long_rows_hinib.csv); PERFX_VNNI_GEMV_LONG_ROWS=plain restores split=1,
+    """One-unit ("long") rows default to split=1, hinib=1 (docs/decisions/gemv-qvnni-cpu.md); PERFX_VNNI_GEMV_LONG_ROWS=plain restores split=1,
     hinib=0 and =split split=2, hinib=1. Each against the numpy references on fresh weights (K=5632: a
     tail chunk); short rows (two units) keep split=2, hinib=1."""
     rng = np.random.default_rng()
@@ -425,8 +423,7 @@ def test_swiglu_epilogue_gemv_matches_reference(template, target, prologue, fmt,
 @pytest.mark.parametrize("vendor,want", [("GenuineIntel", (0, 2)), ("AuthenticAMD", (1, 3)), ("", (1, 3))])
 def test_host_vendor_picks_the_prefetch_locality(template, monkeypatch, vendor, want):
     """`host` takes targets/x86-avx512.json's vendor_templates for its CPU vendor: on Intel the long-row
-    decode GEMVs prefetch their codes into L2 (ploc 2, no nta; benchmarks/results/intel-xeon/
-    gemv_qvnni_shapes_bw_prefetch.csv), elsewhere non-temporally as before. The env switches still win, and
+    decode GEMVs prefetch their codes into L2 (ploc 2, no nta; docs/decisions/gemv-qvnni-cpu.md), elsewhere non-temporally as before. The env switches still win, and
     a tuning record without `ploc` is built with the target's."""
     import tvm
 

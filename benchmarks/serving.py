@@ -1,0 +1,354 @@
+"""Serving benchmark: aggregate decode tok/s of 1, 4, 16 concurrent greedy streams on the default model.
+
+The artifact needs the batched functions: it is compiled once (SmolLM2-135M, host target,
+``batching=True``) into build/bench-serving/ unless ``--artifact DIR`` is given
+(pass it e.g. an artifact from ``compile_model(..., batching=True)``). When the
+default graph passes do not yet produce a working batched decode, it falls back to the
+``weight_layout`` pass only and says so in the CSV's ``passes`` column.
+
+Modes (both by default):
+  http       perfx-serve's app under uvicorn on 127.0.0.1, clients streaming /v1/completions (SSE)
+  scheduler  the same scheduler driven in-process (no HTTP), to show the server's overhead
+Each run: c clients start together, each with its own prompt, ``--max-tokens`` tokens with
+``ignore_eos``. Per stream: TTFT, and decode rate (tokens - 1) / (last - first token time);
+``agg_decode_tok_s`` sums the streams' decode rates, ``agg_wall_tok_s`` is all tokens / wall time.
+Writes benchmarks/results/serving.csv.
+
+``--soak MINUTES``: instead, perfx-serve (its CLI, in a subprocess) under steady load from ``--clients``
+loopback clients for that long; server RSS and KV pages in use are sampled every 10 s into
+benchmarks/results/soak_serving.csv (+ .png). Passes when the RSS at the end is within 5% (+20 MB) of
+the RSS after the first minute, no request failed and 0 pages are in use once idle.
+
+    python benchmarks/serving.py [--artifact DIR] [--concurrency 1 4 16] [--max-tokens 64]
+    python benchmarks/serving.py --soak 10 [--artifact DIR] [--clients 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from _common import write_csv
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+DEFAULT_ARTIFACT = REPO / "build" / "bench-serving" / "smollm2-135m-host"
+RESULTS = REPO / "benchmarks" / "results" / "serving.csv"
+SOAK_RESULTS = RESULTS.with_name("soak_serving.csv")
+TOPICS = ["the ocean", "a small town", "mountains", "a robot", "the moon", "coffee", "trains", "a library",
+          "winter", "a garden", "music", "the desert", "a city at night", "rivers", "a lighthouse", "bread"]  # fmt: skip
+
+
+def prompt(i: int) -> str:
+    return f"Write a short story about {TOPICS[i % len(TOPICS)]} (variant {i}). Once upon a time,"
+
+
+def _batched_decode_works(artifact: Path) -> bool:
+    from perfx_compiler.runtime.batch_engine import BatchEngine
+
+    try:
+        eng = BatchEngine(artifact, max_batch=2, num_pages=4, verify=False)
+        a, b = eng.add_sequence(), eng.add_sequence()
+        eng.prefill(a, [1, 2, 3])
+        eng.prefill(b, [4, 5])
+        eng.decode([a, b], [6, 7])
+        return True
+    except Exception as e:  # a compiled kernel rejecting batch > 1
+        print(f"batched decode fails on {artifact}: {' '.join(str(e).split())[:200]}", file=sys.stderr)
+        return False
+
+
+def ensure_artifact(path: Path | None, model: str) -> tuple[Path, str]:
+    """(artifact dir, passes used); compiles the default model with batching when needed.
+
+    Each pass choice gets its own directory: a process cannot load two different model.so
+    files from one path (the second dlopen returns the first library)."""
+    if path is not None:
+        return path, "given"
+    from perfx_compiler.pipeline import compile_model
+
+    for passes in (None, ["weight_layout"]):
+        used = "default" if passes is None else "+".join(passes)
+        out = DEFAULT_ARTIFACT.with_name(f"{DEFAULT_ARTIFACT.name}-{used}")
+        status = out.parent / f"{out.name}.status"
+        if not (out / "perfx-config.json").is_file() or not status.is_file():
+            t0 = time.perf_counter()
+            print(f"compiling {model} (host, batching, passes={used}) ...", file=sys.stderr, flush=True)
+            compile_model(model, "host", out, progress=False, batching=True, passes=passes)
+            print(f"  compiled in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            status.write_text("ok" if _batched_decode_works(out) else "fails")
+        if status.read_text() == "ok":
+            return out, used
+        print(f"{out}: batched decode does not work with passes={used}", file=sys.stderr)
+    raise SystemExit("no compiled artifact can decode a batch; see the errors above")
+
+
+def summarize(mode: str, c: int, streams: list[dict[str, float]], wall: float) -> dict[str, Any]:
+    tokens = sum(int(s["n"]) for s in streams)
+    rates = [(s["n"] - 1) / (s["last"] - s["first"]) for s in streams if s["n"] > 1 and s["last"] > s["first"]]
+    itls = [(s["last"] - s["first"]) / (s["n"] - 1) * 1e3 for s in streams if s["n"] > 1]
+    return {
+        "mode": mode,
+        "concurrency": c,
+        "total_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "agg_decode_tok_s": round(sum(rates), 2),
+        "agg_wall_tok_s": round(tokens / wall, 2),
+        "per_stream_decode_tok_s": round(statistics.mean(rates), 2) if rates else 0.0,
+        "mean_ttft_s": round(statistics.mean(s["ttft"] for s in streams), 4),
+        "mean_itl_ms": round(statistics.mean(itls), 2) if itls else 0.0,
+    }
+
+
+def run_scheduler(sched: Any, tokenizer: Any, c: int, max_tokens: int) -> dict[str, Any]:
+    from perfx_compiler.runtime.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    streams = [{"n": 0, "first": 0.0, "last": 0.0, "ttft": 0.0} for _ in range(c)]
+
+    def recorder(i: int) -> Any:
+        def on_event(ev: Any) -> None:
+            now = time.perf_counter()
+            s = streams[i]
+            if ev.token_ids:
+                if s["n"] == 0:
+                    s["first"] = now
+                s["n"] += len(ev.token_ids)
+                s["last"] = now
+
+        return on_event
+
+    t0 = time.perf_counter()
+    handles = [sched.submit(tokenizer.encode(prompt(i)), params, on_event=recorder(i)) for i in range(c)]
+    for h in handles:
+        h.result(timeout=600)
+    wall = time.perf_counter() - t0
+    for s in streams:
+        s["ttft"] = s["first"] - t0
+    return summarize("scheduler", c, streams, wall)
+
+
+def run_http(url: str, model: str, c: int, max_tokens: int) -> dict[str, Any]:
+    import httpx
+
+    barrier = threading.Barrier(c)
+
+    def one(i: int) -> dict[str, float]:
+        body = {
+            "model": model,
+            "prompt": prompt(i),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        s = {"n": 0, "first": 0.0, "last": 0.0, "ttft": 0.0}
+        with httpx.Client(timeout=600) as client:
+            barrier.wait()
+            t0 = time.perf_counter()
+            with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    doc = json.loads(line[6:])
+                    now = time.perf_counter()
+                    if doc.get("usage"):
+                        s["n"] = doc["usage"]["completion_tokens"]
+                    elif doc["choices"] and doc["choices"][0]["text"]:
+                        if not s["first"]:
+                            s["first"] = now
+                            s["ttft"] = now - t0
+                        s["last"] = now
+        return s
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(c) as pool:
+        streams = list(pool.map(one, range(c)))
+    return summarize("http", c, streams, time.perf_counter() - t0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(base: str, name: str) -> float:
+    import httpx
+
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
+def soak(artifact: Path, args: argparse.Namespace) -> int:
+    """The soak run (see the module doc); 0 when it passed."""
+    import httpx
+    import psutil
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "perfx_compiler.cli.serve", str(artifact), "--port", str(port), "--max-batch", "8"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        proc = psutil.Process(server.pid)
+        stop = threading.Event()
+        done, errors = [0], [0]
+        prompts = ["Once upon a time", "The history of the city", "def quicksort(xs):", "Dear diary, today"]
+
+        def client(i: int) -> None:
+            with httpx.Client(timeout=120) as c:
+                n = 0
+                while not stop.is_set():
+                    body = {"prompt": prompts[(i + n) % len(prompts)], "max_tokens": args.max_tokens,
+                            "temperature": 0.8, "seed": n, "stream": n % 2 == 0}
+                    try:
+                        r = c.post(f"{base}/v1/completions", json=body)
+                        done[0] += r.status_code == 200
+                        errors[0] += r.status_code != 200
+                    except httpx.HTTPError:
+                        errors[0] += 1
+                    n += 1
+
+        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
+        for t in threads:
+            t.start()
+        rows, start = [], time.monotonic()
+        while time.monotonic() - start < args.soak * 60:
+            time.sleep(10)
+            rows.append({"elapsed_s": round(time.monotonic() - start, 1), "rss_mb": round(proc.memory_info().rss / 2**20, 1),
+                         "kv_pages_used": metric(base, "perfx_kv_pages_used"), "requests_done": done[0], "errors": errors[0]})
+            print(rows[-1], flush=True)
+        stop.set()
+        for t in threads:
+            t.join(timeout=180)
+        time.sleep(2)
+        idle_pages = metric(base, "perfx_kv_pages_used")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    out = write_csv(args.out or SOAK_RESULTS, rows)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([r["elapsed_s"] for r in rows], [r["rss_mb"] for r in rows], label="server RSS (MB)")
+    ax2 = ax.twinx()
+    ax2.plot([r["elapsed_s"] for r in rows], [r["kv_pages_used"] for r in rows], color="tab:orange", label="KV pages in use")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("RSS MB")
+    ax2.set_ylabel("pages")
+    fig.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    base_rss = next((r["rss_mb"] for r in rows if r["elapsed_s"] >= 60), rows[0]["rss_mb"])
+    grew = rows[-1]["rss_mb"] - base_rss
+    ok = grew <= 0.05 * base_rss + 20 and idle_pages == 0 and errors[0] == 0
+    print(f"requests {done[0]}, errors {errors[0]}, RSS {base_rss} -> {rows[-1]['rss_mb']} MB, idle pages {idle_pages}: "
+          + ("OK" if ok else "FAIL"))
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--artifact", type=Path, default=None, help="a compiled artifact with batched functions")
+    p.add_argument("--model", default="smollm2-135m", help="model to compile when --artifact is not given")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--modes", nargs="+", choices=["http", "scheduler"], default=["scheduler", "http"])
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--soak", type=float, default=0.0, metavar="MINUTES", help="run the soak test instead")
+    p.add_argument("--clients", type=int, default=4, help="--soak: concurrent clients")
+    args = p.parse_args(argv)
+
+    artifact, passes = ensure_artifact(args.artifact, args.model)
+    if args.soak:
+        if args.max_tokens == 64:
+            args.max_tokens = 32
+        return soak(artifact, args)
+    args.out = args.out or RESULTS
+    import uvicorn
+
+    from perfx_compiler.runtime.batch_engine import BatchEngine
+    from perfx_compiler.serve.app import create_app
+
+    max_batch = max(args.concurrency)
+    engine = BatchEngine(artifact, max_batch=max_batch, verify=False)
+    app = create_app(engine, max_batch=max_batch, prefill_chunk=args.prefill_chunk, max_queue=4 * max_batch)
+    srv = app.state.server
+    rows: list[dict[str, Any]] = []
+
+    def record(row: dict[str, Any]) -> None:
+        row.update(
+            max_tokens=args.max_tokens,
+            prefill_chunk=args.prefill_chunk,
+            passes=passes,
+            cpu=platform.processor() or platform.machine(),
+            cores=os.cpu_count(),
+        )
+        rows.append(row)
+        print(
+            f"{row['mode']:>9} c={row['concurrency']:<3} agg decode {row['agg_decode_tok_s']:8.1f} tok/s  "
+            f"wall {row['agg_wall_tok_s']:8.1f} tok/s  per-stream {row['per_stream_decode_tok_s']:6.1f} tok/s  "
+            f"TTFT {row['mean_ttft_s'] * 1e3:7.1f} ms  ITL {row['mean_itl_ms']:6.1f} ms",
+            flush=True,
+        )
+
+    srv.scheduler.start()  # the app's lifespan start() is then a no-op; its shutdown stops it
+    if "scheduler" in args.modes:
+        run_scheduler(srv.scheduler, srv.tokenizer, 1, 8)  # warm-up
+        for c in args.concurrency:
+            record(run_scheduler(srv.scheduler, srv.tokenizer, c, args.max_tokens))
+    if "http" in args.modes:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            run_http(url, srv.model_name, 1, 8)  # warm-up
+            for c in args.concurrency:
+                record(run_http(url, srv.model_name, c, args.max_tokens))
+        finally:
+            server.should_exit = True
+            thread.join(30)
+
+    write_csv(args.out, rows)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
