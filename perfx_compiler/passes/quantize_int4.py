@@ -66,11 +66,6 @@ def quantize_linears(
     return rewrite_linears(mod, weights, packed)
 
 
-def relax_static_dim(expr: Any, axis: int) -> int | None:
-    d = expr.ty.shape.values[axis]
-    return int(d.value) if isinstance(d, tvm.tirx.IntImm) else None
-
-
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
     quantization = getattr(ctx.options, "quantization", "f32") or "f32"
     fmt = parse(quantization)
