@@ -12,6 +12,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from perfx_compiler.tvmscript_speedups import install as _install_tvmscript_speedups
+
+_install_tvmscript_speedups()  # the templates' kernels are TVMScript (perfx_compiler/tvmscript_speedups.py)
+
 # Tried first to last; a template earlier in the list sees a PrimFunc before the ones after it.
 TEMPLATES: list[str] = [
     "attention_cpu",  # before the generic templates (the fallback would take the function as it is)

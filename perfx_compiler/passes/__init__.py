@@ -18,6 +18,10 @@ from typing import Any
 
 import tvm
 
+from perfx_compiler.tvmscript_speedups import install as _install_tvmscript_speedups
+
+_install_tvmscript_speedups()  # the fused-pass kernels are TVMScript (perfx_compiler/tvmscript_speedups.py)
+
 
 @dataclass
 class PassContext:
