@@ -1,7 +1,7 @@
 """The compile pipeline: numbered phases with a dump hook after each.
 
     0 import    ModelDescription -> ONNX (PerfX form) -> Relax: prefill / decode / prefill_all
-    1 passes    graph passes (fusions, quantization, precision) from perfx_compiler.passes
+    1 passes    graph passes (fusions, quantization, precision): GRAPH_PASSES, in order
     2 lower     legalize to TIR, fuse into PrimFuncs
     3 schedule  PerfX templates (schedules/) with tuning records, or TVM dlight defaults
     4 build     tvm.compile for the target
@@ -40,6 +40,24 @@ FUNCTIONS = {
 }
 
 
+# Phase 1, in the order the passes run: modules of perfx_compiler.passes, each run as one tvm.transform
+# module pass (passes.graph_pass). ``--passes`` / CompileOptions.passes picks a subset, still in this order.
+GRAPH_PASSES: list[str] = [
+    "fuse_add_norm",  # residual add + RMSNorm -> one kernel
+    "merge_projections",  # Q/K/V and gate/up -> one matmul each
+    "fuse_swiglu",
+    "precision",  # after the merges and fusions, before the weight formats (which see the rounded inputs)
+    "awq",  # after the merges, instead of quantize_int4 (which ignores q4_awq_* names)
+    "quantize_int4",  # after the merges (quantize the merged weights); acts for q4_*
+    "gguf_passthrough",  # acts only for quantization "gguf"
+    "onnx_int4_passthrough",  # acts only for quantization "onnx"
+    "quantize_int8",
+    "cast_weights",  # acts only for quantization f16 / bf16
+    "fuse_gemv_prologue",  # after the weight formats (which emit the VNNI GEMVs)
+    "texture_weights",  # after quantization; before weight_layout, whose FuseTransposeMatmul hides float linears
+    "weight_layout",  # after fusions and quantization, right before lowering
+]
+
 def exported_functions(options: CompileOptions) -> list[str]:
     return [f for f in FUNCTIONS if options.batching or not f.startswith("paged_")]
 
@@ -58,7 +76,7 @@ class CompileOptions:
     max_context: int | None = None
     progress: bool = True
     schedule: str = "perfx"  # "perfx": templates from schedules/; "dlight": TVM's default rules
-    passes: list[str] | None = None  # None: the default pass list of perfx_compiler.passes
+    passes: list[str] | None = None  # None: every pass of GRAPH_PASSES
     verbose: bool = False  # show TVM's native log lines (hidden by default: they are not user errors)
     batching: bool = True  # also export the paged, batched functions used for serving
     activations: str = "auto"  # quantized linears' inputs: auto | f32 | int8 (resolve_activations)
@@ -152,7 +170,6 @@ def resolve_activations(activations: str | None, quantization: str, target: Targ
 
 
 def phase_passes(state: CompileState) -> None:
-    from perfx_compiler.passes import run_passes
     from perfx_compiler.passes.precision import resolve_precision
 
     opts = state.options
@@ -165,8 +182,33 @@ def phase_passes(state: CompileState) -> None:
     opts = state.options
     opts.activations = resolve_activations(opts.activations, opts.quantization, state.target)
     with use_activations(opts.activations), use_batch_gemv(is_cpu_target(state.target)):
-        state.mod, state.weights = run_passes(state.mod, state.weights, state.target, state.options, state.desc)
+        state.mod, state.weights = run_graph_passes(state.mod, state.weights, state.target, opts, state.desc)
     check_signatures(state)
+
+
+def selected_passes(passes: list[str] | None) -> list[str]:
+    """``passes`` (None: all of GRAPH_PASSES) in GRAPH_PASSES order; an unknown name is an error."""
+    if passes is None:
+        return list(GRAPH_PASSES)
+    unknown = [n for n in passes if n not in GRAPH_PASSES]
+    if unknown:
+        raise PerfXError(f"unknown pass(es) {', '.join(unknown)}; available: {', '.join(GRAPH_PASSES)}")
+    return [n for n in GRAPH_PASSES if n in passes]
+
+
+def run_graph_passes(
+    mod: tvm.IRModule, weights: dict[str, Any], target: TargetDescription, options: CompileOptions,
+    desc: ModelDescription | None = None,
+) -> tuple[tvm.IRModule, dict[str, Any]]:
+    """Phase 1 on ``mod``: the selected GRAPH_PASSES as one ``tvm.transform.Sequential``; returns
+    the rewritten module and weight table."""
+    from perfx_compiler.passes import GraphState, PassContext, graph_pass
+
+    state = GraphState(weights=weights, ctx=PassContext(target=target, options=options, desc=desc))
+    names = selected_passes(getattr(options, "passes", None))
+    mod = tvm.transform.Sequential([graph_pass(n, state) for n in names], name="perfx_graph_passes")(mod)
+    state.raise_error()
+    return mod, state.weights
 
 
 def phase_lower(state: CompileState) -> None:

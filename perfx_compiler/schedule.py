@@ -198,10 +198,6 @@ def apply_schedules(
     return schedule_module(mod, target, records, best_effort)[0]
 
 
-def _template_names() -> list[str]:
-    return [t.name for t in registered_templates()]
-
-
 def _bucket_configs(template: Any, workload: Any, records: TuningDatabase) -> list[tuple[int, dict[str, Any]]]:
     """(bucket, best config) per measured bucket, ascending; neighbours with equal configs merged."""
     out: list[tuple[int, dict[str, Any]]] = []

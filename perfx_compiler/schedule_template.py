@@ -3,8 +3,8 @@
 A template recognises a PrimFunc (``match``), describes its search space (``space``), picks a
 default configuration (``default_config``, from the target file's template defaults when present)
 and applies one configuration (``apply``). Templates live one per file in the top-level
-``schedules/`` package; adding a template means adding a file there with ``TEMPLATE`` and
-``PRIORITY`` (lower runs first).
+``schedules/`` package and are tried in the order of ``schedules.TEMPLATES``; adding a template means
+adding a file there with ``TEMPLATE`` and one line in that list.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ _REGISTRY: list[ScheduleTemplate] | None = None
 
 
 def registered_templates(reload: bool = False) -> list[ScheduleTemplate]:
-    """Templates from the ``schedules`` package, ordered by each module's PRIORITY."""
+    """Templates from the ``schedules`` package, in the order of ``schedules.TEMPLATES``."""
     global _REGISTRY
     if _REGISTRY is None or reload:
         package = importlib.import_module("schedules")
@@ -155,7 +155,7 @@ def template_by_name(name: str) -> ScheduleTemplate:
 
 
 def find_template(func: Any, target: TargetDescription) -> tuple[ScheduleTemplate, Workload] | None:
-    """First template (by priority) that matches ``func``."""
+    """First template (in ``schedules.TEMPLATES`` order) that matches ``func``."""
     for template in registered_templates():
         workload = template.match(func, target)
         if workload is not None:

@@ -32,7 +32,6 @@ from perfx_compiler.schedule_template import (
 )
 from perfx_compiler.targets import TargetDescription
 
-PRIORITY = 1  # before the generic templates (the fallback would take the function as it is)
 ATTR = "perfx.attention"
 
 

@@ -22,8 +22,6 @@ from perfx_compiler.targets import TargetDescription
 from schedules._fastmath import fast_sigmoid
 from schedules._matmul import _as_int, outer_extents, root_blocks
 
-PRIORITY = 40
-
 
 def analyze_injective(func: Any) -> dict[str, Any] | None:
     """Inner static extent, static outer size and the symbolic dim of an all-spatial function."""

@@ -16,8 +16,6 @@ from perfx_compiler.schedule_template import (
 )
 from perfx_compiler.targets import TargetDescription
 
-PRIORITY = 1000
-
 
 class FallbackCPU(ScheduleTemplate):
     name = "fallback_cpu"

@@ -30,7 +30,6 @@ from perfx_compiler.targets import TargetDescription
 from schedules._fastmath import fast_sigmoid
 from schedules._matmul import analyze_matmul, schedule_register_tiled, vector_registers
 
-PRIORITY = 20
 GEMV_MAX_M = 8  # static M up to this goes to the GEMV template
 
 

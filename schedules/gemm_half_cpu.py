@@ -36,7 +36,6 @@ from schedules.gemm_cpu import (
     tile_is_valid,
 )
 
-PRIORITY = 15  # before gemm_cpu / gemv_cpu (which decline half B anyway)
 GEMV_MAX_M = 8
 
 

@@ -46,7 +46,6 @@ from perfx_compiler.targets import TargetDescription
 from schedules._vnni_kernels import plan, quantize_group_macro, transpose_tile
 from schedules.gemv_int4_cpu import _like, quant_info, static_rows_of
 
-PRIORITY = 3  # before gemv_qvnni_cpu, which rejects rows it cannot hold
 GEMV_MAX_ROWS = 8
 MAX_ZMM = 28  # 2 mr nr accumulators + the weight vectors of one step (32 zmm, some left to LLVM)
 

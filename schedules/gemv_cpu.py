@@ -38,7 +38,6 @@ from schedules._matmul import (
     vector_registers,
 )
 
-PRIORITY = 10
 MAX_M = 8
 
 

@@ -31,7 +31,6 @@ from perfx_compiler.schedule_template import (
 from perfx_compiler.targets import TargetDescription
 from schedules.gemv_int4_cpu import panel_of, quant_info, static_rows_of
 
-PRIORITY = 5  # before the float templates
 GEMV_MAX_ROWS = 8
 
 

@@ -38,7 +38,6 @@ from perfx_compiler.schedule_template import (
 from perfx_compiler.targets import TargetDescription
 from schedules._gemv_int4_once import gemv_once
 
-PRIORITY = 5  # before the float templates: they do not understand these functions anyway
 GEMV_MAX_ROWS = 8
 quant_info = read_quant_info  # the name the other quantized templates import from here
 

@@ -18,8 +18,6 @@ from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.schedule_template import ScheduleConfigError, ScheduleTemplate, Workload
 from schedules.gemv_int4_cpu import GemvInt4CPU
 
-PRIORITY = 5
-
 
 def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = False) -> Any:
     """Int8 GEMV over the rows of x [b, m, K]: one parallel launch per row, or with ``batch``

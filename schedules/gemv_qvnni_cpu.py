@@ -43,7 +43,6 @@ from perfx_compiler.targets import TargetDescription
 from schedules import _vnni_kernels as vk
 from schedules.gemv_int4_cpu import _like, panel_of, quant_info
 
-PRIORITY = 4  # before gemv_int4_cpu / gemv_int8_cpu (which decline this layout anyway)
 GEMV_MAX_ROWS = 8
 MAX_ACC = 16  # rows x activation rows held in zmm accumulators (x2 with the scale vectors)
 MAX_REGS = 24  # zmm registers for accumulators and scale vectors (of 32: the rest for codes/activations)

@@ -10,8 +10,6 @@ from typing import Any
 
 from schedules._gpu import DlightTemplate
 
-PRIORITY = 990
-
 
 class GpuFallback(DlightTemplate):
     name = "gpu_fallback"

@@ -10,8 +10,6 @@ from typing import Any
 
 from schedules._gpu import DlightTemplate
 
-PRIORITY = 21
-
 
 class GpuGemv(DlightTemplate):
     name = "gpu_gemv"

@@ -10,8 +10,6 @@ from typing import Any
 
 from schedules._gpu import DlightTemplate
 
-PRIORITY = 24
-
 
 class GpuGeneralReduction(DlightTemplate):
     name = "gpu_general_reduction"

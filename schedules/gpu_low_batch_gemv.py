@@ -10,8 +10,6 @@ from typing import Any
 
 from schedules._gpu import DlightTemplate
 
-PRIORITY = 22
-
 
 class GpuLowBatchGemv(DlightTemplate):
     name = "gpu_low_batch_gemv"

@@ -16,7 +16,6 @@ from perfx_compiler.schedule_template import Workload
 from perfx_compiler.targets import TargetDescription
 from schedules._gpu import DlightTemplate, tvm_target_with_threads
 
-PRIORITY = 20
 KNOBS = (
     "block_size_x",
     "block_size_y",

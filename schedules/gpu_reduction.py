@@ -10,8 +10,6 @@ from typing import Any
 
 from schedules._gpu import DlightTemplate
 
-PRIORITY = 23
-
 
 class GpuReduction(DlightTemplate):
     name = "gpu_reduction"

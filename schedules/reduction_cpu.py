@@ -22,8 +22,6 @@ from perfx_compiler.schedule_template import (
 from perfx_compiler.targets import TargetDescription
 from schedules._matmul import _as_int, outer_extents, root_blocks
 
-PRIORITY = 30
-
 
 def _is_reduction(blk: Any) -> bool:
     return any(int(iv.iter_type) == 2 for iv in blk.iter_vars)

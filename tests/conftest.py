@@ -27,11 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without an install
     sys.path.insert(0, str(REPO))
 
-
-from tests.tvmscript_speedups import install as _install_tvmscript_speedups  # noqa: E402
-
-_install_tvmscript_speedups()
-
 # (test id regex, why it cannot run on a CPU-only machine). Nothing else may skip under CI=true.
 ALLOWED_SKIPS: list[tuple[str, str]] = []
 

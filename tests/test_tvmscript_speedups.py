@@ -1,14 +1,20 @@
-"""tests/tvmscript_speedups.py (installed by tests/conftest.py) changes how TVMScript finds frames,
-never what it parses: the lazy stack is inspect.stack() field for field, and kernels built through
-macros and prim_func decorators are structurally equal with and without the patch."""
+"""perfx_compiler/tvmscript_speedups.py (installed when the packages that hold TVMScript are imported)
+changes how TVMScript finds frames, never what it parses: the lazy stack is inspect.stack() field for
+field, and kernels built through macros and prim_func decorators are structurally equal with and
+without the patch."""
 
 from __future__ import annotations
 
 import inspect
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests import tvmscript_speedups as speed
+from perfx_compiler import tvmscript_speedups as speed
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _both_stacks() -> tuple[list, list]:
@@ -25,6 +31,15 @@ def test_lazy_stack_is_inspect_stack() -> None:
         assert tuple(a) == tuple(b) and len(a) == len(b) and a[2] == b[2]
         if i:  # both calls sit on one line of _both_stacks: only that frame's columns differ
             assert a.positions == b.positions
+
+
+@pytest.mark.parametrize("package", ["perfx_compiler.kernels", "perfx_compiler.passes", "schedules"])
+def test_compiler_packages_install_the_patch(package: str) -> None:
+    """A compile gets the patch: importing any package that builds TVMScript installs it."""
+    code = (f"import {package}, tvm.tirx.script.parser.entry as e; "
+            "from perfx_compiler import tvmscript_speedups as s; "
+            "assert s.ORIGINALS and isinstance(e.inspect, s._InspectWithLazyStack)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(REPO))
 
 
 def _kernels() -> list:
@@ -46,6 +61,7 @@ def test_kernels_parse_the_same_with_and_without_the_patch(monkeypatch: pytest.M
     import tvm_ffi
     from tvm.script.parser.core.parser import ScriptMacro
 
+    speed.install()  # as importing the compiler's kernel packages does
     if not speed.ORIGINALS:
         pytest.skip("this TVM lays out its frame lookups differently: nothing was patched")
     patched = _kernels()

@@ -202,11 +202,6 @@ def write_csv(path: str | Path, rows: Sequence[dict[str, Any]], columns: Sequenc
     return path
 
 
-def read_csv(path: str | Path) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def plot_summary(summary: Sequence[dict[str, Any]], path: str | Path, title: str) -> Path:
     """Three panels: decode tok/s, prefill tok/s (128/512), achieved GB/s with the measured ceiling."""
     import matplotlib

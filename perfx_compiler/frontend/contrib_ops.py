@@ -166,11 +166,6 @@ def dequantize_matmulnbits(node: onnx.NodeProto, const: Callable[[str], np.ndarr
 
 # --- Relax converters ----------------------------------------------------------------------------
 
-def _node_attr(attr: dict, name: str, default: Any = None) -> Any:
-    v = attr.get(name, default)
-    return v.decode() if isinstance(v, bytes) else v
-
-
 def _shape(x: relax.Expr) -> list:
     return list(x.ty.shape.values)
 

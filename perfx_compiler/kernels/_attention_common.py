@@ -78,11 +78,6 @@ def _tile_sum(sc: Any, base: Any, KT: int) -> Any:
     return fold_lanes(vec, W, add)
 
 
-def rope_pair(x1: Any, x2: Any, c: Any, s: Any) -> tuple[Any, Any]:
-    """Rotate-half RoPE of the pair (x[d], x[d + D/2]) at one position: (low, high) halves."""
-    return x1 * c - x2 * s, x2 * c + x1 * s
-
-
 @T.macro
 def rope_store(dst, dst_off, stride, src, b, s, col, COS, SIN, pos, half, scale):
     """dst[dst_off + d * stride] = scale * RoPE(src[b, s, col : col + 2 * half])[d]."""

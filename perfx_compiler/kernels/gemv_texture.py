@@ -98,11 +98,6 @@ class ImageLayout:
     def shape(self) -> tuple[int, int, int, int]:
         return (self.layers, self.height, self.width, TEXEL)
 
-    def describe(self) -> dict[str, Any]:
-        return {"format": self.fmt, "width": self.width, "height": self.height, "layers": self.layers,
-                "rows": self.rows, "row_to_texel": "layer = n // height, y = n % height, x = texel"}
-
-
 class TextureLimitError(ValueError):
     """The matrix does not fit the target's image limits (the GEMV then keeps reading a buffer)."""
 
@@ -269,8 +264,3 @@ def texture_q8_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
 
     return _quant_image_gemv(N, K, texels, codes, scales, threads, accumulate)
 
-
-def to_texels(weight: np.ndarray) -> np.ndarray:
-    """W [N, K] (numpy) -> the one-layer ``f32`` texture layout [1, N, K/4, 4]."""
-    n, k = weight.shape
-    return weight.reshape(1, n, k // TEXEL, TEXEL)

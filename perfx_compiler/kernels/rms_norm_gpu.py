@@ -37,7 +37,7 @@ def rms_norm_kernel_gpu(hidden: int, eps: float, residual: bool, threads: int = 
     inv_h = 1.0 / H
 
     @T.macro
-    def rows(A, B, S, W, G, Out, bsz, n):  # noqa: ANN001, ARG001 - TVMScript macro; S is the row (A without residual)
+    def rows(A, B, S, W, Out, bsz, n):  # noqa: ANN001, ARG001 - TVMScript macro; S is the row (A without residual)
         for r in T.thread_binding(n, thread="blockIdx.x"):
             for b in T.thread_binding(bsz, thread="blockIdx.y"):
                 for tx in T.thread_binding(T.int64(TX), thread="threadIdx.x"):

@@ -129,25 +129,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
-def layer_weight_names(i: int, config: ModelConfig) -> list[str]:
-    """Canonical names of layer ``i``'s weights."""
-    p = f"model.layers.{i}."
-    names = [
-        p + "input_layernorm.weight",
-        p + "self_attn.q_proj.weight",
-        p + "self_attn.k_proj.weight",
-        p + "self_attn.v_proj.weight",
-        p + "self_attn.o_proj.weight",
-        p + "post_attention_layernorm.weight",
-        p + "mlp.gate_proj.weight",
-        p + "mlp.up_proj.weight",
-        p + "mlp.down_proj.weight",
-    ]
-    if config.attention_bias:
-        names += [p + "self_attn.q_proj.bias", p + "self_attn.k_proj.bias", p + "self_attn.v_proj.bias"]
-    return names
-
-
 def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every canonical weight name with its shape (HF layout)."""
     c = config

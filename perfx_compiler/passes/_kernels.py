@@ -22,43 +22,12 @@ def vector_width(n: int, lanes: int = 16) -> int:
     return 1
 
 
-def norm_rows_func(hidden: int, residual: bool, body: Any, bias: bool = False) -> Any:
-    """The PrimFunc of a row normalization over [batch, n, hidden] whose loop nest is the TVMScript
-    macro ``body(A, B, S, W, G, Out, bsz, n)``: one signature for every norm kernel (CPU and GPU,
-    RMSNorm and LayerNorm). Arguments are ``(a, [b,] w, [beta,] [s,] out)``: with ``residual`` the
-    sum ``a + b`` is written to ``s``; without it ``body`` gets ``A`` for ``B`` and ``S`` (it must
-    not read them then), and ``W`` for ``G`` when there is no ``bias``."""
+def norm_rows_func(hidden: int, residual: bool, body: Any) -> Any:
+    """The PrimFunc of an RMSNorm over [batch, n, hidden] whose loop nest is the TVMScript macro
+    ``body(A, B, S, W, Out, bsz, n)``: one signature for the CPU and GPU norm kernels. Arguments are
+    ``(a, [b,] w, [s,] out)``: with ``residual`` the sum ``a + b`` is written to ``s``; without it
+    ``body`` gets ``A`` for ``B`` and ``S`` (it must not read them then)."""
     H = hidden
-    if residual and bias:
-
-        @T.prim_func(private=True)
-        def add_layer_norm(a_h: T.handle, b_h: T.handle, w_h: T.handle, g_h: T.handle, s_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            bsz = T.int64()
-            n = T.int64()
-            A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
-            B = T.match_buffer(b_h, (bsz, n, T.int64(H)), "float32")
-            W = T.match_buffer(w_h, (T.int64(H),), "float32")
-            G = T.match_buffer(g_h, (T.int64(H),), "float32")
-            S = T.match_buffer(s_h, (bsz, n, T.int64(H)), "float32")
-            Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
-            body(A, B, S, W, G, Out, bsz, n)
-
-        return add_layer_norm
-    if bias:
-
-        @T.prim_func(private=True)
-        def layer_norm(a_h: T.handle, w_h: T.handle, g_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            bsz = T.int64()
-            n = T.int64()
-            A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
-            W = T.match_buffer(w_h, (T.int64(H),), "float32")
-            G = T.match_buffer(g_h, (T.int64(H),), "float32")
-            Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
-            body(A, A, A, W, G, Out, bsz, n)
-
-        return layer_norm
     if residual:
 
         @T.prim_func(private=True)
@@ -71,7 +40,7 @@ def norm_rows_func(hidden: int, residual: bool, body: Any, bias: bool = False) -
             W = T.match_buffer(w_h, (T.int64(H),), "float32")
             S = T.match_buffer(s_h, (bsz, n, T.int64(H)), "float32")
             Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
-            body(A, B, S, W, W, Out, bsz, n)
+            body(A, B, S, W, Out, bsz, n)
 
         return add_rms_norm
 
@@ -83,7 +52,7 @@ def norm_rows_func(hidden: int, residual: bool, body: Any, bias: bool = False) -
         A = T.match_buffer(a_h, (bsz, n, T.int64(H)), "float32")
         W = T.match_buffer(w_h, (T.int64(H),), "float32")
         Out = T.match_buffer(o_h, (bsz, n, T.int64(H)), "float32")
-        body(A, A, A, W, W, Out, bsz, n)
+        body(A, A, A, W, Out, bsz, n)
 
     return rms_norm
 
@@ -100,7 +69,7 @@ def rms_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) ->
     inv_h = 1.0 / H
 
     @T.macro
-    def rows(A, B, S, W, G, Out, bsz, n):  # noqa: ANN001, ARG001 - TVMScript macro; S is the row (A without residual)
+    def rows(A, B, S, W, Out, bsz, n):  # noqa: ANN001, ARG001 - TVMScript macro; S is the row (A without residual)
         for b in T.serial(bsz):
             for r in T.serial(n):
                 acc = T.decl_buffer((L,), "float32", scope="local")

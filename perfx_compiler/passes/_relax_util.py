@@ -144,9 +144,6 @@ def match_rms_norm(info: FuncInfo, out_var: Any) -> RMSNormMatch | None:
     return None
 
 
-Action = Callable[["BindingRewriter", relax.VarBinding], None]
-
-
 @relax.expr_functor.mutator
 class BindingRewriter(relax.PyExprMutator):
     """Re-emit a function's bindings, replacing planned ones: ``plan[var]`` is SKIP (drop the
@@ -232,10 +229,6 @@ def replace_weight_params(
         mod[fn] = relax.Function(params, func.body, func.ty.ret, func.is_pure, func.attrs)
         params_by_fn[fn] = by_name
     return mod, dict(new_weights), params_by_fn
-
-
-def param_by_name(func: relax.Function) -> dict[str, relax.Var]:
-    return {p.name: p for p in func.params}
 
 
 def weight_name(expr: Any, func: relax.Function) -> str | None:

@@ -34,8 +34,6 @@ from perfx_compiler.passes._quant import Int4Format, dequantize_int4, quantize_i
 from perfx_compiler.passes.quantize_int4 import quantize_linears
 
 NAME = "awq"
-ORDER = 59  # after the merges, instead of quantize_int4 (which ignores q4_awq_* names)
-DEFAULT = True
 
 CALIBRATION = Path(__file__).resolve().parents[1] / "data" / "kjv_genesis_1-3.txt"
 CALIBRATION_TOKENS = 512

@@ -18,8 +18,6 @@ from perfx_compiler.passes._half import FAMILIES, half_packed
 from perfx_compiler.passes._qlinear import linear_weights, rewrite_linears
 
 NAME = "cast_weights"
-ORDER = 63  # after the merges; acts only for quantization f16 / bf16
-DEFAULT = True
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:

@@ -28,8 +28,6 @@ from perfx_compiler.passes._relax_util import (
 )
 
 NAME = "fuse_add_norm"
-ORDER = 10
-DEFAULT = True
 
 
 def _kernel_name(hidden: int, eps: float, residual: bool) -> str:

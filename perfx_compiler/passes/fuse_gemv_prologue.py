@@ -38,8 +38,6 @@ from perfx_compiler.passes._qvnni import vnni_compute
 from perfx_compiler.passes._relax_util import FUSED_OP_ATTR, SKIP, FuncInfo, exported, rewrite_functions
 
 NAME = "fuse_gemv_prologue"
-ORDER = 70  # after the weight formats (which emit the VNNI GEMVs), before weight_layout
-DEFAULT = True
 
 
 def _callee(mod: tvm.IRModule, value: Any) -> tuple[str, Any] | None:

@@ -19,8 +19,6 @@ from perfx_compiler.passes._kernels import swiglu_kernel
 from perfx_compiler.passes._relax_util import FUSED_OP_ATTR, SKIP, FuncInfo, exported, rewrite_functions
 
 NAME = "fuse_swiglu"
-ORDER = 30
-DEFAULT = True
 
 
 def _slice_of(info: FuncInfo, var: Any) -> tuple[Any, int, int] | None:

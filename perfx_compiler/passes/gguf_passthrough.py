@@ -29,8 +29,6 @@ from perfx_compiler.passes._qlinear import current_activations, linear_weights, 
 from perfx_compiler.passes.merge_projections import complete_groups
 
 NAME = "gguf_passthrough"
-ORDER = 61  # after the merges; acts only for quantization "gguf" (quantize_int4 acts for q4_*)
-DEFAULT = True
 
 
 def relax_name(hf_name: str) -> str:

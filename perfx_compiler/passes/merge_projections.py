@@ -36,8 +36,6 @@ from perfx_compiler.passes._relax_util import (
 )
 
 NAME = "merge_projections"
-ORDER = 20
-DEFAULT = True
 
 # (merged suffix, member suffixes): names are Relax parameter names (dots became underscores).
 GROUPS = (

@@ -33,8 +33,6 @@ from perfx_compiler.passes._quant import Int4Format, int4_packed, words_target
 from perfx_compiler.passes.merge_projections import complete_groups
 
 NAME = "onnx_int4_passthrough"
-ORDER = 62  # after the merges; acts only for quantization "onnx"
-DEFAULT = True
 QUANTIZATION = "onnx"
 QTYPE = "MatMulNBits"
 FP16_NORMAL_MIN = float(np.finfo(np.float16).tiny)

@@ -24,8 +24,6 @@ from perfx_compiler.passes._qlinear import GEMV_MAX_ROWS, static_dim
 from perfx_compiler.passes._relax_util import exported, find_linears, rewrite_functions
 
 NAME = "precision"
-ORDER = 58  # after the merges and fusions, before the weight formats (which see the rounded inputs)
-DEFAULT = True
 PRECISIONS = ("f32", "bf16", "f16", "fp8")
 GPU_KINDS = ("cuda", "rocm", "opencl", "vulkan", "webgpu", "metal")
 

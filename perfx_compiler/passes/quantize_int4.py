@@ -24,8 +24,6 @@ from perfx_compiler.passes._qlinear import GEMV_MAX_ROWS, linear_weights, rewrit
 from perfx_compiler.passes._quant import Int4Format, int4_packed, quantize_int4, words_target
 
 NAME = "quantize_int4"
-ORDER = 60  # after the merges (quantize the merged weights), before weight_layout
-DEFAULT = True
 
 # Schemes other passes implement (gguf_passthrough, quantize_int8, awq): not int4 RTN, but valid names.
 OTHER = ("f32", "f16", "bf16", "gguf", "onnx", "q8", "q8_g32", "q8_g64", "q8_g128", "q4_awq_g128", "q4_awq_g64", "q4_awq_g32")
@@ -64,11 +62,6 @@ def quantize_linears(
         fmt.lanes(w.shape[1])  # one-line error when K does not suit the packing
         packed[name] = int4_packed(*quantize_int4(w, fmt), fmt, words=words)
     return rewrite_linears(mod, weights, packed)
-
-
-def relax_static_dim(expr: Any, axis: int) -> int | None:
-    d = expr.ty.shape.values[axis]
-    return int(d.value) if isinstance(d, tvm.tirx.IntImm) else None
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:

@@ -17,8 +17,6 @@ from perfx_compiler.passes._qlinear import linear_weights, rewrite_linears
 from perfx_compiler.passes._quant8 import check_group, int8_packed, quantize_int8
 
 NAME = "quantize_int8"
-ORDER = 62
-DEFAULT = True
 _Q8 = re.compile(r"^q8(?:_g(32|64|128))?$")
 
 

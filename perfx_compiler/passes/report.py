@@ -67,11 +67,11 @@ FUSION_PREFIXES = ("fuse_", "merge_")  # graph fusions; every other pass (format
 
 
 def fusion_variants() -> list[tuple[str, list[str]]]:
-    """(label, pass list) from no fusion pass to all of them, adding one fusion at a time in ORDER;
-    the non-fusion default passes (quantization, precision, weight layout) are in every variant."""
-    from perfx_compiler.passes import discover
+    """(label, pass list) from no fusion pass to all of them, adding one fusion at a time in pipeline
+    order; the non-fusion passes (quantization, precision, weight layout) are in every variant."""
+    from perfx_compiler.pipeline import GRAPH_PASSES
 
-    default = [m.NAME for m in discover() if m.DEFAULT]
+    default = list(GRAPH_PASSES)
     fusions = [n for n in default if n.startswith(FUSION_PREFIXES)]
     on: set[str] = set()
     out = [("unfused", [n for n in default if n not in fusions])]

@@ -45,8 +45,6 @@ from perfx_compiler.passes._relax_util import (
 )
 
 NAME = "texture_weights"
-ORDER = 88  # after quantization; before weight_layout, whose FuseTransposeMatmul hides float linears in call_tir
-DEFAULT = True
 TEX_SUFFIX = "__tex"
 FUNCTION = "decode"
 

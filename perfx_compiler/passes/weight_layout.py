@@ -30,8 +30,6 @@ from perfx_compiler.passes._quant_attr import read_quant_info
 from perfx_compiler.passes._relax_util import FuncInfo, drop_uncalled_primfuncs, exported, replace_weight_params
 
 NAME = "weight_layout"
-ORDER = 90  # after fusions and quantization, right before lowering
-DEFAULT = True
 PACKED_SUFFIX = "_packed"
 
 

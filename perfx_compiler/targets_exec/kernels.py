@@ -18,8 +18,6 @@ from typing import Any
 
 import numpy as np
 
-THREAD_TAGS = ("blockIdx.x", "blockIdx.y", "blockIdx.z", "threadIdx.x", "threadIdx.y", "threadIdx.z")
-
 
 @dataclass
 class LaunchSpec:

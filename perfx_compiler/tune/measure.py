@@ -194,12 +194,6 @@ def _to_arg(array: np.ndarray | np.generic, dev: Any) -> Any:
     return array.item() if not isinstance(array, np.ndarray) else tvm.runtime.tensor(array, dev)
 
 
-def reference_outputs(func: Any, target: TargetDescription, m_value: int, seed: int = 0) -> list[np.ndarray]:
-    """Outputs of the unscheduled function (TVM default lowering) on random inputs."""
-    arrays = random_inputs(func, m_value, seed)
-    return run_func(build_func(func, target), func, arrays)
-
-
 def max_rel_error(got: list[np.ndarray], want: list[np.ndarray]) -> float:
     err = 0.0
     for g, w in zip(got, want, strict=True):

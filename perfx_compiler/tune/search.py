@@ -21,7 +21,7 @@ from perfx_compiler.targets import TargetDescription
 from perfx_compiler.tune.cost_model import CostModel, _work
 from perfx_compiler.tune.measure import MeasureResult
 from perfx_compiler.tune.records import TuningDatabase, TuningRecord, config_key
-from perfx_compiler.tune.workloads import TuningTask, extract_tasks
+from perfx_compiler.tune.workloads import TuningTask
 
 log = logging.getLogger(__name__)
 MAX_ENUMERATE = 20000
@@ -186,38 +186,3 @@ def _no_predicted_gain(model: CostModel, task: TuningTask, candidates: list[dict
     predicted = math.exp(float(np.min(scores))) * _work(task.workload.dims, task.m_value)
     return predicted > result.best.mean_s * (1.0 - gain)
 
-
-def tune_module(
-    mod: Any,
-    target: TargetDescription,
-    db: TuningDatabase,
-    measurer: Measurer | None = None,
-    trials_per_task: int = 32,
-    batch: int = 8,
-    time_budget_s: float | None = None,
-    buckets: tuple[int, ...] | None = None,
-    seed: int = 0,
-    show_progress: bool = True,
-) -> list[TaskResult]:
-    """Tune every distinct workload of ``mod`` (per M bucket for symbolic-M functions)."""
-    from tqdm.auto import tqdm
-
-    from perfx_compiler.tune.measure import LocalMeasurer
-
-    tasks = extract_tasks(mod, target, buckets) if buckets else extract_tasks(mod, target)
-    own = measurer is None
-    measurer = measurer or LocalMeasurer(target)
-    model = CostModel(seed)
-    model.add_records(db.records(), {t.workload.key: t.workload for t in tasks})
-    model.fit()
-    per_task_budget = time_budget_s / max(1, len(tasks)) if time_budget_s else None
-    results = []
-    with tqdm(total=trials_per_task * len(tasks), disable=not show_progress, desc="tuning") as bar:
-        for i, task in enumerate(tasks):
-            res = tune_task(
-                task, target, db, measurer, model, trials_per_task, batch, per_task_budget, seed=seed + i, progress=bar
-            )
-            results.append(res)
-    if own:
-        measurer.close()
-    return results

@@ -1,13 +1,17 @@
-"""Faster TVMScript parsing for the test run: the same frames, found without reading source files.
+"""Faster TVMScript parsing: the same frames, found without reading source files.
 
 TVMScript looks up its callers' frames with ``inspect.stack()`` (``@T.prim_func``, ``@R.function``,
 ``@I.ir_module``) and ``inspect.getouterframes`` (every macro expansion). Both build a ``FrameInfo`` for
 every frame on the stack, which reads the frame's source line and resolves its module (a scan of
-``sys.modules`` for files that are no module's, per frame per call); under pytest the stacks are ~60
-frames deep. Parsing PerfX's templates and fused kernels was 2/3 of a SmolLM2 compile's schedule
-phase. Here the same frames are visited in the same order; a frame's ``FrameInfo`` (source line
-included) is built only when the parser reads more than ``.frame``, so every parsed PrimFunc is
-unchanged (tests/test_tvmscript_speedups.py builds kernels both ways and compares them).
+``sys.modules`` for files that are no module's, per frame per call). PerfX parses its kernels, fused
+pass kernels and template kernels at compile time, so this was most of the schedule phase of a SmolLM2
+compile (docs/decisions/tvmscript-parse-speedup.md). Here the same frames are visited in the same
+order; a frame's ``FrameInfo`` (source line included) is built only when the parser reads more than
+``.frame``, so every parsed PrimFunc is unchanged (tests/test_tvmscript_speedups.py builds kernels both
+ways and compares them).
+
+The packages that hold TVMScript (``perfx_compiler.kernels``, ``perfx_compiler.passes``, ``schedules``)
+call :func:`install` when imported; it is idempotent.
 """
 
 from __future__ import annotations
@@ -71,9 +75,12 @@ class _InspectWithLazyStack:
 
 
 def install() -> None:
-    """Patch TVMScript's frame lookups (no-op where the TVM version lays them out differently)."""
+    """Patch TVMScript's frame lookups (no-op where the TVM version lays them out differently, and
+    when already installed)."""
     import importlib
 
+    if ORIGINALS:
+        return
     try:
         from tvm.script.parser.core.parser import ScriptMacro
     except ImportError:
