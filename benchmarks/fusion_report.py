@@ -1,7 +1,7 @@
 """Decode kernels and decode time of each fusion variant (the numbers behind ``perfx-compile --report``).
 
 Variants (``perfx_compiler.passes.report.fusion_variants``): no fusion pass, then one fusion pass
-added at a time in pipeline order (fuse_add_norm, fuse_layernorm_gelu, merge_projections,
+added at a time in pipeline order (fuse_add_norm, merge_projections,
 fuse_swiglu); the other default passes (weight format, precision, weight layout) run in every
 variant. Each variant is compiled once, for real (all phases); its kernel launches per decode step
 and per prefill call are counted in the module after phase 2 (lower), where every launch is a
