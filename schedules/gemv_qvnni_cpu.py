@@ -33,6 +33,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
+from schedules import _vnni_dequant
 from schedules import _vnni_kernels as vk
 from schedules.gemv_int4_cpu import _like, panel_of, quant_info
 
@@ -106,7 +107,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         kind = workload.info.get("kind")
         tasks = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= max(1, d["N"] // 2)]
         if kind == "take":
-            return {}  # the gather (vk.take) has no knob: tuning `tasks` timed one config under many names
+            return {}  # the gather (_vnni_dequant.take) has no knob: tuning `tasks` timed one config under many names
         if kind != "matmul":
             return {"tasks": tasks}
         return {
@@ -195,9 +196,9 @@ class GemvQVnniCPU(ScheduleTemplate):
         args = (d["bits"], d["N"], d["K"], d["G"], info["sym"], info["offset"])
         kind = info.get("kind")
         if kind == "take":
-            kernel = vk.take(*args)
+            kernel = _vnni_dequant.take(*args)
         elif kind == "dequant":
-            kernel = vk.dequant(*args, int(config["tasks"]), int(info.get("nb", 0)))
+            kernel = _vnni_dequant.dequant(*args, int(config["tasks"]), int(info.get("nb", 0)))
         else:
             # a record tuned before `ploc` existed (or one that does not search it) gets the target's
             # default: the locality is the machine's, not the shape's
