@@ -15,7 +15,6 @@ VARIABLES: dict[str, str] = {
     "PERFX_DECODE_REPLAY": "runtime: C++ decode loop or the VM, same kernels",
     "PERFX_THREAD_POOL": "runtime: which thread pool runs the kernels' parallel loops",
     "PERFX_SPIN_US": "runtime: how long idle pool threads spin",
-    "PERFX_WEIGHTS_THP": "runtime: how the weight arena is allocated",
     "PERFX_LAZY_WEIGHTS": "loader: whether GGUF tensors are read lazily (same values)",
     "PERFX_CACHE_DIR": "where LLM() caches artifacts",
     "PERFX_BENCH_CACHE": "where perfx-bench caches its probe library",

@@ -65,7 +65,7 @@ class CompileOptions:
     precision: str = "f32"  # matmul inputs: f32 | bf16 | f16 | fp8 (passes/precision.py; checked per target)
     best_effort: bool = False  # build kernels no template could schedule unscheduled (warning) instead of failing
     # --knob TEMPLATE.KEY=VALUE (knobs.py): ["t.key=value", ...] or {"t.key": value}; normalized to the dict
-    knobs: Any = field(default_factory=dict)
+    knobs: dict[str, Any] | list[str] = field(default_factory=dict)
     cubin: bool = True  # CUDA targets: also export the nvcc-built cubin (--no-cubin: kernels.cu only)
 
 
