@@ -2,7 +2,9 @@
 
 A template recognises a PrimFunc (``match``), describes its search space (``space``), picks a
 default configuration (``default_config``, from the target file's template defaults when present)
-and applies one configuration (``apply``). Templates live one per file in the top-level
+and applies one configuration (``apply``). The configuration keys it lists in ``knobs`` can be set
+for an experiment by ``perfx-compile --knob NAME.KEY=VALUE`` (``with_knobs``: over the default and
+over a tuning record). Templates live one per file in the top-level
 ``schedules/`` package; adding a template means adding a file there with ``TEMPLATE`` and
 ``PRIORITY`` (lower runs first).
 """
@@ -126,7 +128,11 @@ class ScheduleTemplate:
             return config
         keys = set(config) | set(self.builtin_default(workload, target)) | set(self.space(workload, target))
         out = {**config, **{k: v for k, v in knobs.items() if k in keys}}
-        if out != config and not self.is_valid(workload, out, target):
+        try:
+            valid = out == config or self.is_valid(workload, out, target)
+        except (ValueError, TypeError, ScheduleConfigError):  # a value of the wrong kind ("abc" for a count)
+            valid = False
+        if not valid:
             log.warning("%s: --knob %s does not apply to %s (invalid config %s); kept %s",
                         self.name, knobs, workload.dims, out, config)
             return config

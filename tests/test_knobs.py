@@ -82,8 +82,9 @@ def test_knob_wins_over_default_target_file_and_record() -> None:
     record = {"units": 2, "tasks": 4, "unroll": 1, "prefetch": 256}
     assert template.with_knobs(wl, record, knobbed) == {**record, "prefetch": 0}
     # a value that makes the config invalid is left out (with a warning), not applied
-    bad = dataclasses.replace(target, knobs={"gemv_qvnni_cpu": {"units": 1000}})
-    assert template.default_config(wl, bad) == template.default_config(wl, target)
+    for wrong in (1000, "abc"):  # too many units; not a number
+        bad = dataclasses.replace(target, knobs={"gemv_qvnni_cpu": {"units": wrong}})
+        assert template.default_config(wl, bad) == template.default_config(wl, target)
 
 
 def test_llm_cache_key_changes_with_a_knob() -> None:
