@@ -21,8 +21,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from perfx_compiler.build_switches import build_switch
-
 CACHE = Path(os.environ.get("PERFX_TARGETS_CACHE", Path.home() / ".cache" / "perfx-targets"))
 
 
@@ -97,8 +95,9 @@ def nvcc_cubin(cuda_src: str, arch: str, out_dir: Path, stem: str = "kernels", t
     return {"cubin": str(cubin), "log": log, "kernels": parse_ptxas(log)}
 
 
-def export_device_code(executable: Any, target: Any, out_dir: Path) -> dict[str, Any]:
-    """Write the device code files of ``executable`` into ``out_dir``; return manifest facts."""
+def export_device_code(executable: Any, target: Any, out_dir: Path, cubin: bool = True) -> dict[str, Any]:
+    """Write the device code files of ``executable`` into ``out_dir``; return manifest facts.
+    ``cubin``: CUDA artifacts also get the nvcc-built cubin (perfx-compile --no-cubin: without)."""
     from perfx_compiler.targets_exec.kernels import dedup_opencl
 
     facts: dict[str, Any] = {"files": []}
@@ -112,7 +111,7 @@ def export_device_code(executable: Any, target: Any, out_dir: Path) -> dict[str,
             src = m.inspect_source()
             (out_dir / "kernels.cu").write_text(src)
             facts["files"].append("kernels.cu")
-            if build_switch("PERFX_NO_CUBIN") != "1":
+            if cubin:
                 arch = str(tt.get("arch", "sm_80"))
                 res = nvcc_cubin(src, arch, out_dir)
                 if "cubin" in res:
@@ -236,7 +235,8 @@ def export_for_target(state: Any, out_dir: Path) -> dict[str, Any]:
     """Package hook: device code (GPU targets) + DEPLOY.md (every non-x86-host target and GPUs)."""
     facts: dict[str, Any] = {"files": []}
     if state.target.family == "gpu":
-        facts = export_device_code(state.executable, state.target, out_dir)
+        facts = export_device_code(state.executable, state.target, out_dir,
+                                   cubin=getattr(state.options, "cubin", True))
         # hand-scheduled CPU kernels bound to the device as they are (gpu_adapt): correct, not tuned
         facts["adapted_cpu_kernels"] = sorted(state.notes.get("gpu_host_kernels_adapted") or [])
     write_deploy_md(state, out_dir, facts)

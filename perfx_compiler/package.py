@@ -59,7 +59,6 @@ def write_artifact(state: Any) -> Path:
 
 def _write_into(state: Any, tmp: Path, out: Path) -> Path:
     from perfx_compiler import __version__
-    from perfx_compiler.build_switches import build_switches
     from perfx_compiler.passes.texture_weights import texture_manifest
 
     desc, target = state.desc, state.target
@@ -81,8 +80,6 @@ def _write_into(state: Any, tmp: Path, out: Path) -> Path:
         "quantization": state.options.quantization,
         "activations": getattr(state.options, "activations", "f32"),
         "precision": getattr(state.options, "precision", "f32"),
-        # PERFX_* switches in effect (build_switches.py): they change kernels, so they are part of the record
-        "build_switches": build_switches(),
         # the compile options the fields above do not show (LLM()'s cache key holds them all)
         "compile_options": _compile_options(state),
         # every kernel and the template that scheduled it (schedule.py; --report prints them)
@@ -121,7 +118,8 @@ def _write_into(state: Any, tmp: Path, out: Path) -> Path:
 
 
 def _compile_options(state: Any) -> dict[str, Any]:
-    """Schedule source, pass list, tuning records and best effort: knobs that change the kernels."""
+    """The compile options that change the artifact beyond the fields beside them: schedule source, pass
+    list, tuning records, best effort, --knob values, the CUDA cubin."""
     opts = state.options
     return {
         "schedule": getattr(opts, "schedule", "perfx"),
@@ -129,6 +127,8 @@ def _compile_options(state: Any) -> dict[str, Any]:
         "tuning_log": None if getattr(opts, "tuning_log", None) is None else str(opts.tuning_log),
         "tuning_records": state.notes.get("tuning_records"),  # how many records the schedule phase had
         "best_effort": getattr(opts, "best_effort", False),
+        "knobs": dict(getattr(opts, "knobs", None) or {}),  # perfx-compile --knob (knobs.py)
+        "cubin": getattr(opts, "cubin", True),  # CUDA targets: the nvcc-built cubin exported (--no-cubin: not)
     }
 
 

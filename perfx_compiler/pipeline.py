@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import tempfile
@@ -24,7 +25,6 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from perfx_compiler.build_switches import build_switch
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.model.description import ModelDescription
 from perfx_compiler.targets import TargetDescription, load_target
@@ -71,7 +71,7 @@ class CompileOptions:
     target: str = "host"
     output_dir: Path | None = None
     dump_ir: Path | None = None
-    tuning_log: Path | None = None
+    tuning_log: Path | str | None = None  # records to build from; "none": template defaults only
     quantization: str = "auto"  # "auto": gguf (passthrough) for GGUF input with Q4_0/Q4_1/Q8_0, else f32
     max_context: int | None = None
     progress: bool = True
@@ -82,6 +82,9 @@ class CompileOptions:
     activations: str = "auto"  # quantized linears' inputs: auto | f32 | int8 (resolve_activations)
     precision: str = "f32"  # matmul inputs: f32 | bf16 | f16 | fp8 (passes/precision.py; checked per target)
     best_effort: bool = False  # build kernels no template could schedule unscheduled (warning) instead of failing
+    # --knob TEMPLATE.KEY=VALUE (knobs.py): ["t.key=value", ...] or {"t.key": value}; normalized to the dict
+    knobs: dict[str, Any] | list[str] = field(default_factory=dict)
+    cubin: bool = True  # CUDA targets: also export the nvcc-built cubin (--no-cubin: kernels.cu only)
 
 
 @dataclass
@@ -305,9 +308,9 @@ def vm_lowering_passes(reuse_views: bool) -> list[tvm.transform.Pass]:
 def phase_build(state: CompileState) -> None:
     tgt = state.target.tvm()
     # CPU: one tensor view per planned buffer instead of an alloc_tensor + kill per use (decode step:
-    # ~300 VM builtin calls fewer); other targets keep TVM's lowering as it was tested there.
-    # PERFX_REUSE_VIEWS=0 builds without it (A/B: benchmarks/decode_overhead.py).
-    on = state.target.family == "cpu" and build_switch("PERFX_REUSE_VIEWS", "1") != "0"
+    # ~300 VM builtin calls fewer; docs/decisions/quantized-linears.md); other targets keep TVM's
+    # lowering as it was tested there.
+    on = state.target.family == "cpu"
     # Phases 1-3 did legalization, fusion and scheduling; only VM lowering remains.
     finish = tvm.transform.Sequential(vm_lowering_passes(reuse_views=on))
     state.executable = tvm.compile(state.mod, target=tgt, relax_pipeline=finish, tir_pipeline=_tir_pipeline(state))
@@ -399,7 +402,7 @@ def lower_model(
     """Run phases 0-2 (import, passes, lower): the unscheduled TIR module the tuner extracts
     workloads from, and the state (target, options, weights) that produced it."""
     opts = CompileOptions(target=target, progress=False, **options)
-    tdesc = load_target(target)
+    tdesc = _with_knobs(load_target(target), opts)
     if isinstance(model, ModelDescription):
         desc = model
     else:
@@ -415,6 +418,15 @@ def lower_model(
     return state.mod, state
 
 
+def _with_knobs(target: TargetDescription, opts: CompileOptions) -> TargetDescription:
+    """Check ``opts.knobs`` (an unknown name is an error before any work) and hand them to the
+    schedule templates on the target they all receive."""
+    from perfx_compiler.knobs import by_template, parse_knobs
+
+    opts.knobs = parse_knobs(opts.knobs)
+    return dataclasses.replace(target, knobs=by_template(opts.knobs)) if opts.knobs else target
+
+
 def default_output_dir(model: str, target: str) -> Path:
     stem = Path(model).stem if model.endswith((".gguf", ".onnx")) else Path(model).name
     return Path(f"{stem}-{target}")
@@ -428,7 +440,7 @@ def compile_model(
 ) -> Path:
     """Compile ``model`` (name, GGUF, HF folder, or a ModelDescription) for ``target``; return the artifact dir."""
     opts = CompileOptions(target=target, **options)
-    tdesc = load_target(target)
+    tdesc = _with_knobs(load_target(target), opts)
     from perfx_compiler.passes.precision import resolve_precision
 
     # before loading the model: a bad --precision for the target is refused without reading the weights

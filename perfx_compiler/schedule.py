@@ -95,7 +95,7 @@ def schedule_kernel(
             hint = m_hint if m_hint is not None else (TYPICAL_M if workload.symbolic else None)
             best = records.best(workload.key, workload.target_key, bucket=hint, nearest=True)
             if best is not None and best.template == template.name:
-                candidates.append(("record", best.config))
+                candidates.append(("record", template.with_knobs(workload, dict(best.config), target)))
         candidates.append(("default", template.default_config(workload, target)))
         for source, config in candidates:
             try:
@@ -198,8 +198,10 @@ def apply_schedules(
     return schedule_module(mod, target, records, best_effort)[0]
 
 
-def _bucket_configs(template: Any, workload: Any, records: TuningDatabase) -> list[tuple[int, dict[str, Any]]]:
-    """(bucket, best config) per measured bucket, ascending; neighbours with equal configs merged."""
+def _bucket_configs(template: Any, workload: Any, records: TuningDatabase,
+                    target: TargetDescription | None = None) -> list[tuple[int, dict[str, Any]]]:
+    """(bucket, best config) per measured bucket, ascending; neighbours with equal configs merged;
+    with ``target``, the --knob values it carries applied to each."""
     out: list[tuple[int, dict[str, Any]]] = []
     for bucket in records.buckets(workload.key, workload.target_key):
         best = records.best(workload.key, workload.target_key, bucket=bucket)
@@ -208,7 +210,7 @@ def _bucket_configs(template: Any, workload: Any, records: TuningDatabase) -> li
         if out and out[-1][1] == best.config:
             continue
         out.append((bucket, best.config))
-    return out
+    return out if target is None else [(b, template.with_knobs(workload, dict(c), target)) for b, c in out]
 
 
 def _dispatch_by_bucket(func: Any, target: TargetDescription, records: TuningDatabase) -> Any | None:
@@ -230,7 +232,7 @@ def _dispatch_named(func: Any, target: TargetDescription, records: TuningDatabas
     if found is None or found[1].symbolic is None:
         return None
     template, workload = found
-    chosen = _bucket_configs(template, workload, records)
+    chosen = _bucket_configs(template, workload, records, target)
     if len(chosen) < 2:
         return None
     facts = analyze_matmul(func, allow_half=True)  # half-weight GEMMs dispatch per bucket too

@@ -2,9 +2,11 @@
 
 A template recognises a PrimFunc (``match``), describes its search space (``space``), picks a
 default configuration (``default_config``, from the target file's template defaults when present)
-and applies one configuration (``apply``). Templates live one per file in the top-level
-``schedules/`` package and are tried in the order of ``schedules.TEMPLATES``; adding a template means
-adding a file there with ``TEMPLATE`` and one line in that list.
+and applies one configuration (``apply``). The configuration keys it lists in ``knobs`` can be set
+for an experiment by ``perfx-compile --knob NAME.KEY=VALUE`` (``with_knobs``: over the default and
+over a tuning record). Templates live one per file in the top-level ``schedules/`` package and are
+tried in the order of ``schedules.TEMPLATES``; adding a template means adding a file there with
+``TEMPLATE`` and one line in that list.
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.targets import TargetDescription
 
+log = logging.getLogger(__name__)
 # Attributes that name a function rather than describe its computation: excluded from the key so a
 # renamed or re-exported function keeps its tuning records.
 _VOLATILE_ATTRS = ("global_symbol", "tirx.is_scheduled")
@@ -89,6 +93,7 @@ class ScheduleTemplate:
 
     name: str = "base"
     version: int = 1  # part of the workload key: bump to retire records of an older schedule
+    knobs: tuple[str, ...] = ()  # configuration keys ``perfx-compile --knob NAME.KEY=VALUE`` may set
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         """Return the workload if this template handles ``func`` on ``target``, else None."""
@@ -112,7 +117,26 @@ class ScheduleTemplate:
                 config[knob] = value
         if not self.is_valid(workload, config, target):
             config = self.builtin_default(workload, target)
-        return config
+        return self.with_knobs(workload, config, target)
+
+    def with_knobs(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> dict[str, Any]:
+        """``config`` with the ``--knob`` values for this template (``target.knobs``) where the key
+        applies to this workload (in its config, its builtin default or its space); kept as it was, with
+        a warning, when they would make it invalid."""
+        knobs = target.knobs.get(self.name) if target.knobs else None
+        if not knobs:
+            return config
+        keys = set(config) | set(self.builtin_default(workload, target)) | set(self.space(workload, target))
+        out = {**config, **{k: v for k, v in knobs.items() if k in keys}}
+        try:
+            valid = out == config or self.is_valid(workload, out, target)
+        except (ValueError, TypeError, ScheduleConfigError):  # a value of the wrong kind ("abc" for a count)
+            valid = False
+        if not valid:
+            log.warning("%s: --knob %s does not apply to %s (invalid config %s); kept %s",
+                        self.name, knobs, workload.dims, out, config)
+            return config
+        return out
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         """Cheap static check of a configuration (no scheduling); apply() may still reject it."""

@@ -11,17 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perfx_compiler.build_switches import build_switch
 from perfx_compiler.errors import PerfXError, UnknownTargetError
 
 TARGETS_DIR = Path(__file__).resolve().parent.parent / "targets"
 
 
 def targets_dir() -> Path:
-    """Where target files live: $PERFX_TARGETS_DIR, the repo's targets/, or the installed copy."""
-    env = build_switch("PERFX_TARGETS_DIR")
-    if env:
-        return Path(env)
+    """Where target files live: the repo's targets/, or the installed copy (a target file elsewhere
+    is named by its path: ``load_target("my/target.json")``)."""
     if TARGETS_DIR.is_dir():
         return TARGETS_DIR
     return Path(__file__).resolve().parent / "data" / "targets"
@@ -45,6 +42,8 @@ class TargetDescription:
     peak_gflops_fp32: float = 0.0
     templates: dict[str, dict[str, Any]] = field(default_factory=dict)  # template name -> defaults
     runnable_here: bool = False
+    # perfx-compile --knob (knobs.py): template name -> config values that win over every default and record
+    knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     raw: dict[str, Any] = field(default_factory=dict)
 
     def tvm(self):  # -> tvm.target.Target
@@ -103,9 +102,13 @@ def _with_vendor(data: dict[str, Any], vendor: str) -> dict[str, Any]:
 
 
 def load_target(name: str) -> TargetDescription:
-    """Load ``targets/<name>.json``; ``host`` resolves to the file matching this machine."""
+    """Load ``targets/<name>.json``, or the target file ``name`` when it is a path ending in ``.json``;
+    ``host`` resolves to the file matching this machine."""
     resolved = _detect_host() if name == "host" else name
     path = targets_dir() / f"{resolved}.json"
+    if name.endswith(".json"):
+        path = Path(name).expanduser()
+        resolved = path.stem
     if not path.exists():
         known = ", ".join(["host", *list_targets()])
         raise UnknownTargetError(f"unknown target '{name}'; known targets: {known}")
@@ -113,7 +116,7 @@ def load_target(name: str) -> TargetDescription:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise PerfXError(f"target file {path} is not valid JSON ({err}); fix or remove it") from None
-    if resolved != name:
+    if name == "host":
         data = {**data, "detected_as": resolved}
         cores = os.cpu_count() or 1
         data.setdefault("tvm_target", {})["num-cores"] = cores

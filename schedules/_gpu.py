@@ -48,6 +48,8 @@ def tvm_target_with_threads(target: TargetDescription, threads: int | None):  # 
 class DlightTemplate(ScheduleTemplate):
     """A template around one dlight GPU rule; subclasses set ``name`` and ``make_rule``."""
 
+    knobs = ("max_threads",)
+
     def make_rule(self, config: dict[str, Any]) -> Any:
         raise NotImplementedError
 

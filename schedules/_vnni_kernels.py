@@ -21,6 +21,7 @@ summation order (``_qvnni.quantize_activations`` is the numpy reference of xq).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 from schedules._fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
@@ -44,30 +45,21 @@ def plan(K: int, G: int) -> dict[str, int]:
 
 
 @functools.cache
-def quantize_group_macro(tree: bool = False) -> Any:
+def quantize_group_macro() -> Any:
     """The TVMScript macro ``quantize_group`` shared by the VNNI GEMV and GEMM (built on first use:
-    this module imports without TVM). ``tree``: the 16-lane max and code sum folded in registers
-    (``fold_lanes``: 4 shuffle steps) instead of a 15-step chain (the same values: max and integer
-    sums are exact in any order)."""
+    this module imports without TVM). The 16-lane max and code sum are folded in registers
+    (``_lanes``: 4 shuffle steps; max and integer sums are exact in any order)."""
     from tvm.script import tirx as T
 
     from perfx_compiler.kernels import _lanes
 
     @T.macro
     def lanes_max(mx):  # noqa: ANN001
-        if tree:
-            mx[0] = _lanes.fold_lanes(mx.vload([0], "float32x16"), 16, T.max)
-        else:
-            for ln in T.serial(15):
-                mx[0] = T.max(mx[0], mx[ln + 1])
+        mx[0] = _lanes.fold_lanes(mx.vload([0], "float32x16"), 16, T.max)
 
     @T.macro
     def lanes_sum(sm):  # noqa: ANN001
-        if tree:
-            sm[0] = _lanes.lanes_sum(sm, 0, 16, "int32")
-        else:
-            for ln in T.serial(15):
-                sm[0] = sm[0] + sm[ln + 1]
+        sm[0] = _lanes.lanes_sum(sm, 0, 16, "int32")
 
     @T.macro
     def quantize_group(X, XQ, DX, dx_at, bm, g, mx, sm, inv, G, GV, K, KP, MM, x0):  # noqa: ANN001, N803
@@ -100,34 +92,41 @@ def quantize_group_macro(tree: bool = False) -> Any:
     return quantize_group
 
 
+# the row-schedule configuration gemv() takes, with the value a key left out of it gets
+GEMV_CONFIG: dict[str, int] = {"units": 1, "tasks": 1, "unroll": 1, "prefetch": 0, "split": 1, "hinib": 0,
+                               "sprefetch": 0, "nta": 0, "ploc": 3, "tquant": 0}
+
+
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
-         units: int, tasks: int, unroll: int, prefetch: int = 0, split: int = 1, hinib: bool = False,
-         sprefetch: int = 0, pquant: int = 0, qtree: int = 0, nta: int = 0, tquant: int = 0,
-         prologue: str = "", eps: float = 0.0, epilogue: str = "", ploc: int = 3) -> Any:
-    """The GEMV PrimFunc (x, q, scale[, zero|min], y) for one configuration; ``prefetch``: software
+         config: Mapping[str, Any], prologue: str = "", eps: float = 0.0, epilogue: str = "") -> Any:
+    """The GEMV PrimFunc (x, q, scale[, zero|min], y) of one shape for one ``config`` (keys of
+    :data:`GEMV_CONFIG`): ``units`` per iteration (rows sharing each activation load), ``tasks``
+    (parallel chunks of rows), ``unroll`` (64-byte steps per inner loop); ``prefetch``: software
     prefetch of each unit's codes that many 64-byte steps ahead (0: none); ``split``: float
     accumulators per row, taken by turns over the steps (each step's FMA waits only for the one
     ``split`` steps back, not for the previous one); ``hinib`` (int4): the odd row's codes are used as
     ``q & 0xF0`` = 16 x code, the 1/16 folded into its scale vector (exact: a power of two), which
     saves one shift per 64-byte step; ``sprefetch``: also prefetch each row's scale (and zero/min)
-    chunk as far ahead as the codes (in rows); ``pquant``: quantize x's groups in a parallel loop of
-    its own before the row loop (a second pool launch) instead of on the calling thread; ``qtree``:
-    x's per-group max and code sums reduced as trees (same codes, see ``quantize_group_macro``);
-    ``nta``: the codes' prefetches are non-temporal (``prefetchnta``, locality 0) instead of
-    ``prefetcht0``; ``ploc``: without nta, the codes' prefetch locality (3 = prefetcht0 into L1, 2 =
-    prefetcht1 into L2, ...); ``tquant``: every row task quantizes x for itself, on its own stack (no serial
-    quantization before the fork; one per thread when ``tasks`` equals the thread count);
-    ``epilogue="swiglu"`` (one activation row; y = [gate | up], N even): each task takes the same
-    range of gate rows and of up rows (gate's first, then up's: two streams one after the other) and
-    ends with ``h = silu(gate) * up`` over its range, read back from its own y rows, into a second
-    output h [1, 1, N/2] (see ``passes/fuse_gemv_prologue.py``)."""
+    chunk as far ahead as the codes (in rows); ``nta``: the codes' prefetches are non-temporal
+    (``prefetchnta``, locality 0) instead of ``prefetcht0``; ``ploc``: without nta, the codes' prefetch
+    locality (3 = prefetcht0 into L1, 2 = prefetcht1 into L2, ...); ``tquant``: every row task
+    quantizes x for itself, on its own stack (no serial quantization before the fork; one per thread
+    when ``tasks`` equals the thread count).
+    ``prologue`` ("add_rms_norm" | "swiglu", one activation row): x made inside the call from the
+    small kernel's inputs; ``epilogue="swiglu"`` (one activation row; y = [gate | up], N even): each
+    task takes the same range of gate rows and of up rows (gate's first, then up's: two streams one
+    after the other) and ends with ``h = silu(gate) * up`` over its range, read back from its own y
+    rows, into a second output h [1, 1, N/2] (see ``passes/fuse_gemv_prologue.py``)."""
+    c = {**GEMV_CONFIG, **{k: int(v) for k, v in config.items() if k in GEMV_CONFIG}}
+    units, tasks, unroll, prefetch, split, hinib, sprefetch, nta, ploc, tquant = (
+        c[k] for k in ("units", "tasks", "unroll", "prefetch", "split", "hinib", "sprefetch", "nta", "ploc", "tquant"))
     from tvm.script import tirx as T
 
     p = plan(K, G)
     KP, S, NGE, NGP, SPC, F, TS, NCH, BT = (p[k] for k in ("KP", "S", "NGE", "NGP", "SPC", "F", "TS", "NCH", "BASE_T"))
     B, MM = rows
-    if prologue not in ("", "add_rms_norm", "swiglu") or (prologue and (B * MM != 1 or pquant or K % 16)):
-        raise ValueError(f"gemv: prologue {prologue!r} needs one activation row, K % 16 == 0, pquant 0")
+    if prologue not in ("", "add_rms_norm", "swiglu") or (prologue and (B * MM != 1 or K % 16)):
+        raise ValueError(f"gemv: prologue {prologue!r} needs one activation row, K % 16 == 0")
     if epilogue not in ("", "swiglu") or (epilogue and (B * MM != 1 or prologue == "swiglu"
                                                         or N % (4 if bits == 4 else 2) or N // 2 < units * 2)):
         raise ValueError(f"gemv: epilogue {epilogue!r} needs one activation row, no swiglu prologue, "
@@ -147,15 +146,13 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     zconst = 128.0 if bits == 8 else 8.0
     GV = G // 16  # 16-lane vectors per group
     A = split
-    quantize_group = quantize_group_macro(bool(qtree))
+    quantize_group = quantize_group_macro()
     hi = pair and hinib
-    QT = max(1, min(pquant, M * NGE))  # parallel tasks of the quantization (pquant > 0)
     # before a task quantizes x: its first `prefetch` steps of codes (flat: over row ends, as the row loop's
     # own prefetch runs) and the scale lines of those rows (64 bytes = 32 scales a line)
     PRO = int(prefetch) if tquant else 0
     pro_units = -(-PRO * STEP // KP) + 1  # units the prologue's codes touch (a partial one at each end)
     PRO_S = -(-pro_units * RPU * NGP // 32) if tquant and sprefetch else 0
-    QPT = -(-(M * NGE) // QT)
     # scale prefetch distance in elements of the flat [N2 * NGP] arrays: the codes' distance in rows
     SPD = max(1, prefetch * STEP // KP) * RPU * NGP if sprefetch else 0
     # The units of task t's iteration it: a contiguous run of the rows, or with the swiglu epilogue
@@ -436,19 +433,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             DSC = T.decl_buffer((M * NCH * 16,), "float32")
             gdx = T.decl_buffer((M * NGE,), "float32")
             gds = T.decl_buffer((M * NGE,), "float32")
-            # 1. int8 activations per group (x beyond K counts as 0)
-            if pquant > 0:
-                for pt in T.parallel(QT):
-                    mx = T.decl_buffer((16,), "float32", scope="local")
-                    sm = T.decl_buffer((16,), "int32", scope="local")
-                    inv = T.decl_buffer((1,), "float32", scope="local")
-                    for j in T.serial(QPT):
-                        if pt * QPT + j < M * NGE:
-                            quantize_group(X, XQ, gdx, pt * QPT + j, (pt * QPT + j) // NGE, (pt * QPT + j) % NGE,
-                                           mx, sm, inv, G, GV, K, KP, MM, (pt * QPT + j) % NGE * G)
-                            gds[pt * QPT + j] = gdx[pt * QPT + j] * T.Cast("float32", sm[0])
-            else:
-                make_x(X, PB, PW, SUM, XQ, gdx, gds, True)
+            # 1. int8 activations per group (x beyond K counts as 0), on the calling thread
+            make_x(X, PB, PW, SUM, XQ, gdx, gds, True)
             chunk_scales(gdx, gds, DXC, DSC)
             # 2. rows
             for t in T.parallel(tasks):
@@ -564,145 +550,3 @@ def transpose_tile(rows: list[Any]) -> list[Any]:
         m = nxt
         b //= 2
     return m
-
-
-def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: int, nb: int = 0) -> Any:
-    """W [N, K] in float32 from the VNNI layout (prefill: the float GEMM follows), or with
-    ``nb`` as [N / nb, K, nb] panels, the packed GEMM's layout (see weight_layout)."""
-    from tvm.script import tirx as T
-
-    p = plan(K, G)
-    KP, NGP = p["KP"], p["NGP"]
-    pair = bits == 4
-    N2 = N + N % 2 if pair else N
-    QW = N2 // 2 if pair else N
-    ZT = "float16" if offset else "uint8"
-    NV = K // 16
-    PER = -(-N // tasks)
-
-    def _w(Q: Any, Sc: Any, Z: Any, row: Any, col: Any, g: Any) -> Any:
-        return weight_expr(bits, sym, offset, Q, Sc, Z, row, col, g)
-
-    if nb and (N % nb or nb % 16):
-        raise ValueError(f"panel width {nb} must be a multiple of 16 dividing N={N}")
-    OUT = (N // nb, K, nb) if nb else (N, K)
-
-    # Panels: a 16 x 16 tile (16 rows, 16 columns) is widened with row-contiguous loads as in
-    # the row kernel, then stored transposed (16 columns of 16 rows each, contiguous in Out):
-    # transpose_tile's shuffles, then column c picked from them (constant after unrolling).
-    @T.macro
-    def panels(Q, Sc, Z, Out):
-        for pn in T.parallel(N // nb):
-            for kb in T.serial(K // 16):
-                for jb in T.serial(nb // 16):
-                    tile = T.decl_buffer((256,), "float32", scope="local")
-                    for j in T.unroll(16):
-                        for lane in T.vectorized(16):
-                            tile[j * 16 + lane] = _w(Q, Sc, Z, pn * nb + jb * 16 + j, kb * 16 + lane, (kb * 16) // G)
-                    for c in T.unroll(16):
-                        Out[pn, kb * 16 + c, T.Ramp(jb * 16, 1, 16)] = T.Shuffle(
-                            transpose_tile([tile[T.Ramp(r * 16, 1, 16)] for r in range(16)]), [c * 16 + r for r in range(16)])
-
-    @T.macro
-    def rows(Q, Sc, Z, Out):
-        for t in T.parallel(tasks):
-            for j in T.serial(PER):
-                if t * PER + j < N:
-                    for v in T.serial(NV):
-                        for lane in T.vectorized(16):
-                            Out[t * PER + j, v * 16 + lane] = _w(
-                                Q, Sc, Z, t * PER + j, v * 16 + lane, (v * 16) // G)
-
-    body = panels if nb else rows
-
-    if pair:
-
-        @T.prim_func(private=True)
-        def qv_dequant4(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
-            Out = T.match_buffer(o_h, [T.int64(d) for d in OUT], "float32")
-            body(Q, Sc, Z, Out)
-
-        return qv_dequant4
-
-    @T.prim_func(private=True)
-    def qv_dequant8(q_h: T.handle, s_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-        Out = T.match_buffer(o_h, [T.int64(d) for d in OUT], "float32")
-        body(Q, Sc, Sc, Out)
-
-    return qv_dequant8
-
-
-def weight_expr(bits: int, sym: bool, offset: bool, Q: Any, Sc: Any, Z: Any, row: Any, col: Any, g: Any) -> Any:
-    """Float weight (row, col) of group g read from the VNNI layout."""
-    from tvm.script import tirx as T
-
-    s = T.Cast("float32", Sc[row, g])
-    if bits == 8:
-        return (T.Cast("float32", Q[row, col]) - T.float32(128)) * s
-    code = T.Cast("float32", T.bitwise_and(T.shift_right(Q[row // 2, col], T.Cast("uint8", (row % 2) * 4)),
-                                           T.uint8(15)))
-    if offset:
-        return code * s + T.Cast("float32", Z[row, g])
-    if sym:
-        return (code - T.float32(8)) * s
-    return (code - T.Cast("float32", Z[row, g])) * s
-
-
-def take(bits: int, N: int, K: int, G: int, sym: bool, offset: bool) -> Any:
-    """Embedding gather out[b, m, :] = W[ids[b, m], :] from the VNNI layout."""
-    from tvm.script import tirx as T
-
-    p = plan(K, G)
-    KP, NGP = p["KP"], p["NGP"]
-    pair = bits == 4
-    N2 = N + N % 2 if pair else N
-    QW = N2 // 2 if pair else N
-    ZT = "float16" if offset else "uint8"
-    NV = K // 16
-
-    def _w(Q: Any, Sc: Any, Z: Any, row: Any, col: Any, g: Any) -> Any:
-        return weight_expr(bits, sym, offset, Q, Sc, Z, row, col, g)
-
-    @T.macro
-    def body(Q, Sc, Z, ID, Out, b, m):
-        for bm in T.serial(b * m):
-            for v in T.serial(NV):
-                for lane in T.vectorized(16):
-                    Out[bm // m, bm % m, v * 16 + lane] = _w(
-                        Q, Sc, Z, ID[bm // m, bm % m], v * 16 + lane, (v * 16) // G)
-
-    if pair:
-
-        @T.prim_func(private=True)
-        def qv_take4(q_h: T.handle, s_h: T.handle, z_h: T.handle, i_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            b = T.int64()
-            m = T.int64()
-            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
-            ID = T.match_buffer(i_h, (b, m), "int64")
-            Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
-            body(Q, Sc, Z, ID, Out, b, m)
-
-        return qv_take4
-
-    @T.prim_func(private=True)
-    def qv_take8(q_h: T.handle, s_h: T.handle, i_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        b = T.int64()
-        m = T.int64()
-        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-        ID = T.match_buffer(i_h, (b, m), "int64")
-        Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
-        body(Q, Sc, Sc, ID, Out, b, m)
-
-    return qv_take8

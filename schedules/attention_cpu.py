@@ -10,7 +10,8 @@ kernel built for one configuration:
   ``k_tile`` keys per online-softmax step (fully-masked key tiles skipped), ``key_block`` keys
   scored per register block, ``lanes`` vector width;
 * decode: the cache split into ``splits`` chunks per kv head across threads, merged by
-  log-sum-exp; ``k_tile`` and ``lanes`` as above.
+  log-sum-exp; ``k_tile`` and ``lanes`` as above; ``prefetch``: keys ahead whose k/v rows are
+  prefetched (default config only, not searched).
 
 When the merge-projections pass made the kernel read one fused QKV tensor, the built kernel gets
 the same rewrite, so the function keeps its signature.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from perfx_compiler.build_switches import build_switch
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -51,18 +51,15 @@ def _lanes(workload: Workload, target: TargetDescription) -> list[int]:
     return [w for w in (4, 8, 16) if w <= widest and workload.dims["D"] % w == 0] or [1]
 
 
-def _decode_prefetch() -> int:
-    """Keys ahead whose cached k/v rows the decode kernel prefetches. Not searched: the tuner times a
-    kernel back to back with its cache rows warm, where the prefetch only costs, while in a decode
-    step the weights streamed since the layer's last step have evicted them. TinyLlama's whole decode
-    step, replayed in alternation: x1.013 on two cores, x1.011 on one core's two threads
-    (benchmarks/results/decode_step_ab_tinyllama-q4_0_kv_prefetch.csv).
-    ``PERFX_ATTN_DECODE_PREFETCH`` is the A/B switch (0: off)."""
-    return int(build_switch("PERFX_ATTN_DECODE_PREFETCH", 8))
+# Keys ahead whose cached k/v rows the decode kernel prefetches (``prefetch``; 0: none). In the default
+# config, not the searched space: the tuner times a kernel with its cache rows warm, where a prefetch
+# only costs (docs/decisions/attention-cpu.md). A record (which carries none) gets this distance.
+DECODE_PREFETCH = 8
 
 
 class AttentionCPU(ScheduleTemplate):
     name = "attention_cpu"
+    knobs = ("k_tile", "splits", "lanes", "prefetch", "q_tile", "heads_per_task", "key_block")
     # The decode kernel's version, part of its workload key (prefill keeps ``version``): 2 appends the
     # new k/v rows inside the tasks and, with one split, writes the output without partials; the
     # records timed for version 1 (serial append and merge on the launching thread) are retired.
@@ -105,15 +102,12 @@ class AttentionCPU(ScheduleTemplate):
         lanes = _lanes(workload, target)[-1]
         tile = min(64, d["MAXC"])
         if workload.info["kind"] == "decode":
-            # One split per kv head when the kv heads divide among the cores: no partials, no serial
-            # merge on the launching thread. TinyLlama (4 kv heads, 2 cores), whole decode step replayed
-            # in alternation, two cores, 200 rounds: 7.82 -> 7.73 ms over 2 splits (per round x1.016 vs
-            # x1.005 over the previous kernel; benchmarks/results/decode_step_ab_tinyllama-q4_0_attention_tquant.csv).
-            # Otherwise kv heads x splits tasks (3 x 2 balance 2 cores); chunks stay >= one tile long.
+            # One split per kv head when the kv heads divide among the cores (no partials, no serial merge
+            # on the launching thread), else kv heads x splits tasks (3 x 2 balance 2 cores); chunks stay
+            # >= one tile long (docs/decisions/attention-cpu.md)
             cores = max(1, int(target.cores or 2))
             splits = 1 if d["KVH"] % cores == 0 else 2 if cores <= 2 else 4
-            splits = int(build_switch("PERFX_ATTN_DECODE_SPLITS", splits))  # A/B switch
-            return {"k_tile": tile, "splits": splits, "lanes": lanes, "prefetch": _decode_prefetch()}
+            return {"k_tile": tile, "splits": splits, "lanes": lanes, "prefetch": DECODE_PREFETCH}
         G = d["H"] // d["KVH"]
         key_block = next(b for b in (4, 2, 1) if tile % b == 0)  # a cache under 4 positions has a shorter tile
         return {"q_tile": 16, "k_tile": tile, "heads_per_task": G, "key_block": key_block, "lanes": lanes}
@@ -134,7 +128,7 @@ class AttentionCPU(ScheduleTemplate):
             raise ScheduleConfigError(f"attention_cpu: bad lanes/k_tile in {config} for {d}")
         if workload.info["kind"] == "decode":
             splits = int(config.get("splits", 2))
-            prefetch = int(config.get("prefetch", _decode_prefetch()))  # records carry none: see _decode_prefetch
+            prefetch = int(config.get("prefetch", DECODE_PREFETCH))  # records carry none: see DECODE_PREFETCH
             if splits < 1 or prefetch < 0:
                 raise ScheduleConfigError(f"attention_cpu: bad splits/prefetch in {config}")
             return {"body": "split", "k_tile": k_tile, "splits": splits, "lanes": lanes, "prefetch": prefetch}

@@ -53,6 +53,7 @@ def analyze_injective(func: Any) -> dict[str, Any] | None:
 
 class ElementwiseCPU(ScheduleTemplate):
     name = "elementwise_cpu"
+    knobs = ("vec", "chunk")
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         if not is_cpu_target(target):

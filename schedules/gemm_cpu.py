@@ -108,6 +108,7 @@ def apply_register_tiled(func: Any, facts: Any, config: dict[str, Any], target: 
 
 class GemmCPU(ScheduleTemplate):
     name = "gemm_cpu"
+    knobs = ("mr", "nr", "nc", "parallel", "pack_x", "pack_b", "k_unroll")
     # v2: pre-packed weights (layout "P"), k_unroll, register budget per ISA (32 on AArch64/RVV)
     version = 2
 

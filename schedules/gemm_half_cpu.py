@@ -41,6 +41,7 @@ GEMV_MAX_M = 8
 
 class GemmHalfCPU(ScheduleTemplate):
     name = "gemm_half_cpu"
+    knobs = ("mr", "nr", "nc", "parallel", "pack_x", "k_unroll")
     version = 1
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:

@@ -312,6 +312,7 @@ def prepack(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, arrays: 
 
 class GemmQVnniCPU(ScheduleTemplate):
     name = "gemm_qvnni_cpu"
+    knobs = ("mr", "nr", "tasks")
     version = 1
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:

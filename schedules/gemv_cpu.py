@@ -47,6 +47,7 @@ def _divisors(n: int, candidates: tuple[int, ...]) -> list[int]:
 
 class GemvCPU(ScheduleTemplate):
     name = "gemv_cpu"
+    knobs = ("kernel", "nr", "nc", "k_outer", "k_unroll", "splits", "k_block", "rows", "accum", "tasks")
     # v2: split-K kernel for [K, N] weights; v3 (retired: never released) and v4: [N, K] partial sums lanes-innermost in registers,
     # vector-add tree for the final sum, rows=8 for DRAM-resident weights; v5: pre-packed panels ("P")
     version = 5

@@ -206,6 +206,7 @@ def _lanes(K: int, target: TargetDescription) -> int:
 
 class GemvHalfCPU(ScheduleTemplate):
     name = "gemv_half_cpu"
+    knobs = ("tasks", "rows", "accum")
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
         if not is_cpu_target(target):

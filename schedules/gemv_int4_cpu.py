@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from perfx_compiler.build_switches import build_switch
 from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.passes._quant_attr import QUANT_ATTR, read_quant_info
 from perfx_compiler.schedule_template import (
@@ -335,6 +334,7 @@ class GemvInt4CPU(ScheduleTemplate):
     that format's kernels (the hooks below)."""
 
     name = "gemv_int4_cpu"
+    knobs = ("tasks", "unpack_once", "chunk")
     version = 2  # v2: 'unpack_once' (multi-row GEMVs unpack each weight once for all rows)
     bits = 4
     weight_arrays = 3  # codes, scales, zeros: the gather's ids follow them
@@ -397,11 +397,10 @@ class GemvInt4CPU(ScheduleTemplate):
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
         # A few tasks per core balance the rows; each task allocates its accumulators once.
         # Several rows: each weight unpacked once for all of them (unpack_once=1), which won at
-        # M = 2..8 on every SmolLM2/TinyLlama shape (benchmarks/bench_gemv_int4_batch.py).
+        # M = 2..8 on every SmolLM2/TinyLlama shape (docs/decisions/quantized-linears.md).
         config: dict[str, Any] = {"tasks": rows_divisor(workload.dims["N"], 16)}
         if self._gemv_once() is not None and self._multi_row(workload):
-            # PERFX_GEMV_UNPACK_ONCE=0: the per-row kernel (A/B baseline of whole-model benchmarks)
-            config["unpack_once"] = 0 if build_switch("PERFX_GEMV_UNPACK_ONCE", "1") == "0" else 1
+            config["unpack_once"] = 1  # 0 (the per-row kernel) is searched; --knob gemv_int4_cpu.unpack_once=0
             if workload.info.get("batch"):
                 # 4 rows x 4 weight rows of accumulators: beat 8 x 2 at batch 1..4, about even at 8
                 config["chunk"] = 4

@@ -176,6 +176,7 @@ class GemvInt8CPU(GemvInt4CPU):
     """gemv_int4_cpu's template over the int8 kernels of this file."""
 
     name = "gemv_int8_cpu"
+    knobs = ("tasks",)
     version = ScheduleTemplate.version  # its own records: a version bump of gemv_int4_cpu leaves them
     bits = 8
     weight_arrays = 2  # codes, scales

@@ -5,16 +5,10 @@ q8 — the ``--activations int8`` path).
 * GEMV (static rows <= 8, decode): x quantized to int8 per weight group inside the call, then
   ``vpdpbusd`` (64 u8 x s8 MACs per instruction) per 64-column step and unit (a row pair for
   int4, a row for int8); per-group float scales through one ``vpermps`` per step, zero point /
-  min once per 16 groups (see ``_vnni_kernels``). Knobs: ``units`` per iteration (rows sharing
-  each activation load), ``tasks`` (parallel chunks of rows), ``unroll`` (steps per inner loop),
-  ``prefetch`` (software prefetch distance of the codes in 64-byte steps, default 128; 0 = hardware
-  prefetch only), ``sprefetch`` (the scale / zero chunks prefetched as far ahead, in rows),
-  ``pquant`` (x quantized in a parallel loop of its own; 0: on the calling thread), ``tquant`` (x
-  quantized by every row task for itself, after the task has requested its first weight lines; the
-  decode default, with one task per core), ``qtree`` (x's
-  per-group reductions as trees; same codes), ``split``
-  (float accumulators per row, by turns over the steps: shorter FMA dependency chains), ``hinib``
-  (int4: the odd row's codes as ``q & 0xF0``, 1/16 in its scale: no shift per step).
+  min once per 16 groups (see ``_vnni_kernels``). Knobs (``_vnni_kernels.gemv``): ``units``,
+  ``tasks``, ``unroll``, ``prefetch``, ``split``, ``hinib``, ``sprefetch`` (searched); ``nta``,
+  ``ploc``, ``tquant`` (default config only: their gain is in the decode step around the GEMV,
+  which one kernel's timing cannot see). Why each default: docs/decisions/gemv-qvnni-cpu.md.
 * GEMV with a fused prologue (``passes/fuse_gemv_prologue.py``, decode, int4 or int8): x made inside the call
   from add_rms_norm's or swiglu's inputs, group by group as it is quantized; or with a swiglu epilogue
   (gate|up GEMV: each task takes gate and up rows of the same range and writes their h); keyed as the
@@ -30,7 +24,6 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from perfx_compiler.build_switches import build_switch
 from perfx_compiler.passes._qvnni import has_avx512_vnni
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
@@ -40,6 +33,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
+from schedules import _vnni_dequant
 from schedules import _vnni_kernels as vk
 from schedules.gemv_int4_cpu import _like, panel_of, quant_info
 
@@ -80,6 +74,7 @@ def _rows(func: Any, kind: str) -> tuple[int, int] | None:
 
 class GemvQVnniCPU(ScheduleTemplate):
     name = "gemv_qvnni_cpu"
+    knobs = ("units", "tasks", "unroll", "prefetch", "split", "hinib", "sprefetch", "nta", "ploc", "tquant")
     version = 1
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:
@@ -111,7 +106,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         kind = workload.info.get("kind")
         tasks = [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= max(1, d["N"] // 2)]
         if kind == "take":
-            return {}  # the gather (vk.take) has no knob: tuning `tasks` timed one config under many names
+            return {}  # the gather (_vnni_dequant.take) has no knob: tuning `tasks` timed one config under many names
         if kind != "matmul":
             return {"tasks": tasks}
         return {
@@ -122,21 +117,16 @@ class GemvQVnniCPU(ScheduleTemplate):
             "split": [1, 2],
             "hinib": [0, 1] if d["bits"] == 4 else [0],
             "sprefetch": [0, 1],  # scales (and zero/min) prefetched as far ahead as the codes
-            # pquant (x quantized in a parallel loop of its own) and qtree (its reductions folded in
-            # registers) and tquant (x quantized by each task) are configs and env switches, not searched
-            # (tquant's gain is in the decode step around the GEMV, not in its own timing): pquant did not beat an A/A pair at
-            # TinyLlama's shapes (benchmarks/results/gemv_qvnni_shared_copies_ab.csv), qtree=1 is the
-            # default (a fixed saving per call); they would only quadruple the space. nta (prefetchnta for the
-            # codes) neither: its gain shows in the whole decode step, not in one kernel's timing
+            # nta, ploc and tquant are default-config knobs, not searched: their gain shows in the whole
+            # decode step, not in one kernel's timing (docs/decisions/gemv-qvnni-cpu.md)
         }
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
+        """Each choice and the measurement behind it: docs/decisions/gemv-qvnni-cpu.md."""
         d = workload.dims
         if workload.info.get("kind") != "matmul":
             return {"tasks": 16 if d["N"] >= 64 else 2}
-        # Rows of >= 2048 bytes: one unit per iteration. Two units read two code streams whose
-        # distance is a multiple of 1 KiB (K=2048: 2.4x slower at 11264x2048 and 2048x2048, 2 threads),
-        # and fewer streams suit the prefetchers; short rows (SmolLM2's K=576/1536): two.
+        # rows of >= 2048 bytes: one unit per iteration (two code streams 1 KiB apart trip the prefetchers)
         long_rows = d["bits"] == 4 and vk.plan(d["K"], d["G"])["KP"] >= 2048
         units = (1 if long_rows else 2) if d["bits"] == 4 else 4
         m = max(1, d["B"] * d["MM"])
@@ -146,78 +136,17 @@ class GemvQVnniCPU(ScheduleTemplate):
         # two accumulators per row while they fit the registers with the scale vectors
         split = 2 if units * (2 if d["bits"] == 4 else 1) * m * 3 <= MAX_REGS else 1
         hinib = 1 if d["bits"] == 4 else 0
-        # Long rows of one activation row (decode): split=1, hinib=1. Timed with the TIR pipeline the
-        # artifact is built with (accumulators in registers; stack_alloca.compile_kernel), hinib read
-        # x1.06-1.19 paired per pass and x1.01-1.03 per-call p10 over plain at all five TinyLlama shapes,
-        # 2 threads on two cores (benchmarks/results/gemv_qvnni_long_rows_hinib_2t.csv); whole decode,
-        # mirrored, x1.072; over its steady two-core turns 117.8 vs 115.3 tok/s, 82% vs 79% of the probe
-        # (decode_ab_tinyllama-q4_0_long_rows_hinib.csv). split=2 read less than hinib alone.
-        # The plain choice before (split=1, hinib=0) rested on kernel timings built without that pipeline
-        # (gemv_qvnni_long_rows.csv: accumulators in TVM's workspace pool, stored every step) and on
-        # artifact A/Bs within their load-order noise (decode_kernels_tinyllama-q4_0_long_rows_*.csv).
-        # PERFX_VNNI_GEMV_LONG_ROWS=plain | split: the earlier defaults (A/B switch); the tuner searches both knobs.
-        # Several activation rows (batched decode, small prefill buckets; units may drop to 1 there for
-        # the accumulators) keep split/hinib: not measured.
-        long_mode = build_switch("PERFX_VNNI_GEMV_LONG_ROWS", "hinib")
-        if long_rows and m == 1 and long_mode in ("plain", "hinib"):
-            split, hinib = 1, int(long_mode == "hinib")
-        if build_switch("PERFX_VNNI_GEMV_BASE") == "1":  # A/B baseline: the kernel before split/hinib
-            return {"units": units, "tasks": 16, "unroll": unroll, "prefetch": 0}
-        # Codes prefetched 128 steps (8 KiB) ahead: the hardware prefetchers alone keep too few lines in
-        # flight while the core also computes; one thread read ~75% of the probe's one-thread bandwidth
-        # without it. At TinyLlama's shapes, 2 threads, per-call best and 10th percentile GB/s rose
-        # 6-27% (benchmarks/gemv_qvnni_shapes_bw.py); 16 steps (1 KiB) did not help.
-        prefetch = int(build_switch("PERFX_VNNI_GEMV_PREFETCH", "128"))  # A/B: 0 = hardware only
-        # Scale (and zero/min) chunks prefetched as far ahead as the codes, for N <= 4096: at TinyLlama's
-        # qkv / o / down, 2 threads, paired x1.02-1.08 and call p10 x1.02-1.06 over two runs (load 0.6
-        # and 1.6), reverting it lost 3-8% (call p10, shared weight copies); at gate_up (N=11264) and
-        # lm_head (N=32000) it lost 3-4% (call p10, vs an A/A pair within 2%): off there
-        # (benchmarks/results/gemv_qvnni_shared_copies_ab.csv, gemv_qvnni_sprefetch_large_ab.csv).
-        sprefetch = int(build_switch("PERFX_VNNI_GEMV_SPREFETCH", "1" if d["N"] <= 4096 else "0"))
-        # x quantized on the calling thread: a parallel loop of its own (pquant=2) lost 3% at qkv and o,
-        # a second pool launch costing more than the quantization it splits (same CSVs)
-        pquant = int(build_switch("PERFX_VNNI_GEMV_PQUANT", "0"))  # A/B switch
-        # x's per-group max and code sum folded in registers (qtree=1): the N=2 GEMV (launch + x's
-        # quantization + one row pair) took 4-15% less than with 15-step chains at K=576..5632
-        # (benchmarks/results/gemv_qvnni_overheads.csv, prologue_K vs prologue_K_qtree); the tree
-        # through a buffer it replaced had timed no better than an A/A pair (store-forwarding stalls)
-        qtree = int(build_switch("PERFX_VNNI_GEMV_QTREE", "1"))  # A/B switch
-        # Long rows of one activation row prefetch their codes non-temporally (prefetchnta): TinyLlama's
-        # whole decode, mirrored A/B, x1.079 on one thread (80-81% -> 87-89% of the probe) and x1.044 on
-        # two (steady turns on one core's two threads: 74.4 -> 77.8 tok/s, 86% -> 90%; the run had no
-        # two-core turn), decode_ab_tinyllama-q4_0_prefetchnta*.csv. Per kernel it read within 2% of prefetcht0 on two
-        # threads and -4%..+4% on one (gemv_qvnni_nta_2t.csv, _1t.csv): the gain is in the decode step
-        # around the GEMVs, which per-kernel timing cannot see, so nta is a default and an A/B switch,
-        # not searched. Short rows: not measured.
-        nta = int(build_switch("PERFX_VNNI_GEMV_NTA", "1" if long_rows and m == 1 else "0"))
-        # Without nta, the codes are prefetched into L1 (3, prefetcht0). Target files may override both
-        # per CPU vendor (targets/x86-avx512.json "vendor_templates", applied to `host`): on an Intel
-        # Xeon (2 vCPUs, 30 GB/s probe), per pass over DRAM-resident copies, prefetchnta streamed
-        # TinyLlama's GEMVs at 12.8-14.5 GB/s, prefetcht0 at 21.6-26.1 and prefetcht1 (2, into L2) at
-        # 23.6-28.7 (x1.67-2.16 paired over nta); SmolLM2's short rows at 11.8-12.7 / 19.8-20.9 /
-        # 19.6-22.1 (benchmarks/results/intel-xeon/gemv_qvnni_shapes_bw_prefetch.csv).
-        ploc = int(build_switch("PERFX_VNNI_GEMV_PLOC", "3"))
-        # One activation row (decode): one task per core, each quantizing x for itself after the fork,
-        # its first weight lines requested before (tquant=1). The serial quantization on the calling
-        # thread and the stream's first misses left the critical path: TinyLlama's whole decode step,
-        # replayed in alternation on two cores, 200 rounds: 7.73 -> 7.63 ms over the one-split attention
-        # alone (decode_step_ab_tinyllama-q4_0_attention_tquant.csv); end to end with it, fresh processes,
-        # x1.025 on two cores (13 pairs) and x1.002 on one core's two threads (15 pairs; decode_tquant_ab.csv,
-        # decode_tquant_ab_shared_run.csv). Several rows (batched decode) keep 16 tasks and the
-        # quantization on the calling thread: not measured.
-        tquant = int(build_switch("PERFX_VNNI_GEMV_TQUANT", "1" if m == 1 and not pquant else "0"))  # A/B switch
-        tasks = max(1, int(target.cores or 1)) if tquant else 16
-        return {"units": units, "tasks": tasks, "unroll": unroll, "prefetch": prefetch, "split": split,
-                "hinib": hinib, "sprefetch": sprefetch, "pquant": pquant, "qtree": qtree, "nta": nta,
-                "tquant": tquant, "ploc": ploc}
-
-    def default_config(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
-        config = super().default_config(workload, target)
-        # the A/B switches win over a target file's defaults too
-        for knob, env in (("nta", "PERFX_VNNI_GEMV_NTA"), ("ploc", "PERFX_VNNI_GEMV_PLOC")):
-            if knob in config and (value := build_switch(env)):
-                config[knob] = int(value)
-        return config
+        if long_rows and m == 1:  # decode's long rows: hinib alone
+            split = 1
+        # one activation row (decode): one task per core, each quantizing x for itself after the fork
+        tquant = int(m == 1)
+        return {"units": units, "tasks": max(1, int(target.cores or 1)) if tquant else 16, "unroll": unroll,
+                "prefetch": 128,  # codes 128 64-byte steps (8 KiB) ahead
+                "split": split, "hinib": hinib,
+                "sprefetch": int(d["N"] <= 4096),  # scale chunks prefetched with the codes, up to N = 4096
+                "nta": int(long_rows and m == 1),  # long decode rows: prefetchnta (targets may override)
+                "tquant": tquant,
+                "ploc": 3}  # the codes' prefetch locality without nta: L1 (targets may override)
 
     def is_valid(self, workload: Workload, config: dict[str, Any], target: TargetDescription) -> bool:
         return self._why_invalid(workload, config) is None
@@ -246,15 +175,12 @@ class GemvQVnniCPU(ScheduleTemplate):
             return "nta is 0 or 1"
         if int(config.get("ploc", 3)) not in (0, 1, 2, 3):
             return "ploc (the codes' prefetch locality) is 0..3"
-        if int(config.get("tquant", 0)) not in (0, 1) or (config.get("tquant") and int(config.get("pquant", 0))):
-            return "tquant is 0 or 1, and 1 only with pquant 0 (x is quantized by each task)"
-        if int(config.get("sprefetch", 0)) not in (0, 1) or int(config.get("qtree", 0)) not in (0, 1) \
-                or int(config.get("pquant", 0)) < 0:
-            return "sprefetch and qtree are 0 or 1, pquant >= 0"
+        if int(config.get("tquant", 0)) not in (0, 1):
+            return "tquant is 0 or 1"
+        if int(config.get("sprefetch", 0)) not in (0, 1):
+            return "sprefetch is 0 or 1"
         if int(config.get("hinib", 0)) not in (0, 1) or (config.get("hinib") and d["bits"] != 4):
             return "hinib is 0 or 1, and 1 only for int4 codes"
-        if workload.info.get("prologue") and int(config.get("pquant", 0)):
-            return "a fused prologue makes x on the quantizing thread(s): pquant must be 0"
         if workload.info.get("epilogue") and d["N"] // 2 < units * 2:
             return f"units={units}: the swiglu epilogue splits N={d['N']} rows into gate and up halves of whole units"
         if unroll < 1 or (unroll * vk.STEP) % d["G"] or spc % unroll:
@@ -269,19 +195,16 @@ class GemvQVnniCPU(ScheduleTemplate):
         args = (d["bits"], d["N"], d["K"], d["G"], info["sym"], info["offset"])
         kind = info.get("kind")
         if kind == "take":
-            kernel = vk.take(*args)
+            kernel = _vnni_dequant.take(*args)
         elif kind == "dequant":
-            kernel = vk.dequant(*args, int(config["tasks"]), int(info.get("nb", 0)))
+            kernel = _vnni_dequant.dequant(*args, int(config["tasks"]), int(info.get("nb", 0)))
         else:
             # a record tuned before `ploc` existed (or one that does not search it) gets the target's
             # default: the locality is the machine's, not the shape's
-            ploc = int(config["ploc"]) if "ploc" in config else int(self.default_config(workload, target).get("ploc", 3))
-            kernel = vk.gemv(*args, (d["B"], d["MM"]), int(config["units"]), int(config["tasks"]),
-                             int(config["unroll"]), int(config.get("prefetch", 0)), int(config.get("split", 1)),
-                             bool(config.get("hinib", 0)), int(config.get("sprefetch", 0)),
-                             int(config.get("pquant", 0)), int(config.get("qtree", 0)), int(config.get("nta", 0)),
-                             int(config.get("tquant", 0)), str(info.get("prologue", "")), float(info.get("eps", 0.0)),
-                             str(info.get("epilogue", "")), ploc)
+            if "ploc" not in config:
+                config = {**config, "ploc": self.default_config(workload, target).get("ploc", 3)}
+            kernel = vk.gemv(*args, (d["B"], d["MM"]), config, str(info.get("prologue", "")),
+                             float(info.get("eps", 0.0)), str(info.get("epilogue", "")))
         return _like(kernel, func)
 
 

@@ -41,6 +41,7 @@ def _matmul_rule(overrides: dict[str, Any]) -> Any:
 
 class GpuMatmul(DlightTemplate):
     name = "gpu_matmul"
+    knobs = ("max_threads", *KNOBS)
 
     def make_rule(self, config: dict[str, Any]) -> Any:
         return _matmul_rule(config)

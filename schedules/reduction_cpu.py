@@ -75,6 +75,7 @@ def analyze_row_reduction(func: Any) -> dict[str, Any] | None:
 
 class ReductionCPU(ScheduleTemplate):
     name = "reduction_cpu"
+    knobs = ("rfactor", "vec", "chunk")
     version = 2  # v1 vectorized the row loop when chunk == SIMD width
 
     def match(self, func: Any, target: TargetDescription) -> Workload | None:

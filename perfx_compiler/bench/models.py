@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +64,21 @@ def compiler_stamp() -> str:
     return digest.hexdigest()[:12]
 
 
-def build_stamp(gguf_path: Path, quantization: str, max_context: int) -> str:
-    """What a cached PerfX build of ``gguf_path`` must match to be reused: the file, the options, the
-    compiler's sources and the PERFX_* build switches in effect (build_switches.py)."""
-    from perfx_compiler.build_switches import build_switches
+def build_stamp(gguf_path: Path, quantization: str, max_context: int,
+                knobs: Mapping[str, Any] | None = None) -> str:
+    """What a cached PerfX build of ``gguf_path`` must match to be reused: the file, the options
+    (``knobs``: perfx-compile --knob values, knobs.py), and the compiler's sources."""
+    stamp = _stamp(gguf_path) + f":{quantization}:{max_context}:{compiler_stamp()}"
+    return stamp + (f":{json.dumps(dict(knobs), sort_keys=True, default=str)}" if knobs else "")
 
-    switches = json.dumps(build_switches(), sort_keys=True)
-    return _stamp(gguf_path) + f":{quantization}:{max_context}:{compiler_stamp()}:{switches}"
+
+def _knobs_suffix(knobs: Mapping[str, Any] | None) -> str:
+    """A knobbed build's own cache folder (``-k`` + a hash of the knobs), so A/B builds do not evict each other."""
+    if not knobs:
+        return ""
+    import hashlib
+
+    return "-k" + hashlib.sha1(json.dumps(dict(knobs), sort_keys=True, default=str).encode()).hexdigest()[:8]
 
 
 def _fresh(marker: Path, stamp: str) -> bool:
@@ -216,24 +225,27 @@ def compile_perfx(
     max_context: int = 1024,
     rebuild: bool = False,
     log: Any = print,
+    knobs: Mapping[str, Any] | None = None,
 ) -> tuple[Path, dict[str, Any]]:
-    """Compile (or reuse) a PerfX artifact; return (dir, notes) with the requested/effective quantization."""
+    """Compile (or reuse) a PerfX artifact; return (dir, notes) with the requested/effective quantization
+    (``knobs``: perfx-compile --knob values, part of the build stamp)."""
     from perfx_compiler.bench.engines import weight_format
     from perfx_compiler.pipeline import compile_model
 
     cands = [quantization] if quantization else quantization_candidates(gguf_path)
     tried: list[str] = []
     for q in cands:
-        out = work / f"perfx-{model_key(gguf_path)}-{q}-ctx{max_context}"
+        out = work / f"perfx-{model_key(gguf_path)}-{q}-ctx{max_context}{_knobs_suffix(knobs)}"
         marker = out / ".bench-stamp"
-        stamp = build_stamp(gguf_path, q, max_context)
+        stamp = build_stamp(gguf_path, q, max_context, knobs)
         if not rebuild and _fresh(marker, stamp):
             manifest = json.loads((out / "perfx-config.json").read_text())
         else:
             log(f"perfx: compiling {gguf_path.name} with quantization={q} ...")
             t = time.perf_counter()
             try:
-                compile_model(str(gguf_path), "host", out, progress=False, quantization=q, max_context=max_context)
+                compile_model(str(gguf_path), "host", out, progress=False, quantization=q, max_context=max_context,
+                              knobs=dict(knobs or {}))
             except PerfXError as err:
                 tried.append(f"{q}: {err}")
                 log(f"perfx: quantization {q} not available ({err})")

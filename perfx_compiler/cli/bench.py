@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None, help="model label for file names (default: the GGUF stem)")
     p.add_argument("--work", default=None, help="folder for compiled/converted models (default: $TMPDIR/perfx-bench)")
     p.add_argument("--rebuild", action="store_true", help="recompile/convert even when cached")
+    p.add_argument("--knob", action="append", default=[], metavar="TEMPLATE.KEY=VALUE",
+                   help="build PerfX with this schedule template setting (repeatable; as perfx-compile --knob)")
     p.add_argument("--bw-size-mb", type=int, default=1024, help="array size of the bandwidth probe")
     p.add_argument("--busy", type=float, default=0.25, help="other processes' CPU use (in CPUs) that voids a run")
     p.add_argument("--max-redo", type=int, default=2)
@@ -190,7 +192,10 @@ def _prepare(
 
     paths: dict[str, Path] = {}
     meta: dict[str, dict[str, Any]] = {}
-    art, notes = models.compile_perfx(gguf, work, args.quantization, args.max_context, args.rebuild)
+    from perfx_compiler.knobs import parse_knobs
+
+    art, notes = models.compile_perfx(gguf, work, args.quantization, args.max_context, args.rebuild,
+                                      knobs=parse_knobs(args.knob))
     paths["perfx"] = art
     meta["perfx"] = {
         "quantization": notes["effective"]

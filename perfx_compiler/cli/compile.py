@@ -27,7 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="host", help="a target from targets/ (see --list-targets); default host")
     p.add_argument("-o", "--output", default=None, help="artifact directory (default MODEL-TARGET)")
     p.add_argument("--dump-ir", default=None, metavar="DIR", help="write the module after each phase to DIR")
-    p.add_argument("--tuning-log", default=None, metavar="DIR", help="tuning records to build from (no new trials)")
+    p.add_argument("--tuning-log", default=None, metavar="DIR",
+                   help="tuning records to build from (no new trials); 'none': template defaults only "
+                        "(default: the repository's tuning_logs/<target>/)")
+    p.add_argument("--knob", action="append", default=[], metavar="TEMPLATE.KEY=VALUE",
+                   help="override one schedule template setting for an experiment (repeatable), e.g. "
+                        "gemv_qvnni_cpu.prefetch=0; recorded in perfx-config.json")
     p.add_argument("--max-context", type=int, default=None, help="KV cache length (default: min(model's, 2048))")
     p.add_argument("--schedule", choices=["perfx", "dlight"], default="perfx", help="schedule templates to use")
     p.add_argument(
@@ -51,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--best-effort", action="store_true",
                    help="build kernels that no schedule template could schedule unscheduled (a warning) "
                         "instead of failing")
+    p.add_argument("--no-cubin", dest="cubin", action="store_false",
+                   help="CUDA targets: export kernels.cu without the nvcc-built cubin")
     p.add_argument("--emit-onnx", default=None, metavar="FILE", help="also write the model as a runnable ONNX graph")
     p.add_argument("--report", action="store_true",
                    help="print every kernel with the template that scheduled it, kernel launches per decode step "
@@ -115,6 +122,8 @@ def _run(args: argparse.Namespace) -> int:
         activations=args.activations,
         precision=args.precision,
         best_effort=args.best_effort,
+        knobs=args.knob,
+        cubin=args.cubin,
         progress=not args.quiet,
         verbose=args.debug,
         **({} if args.batching is None else {"batching": args.batching}),

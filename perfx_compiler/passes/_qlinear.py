@@ -19,7 +19,7 @@ Activations: under ``use_activations("int8")`` (the pipeline sets it from
 ``CompileOptions.activations``) each Packed that offers a VNNI variant is swapped for it: the
 kernels then quantize x to int8 and use integer dot products (``_qvnni``, x86 AVX-512 VNNI).
 Prefill linears then call ``matmul`` with symbolic rows too (the int8 GEMM ``gemm_qvnni_cpu``,
-N a multiple of 16) instead of dequantize + float GEMM; ``PERFX_VNNI_GEMM=0`` keeps the latter.
+N a multiple of 16) instead of dequantize + float GEMM (docs/decisions/quantized-linears.md).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from perfx_compiler.build_switches import build_switch
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.passes._relax_util import (
     SKIP,
@@ -86,8 +85,6 @@ def use_batch_gemv(on: bool) -> Iterator[None]:
 def batch_gemv_rows(rows: list[int | None], family: str) -> bool:
     """A symbolic batch of few-row linears that the batched GEMV serves (f32 activations; under
     int8 activations the VNNI GEMM already takes symbolic rows)."""
-    if build_switch("PERFX_BATCH_GEMV", "1") == "0":  # the old dequantize + GEMM path (A/B baseline)
-        return False
     return (_BATCH_GEMV.get() and current_activations() == "f32" and family in ("q4", "q8")
             and rows[0] is None and rows[1] is not None and rows[1] <= GEMV_MAX_ROWS)
 
@@ -160,11 +157,9 @@ def rewrite_linears(
         return mod, weights
     gemm_rows: set[str] = set()  # weights whose prefill linears run the int8 GEMM (gemm_qvnni_cpu)
     if current_activations() == "int8":
-        # PERFX_VNNI_GEMM=0 keeps dequantize + float GEMM for prefill (the A/B benchmarks' baseline)
-        if build_switch("PERFX_VNNI_GEMM", "1") != "0":
-            # GGUF passthrough hands over packs already in the VNNI layout (tag suffix "v", no .vnni)
-            gemm_rows = {n for n, pk in packed.items() if pk.n % 16 == 0 and (
-                pk.vnni is not None or (pk.family in ("q4", "q8") and pk.tag.endswith("v")))}
+        # GGUF passthrough hands over packs already in the VNNI layout (tag suffix "v", no .vnni)
+        gemm_rows = {n for n, pk in packed.items() if pk.n % 16 == 0 and (
+            pk.vnni is not None or (pk.family in ("q4", "q8") and pk.tag.endswith("v")))}
         packed = {n: (pk.vnni() if pk.vnni is not None else pk) for n, pk in packed.items()}
     _, uses = linear_weights(mod, weights)
     new_weights: dict[str, Any] = {}

@@ -11,17 +11,12 @@ fewer, and x is never stored. ``add_rms_norm`` still returns ``a + b`` (the next
 SwiGLU goes the other way where it can: into the gate|up GEMV that makes its input (``epilogue``):
 each task takes the same range of gate and of up rows and writes their ``silu(gate) * up`` from its
 own y rows, so the down GEMV reads h (half of gate|up's size) and only quantizes it; without it,
-both of down's tasks computed swiglu over all of gate|up, half of which the other core wrote.
-``PERFX_GEMV_SWIGLU_EPILOGUE=0`` keeps swiglu as down's prologue (A/B switch). Decode step replayed in
-alternation on the Intel Xeon: TinyLlama x1.013 (80 rounds), SmolLM2 Q4_1 x0.999 (150 rounds)
-(benchmarks/results/decode_step_ab_tinyllama-q4_0_intel_l2_epilogue.csv, ..._smollm2-q4_1_intel_l2_epilogue.csv).
+both of down's tasks computed swiglu over all of gate|up, half of which the other core wrote. A
+gate|up GEMV whose halves are not whole row units keeps swiglu as down's prologue.
 
 Only where the GEMV is the VNNI one of one activation row (decode on an AVX-512 VNNI CPU; int4 or
 int8 codes, e.g. GGUF Q4_0/Q4_1/Q8_0) and is the only reader of the small kernel's output;
-everything else is left as is.
-Whole decode step replayed in alternation: TinyLlama x1.004 on two cores (the other core's half of the
-previous GEMV's output is still read, now inside the tasks), SmolLM2 x1.015
-(benchmarks/results/decode_step_ab_tinyllama-q4_0_gemv_prologue.csv, ..._smollm2-q4_1_gemv_prologue.csv).
+everything else is left as is. Measurements: docs/decisions/quantized-linears.md.
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from perfx_compiler.build_switches import build_switch
 from perfx_compiler.passes._quant_attr import QUANT_ATTR
 from perfx_compiler.passes._qvnni import vnni_compute
 from perfx_compiler.passes._relax_util import FUSED_OP_ATTR, SKIP, FuncInfo, exported, rewrite_functions
@@ -89,7 +83,6 @@ def _gemvs(mod: tvm.IRModule, info: FuncInfo) -> dict[Any, tuple[str, dict[str, 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
     kernels: dict[str, Any] = {}
     matches: dict[str, list[dict[str, Any]]] = {}
-    epilogues_on = build_switch("PERFX_GEMV_SWIGLU_EPILOGUE", "1") != "0"  # A/B: 0 = swiglu as down's prologue
     for fn in exported(mod):
         info = FuncInfo.of(mod[fn])
         gemvs = _gemvs(mod, info)
@@ -97,7 +90,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         tails = {}
         for var, (_, q) in gemvs.items():
             # y splits into gate and up halves of whole row units (int4: row pairs)
-            if epilogues_on and int(q["N"]) % (4 if int(q["bits"]) == 4 else 2) == 0:
+            if int(q["N"]) % (4 if int(q["bits"]) == 4 else 2) == 0:
                 if (t := _match_swiglu_of(mod, info, var)) is not None:
                     tails[var] = t
         taken = {t["out"] for t in tails.values()}

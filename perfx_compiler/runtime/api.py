@@ -189,11 +189,9 @@ def default_cache_root() -> Path:
 
 def cache_key(model: str, target: str, options: Mapping[str, Any] | None = None) -> str:
     """Hash of what decides the artifact: model spec (a local file also by size and mtime),
-    target, compile options and the PerfX version (a new compiler must not reuse old artifacts)."""
-    from perfx_compiler.build_switches import build_switches  # PERFX_* variables that change kernels
-
-    spec: dict[str, Any] = {"model": model, "target": target, "perfx": __version__, "options": dict(options or {}),
-                            "switches": build_switches()}
+    target, compile options (``knobs`` among them: perfx-compile --knob) and the PerfX version (a new
+    compiler must not reuse old artifacts). No environment variable changes an artifact (environment.py)."""
+    spec: dict[str, Any] = {"model": model, "target": target, "perfx": __version__, "options": dict(options or {})}
     p = Path(model).expanduser()
     if p.exists():
         p = p.resolve()

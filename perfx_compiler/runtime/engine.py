@@ -285,7 +285,7 @@ class HugePageArena:
     that the kernel backs it with 2 MiB pages where transparent huge pages are allowed (``madvise``
     mode, the usual default). The engine keeps a CPU artifact's weights in one: a decode step streams
     every weight once, and on 4 KiB pages one core's stream was capped by the pages it walks
-    (benchmarks/weights_read_pages.py). ``PERFX_WEIGHTS_THP=0``: one allocation per weight (A/B).
+    (docs/decisions/runtime.md). Where ``madvise`` has no huge-page advice: one allocation per weight.
     Arrays start at multiples of ``align`` bytes from the mapping's first 2 MiB boundary."""
 
     HUGE = 2 << 20
@@ -309,7 +309,7 @@ class HugePageArena:
     def for_weights(cls, weights: list[dict[str, Any]]) -> HugePageArena | None:
         import mmap
 
-        if os.environ.get("PERFX_WEIGHTS_THP", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE") or not weights:
+        if not hasattr(mmap, "MADV_HUGEPAGE") or not weights:
             return None
         return cls(sum(cls.span(int(w["nbytes"])) for w in weights))
 

@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perfx_compiler.build_switches import build_switch
 from perfx_compiler.errors import TuningLogError
 
 log = logging.getLogger(__name__)
@@ -300,17 +299,14 @@ class TuningDatabase:
 
 
 def default_records(target_name: str, tuning_log: str | os.PathLike[str] | None = None) -> TuningDatabase | None:
-    """Records the compile pipeline builds from: ``tuning_log`` when given, else the repo's
-    ``tuning_logs/<target_name>/`` when it exists (an installed package without the repo has none).
-
-    Set ``PERFX_TUNING_LOGS`` to another log root, or to ``none`` to build from template defaults."""
+    """Records the compile pipeline builds from: ``tuning_log`` when given (a ``.jsonl`` file, a
+    target directory or a log root; ``"none"``: no records, template defaults only), else the repo's
+    ``tuning_logs/<target_name>/`` when it exists (an installed package without the repo has none)."""
+    if tuning_log is not None and str(tuning_log).strip().lower() == "none":
+        return None
     if tuning_log is not None:
         return TuningDatabase.from_path(tuning_log, target_name)
-    env = build_switch("PERFX_TUNING_LOGS")
-    if env is not None and env.strip().lower() in ("", "none", "0", "off"):
-        return None
-    root = Path(env) if env else DEFAULT_LOG_ROOT
-    directory = root / target_name
+    directory = DEFAULT_LOG_ROOT / target_name
     if not directory.is_dir() or not any(directory.glob("*.jsonl")):
         return None
     return TuningDatabase(directory / "records.jsonl")

@@ -57,23 +57,21 @@ def _compile(desc, out: Path, passes: list[str], quantization: str) -> Path:
 
 
 @needs_vnni
-@pytest.mark.parametrize("epilogue", ["1", "0"])
-def test_decode_gemvs_take_the_norm_and_swiglu(monkeypatch, epilogue: str) -> None:
+def test_decode_gemvs_take_the_norm_and_swiglu() -> None:
     """In decode every add_rms_norm before a GEMV and every swiglu are gone into fused GEMVs (the first
-    layer's plain rms_norm and the final norm stay): swiglu into the gate|up GEMV after it (epilogue, the
-    default) or, with PERFX_GEMV_SWIGLU_EPILOGUE=0, into down before it; prefill (many rows) keeps them."""
+    layer's plain rms_norm and the final norm stay): swiglu into the gate|up GEMV after it (epilogue);
+    prefill (many rows) keeps them."""
     from perfx_compiler.pipeline import GRAPH_PASSES
 
-    monkeypatch.setenv("PERFX_GEMV_SWIGLU_EPILOGUE", epilogue)
     mod = _after_passes(tiny_desc(layers=3, seed=2), [*PASSES, "fuse_gemv_prologue"], "q4_g32")
     dec = _callees(mod, "decode")
     fused = [c for c in dec if c.startswith(("add_rms_norm_q4_matmul", "swiglu_q4_matmul"))]
     # per layer: qkv after the norm (all but the first layer), gate_up after the norm, down after swiglu
     assert sum(c.startswith("add_rms_norm_q4") for c in fused) == 2 * 3 - 1, dec
     tails = [c for c in fused if c.endswith("_swiglu")]
-    assert len(tails) == (3 if epilogue == "1" else 0), dec
+    assert len(tails) == 3, dec
     assert all(c.startswith("add_rms_norm_q4") for c in tails), dec  # gate_up, after the norm too
-    assert sum(c.startswith("swiglu_q4") for c in fused) == (0 if epilogue == "1" else 3), dec
+    assert not any(c.startswith("swiglu_q4") for c in fused), dec  # no swiglu left for down to take
     assert not any(c.startswith(("swiglu_", "add_rms_norm_")) and c not in fused for c in dec), dec
     assert any(c.startswith("swiglu_") and "matmul" not in c for c in _callees(mod, "prefill"))
     assert "fuse_gemv_prologue" in GRAPH_PASSES

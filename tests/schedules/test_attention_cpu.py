@@ -180,17 +180,23 @@ def test_decode_cache_prefetch_matches_numpy(template, cpu_target, splits) -> No
             assert err < TOL, f"splits={splits} prefetch={prefetch} past={past}: max relative error {err:.2e}"
 
 
-def test_decode_prefetch_switch(template, cpu_target, monkeypatch) -> None:
-    """``PERFX_ATTN_DECODE_PREFETCH=0`` (the A/B switch) builds the decode kernel without a prefetch;
-    a record without the key gets the default; a negative distance is not a valid config."""
+def test_decode_prefetch_knob(template, cpu_target) -> None:
+    """``--knob attention_cpu.prefetch=0`` builds the decode kernel without a prefetch, from the default
+    config and from a record (which carries no prefetch: it gets the default distance); a negative
+    distance is not a valid config."""
+    import dataclasses
+
     func = untuned("decode")
     wl = template.match(func, cpu_target)
     record = {"k_tile": 32, "splits": 2, "lanes": 16}  # a tuned decode record carries no prefetch
     assert "llvm.prefetch" in template.apply(func, wl, record, cpu_target).script()
     assert not template.is_valid(wl, {**record, "prefetch": -1}, cpu_target)
-    monkeypatch.setenv("PERFX_ATTN_DECODE_PREFETCH", "0")
-    assert template.builtin_default(wl, cpu_target)["prefetch"] == 0
-    assert "llvm.prefetch" not in template.apply(func, wl, record, cpu_target).script()
+    knobbed = dataclasses.replace(cpu_target, knobs={"attention_cpu": {"prefetch": 0}})
+    assert template.default_config(wl, knobbed)["prefetch"] == 0
+    assert template.default_config(wl, cpu_target)["prefetch"] > 0
+    with_knob = template.with_knobs(wl, record, knobbed)
+    assert with_knob == {**record, "prefetch": 0}
+    assert "llvm.prefetch" not in template.apply(func, wl, with_knob, knobbed).script()
 
 
 @pytest.mark.parametrize("shape", [(4, 2, 8, 12), (2, 1, 4, 6), (32, 4, 64, 40)])

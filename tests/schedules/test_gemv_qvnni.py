@@ -86,21 +86,21 @@ def test_gemv_matches_int8_reference_over_configs(template, target, fmt, n, k):
                # split accumulators / masked high nibble each on their own (the default takes both)
                {"units": 2, "tasks": 5, "unroll": max(1, group // 64), "split": 2, "hinib": 0},
                {"units": 1, "tasks": 2, "unroll": max(1, group // 64), "split": 1, "hinib": 1, "prefetch": 16},
-               # scale/zero prefetch and the parallel quantization of x (2 and an uneven 3 tasks)
-               {"units": 1, "tasks": 3, "unroll": max(1, group // 64), "prefetch": 16, "sprefetch": 1, "pquant": 2, "qtree": 1},
-               {"units": 2, "tasks": 4, "unroll": max(1, group // 64), "prefetch": 128, "sprefetch": 1, "pquant": 3},
+               # scale/zero prefetch (an uneven 3 tasks, and 4)
+               {"units": 1, "tasks": 3, "unroll": max(1, group // 64), "prefetch": 16, "sprefetch": 1},
+               {"units": 2, "tasks": 4, "unroll": max(1, group // 64), "prefetch": 128, "sprefetch": 1},
                # x quantized by every row task for itself (2 tasks, and an uneven 3)
                {"units": 1, "tasks": 2, "unroll": max(1, group // 64), "prefetch": 128, "sprefetch": 1, "tquant": 1},
-               {"units": 2, "tasks": 3, "unroll": max(1, group // 64), "qtree": 1, "tquant": 1}]
+               {"units": 2, "tasks": 3, "unroll": max(1, group // 64), "tquant": 1}]
     for config in configs:
         if template.is_valid(wl, config, target):
             _run(template, target, packed, wd, (1, 1), config, rng, group)
     # batched decode rows (1 x 3) share the weight loads
     _run(template, target, packed, wd, (1, 3), {"units": 1, "tasks": 4, "unroll": max(1, group // 64)}, rng, group)
-    _run(template, target, packed, wd, (1, 3), {"units": 1, "tasks": 4, "unroll": max(1, group // 64), "pquant": 2,
-                                                "sprefetch": 1, "prefetch": 64, "qtree": 1}, rng, group)
-    _run(template, target, packed, wd, (1, 3), {"units": 1, "tasks": 2, "unroll": max(1, group // 64), "tquant": 1,
-                                                "qtree": 1}, rng, group)
+    _run(template, target, packed, wd, (1, 3), {"units": 1, "tasks": 4, "unroll": max(1, group // 64),
+                                                "sprefetch": 1, "prefetch": 64}, rng, group)
+    _run(template, target, packed, wd, (1, 3), {"units": 1, "tasks": 2, "unroll": max(1, group // 64), "tquant": 1},
+         rng, group)
 
 
 @needs_vnni
@@ -229,21 +229,21 @@ def test_tuner_measures_vnni_configs(template, target, fmt):
 
 
 @needs_vnni
-def test_scale_prefetch_default_env_and_code(template, target, monkeypatch):
-    """sprefetch defaults on for N <= 4096 only (A/B: docs/decisions/gemv-qvnni-cpu.md), the env switch overrides it, and it really emits prefetches."""
+def test_scale_prefetch_default_knob_and_code(template, target):
+    """sprefetch defaults on for N <= 4096 only (docs/decisions/gemv-qvnni-cpu.md), --knob overrides it,
+    and it really emits prefetches."""
+    import dataclasses
+
     import tvm
 
     rng = np.random.default_rng(0)
-    monkeypatch.delenv("PERFX_VNNI_GEMV_SPREFETCH", raising=False)
     small = template.match(vnni_weights("Q4_0", 64, 576, rng)[0].compute("matmul", (1, 1)), target)
     big = template.match(vnni_weights("Q4_0", 4098, 64, rng)[0].compute("matmul", (1, 1)), target)
     assert template.builtin_default(small, target)["sprefetch"] == 1
     assert template.builtin_default(big, target)["sprefetch"] == 0
-    monkeypatch.delenv("PERFX_VNNI_GEMV_QTREE", raising=False)
-    assert template.builtin_default(small, target)["pquant"] == 0 and template.builtin_default(small, target)["qtree"] == 1
-    monkeypatch.setenv("PERFX_VNNI_GEMV_SPREFETCH", "0")
-    assert template.builtin_default(small, target)["sprefetch"] == 0
-    for bad in ({"sprefetch": 2}, {"qtree": 2}, {"pquant": -1}, {"tquant": 2}, {"tquant": 1, "pquant": 2}):
+    knobbed = dataclasses.replace(target, knobs={"gemv_qvnni_cpu": {"sprefetch": 0}})
+    assert template.default_config(small, knobbed)["sprefetch"] == 0
+    for bad in ({"sprefetch": 2}, {"tquant": 2}):
         assert not template.is_valid(small, {**template.builtin_default(small, target), **bad}, target)
     packed, _ = vnni_weights("Q4_1", 64, 576, rng)  # Q4_1: the min stream is prefetched too
     func = packed.compute("matmul", (1, 1))
@@ -258,14 +258,11 @@ def test_scale_prefetch_default_env_and_code(template, target, monkeypatch):
 
 
 @needs_vnni
-def test_per_task_quantization_is_the_one_row_default(template, target, monkeypatch):
+def test_per_task_quantization_is_the_one_row_default(template, target):
     """One activation row: tquant=1 with a task per core, and the kernel quantizes x inside its parallel
-    loop (no quantization before the fork); several rows, PERFX_VNNI_GEMV_TQUANT=0 or pquant keep 16 tasks
-    and the caller's quantization."""
+    loop (no quantization before the fork); several rows keep 16 tasks and the caller's quantization."""
     rng = np.random.default_rng(0)
     packed, _ = vnni_weights("Q4_0", 64, 576, rng)
-    for var in ("PERFX_VNNI_GEMV_TQUANT", "PERFX_VNNI_GEMV_PQUANT"):
-        monkeypatch.delenv(var, raising=False)
     one = template.match(packed.compute("matmul", (1, 1)), target)
     batched = template.match(packed.compute("matmul", (1, 3)), target)
     cfg = template.builtin_default(one, target)
@@ -278,37 +275,28 @@ def test_per_task_quantization_is_the_one_row_default(template, target, monkeypa
 
     assert not quantizes_before_fork(cfg)
     assert quantizes_before_fork({**cfg, "tquant": 0})
-    monkeypatch.setenv("PERFX_VNNI_GEMV_TQUANT", "0")
-    assert template.builtin_default(one, target)["tquant"] == 0 and template.builtin_default(one, target)["tasks"] == 16
-    monkeypatch.delenv("PERFX_VNNI_GEMV_TQUANT")
-    monkeypatch.setenv("PERFX_VNNI_GEMV_PQUANT", "2")
-    assert template.builtin_default(one, target)["tquant"] == 0
 
 
 @needs_vnni
 @pytest.mark.parametrize("fmt,n,k", [("Q4_1", 66, 2048), ("Q4_0", 34, 5632)])
-def test_long_rows_default_is_hinib_and_matches_reference(template, target, fmt, n, k, monkeypatch):
-    """One-unit ("long") rows default to split=1, hinib=1 (docs/decisions/gemv-qvnni-cpu.md); PERFX_VNNI_GEMV_LONG_ROWS=plain restores split=1,
-    hinib=0 and =split split=2, hinib=1. Each against the numpy references on fresh weights (K=5632: a
-    tail chunk); short rows (two units) keep split=2, hinib=1."""
+def test_long_rows_default_is_hinib_and_matches_reference(template, target, fmt, n, k):
+    """One-unit ("long") rows default to split=1, hinib=1 (docs/decisions/gemv-qvnni-cpu.md); the
+    searched alternatives (split=1, hinib=0 and split=2, hinib=1) compute the same. Each against the
+    numpy references on fresh weights (K=5632: a tail chunk); short rows (two units) keep split=2, hinib=1."""
     rng = np.random.default_rng()
     packed, wd = vnni_weights(fmt, n, k, rng)
     wl = template.match(packed.compute("matmul", (1, 1)), target)
-    monkeypatch.delenv("PERFX_VNNI_GEMV_LONG_ROWS", raising=False)
-    for mode, want in ((None, (1, 1, 1)), ("plain", (1, 1, 0)), ("split", (1, 2, 1))):
-        if mode is not None:
-            monkeypatch.setenv("PERFX_VNNI_GEMV_LONG_ROWS", mode)
-        cfg = template.builtin_default(wl, target)
-        assert (cfg["units"], cfg["split"], cfg["hinib"]) == want, mode
-        assert cfg["nta"] == 1  # long rows prefetch their codes with prefetchnta
-        if mode is None:
+    default = template.builtin_default(wl, target)
+    assert (default["units"], default["split"], default["hinib"]) == (1, 1, 1)
+    assert default["nta"] == 1  # long rows prefetch their codes with prefetchnta
+    for cfg in (default, {**default, "hinib": 0}, {**default, "split": 2}):
+        if cfg is default:
             import tvm
 
             f = template.apply(packed.compute("matmul", (1, 1)), wl, cfg, target).with_attr("global_symbol", "main")
             asm = tvm.compile(tvm.IRModule({"main": f}), target.tvm()).mod.inspect_source("asm")
             assert "prefetchnta" in asm and "prefetcht0" in asm  # codes non-temporal, scales (sprefetch) t0
         _run(template, target, packed, wd, (1, 1), cfg, rng, 32)
-    monkeypatch.delenv("PERFX_VNNI_GEMV_LONG_ROWS")
     # several activation rows (units drops to 1 for the accumulators at 8) keep hinib: not measured
     for rows in ((1, 2), (1, 8)):
         multi = template.builtin_default(template.match(packed.compute("matmul", rows), target), target)
@@ -335,7 +323,7 @@ def test_fused_prologue_gemv_matches_reference(template, target, prologue, fmt, 
     """A GEMV with add_rms_norm or swiglu fused in front (passes/fuse_gemv_prologue.py): the default
     (each task makes and quantizes x, task 0 stores a + b) and x made on the calling thread (tquant 0)
     both multiply with the int8 quantization of the float64 prologue's x, and return a + b exactly; the
-    workload is keyed as the plain GEMV of its shape (its tuning records apply); pquant is refused."""
+    workload is keyed as the plain GEMV of its shape (its tuning records apply)."""
     import tvm
 
     from perfx_compiler.passes._qvnni import vnni_compute
@@ -349,7 +337,6 @@ def test_fused_prologue_gemv_matches_reference(template, target, prologue, fmt, 
     assert wl.key == plain.key and wl.info["prologue"] == prologue
     default = template.default_config(wl, target)
     assert default["tquant"] == 1
-    assert not template.is_valid(wl, {**default, "tquant": 0, "pquant": 2}, target)
     if prologue == "swiglu":
         inputs = [(rng.standard_normal((1, 1, 2 * k)) * 3).astype(np.float32)]
     else:
@@ -423,16 +410,16 @@ def test_swiglu_epilogue_gemv_matches_reference(template, target, prologue, fmt,
 @pytest.mark.parametrize("vendor,want", [("GenuineIntel", (0, 2)), ("AuthenticAMD", (1, 3)), ("", (1, 3))])
 def test_host_vendor_picks_the_prefetch_locality(template, monkeypatch, vendor, want):
     """`host` takes targets/x86-avx512.json's vendor_templates for its CPU vendor: on Intel the long-row
-    decode GEMVs prefetch their codes into L2 (ploc 2, no nta; docs/decisions/gemv-qvnni-cpu.md), elsewhere non-temporally as before. The env switches still win, and
+    decode GEMVs prefetch their codes into L2 (ploc 2, no nta; docs/decisions/gemv-qvnni-cpu.md), elsewhere non-temporally as before. A --knob still wins, and
     a tuning record without `ploc` is built with the target's."""
+    import dataclasses
+
     import tvm
 
     from perfx_compiler import targets
 
     monkeypatch.setattr(targets, "_detect_host", lambda: "x86-avx512")
     monkeypatch.setattr(targets, "_cpu_vendor", lambda: vendor)
-    for env in ("PERFX_VNNI_GEMV_NTA", "PERFX_VNNI_GEMV_PLOC"):
-        monkeypatch.delenv(env, raising=False)
     host = targets.load_target("host")
     assert host.raw["cpu_vendor"] == vendor
     rng = np.random.default_rng()
@@ -441,9 +428,8 @@ def test_host_vendor_picks_the_prefetch_locality(template, monkeypatch, vendor, 
     wl = template.match(func, host)
     cfg = template.default_config(wl, host)
     assert (cfg["nta"], cfg["ploc"]) == want
-    monkeypatch.setenv("PERFX_VNNI_GEMV_NTA", "1")
-    assert template.default_config(wl, host)["nta"] == 1
-    monkeypatch.delenv("PERFX_VNNI_GEMV_NTA")
+    knobbed = dataclasses.replace(host, knobs={"gemv_qvnni_cpu": {"nta": 1, "ploc": 3}})
+    assert (template.default_config(wl, knobbed)["nta"], template.default_config(wl, knobbed)["ploc"]) == (1, 3)
     if vendor == "GenuineIntel":
         record = {k: v for k, v in cfg.items() if k not in ("ploc", "nta")}
         f = template.apply(func, wl, record, host).with_attr("global_symbol", "main")

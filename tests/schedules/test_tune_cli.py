@@ -134,7 +134,9 @@ def test_cli_one_line_errors(tmp_path, capsys):
 
 
 def test_default_records(tmp_path, monkeypatch):
-    monkeypatch.setenv("PERFX_TUNING_LOGS", str(tmp_path))
+    from perfx_compiler.tune import records
+
+    monkeypatch.setattr(records, "DEFAULT_LOG_ROOT", tmp_path)
     assert default_records("x86-avx512") is None  # no directory: template defaults
     d = tmp_path / "x86-avx512"
     d.mkdir()
@@ -142,8 +144,7 @@ def test_default_records(tmp_path, monkeypatch):
     assert len(default_records("x86-avx512")) == 1
     assert len(default_records("x86-avx512", tmp_path)) == 1  # --tuning-log given a log root
     assert len(default_records("x86-avx512", d / "m.jsonl")) == 1
-    monkeypatch.setenv("PERFX_TUNING_LOGS", "none")
-    assert default_records("x86-avx512") is None
+    assert default_records("x86-avx512", "none") is None  # --tuning-log none: template defaults
     with pytest.raises(TuningLogError):
         default_records("x86-avx512", tmp_path / "missing.jsonl")
 
@@ -193,7 +194,6 @@ def test_cli_tunes_resumes_and_compile_uses_records(tmp_path, capsys, monkeypatc
     capsys.readouterr()
     assert tune_cli.main(args) == 0  # everything within --trials is logged: nothing to measure
     assert "measured 0 candidates" in capsys.readouterr().out and log.read_text().count("\n") == before
-    monkeypatch.setenv("PERFX_TUNING_LOGS", str(tmp_path / "logs"))
-    compile_model(str(model), "x86-avx512", tmp_path / "artifact", progress=False)
+    compile_model(str(model), "x86-avx512", tmp_path / "artifact", progress=False, tuning_log=tmp_path / "logs")
     assert log.read_text().count("\n") == before
     assert (tmp_path / "artifact" / "model.so").exists()

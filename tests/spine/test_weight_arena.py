@@ -1,6 +1,7 @@
 """The runtime keeps a CPU artifact's weights in one mapping advised for transparent huge pages
 (runtime/engine.py ``HugePageArena``): every weight tensor is a view into it, and the model's
-logits are bit-equal to the engine that allocates each weight on its own (``PERFX_WEIGHTS_THP=0``)."""
+logits are bit-equal to the engine that allocates each weight on its own (as where ``madvise`` has no
+huge-page advice)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def test_weights_live_in_one_huge_page_arena_and_logits_are_unchanged(smol_artif
     if thp.is_file() and "[never]" not in thp.read_text():
         assert _thp_eligible(lo) is not False
 
-    monkeypatch.setenv("PERFX_WEIGHTS_THP", "0")
+    from perfx_compiler.runtime import engine as engine_module
+
+    monkeypatch.setattr(engine_module.HugePageArena, "for_weights", classmethod(lambda cls, weights: None))
     plain = Engine(smol_artifact, verify=False)
     assert plain._weight_arena is None
     prompt = np.random.default_rng().integers(10, 4000, 12).tolist()

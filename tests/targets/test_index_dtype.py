@@ -48,29 +48,18 @@ def test_onnxruntime_int32_graph_equals_int64(tiny_gguf: Path) -> None:
 
 @pytest.fixture(scope="module")
 def int32_host_build(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The host target file with ``"index_dtype": "int32"`` (a private targets folder)."""
-    import os
-
+    """The host target file with ``"index_dtype": "int32"`` (a private target file, named by its path)."""
     from perfx_compiler.pipeline import compile_model
     from perfx_compiler.targets import load_target, targets_dir
 
     tdir = tmp_path_factory.mktemp("targets")
-    for f in targets_dir().glob("*.json"):
-        shutil.copy(f, tdir)
     host = load_target("host")
+    shutil.copy(targets_dir() / f"{host.name}.json", tdir)
     data = json.loads((tdir / f"{host.name}.json").read_text())
     data.update(name="host-int32", index_dtype="int32")
     (tdir / "host-int32.json").write_text(json.dumps(data))
-    old = os.environ.get("PERFX_TARGETS_DIR")
-    os.environ["PERFX_TARGETS_DIR"] = str(tdir)
-    try:
-        out = tmp_path_factory.mktemp("i32") / "a"
-        return compile_model(str(tiny_gguf), "host-int32", out, progress=False, max_context=MAX_CONTEXT)
-    finally:
-        if old is None:
-            os.environ.pop("PERFX_TARGETS_DIR", None)
-        else:
-            os.environ["PERFX_TARGETS_DIR"] = old
+    out = tmp_path_factory.mktemp("i32") / "a"
+    return compile_model(str(tiny_gguf), str(tdir / "host-int32.json"), out, progress=False, max_context=MAX_CONTEXT)
 
 
 def test_int32_build_engine_matches_int64(int32_host_build: Path, host_logits) -> None:
