@@ -21,7 +21,6 @@ if command -v nvcc >/dev/null 2>&1; then
 else
   echo "nvcc not found: TVM falls back to NVRTC (needs cuda-python)"
 fi
-export PERFX_NO_CUBIN="${PERFX_NO_CUBIN:-1}"   # the bundle's offline cubin export is not needed here
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "nvidia-smi not available"
 check_imports() { python -c "import numpy, tvm, tvm_ffi, onnx, gguf, tokenizers, perfx_compiler" 2>/dev/null; }
 if ! check_imports; then
