@@ -126,7 +126,7 @@ def tile_scores(sc, qr, KF, VF, key_base, ctx, j0, n, rows, D, KT, L, ahead, end
     ``key_base(ctx, j)``: flat offset of key j's row in KF. With ``ahead`` > 0 (a Python int) the
     key and value rows of key j + ahead are prefetched with key j (when < ``end``): in a decode step
     the weights streamed since the layer's last step have evicted its cache rows
-    (benchmarks/results/decode_step_ab_tinyllama-q4_0_kv_prefetch.csv)."""
+    (docs/decisions/attention-cpu.md)."""
     for jj in T.serial(n):
         if ahead > 0:
             if j0 + jj + ahead < end:

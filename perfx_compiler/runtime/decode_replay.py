@@ -51,7 +51,7 @@ SAFE_BUILTINS = frozenset({
 })
 
 # calls[i] = [kernel, args...], unpacked once into functions and argument views. Shared with
-# benchmarks/decode_overhead.py, whose timing loops run the same unpacked list.
+# perfx_compiler/bench/replay.py (benchmarks/ab.py --level step), whose timing loops run the same unpacked list.
 CALLS_CC = r"""
 #include <tvm/ffi/any.h>
 #include <tvm/ffi/container/array.h>

@@ -6,7 +6,7 @@ starts the team inside that library and points the library's ``__TVMBackendParal
 so every parallel loop of its kernels forks and joins through the team instead of TVM's pool.
 
 Why: a decode step is ~110 short parallel loops; with the two vCPUs on different cores TVM's pool
-costs microseconds per fork/join, ~5% of a TinyLlama decode step (benchmarks/thread_pool_ab.py).
+costs microseconds per fork/join, ~5% of a TinyLlama decode step (docs/decisions/decode-step-runtime.md).
 
 ``PERFX_THREAD_POOL=tvm`` keeps TVM's pool (A/B runs); ``PERFX_SPIN_US`` sets how long an idle worker
 spins before it sleeps (default 2000 us). Artifacts built without the team, cross-compiled ones and

@@ -5,7 +5,7 @@ Decode GEMVs stream their weights from DRAM in the model: a decode step reads ev
 weights once (SmolLM2-135M gguf: ~80 MB, over this host's 32 MiB LLC), so a layer's weights are
 evicted before its GEMV runs again. Timed back to back on the same inputs, a 0.2 MB weight stays
 in L2 and the tuner ranks configurations by cache speed: warm-tuned VNNI GEMV records made the
-model decode 1.21x slower than the template defaults (benchmarks/results/vnni_records_ab.csv).
+model decode 1.21x slower than the template defaults (docs/decisions/tuning-records.md).
 So matmul-kind workloads with at most ``COLD_MAX_ROWS`` rows (decode-shaped, whatever the
 template: gemv_*, gemm_half_cpu at M=1, the M=1 bucket of a prefill GEMM) are timed cold.
 Prefill GEMMs reuse each weight over many rows (compute-bound), gathers and attention read
