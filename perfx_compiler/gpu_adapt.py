@@ -11,7 +11,7 @@ into a correct device kernel:
 * anything else runs whole on a single GPU thread (``blockIdx.x = threadIdx.x = 1``).
 
 Kernels that have a GPU variant get it instead (:func:`gpu_variant`): the fused (add +) RMSNorm of
-``passes/_kernels.py`` becomes ``kernels/rms_norm_gpu.py`` (one block per row, tree reduction).
+``kernels/rms_norm.py`` becomes ``kernels/rms_norm_gpu.py`` (one block per row, tree reduction).
 
 Vectorized and parallel loops inside become serial (WGSL has no 16-wide vectors). This is a
 correctness net, not a fast path: such kernels should get GPU variants (or their pass should skip
@@ -94,7 +94,7 @@ def bind_to_device(func: Any) -> Any:
 
 
 def _rms_norm_params(func: Any) -> tuple[int, float, bool] | None:
-    """(hidden, eps, residual) of a CPU RMSNorm kernel from ``passes/_kernels.py``, else None.
+    """(hidden, eps, residual) of a CPU RMSNorm kernel from ``kernels/rms_norm.py``, else None.
 
     Recognised by its signature ((a, w, out) or (a, b, w, s, out), rank-3 float32 rows of H and a
     1-D weight of H) and the ``sqrt(sum * (1/H) + eps)`` it computes, whence eps."""

@@ -24,7 +24,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from schedules._fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
+from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
 
 STEP = 64
 CHUNK = 16

@@ -146,7 +146,7 @@ class AttentionCPU(ScheduleTemplate):
 
     def apply(self, func: Any, workload: Workload, config: dict[str, Any], target: TargetDescription) -> Any:
         from perfx_compiler.kernels.attention import cached_attention_kernel
-        from perfx_compiler.passes._kernels import attention_over_qkv
+        from perfx_compiler.kernels.attention_qkv import attention_over_qkv
 
         d = workload.dims
         kcfg = self._kernel_config(workload, config)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfx_compiler.kernels.fastmath import fast_sigmoid
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -19,7 +20,6 @@ from perfx_compiler.schedule_template import (
     vector_lanes,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules._fastmath import fast_sigmoid
 from schedules._matmul import _as_int, outer_extents, root_blocks
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from perfx_compiler.kernels.fastmath import fast_sigmoid
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -27,7 +28,6 @@ from perfx_compiler.schedule_template import (
     vector_lanes,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules._fastmath import fast_sigmoid
 from schedules._matmul import analyze_matmul, schedule_register_tiled, vector_registers
 
 GEMV_MAX_M = 8  # static M up to this goes to the GEMV template

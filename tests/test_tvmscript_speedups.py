@@ -45,7 +45,8 @@ def test_compiler_packages_install_the_patch(package: str) -> None:
 def _kernels() -> list:
     """Fused-pass kernels (prim_func + macro) and a tiny int4/int8 model's scheduled module (the
     GEMV/GEMM templates' prim_funcs and macros)."""
-    from perfx_compiler.passes._kernels import rms_norm_kernel, swiglu_kernel
+    from perfx_compiler.kernels.rms_norm import rms_norm_kernel
+    from perfx_compiler.kernels.swiglu import swiglu_kernel
     from perfx_compiler.pipeline import lower_model, phase_schedule
     from tests.passes.conftest import ALL_PASSES, tiny_desc
 

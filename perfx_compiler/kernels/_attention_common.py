@@ -29,7 +29,7 @@ def fast_exp(x: Any) -> Any:
     product with them costs ~100x a normal FMA (a 512-token prefill ran 3x slower)."""
     from tvm import tirx
 
-    from schedules._fastmath import fast_exp as _fast_exp
+    from perfx_compiler.kernels.fastmath import fast_exp as _fast_exp
 
     return tirx.Select(x < tirx.const(-60.0, "float32"), tirx.const(0.0, "float32"), _fast_exp(x))
 

@@ -1,7 +1,7 @@
 """RMSNorm (optionally fused with the residual add) for GPUs: one block per row, a shared-memory tree
 reduction of the sum of squares.
 
-Same contract as ``passes/_kernels.rms_norm_kernel`` (the CPU kernel, which ``gpu_adapt`` replaces by
+Same contract as ``kernels/rms_norm.rms_norm_kernel`` (the CPU kernel, which ``gpu_adapt`` replaces by
 this one on GPU targets): rows of [bsz, n, H]; ``out = x / sqrt(mean(x^2) + eps) * w`` with
 ``x = a + b`` written to ``s`` when ``residual``. The grid is (row, batch) in blockIdx.x/y (no division
 by a symbolic extent); ``threads`` threads stride over the row's H columns (coalesced), each keeps
@@ -16,7 +16,7 @@ from typing import Any
 
 from tvm.script import tirx as T
 
-from perfx_compiler.passes._kernels import norm_rows_func
+from perfx_compiler.kernels.rms_norm import norm_rows_func
 
 
 def rms_norm_threads(hidden: int, max_threads: int = 256) -> int:

@@ -227,7 +227,7 @@ def vnni_compute(
 
 def _prologue(prologue: str, b: Any, m: Any, k: int, eps: float) -> tuple[list[Any], Any, list[Any]]:
     """(inputs before the codes, x, outputs before y) of the matmul: x itself, or x made by the fused
-    op (``add_rms_norm``: rmsnorm(a + b) * w as ``passes/_kernels.rms_norm_kernel`` computes it, the sum
+    op (``add_rms_norm``: rmsnorm(a + b) * w as ``kernels/rms_norm.rms_norm_kernel`` computes it, the sum
     returned; ``swiglu``: silu(gate) * up)."""
     from tvm import te, tirx
 

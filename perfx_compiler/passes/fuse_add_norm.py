@@ -16,7 +16,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from perfx_compiler.passes._kernels import rms_norm_kernel
+from perfx_compiler.kernels.rms_norm import rms_norm_kernel
 from perfx_compiler.passes._relax_util import (
     FUSED_OP_ATTR,
     SKIP,

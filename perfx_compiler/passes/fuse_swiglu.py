@@ -15,7 +15,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from perfx_compiler.passes._kernels import swiglu_kernel
+from perfx_compiler.kernels.swiglu import swiglu_kernel
 from perfx_compiler.passes._relax_util import FUSED_OP_ATTR, SKIP, FuncInfo, exported, rewrite_functions
 
 NAME = "fuse_swiglu"

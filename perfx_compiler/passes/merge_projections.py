@@ -4,7 +4,7 @@ Weights (and Q/K/V biases) are concatenated at compile time along the output axi
 merged linear reads its input once and launches once. The split costs nothing:
 
 * Q/K/V: the attention kernel is re-targeted to read Q, K and V as strided views of the merged
-  [1, seq, q+k+v] tensor (``_kernels.attention_over_qkv``); when that is not possible the
+  [1, seq, q+k+v] tensor (``kernels/attention_qkv.attention_over_qkv``); when that is not possible the
   result is split with ``strided_slice`` instead (correct, three small copies).
 * gate/up: two ``strided_slice`` views of the [1, seq, 2F] result; ``fuse_swiglu`` turns
   ``silu(gate) * up`` over them into one kernel that reads the merged tensor directly.
@@ -23,8 +23,8 @@ import tvm
 from tvm import relax
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.kernels.attention_qkv import attention_over_qkv
 from perfx_compiler.model.lazy import QuantizedWeight
-from perfx_compiler.passes._kernels import attention_over_qkv
 from perfx_compiler.passes._relax_util import (
     SKIP,
     FuncInfo,

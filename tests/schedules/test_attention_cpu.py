@@ -82,7 +82,7 @@ def build(func: Any, target: Any) -> Any:
 
 def untuned(kind: str, qkv: bool = False) -> Any:
     from perfx_compiler.kernels.attention import untuned_attention_kernel
-    from perfx_compiler.passes._kernels import attention_over_qkv
+    from perfx_compiler.kernels.attention_qkv import attention_over_qkv
 
     func = untuned_attention_kernel(kind, H, KVH, D, MAXC)
     return attention_over_qkv(func) if qkv else func

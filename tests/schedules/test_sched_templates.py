@@ -183,7 +183,7 @@ def test_workload_key_tracks_structure_and_target(cpu_target):
 def test_fast_sigmoid_accuracy_over_range(cpu_target):
     import numpy as np
 
-    from schedules._fastmath import fast_sigmoid
+    from perfx_compiler.kernels.fastmath import fast_sigmoid
 
     func = single_func(elementwise_module(None, 64, "silu_mul"))
     fast = fast_sigmoid(func)

@@ -35,8 +35,6 @@ RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 KNOWN_UPWARD: set[tuple[str, str]] = {
     ("device_export", "targets_exec"),  # ptxas / amdgpu asm parsers and the OpenCL dedup live in targets_exec
-    ("kernels", "passes"),  # GPU RMSNorm builds on passes/_kernels' norm generator (kernels outside kernels/)
-    ("kernels", "schedules"),  # the attention kernels' fast exp lives in schedules/_fastmath
     ("model", "frontend"),  # model/onnx_read hands foreign ONNX graphs to frontend/graph_to_description
     ("passes", "pipeline"),  # gguf_passthrough's progress console; passes/report (the fusion report, not a pass)
     ("pipeline", "targets_exec"),  # has_texture_params, a TIR query kept with the OpenCL launcher

@@ -25,7 +25,7 @@ def test_rms_norm_gpu_variant_on_pocl(hidden: int, residual: bool, launcher) -> 
     import tvm
 
     from perfx_compiler.gpu_adapt import bind_host_kernels, has_device_launch
-    from perfx_compiler.passes._kernels import rms_norm_kernel
+    from perfx_compiler.kernels.rms_norm import rms_norm_kernel
     from perfx_compiler.targets import load_target
     from perfx_compiler.targets_exec.kernels import compile_primfunc, random_inputs
     from perfx_compiler.targets_exec.reference import host_reference
