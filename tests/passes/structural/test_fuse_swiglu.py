@@ -23,7 +23,6 @@ class Before:
     @R.function
     def prefill(y: R.Tensor((1, "seq", 16), "float32"), w: R.Tensor((16,), "float32")):
         R.func_attr({"num_input": 1})
-        seq = T.int64()
         with R.dataflow():
             g = R.strided_slice(y, axes=[2], begin=[0], end=[8])
             u = R.strided_slice(y, axes=[2], begin=[8], end=[16])
