@@ -1,0 +1,193 @@
+"""weight_layout: ``x @ permute_dims(W)`` becomes one NT matmul reading W as stored; on CPU targets every
+float weight read only by such matmuls and row gathers is packed at compile time into [N / nb, K, nb] panels
+(nb = 64 on x86-avx512) that the matmul and the gather read directly. A weight N not divisible by nb, or
+read by anything else, keeps its [N, K] layout. Every PrimFunc here is small and written out in full."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+from perfx_compiler.passes import weight_layout
+
+from ._util import assert_unchanged, context, rand, run_pass
+
+NB = 64
+
+
+@I.ir_module
+class Before:
+    @R.function
+    def decode(x: R.Tensor((1, 1, 8), "float32"), ids: R.Tensor((1, 1), "int64"), w: R.Tensor((128, 8), "float32")):
+        R.func_attr({"num_input": 2})
+        with R.dataflow():
+            h = R.take(w, ids, axis=0)
+            pt = R.permute_dims(w, axes=[1, 0])
+            y = R.matmul(x, pt)
+            out = (h, y)
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class Expected:
+    @T.prim_func(private=True, s_tir=True)
+    def NT_matmul_packed(x: T.Buffer((T.int64(1), T.int64(1), T.int64(8)), "float32"),
+                         w: T.Buffer((T.int64(2), T.int64(8), T.int64(64)), "float32"),
+                         NT_matmul: T.Buffer((T.int64(1), T.int64(1), T.int64(128)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for i0, i1, i2, k in T.grid(T.int64(1), T.int64(1), T.int64(128), T.int64(8)):
+            with T.sblock("NT_matmul"):
+                v_i0, v_i1, v_i2, v_k = T.axis.remap("SSSR", [i0, i1, i2, k])
+                T.reads(x[v_i0, v_i1, v_k], w[v_i2 // T.int64(64), v_k, v_i2 % T.int64(64)])
+                T.writes(NT_matmul[v_i0, v_i1, v_i2])
+                with T.init():
+                    NT_matmul[v_i0, v_i1, v_i2] = T.float32(0.0)
+                NT_matmul[v_i0, v_i1, v_i2] = (NT_matmul[v_i0, v_i1, v_i2]
+                                               + x[v_i0, v_i1, v_k] * w[v_i2 // T.int64(64), v_k, v_i2 % T.int64(64)])
+
+    @T.prim_func(private=True, s_tir=True)
+    def take_packed(w: T.Buffer((T.int64(2), T.int64(8), T.int64(64)), "float32"),
+                    ids: T.Buffer((T.int64(1), T.int64(1)), "int64"),
+                    take_packed: T.Buffer((T.int64(1), T.int64(1), T.int64(8)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for i0, i1, i2 in T.grid(T.int64(1), T.int64(1), T.int64(8)):
+            with T.sblock("take_packed"):
+                v_i0, v_i1, v_i2 = T.axis.remap("SSS", [i0, i1, i2])
+                T.reads(w[ids[v_i0, v_i1] // T.int64(64), v_i2, ids[v_i0, v_i1] % T.int64(64)], ids[v_i0, v_i1])
+                T.writes(take_packed[v_i0, v_i1, v_i2])
+                take_packed[v_i0, v_i1, v_i2] = w[ids[v_i0, v_i1] // T.int64(64), v_i2, ids[v_i0, v_i1] % T.int64(64)]
+
+    @R.function
+    def decode(x: R.Tensor((1, 1, 8), "float32"), ids: R.Tensor((1, 1), "int64"), w: R.Tensor((2, 8, 64), "float32")):
+        R.func_attr({"num_input": 2})
+        cls = Expected
+        with R.dataflow():
+            t = R.call_tir(cls.take_packed, (w, ids), out_ty=R.Tensor((1, 1, 8), "float32"))
+            h = t
+            y = R.call_tir(cls.NT_matmul_packed, (x, w), out_ty=R.Tensor((1, 1, 128), "float32"))
+            out = (h, y)
+            R.output(out)
+        return out
+
+
+def test_linear_weights_are_packed_into_panels() -> None:
+    w = rand(128, 8)
+    after, weights = run_pass(weight_layout, Before, {"w": w})
+    tvm.ir.assert_structural_equal(after, Expected)
+    np.testing.assert_array_equal(weights["w"], w.reshape(2, NB, 8).transpose(0, 2, 1))  # [p, k, j] = W[p*nb + j, k]
+
+
+@I.ir_module
+class Unpackable:
+    """w has 48 rows (not a multiple of 64); e is also read by an add."""
+
+    @R.function
+    def decode(x: R.Tensor((1, 1, 8), "float32"), w: R.Tensor((48, 8), "float32"), e: R.Tensor((64, 8), "float32")):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            pt = R.permute_dims(w, axes=[1, 0])
+            y = R.matmul(x, pt)
+            pe = R.permute_dims(e, axes=[1, 0])
+            z = R.matmul(x, pe)
+            e2 = R.add(e, e)
+            out = (y, z, e2)
+            R.output(out)
+        return out
+
+
+@I.ir_module
+class UnpackableAfter:
+    """FuseTransposeMatmul's NT matmuls; its two composite functions stay behind, uncalled (nothing else in
+    the pass runs DeadCodeElimination on this path; phase 2's drops them)."""
+
+    @R.function(private=True)
+    def fused_relax_permute_dims_relax_matmul(w: R.Tensor((48, 8), "float32"), x: R.Tensor((1, 1, 8), "float32")):
+        R.func_attr({"Composite": "transpose_matmul_fuse", "Primitive": True})
+        with R.dataflow():
+            pt = R.permute_dims(w, axes=[1, 0])
+            gv = R.matmul(x, pt)
+            R.output(gv)
+        return gv
+
+    @R.function(private=True)
+    def fused_relax_permute_dims_relax_matmul1(e: R.Tensor((64, 8), "float32"), x: R.Tensor((1, 1, 8), "float32")):
+        R.func_attr({"Composite": "transpose_matmul_fuse", "Primitive": True})
+        with R.dataflow():
+            pe = R.permute_dims(e, axes=[1, 0])
+            gv = R.matmul(x, pe)
+            R.output(gv)
+        return gv
+    @T.prim_func(private=True, s_tir=True)
+    def NT_matmul(x: T.Buffer((T.int64(1), T.int64(1), T.int64(8)), "float32"),
+                  w: T.Buffer((T.int64(48), T.int64(8)), "float32"),
+                  NT_matmul: T.Buffer((T.int64(1), T.int64(1), T.int64(48)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for i0, i1, i2, k in T.grid(T.int64(1), T.int64(1), T.int64(48), T.int64(8)):
+            with T.sblock("NT_matmul"):
+                v_i0, v_i1, v_i2, v_k = T.axis.remap("SSSR", [i0, i1, i2, k])
+                T.reads(x[v_i0, v_i1, v_k], w[v_i2, v_k])
+                T.writes(NT_matmul[v_i0, v_i1, v_i2])
+                with T.init():
+                    NT_matmul[v_i0, v_i1, v_i2] = T.float32(0.0)
+                NT_matmul[v_i0, v_i1, v_i2] = NT_matmul[v_i0, v_i1, v_i2] + x[v_i0, v_i1, v_k] * w[v_i2, v_k]
+
+    @T.prim_func(private=True, s_tir=True)
+    def NT_matmul1(x: T.Buffer((T.int64(1), T.int64(1), T.int64(8)), "float32"),
+                   w: T.Buffer((T.int64(64), T.int64(8)), "float32"),
+                   NT_matmul: T.Buffer((T.int64(1), T.int64(1), T.int64(64)), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        for i0, i1, i2, k in T.grid(T.int64(1), T.int64(1), T.int64(64), T.int64(8)):
+            with T.sblock("NT_matmul"):
+                v_i0, v_i1, v_i2, v_k = T.axis.remap("SSSR", [i0, i1, i2, k])
+                T.reads(x[v_i0, v_i1, v_k], w[v_i2, v_k])
+                T.writes(NT_matmul[v_i0, v_i1, v_i2])
+                with T.init():
+                    NT_matmul[v_i0, v_i1, v_i2] = T.float32(0.0)
+                NT_matmul[v_i0, v_i1, v_i2] = NT_matmul[v_i0, v_i1, v_i2] + x[v_i0, v_i1, v_k] * w[v_i2, v_k]
+
+    @R.function
+    def decode(x: R.Tensor((1, 1, 8), "float32"), w: R.Tensor((48, 8), "float32"), e: R.Tensor((64, 8), "float32")):
+        R.func_attr({"num_input": 1})
+        cls = UnpackableAfter
+        with R.dataflow():
+            y = R.call_tir(cls.NT_matmul, (x, w), out_ty=R.Tensor((1, 1, 48), "float32"))
+            z = R.call_tir(cls.NT_matmul1, (x, e), out_ty=R.Tensor((1, 1, 64), "float32"))
+            e2 = R.add(e, e)
+            out = (y, z, e2)
+            R.output(out)
+        return out
+
+
+def test_unpackable_weights_keep_their_layout() -> None:
+    """Only the transpose is fused (NT matmuls reading W as stored); the weights stay [N, K]."""
+    w = {"w": rand(48, 8), "e": rand(64, 8, seed=1)}
+    after, weights = run_pass(weight_layout, Unpackable, w)
+    tvm.ir.assert_structural_equal(after, UnpackableAfter)
+    assert all(weights[n] is w[n] for n in w)
+
+
+def test_gpu_targets_keep_weights_as_stored() -> None:
+    """cuda: NT matmul, no panels (GPU rules read NT weights)."""
+    after, weights = run_pass(weight_layout, Unpackable, {"w": rand(48, 8), "e": rand(64, 8)}, context("cuda-sm80"))
+    tvm.ir.assert_structural_equal(after, UnpackableAfter)
+
+
+@I.ir_module
+class NoLinear:
+    @R.function
+    def decode(ids: R.Tensor((1, 1), "int64"), e: R.Tensor((64, 8), "float32")):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            h = R.take(e, ids, axis=0)
+            e2 = R.add(e, e)
+            out = (h, e2)
+            R.output(out)
+        return out
+
+
+def test_weights_read_as_floats_are_left_alone() -> None:
+    assert_unchanged(weight_layout, NoLinear, {"e": rand(64, 8)})
