@@ -1,7 +1,9 @@
 """weight_layout: ``x @ permute_dims(W)`` becomes one NT matmul reading W as stored; on CPU targets every
 float weight read only by such matmuls and row gathers is packed at compile time into [N / nb, K, nb] panels
-(nb = 64 on x86-avx512) that the matmul and the gather read directly. A weight N not divisible by nb, or
-read by anything else, keeps its [N, K] layout. Every PrimFunc here is small and written out in full."""
+(nb = 64 on x86-avx512) that the matmul and the gather read directly, and a quantized weight dequantized at
+run time (prefill) is written by its dequantize kernel straight into such panels. A weight N not divisible by
+nb, or read by anything else, keeps its [N, K] layout. Every PrimFunc here is small and written out in full
+(the int4 dequantize one as ``_quant.int4_matmul_compute`` emits it)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from perfx_compiler.passes import weight_layout
+from perfx_compiler.passes._quant import int4_matmul_compute
 
-from ._util import assert_unchanged, context, rand, run_pass
+from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
 
 NB = 64
 
@@ -191,3 +194,83 @@ class NoLinear:
 
 def test_weights_read_as_floats_are_left_alone() -> None:
     assert_unchanged(weight_layout, NoLinear, {"e": rand(64, 8)})
+
+
+@I.ir_module(check_well_formed=False)
+class Dequantized:
+    """Prefill over an int4 weight (quantize_int4's form): dequantize, then the float matmul."""
+
+    @T.prim_func(private=True)
+    def q4_dequant_128_32_g32():
+        T.evaluate(0)
+
+    @R.function
+    def prefill(x: R.Tensor((1, "seq", 32), "float32"), w_q4: R.Tensor((128, 4), "uint32"),
+                w_q4_scale: R.Tensor((128, 1), "float16"), w_q4_zero: R.Tensor((128, 1), "uint8")):
+        R.func_attr({"num_input": 1})
+        cls = Dequantized
+        with R.dataflow():
+            wd = R.call_tir(cls.q4_dequant_128_32_g32, (w_q4, w_q4_scale, w_q4_zero), out_ty=R.Tensor((128, 32), "float32"))
+            pt = R.permute_dims(wd, axes=[1, 0])
+            y = R.matmul(x, pt)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class DequantizedToPanels:
+    @T.prim_func(s_tir=True)
+    def q4_dequant_128_32_g32_packed(q: T.Buffer((128, 4), "uint32"), scale: T.Buffer((128, 1), "float16"),
+                                     zero: T.Buffer((128, 1), "uint8"), dequant_q4: T.Buffer((2, 32, 64), "float32")):
+        T.func_attr({"global_symbol": "main", "op_pattern": 8, "tirx.noalias": True, "perfx.quant":
+                     '{"K": 32, "N": 128, "bits": 4, "group": 32, "kind": "dequant", "lanes": 4, "sym": false}'})
+        for row, col in T.grid(128, 32):
+            with T.sblock("dequant_q4"):
+                v_row, v_col = T.axis.remap("SS", [row, col])
+                T.reads(q[v_row, v_col // 32 * 4 + v_col % 4], zero[v_row, v_col // 32], scale[v_row, v_col // 32])
+                T.writes(dequant_q4[v_row // 64, v_col, v_row % 64])
+                dequant_q4[v_row // 64, v_col, v_row % 64] = (
+                    T.Cast("float32", q[v_row, v_col // 32 * 4 + v_col % 4] >> T.Cast("uint32", v_col % 32 // 4 * 4)
+                           & T.uint32(15))
+                    - T.Cast("float32", zero[v_row, v_col // 32])) * T.Cast("float32", scale[v_row, v_col // 32])
+
+    @T.prim_func(private=True, s_tir=True)
+    def NT_matmul_packed(var_x: T.handle, wd: T.Buffer((T.int64(2), T.int64(32), T.int64(64)), "float32"),
+                         var_NT_matmul: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        seq = T.int64()
+        x = T.match_buffer(var_x, (T.int64(1), seq, T.int64(32)))
+        NT_matmul = T.match_buffer(var_NT_matmul, (T.int64(1), seq, T.int64(128)))
+        for i0, i1, i2, k in T.grid(T.int64(1), seq, T.int64(128), T.int64(32)):
+            with T.sblock("NT_matmul"):
+                v_i0, v_i1, v_i2, v_k = T.axis.remap("SSSR", [i0, i1, i2, k])
+                T.reads(x[v_i0, v_i1, v_k], wd[v_i2 // T.int64(64), v_k, v_i2 % T.int64(64)])
+                T.writes(NT_matmul[v_i0, v_i1, v_i2])
+                with T.init():
+                    NT_matmul[v_i0, v_i1, v_i2] = T.float32(0.0)
+                NT_matmul[v_i0, v_i1, v_i2] = (NT_matmul[v_i0, v_i1, v_i2]
+                                               + x[v_i0, v_i1, v_k] * wd[v_i2 // T.int64(64), v_k, v_i2 % T.int64(64)])
+
+    @R.function
+    def prefill(x: R.Tensor((1, "seq", 32), "float32"), w_q4: R.Tensor((128, 4), "uint32"),
+                w_q4_scale: R.Tensor((128, 1), "float16"), w_q4_zero: R.Tensor((128, 1), "uint8")):
+        R.func_attr({"num_input": 1})
+        seq = T.int64()
+        cls = DequantizedToPanels
+        with R.dataflow():
+            wd = R.call_tir(cls.q4_dequant_128_32_g32_packed, (w_q4, w_q4_scale, w_q4_zero),
+                            out_ty=R.Tensor((2, 32, 64), "float32"))
+            y = R.call_tir(cls.NT_matmul_packed, (x, wd), out_ty=R.Tensor((1, seq, 128), "float32"))
+            R.output(y)
+        return y
+
+
+def test_runtime_dequantized_weights_are_written_as_panels() -> None:
+    """The dequantize kernel writes [N / nb, K, nb]; the unpacked dequantize, now uncalled, leaves the module;
+    the quantized arrays are untouched."""
+    dequant = opaque(int4_matmul_compute(128, 32, 32, 4, False, kind="dequant", rows=(None, None)))
+    w = {"w_q4": np.zeros((128, 4), "uint32"), "w_q4_scale": np.ones((128, 1), "float16"),
+         "w_q4_zero": np.zeros((128, 1), "uint8")}
+    after, weights = run_pass(weight_layout, with_kernels(Dequantized, q4_dequant_128_32_g32=dequant), w)
+    tvm.ir.assert_structural_equal(after, DequantizedToPanels)
+    assert all(weights[n] is w[n] for n in w)
