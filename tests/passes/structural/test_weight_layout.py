@@ -3,17 +3,21 @@ float weight read only by such matmuls and row gathers is packed at compile time
 (nb = 64 on x86-avx512) that the matmul and the gather read directly, and a quantized weight dequantized at
 run time (prefill) is written by its dequantize kernel straight into such panels. A weight N not divisible by
 nb, or read by anything else, keeps its [N, K] layout. Every PrimFunc here is small and written out in full
-(the int4 dequantize one as ``_quant.int4_matmul_compute`` emits it)."""
+(the int4 dequantize one as ``_quant.int4_matmul_compute`` emits it), except the half-panel kernels, compared by
+identity to their generators (``_half_panels.half_panel_matmul`` / ``half_panel_take``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import tvm
+from tvm import tirx
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from perfx_compiler.passes import weight_layout
+from perfx_compiler.passes._half import half_compute
+from perfx_compiler.passes._half_panels import half_panel_matmul, half_panel_take
 from perfx_compiler.passes._quant import int4_matmul_compute
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
@@ -274,3 +278,122 @@ def test_runtime_dequantized_weights_are_written_as_panels() -> None:
     after, weights = run_pass(weight_layout, with_kernels(Dequantized, q4_dequant_128_32_g32=dequant), w)
     tvm.ir.assert_structural_equal(after, DequantizedToPanels)
     assert all(weights[n] is w[n] for n in w)
+
+
+@I.ir_module(check_well_formed=False)
+class Half:
+    """cast_weights' form (bf16): decode's half GEMV and gathers, prefill's widen (dequantize) + matmul."""
+
+    @T.prim_func(private=True)
+    def bf16_take_64_32_w_1x1():
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def bf16_matmul_64_32_w_1x1():
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def bf16_take_64_32_w_1xn():
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def bf16_dequant_64_32_w():
+        T.evaluate(0)
+
+    @R.function
+    def decode(ids: R.Tensor((1, 1), "int64"), x: R.Tensor((1, 1, 32), "float32"),
+               emb_bf16: R.Tensor((64, 32), "uint16"), w_bf16: R.Tensor((64, 32), "uint16")):
+        R.func_attr({"num_input": 2})
+        cls = Half
+        with R.dataflow():
+            h = R.call_tir(cls.bf16_take_64_32_w_1x1, (emb_bf16, ids), out_ty=R.Tensor((1, 1, 32), "float32"))
+            y = R.call_tir(cls.bf16_matmul_64_32_w_1x1, (x, w_bf16), out_ty=R.Tensor((1, 1, 64), "float32"))
+            out = (h, y)
+            R.output(out)
+        return out
+
+    @R.function
+    def prefill(ids: R.Tensor((1, "seq"), "int64"), x: R.Tensor((1, "seq", 32), "float32"),
+                emb_bf16: R.Tensor((64, 32), "uint16"), w_bf16: R.Tensor((64, 32), "uint16")):
+        R.func_attr({"num_input": 2})
+        seq = T.int64()
+        cls = Half
+        with R.dataflow():
+            h = R.call_tir(cls.bf16_take_64_32_w_1xn, (emb_bf16, ids), out_ty=R.Tensor((1, seq, 32), "float32"))
+            wd = R.call_tir(cls.bf16_dequant_64_32_w, (w_bf16,), out_ty=R.Tensor((64, 32), "float32"))
+            pt = R.permute_dims(wd, axes=[1, 0])
+            y = R.matmul(x, pt)
+            out = (h, y)
+            R.output(out)
+        return out
+
+
+@I.ir_module(check_well_formed=False)
+class HalfPanels:
+    """The half weights as [N / nb, K, nb] half panels, read by panel kernels; the row-layout half kernels
+    and prefill's float32 dequantize are gone."""
+
+    @T.prim_func(private=True)
+    def bf16_take_64_32_1x1_int64_panels():
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def bf16_gemv_64_32_1x1_panels():
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def bf16_take_64_32_1xn_int64_panels():
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def bf16_gemm_64_32_1xn_panels():
+        T.evaluate(0)
+
+    @R.function
+    def decode(ids: R.Tensor((1, 1), "int64"), x: R.Tensor((1, 1, 32), "float32"),
+               emb_bf16: R.Tensor((1, 32, 64), "uint16"), w_bf16: R.Tensor((1, 32, 64), "uint16")):
+        R.func_attr({"num_input": 2})
+        cls = HalfPanels
+        with R.dataflow():
+            h = R.call_tir(cls.bf16_take_64_32_1x1_int64_panels, (emb_bf16, ids), out_ty=R.Tensor((1, 1, 32), "float32"))
+            y = R.call_tir(cls.bf16_gemv_64_32_1x1_panels, (x, w_bf16), out_ty=R.Tensor((1, 1, 64), "float32"))
+            out = (h, y)
+            R.output(out)
+        return out
+
+    @R.function
+    def prefill(ids: R.Tensor((1, "seq"), "int64"), x: R.Tensor((1, "seq", 32), "float32"),
+                emb_bf16: R.Tensor((1, 32, 64), "uint16"), w_bf16: R.Tensor((1, 32, 64), "uint16")):
+        R.func_attr({"num_input": 2})
+        seq = T.int64()
+        cls = HalfPanels
+        with R.dataflow():
+            h = R.call_tir(cls.bf16_take_64_32_1xn_int64_panels, (emb_bf16, ids), out_ty=R.Tensor((1, seq, 32), "float32"))
+            y = R.call_tir(cls.bf16_gemm_64_32_1xn_panels, (x, w_bf16), out_ty=R.Tensor((1, seq, 64), "float32"))
+            out = (h, y)
+            R.output(out)
+        return out
+
+
+def test_half_weights_become_half_panels() -> None:
+    def half(kind: str, rows: tuple[int | None, int | None] = (None, None)) -> tvm.tirx.PrimFunc:
+        return opaque(half_compute(64, 32, "bf16", kind=kind, rows=rows, act="f32"))
+
+    before = with_kernels(Half, bf16_take_64_32_w_1x1=half("take", (1, 1)), bf16_matmul_64_32_w_1x1=half("matmul", (1, 1)),
+                          bf16_take_64_32_w_1xn=half("take", (1, None)), bf16_dequant_64_32_w=half("dequant"))
+    rng = np.random.default_rng(0)
+    w = {n: rng.integers(0, 2**16, size=(64, 32), dtype=np.uint16) for n in ("emb_bf16", "w_bf16")}
+    after, weights = run_pass(weight_layout, before, w)
+    def seq() -> tirx.Var:  # each kernel has its own row variable (bound by its x / ids)
+        return tirx.Var("n1", "int64")
+
+    expected = with_kernels(
+        HalfPanels,
+        bf16_take_64_32_1x1_int64_panels=half_panel_take([1, 1], "int64", 64, 32, NB, "bf16"),
+        bf16_gemv_64_32_1x1_panels=half_panel_matmul([1, 1, 32], 64, 32, NB, "bf16"),
+        bf16_take_64_32_1xn_int64_panels=half_panel_take([1, seq()], "int64", 64, 32, NB, "bf16"),
+        bf16_gemm_64_32_1xn_panels=half_panel_matmul([1, seq(), 32], 64, 32, NB, "bf16"),
+    )
+    tvm.ir.assert_structural_equal(after, expected)
+    for n in w:
+        np.testing.assert_array_equal(weights[n], w[n].reshape(1, NB, 32).transpose(0, 2, 1))
