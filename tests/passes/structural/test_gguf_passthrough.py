@@ -4,7 +4,9 @@ concatenated by rows; a weight without blocks stays float.
 
 The kernels are compared by identity to their generators (``_quant.int4_matmul_compute`` symmetric g32 for
 Q4_0, ``_quant8.int8_matmul_compute`` g32 for Q8_0), the Relax function as written here, and the packed
-arrays to the codes and scales the blocks were written from (built here byte by byte).
+arrays to the codes and scales the blocks were written from (built here byte by byte). Under int8
+activations (the pipeline's default on AVX-512 VNNI CPUs) the blocks go straight to the VNNI layout
+(``_qvnni``: row pairs in nibbles, codes + 128, groups padded to 16) and the GEMVs are ``vnni_compute``'s.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from tvm.script import tirx as T
 
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.passes import gguf_passthrough
+from perfx_compiler.passes._qlinear import use_activations
 from perfx_compiler.passes._quant import int4_matmul_compute, pack_int4
 from perfx_compiler.passes._quant8 import int8_matmul_compute
+from perfx_compiler.passes._qvnni import pack_q4_pairs, pack_q8_offset, pad_groups, vnni_compute
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
 
@@ -171,3 +175,56 @@ def test_blocks_that_do_not_match_the_graph_are_refused() -> None:
     weights[DOWN] = weights[DOWN] + 1e-3
     with pytest.raises(PerfXError, match="do not reproduce"):
         gguf_passthrough.apply(Before, weights, context(quantization="gguf", desc=desc))
+
+
+@I.ir_module(check_well_formed=False)
+class ExpectedVnni:
+    @T.prim_func(private=True)
+    def q4_matmul_16_32_g32sv_1x1():
+        T.evaluate(0)
+
+    @T.prim_func(private=True)
+    def q8_matmul_16_64_g32v_1x1():
+        T.evaluate(0)
+
+    @R.function
+    def decode(x: R.Tensor((1, 1, 32), "float32"), h: R.Tensor((1, 1, 64), "float32"), z: R.Tensor((1, 1, 16), "float32"),
+               model_layers_0_self_attn_qkv_proj_weight_q4: R.Tensor((8, 64), "uint8"),
+               model_layers_0_self_attn_qkv_proj_weight_q4_scale: R.Tensor((16, 16), "float16"),
+               model_layers_0_self_attn_qkv_proj_weight_q4_zero: R.Tensor((16, 16), "uint8"),
+               model_layers_0_mlp_down_proj_weight_q8: R.Tensor((16, 64), "uint8"),
+               model_layers_0_mlp_down_proj_weight_q8_scale: R.Tensor((16, 16), "float16"),
+               other_weight: R.Tensor((16, 16), "float32")):
+        R.func_attr({"num_input": 3})
+        cls = ExpectedVnni
+        with R.dataflow():
+            qkv = R.call_tir(cls.q4_matmul_16_32_g32sv_1x1,
+                             (x, model_layers_0_self_attn_qkv_proj_weight_q4, model_layers_0_self_attn_qkv_proj_weight_q4_scale,
+                              model_layers_0_self_attn_qkv_proj_weight_q4_zero), out_ty=R.Tensor((1, 1, 16), "float32"))
+            down = R.call_tir(cls.q8_matmul_16_64_g32v_1x1,
+                              (h, model_layers_0_mlp_down_proj_weight_q8, model_layers_0_mlp_down_proj_weight_q8_scale),
+                              out_ty=R.Tensor((1, 1, 16), "float32"))
+            p3 = R.permute_dims(other_weight, axes=[1, 0])
+            other = R.matmul(z, p3)
+            out = (qkv, down, other)
+            R.output(out)
+        return out
+
+
+def test_int8_activations_read_the_blocks_in_the_vnni_layout() -> None:
+    desc, weights, parts = _model()
+    with use_activations("int8"):
+        after, new = run_pass(gguf_passthrough, Before, weights, context(quantization="gguf", desc=desc))
+    expected = with_kernels(
+        ExpectedVnni,
+        q4_matmul_16_32_g32sv_1x1=opaque(vnni_compute(16, 32, 32, 4, True, False, "matmul", (1, 1))),
+        q8_matmul_16_64_g32v_1x1=opaque(vnni_compute(16, 64, 32, 8, True, False, "matmul", (1, 1))),
+    )
+    tvm.ir.assert_structural_equal(after, expected)
+    codes4, d4 = parts[QKV]
+    np.testing.assert_array_equal(new[QKV + "_q4"], pack_q4_pairs(codes4))
+    np.testing.assert_array_equal(new[QKV + "_q4_scale"], pad_groups(d4, 32, 32, 16))
+    np.testing.assert_array_equal(new[QKV + "_q4_zero"], pad_groups(np.full((16, 1), 8, np.uint8), 32, 32, 16))
+    codes8, d8 = parts[DOWN]
+    np.testing.assert_array_equal(new[DOWN + "_q8"], pack_q8_offset(codes8))
+    np.testing.assert_array_equal(new[DOWN + "_q8_scale"], pad_groups(d8, 64, 32, 16))
