@@ -3,9 +3,15 @@ hand-written ``expected`` module, ``tvm.ir.assert_structural_equal``).
 
 Hand-written TIR kernels a pass adds (norms, quantized GEMVs, texture kernels) are big generated
 PrimFuncs: an expected module names each such kernel with a stub PrimFunc (``T.evaluate(0)``) in its
-TVMScript, and :func:`with_kernels` swaps the stub for the kernel generator's own output at the expected
-shapes and configuration. The Relax functions (what the pass rewrites and how) are compared as written,
-the kernels by identity to their generator.
+TVMScript (so it is parsed with ``check_well_formed=False``), and :func:`with_kernels` swaps the stub for the
+kernel generator's own output at the expected shapes and configuration, then checks the module is well
+formed. The Relax functions (what the pass rewrites and how) are compared as written, the kernels by
+identity to their generator: a change in what a pass matches or emits fails these tests, a change inside a
+kernel generator does not (the kernels' numbers are checked by their own tests). Before modules that hold
+earlier passes' kernels are built the same way.
+
+Every pass is called through its entry point ``apply(mod, weights, ctx)`` with a context built here (no pass
+discovery, no pipeline), on a fixed target file and the default activations (f32) unless a test says so.
 """
 
 from __future__ import annotations
@@ -83,4 +89,5 @@ def assert_unchanged(pass_module: ModuleType, mod: tvm.IRModule, weights: dict[s
 
 
 def rand(*shape: int, seed: int = 0) -> np.ndarray:
+    """A float32 standard-normal array (seeded: the expected modules do not depend on the values)."""
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
