@@ -25,7 +25,7 @@ from perfx_compiler.passes import gguf_passthrough
 from perfx_compiler.passes._qlinear import use_activations
 from perfx_compiler.passes._quant import int4_matmul_compute, pack_int4
 from perfx_compiler.passes._quant8 import int8_matmul_compute
-from perfx_compiler.passes._qvnni import pack_q4_pairs, pack_q8_offset, pad_groups, vnni_compute
+from perfx_compiler.passes._qvnni import vnni_compute
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
 
@@ -221,10 +221,12 @@ def test_int8_activations_read_the_blocks_in_the_vnni_layout() -> None:
         q8_matmul_16_64_g32v_1x1=opaque(vnni_compute(16, 64, 32, 8, True, False, "matmul", (1, 1))),
     )
     tvm.ir.assert_structural_equal(after, expected)
-    codes4, d4 = parts[QKV]
-    np.testing.assert_array_equal(new[QKV + "_q4"], pack_q4_pairs(codes4))
-    np.testing.assert_array_equal(new[QKV + "_q4_scale"], pad_groups(d4, 32, 32, 16))
-    np.testing.assert_array_equal(new[QKV + "_q4_zero"], pad_groups(np.full((16, 1), 8, np.uint8), 32, 32, 16))
+    codes4, d4 = parts[QKV]  # the VNNI layouts as _qvnni documents them, K padded to 64, groups to 16
+    pairs = np.zeros((8, 64), np.uint8)
+    pairs[:, :32] = codes4[0::2] | (codes4[1::2] << 4)  # rows 2p (low nibble) and 2p + 1 (high)
+    np.testing.assert_array_equal(new[QKV + "_q4"], pairs)
+    np.testing.assert_array_equal(new[QKV + "_q4_scale"], np.pad(d4, ((0, 0), (0, 15))))
+    np.testing.assert_array_equal(new[QKV + "_q4_zero"], np.pad(np.full((16, 1), 8, np.uint8), ((0, 0), (0, 15))))
     codes8, d8 = parts[DOWN]
-    np.testing.assert_array_equal(new[DOWN + "_q8"], pack_q8_offset(codes8))
-    np.testing.assert_array_equal(new[DOWN + "_q8_scale"], pad_groups(d8, 64, 32, 16))
+    np.testing.assert_array_equal(new[DOWN + "_q8"], (codes8.astype(np.int16) + 128).astype(np.uint8))
+    np.testing.assert_array_equal(new[DOWN + "_q8_scale"], np.pad(d8, ((0, 0), (0, 14))))
