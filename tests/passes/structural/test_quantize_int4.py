@@ -21,7 +21,7 @@ from perfx_compiler.passes import quantize_int4
 from perfx_compiler.passes._qlinear import use_activations
 from perfx_compiler.passes._quant import Int4Format, int4_matmul_compute, int4_packed
 from perfx_compiler.passes._quant import quantize_int4 as quantize_codes
-from perfx_compiler.passes._qvnni import q4_vnni_packed, vnni_compute
+from perfx_compiler.passes._qvnni import vnni_compute
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
 
@@ -252,6 +252,10 @@ def test_int8_activations_use_the_vnni_layout() -> None:
         q4_matmul_16_32_g32v_1xn=_vnni(16, "matmul", (1, None)),
     )
     tvm.ir.assert_structural_equal(after, expected)
-    for n in w:
-        for suffix, arr in q4_vnni_packed(*quantize_codes(w[n], FMT), FMT).arrays:
-            np.testing.assert_array_equal(weights[n + suffix], arr)
+    for n in w:  # the VNNI layout as _qvnni documents it: row pairs in nibbles, K padded to 64, groups to 16
+        codes, scale, zero = quantize_codes(w[n], FMT)
+        pairs = np.zeros((codes.shape[0] // 2, 64), np.uint8)
+        pairs[:, :32] = codes[0::2] | (codes[1::2] << 4)
+        np.testing.assert_array_equal(weights[n + "_q4"], pairs)
+        np.testing.assert_array_equal(weights[n + "_q4_scale"], np.pad(scale, ((0, 0), (0, 15))))
+        np.testing.assert_array_equal(weights[n + "_q4_zero"], np.pad(zero, ((0, 0), (0, 15))))
