@@ -1,6 +1,6 @@
 """Decode kernels and decode time of each fusion variant (the numbers behind ``perfx-compile --report``).
 
-Variants (``perfx_compiler.passes.report.fusion_variants``): no fusion pass, then one fusion pass
+Variants (``perfx_compiler.compile_report.fusion_variants``): no fusion pass, then one fusion pass
 added at a time in pipeline order (fuse_add_norm, merge_projections,
 fuse_swiglu); the other default passes (weight format, precision, weight layout) run in every
 variant. Each variant is compiled once, for real (all phases); its kernel launches per decode step
@@ -41,7 +41,7 @@ def build(desc: object, target: str, out: Path, passes: list[str], quantization:
     """Compile one variant (every phase, as compile_model does) and return (decode, prefill) launches
     counted after phase 2."""
     from perfx_compiler import pipeline
-    from perfx_compiler.passes.report import kernel_counts
+    from perfx_compiler.compile_report import kernel_counts
     from perfx_compiler.targets import load_target
 
     tdesc = load_target(target)
@@ -99,8 +99,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "fusion_report.csv")
     args = p.parse_args()
 
+    from perfx_compiler.compile_report import fusion_variants
     from perfx_compiler.model.loader import load_model
-    from perfx_compiler.passes.report import fusion_variants
     from perfx_compiler.runtime.engine import Engine
 
     desc = load_model(args.model, max_context=args.max_context)

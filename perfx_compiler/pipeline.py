@@ -27,6 +27,7 @@ from tvm import relax
 
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.model.description import ModelDescription
+from perfx_compiler.progress import pop_console, push_console
 from perfx_compiler.targets import TargetDescription, load_target
 
 # Relax functions every artifact exports; the runtime calls them by these names.
@@ -355,14 +356,6 @@ PHASES: list[tuple[str, Callable[[CompileState], None]]] = [
 ]
 
 
-_CONSOLE: list[Any] = []  # the real stderr while _native_log captures fd 2 (for progress bars)
-
-
-def console() -> Any:
-    """Where a pass's progress bar goes: the terminal's stderr, even while a phase's fd 2 is captured."""
-    return _CONSOLE[-1] if _CONSOLE else sys.stderr
-
-
 @contextlib.contextmanager
 def _native_log(state: CompileState) -> Iterator[None]:
     """Collect what TVM's C++ side prints on fd 2 during a phase (kept in the dump dir, if any)."""
@@ -373,11 +366,11 @@ def _native_log(state: CompileState) -> Iterator[None]:
     saved = os.dup(2)
     with tempfile.TemporaryFile() as tmp:
         os.dup2(tmp.fileno(), 2)
-        _CONSOLE.append(os.fdopen(os.dup(saved), "w"))
+        push_console(os.fdopen(os.dup(saved), "w"))  # progress bars still reach the terminal
         try:
             yield
         finally:
-            _CONSOLE.pop().close()
+            pop_console().close()
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)

@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
     _prebuild_runtime(args.target)
     if args.report:
-        from perfx_compiler.passes.report import compile_report
+        from perfx_compiler.compile_report import compile_report
 
         print(compile_report(args.model, args.target, out, max_context=args.max_context, schedule=args.schedule,
                              quantization=args.quantization, activations=args.activations, precision=args.precision))

@@ -88,7 +88,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     names = [n for n in sorted(quant) if is_lazy(weights[n]) or n in tables]  # others stay float
     show = bool(getattr(ctx.options, "progress", False)) and len(names) >= 32
     packed = {}
-    from perfx_compiler.pipeline import console
+    from perfx_compiler.progress import console
 
     for name in tqdm(names, desc="pack GGUF weights", unit="weight", disable=not show, leave=False, file=console()):
         w = weights[name]

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from tvm import relax
 
-from perfx_compiler.passes import report
+from perfx_compiler import compile_report as report
 from tests.passes.conftest import FUSION_PASSES, lower, max_rel_err, tiny_desc
 
 

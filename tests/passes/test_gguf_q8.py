@@ -74,7 +74,7 @@ def test_passthrough_logits_equal_dequantized_reference(compiled: Any, tiny_gguf
 
 
 def test_passthrough_ir_uses_quantized_kernels(tiny_ggufs: dict) -> None:
-    from perfx_compiler.passes import report
+    from perfx_compiler import compile_report as report
     from perfx_compiler.schedule import schedule_func
     from perfx_compiler.targets import load_target
 

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from perfx_compiler import compile_report as report
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.model.description import ModelDescription
-from perfx_compiler.passes import report
 from perfx_compiler.passes._quant import (
     Int4Format,
     dequantize_int4,

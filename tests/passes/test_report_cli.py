@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from perfx_compiler.passes import report
+from perfx_compiler import compile_report as report
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # lowest first; a unit is a subpackage of perfx_compiler, a module at its top level, or schedules
 LAYERS: list[set[str]] = [
-    {"perfx_compiler", "errors", "artifact_hash", "environment", "tvmscript_speedups"},  # no PerfX imports
+    {"perfx_compiler", "errors", "artifact_hash", "environment", "progress", "tvmscript_speedups"},  # no PerfX imports
     {"targets"},  # target descriptions
     {"runtime"},  # the thin runtime: loads and runs artifacts, imports no compiler code
     {"kernels"},  # hand-written TIR generators: (shape, config) -> PrimFunc
@@ -27,7 +27,7 @@ LAYERS: list[set[str]] = [
     {"passes"},  # Relax passes
     {"narrow_index", "stack_alloca", "gpu_adapt"},  # TIR lowering
     {"tune"},
-    {"pipeline", "device_export", "package"},  # the compile phases, build and package
+    {"pipeline", "device_export", "package", "compile_report"},  # the compile phases, build, package, report
     {"targets_exec"},  # running every target's code here (emulators, PoCL, lavapipe)
     {"serve", "bench", "cli"},
 ]
@@ -36,7 +36,6 @@ RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 KNOWN_UPWARD: set[tuple[str, str]] = {
     ("device_export", "targets_exec"),  # ptxas / amdgpu asm parsers and the OpenCL dedup live in targets_exec
     ("model", "frontend"),  # model/onnx_read hands foreign ONNX graphs to frontend/graph_to_description
-    ("passes", "pipeline"),  # gguf_passthrough's progress console; passes/report (the fusion report, not a pass)
     ("pipeline", "targets_exec"),  # has_texture_params, a TIR query kept with the OpenCL launcher
     ("runtime", "pipeline"),  # LLM(model=...) compiles a model it is given
     ("schedules", "gpu_adapt"),  # has_device_launch, a TIR query

@@ -8,8 +8,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PASSES = HERE.parents[2] / "perfx_compiler" / "passes"
 NOT_TESTED_HERE = {
-    "report": "not a pass (the IR report CLI)",
-    "fuse_layernorm_gelu": "matches no loadable model; being removed (issue #23, item 5)",
 }
 
 

@@ -16,8 +16,8 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from perfx_compiler.kernels.rms_norm import rms_norm_kernel
 from perfx_compiler.passes import fuse_add_norm
-from perfx_compiler.passes._kernels import rms_norm_kernel
 
 from ._util import assert_unchanged, opaque, rand, run_pass, with_kernels
 

@@ -19,8 +19,9 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from perfx_compiler.kernels.rms_norm import rms_norm_kernel
+from perfx_compiler.kernels.swiglu import swiglu_kernel
 from perfx_compiler.passes import fuse_gemv_prologue
-from perfx_compiler.passes._kernels import rms_norm_kernel, swiglu_kernel
 from perfx_compiler.passes._quant import int4_matmul_compute
 from perfx_compiler.passes._qvnni import vnni_compute
 

@@ -12,8 +12,8 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from perfx_compiler.kernels.swiglu import swiglu_kernel
 from perfx_compiler.passes import fuse_swiglu
-from perfx_compiler.passes._kernels import swiglu_kernel
 
 from ._util import assert_unchanged, opaque, rand, run_pass, with_kernels
 

@@ -15,8 +15,8 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from perfx_compiler.kernels.attention import attention_prefill_kernel
+from perfx_compiler.kernels.attention_qkv import attention_over_qkv
 from perfx_compiler.passes import merge_projections
-from perfx_compiler.passes._kernels import attention_over_qkv
 
 from ._util import assert_unchanged, opaque, rand, run_pass, with_kernels
 

@@ -1,7 +1,7 @@
 """What ``perfx-compile --report`` prints: every kernel with its schedule template, and kernel-launch
 counts per exported function before/after fusion.
 
-Not a pass (no ``apply``): a helper over any phase's module. After phase 2 every kernel launch is
+A helper over any phase's module (not a pass). After phase 2 every kernel launch is
 a ``call_tir``/``call_tir_inplace``; before lowering, each remaining Relax operator call becomes
 at least one kernel, so it is counted as one too.
 """
