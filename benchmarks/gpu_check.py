@@ -294,8 +294,8 @@ FIELDS = ["model", "quantization", "target", "arch", "kernel", "hot", "adapted_c
 
 
 def kernel_rows(model: str, target: str, out: Path) -> list[dict[str, object]]:
+    from perfx_compiler.device_export import parse_ptxas
     from perfx_compiler.pipeline import compile_model
-    from perfx_compiler.targets_exec.toolchains import parse_ptxas
 
     if not (out / "perfx-config.json").exists():
         start = time.perf_counter()

@@ -16,6 +16,7 @@ can be inspected, checked and deployed:
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -77,7 +78,6 @@ def device_modules(module: Any) -> list[Any]:
 
 def nvcc_cubin(cuda_src: str, arch: str, out_dir: Path, stem: str = "kernels", timeout: int = 600) -> dict[str, Any]:
     """Compile CUDA C to a cubin with ``nvcc -Xptxas -v``; return {"cubin", "log", "kernels": {name: stats}}."""
-    from perfx_compiler.targets_exec.toolchains import parse_ptxas
 
     nvcc = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
     if nvcc is None:
@@ -98,7 +98,6 @@ def nvcc_cubin(cuda_src: str, arch: str, out_dir: Path, stem: str = "kernels", t
 def export_device_code(executable: Any, target: Any, out_dir: Path, cubin: bool = True) -> dict[str, Any]:
     """Write the device code files of ``executable`` into ``out_dir``; return manifest facts.
     ``cubin``: CUDA artifacts also get the nvcc-built cubin (perfx-compile --no-cubin: without)."""
-    from perfx_compiler.targets_exec.kernels import dedup_opencl
 
     facts: dict[str, Any] = {"files": []}
     tt = target.tvm_target
@@ -127,7 +126,6 @@ def export_device_code(executable: Any, target: Any, out_dir: Path, cubin: bool 
                 else:
                     facts["cubin"] = {"arch": arch, "error": res.get("error", "")[:500]}
         elif kind in ("rocm", "hip"):
-            from perfx_compiler.targets_exec.toolchains import parse_amdgpu_asm
 
             mcpu = str(tt.get("mcpu", "gfx"))
             asm = m.inspect_source("asm")
@@ -241,3 +239,68 @@ def export_for_target(state: Any, out_dir: Path) -> dict[str, Any]:
         facts["adapted_cpu_kernels"] = sorted(state.notes.get("gpu_host_kernels_adapted") or [])
     write_deploy_md(state, out_dir, facts)
     return facts
+
+
+def parse_ptxas(log: str) -> dict[str, dict[str, Any]]:
+    """ptxas -v output -> {kernel: {registers, spill_stores, spill_loads, shared_bytes, stack_bytes}}."""
+    out: dict[str, dict[str, Any]] = {}
+    current = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line) or re.search(r"Function properties for (\S+)", line)
+        if m:
+            current = m.group(1)
+            out.setdefault(
+                current, {"registers": 0, "spill_stores": 0, "spill_loads": 0, "shared_bytes": 0, "stack_bytes": 0}
+            )
+            continue
+        if current is None:
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m:
+            out[current].update(stack_bytes=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            out[current]["registers"] = int(m.group(1))
+        m = re.search(r"(\d+) bytes smem", line)
+        if m:
+            out[current]["shared_bytes"] = int(m.group(1))
+    return out
+
+
+def parse_amdgpu_asm(asm: str) -> dict[str, dict[str, int]]:
+    """AMDGPU assembly -> {kernel: {vgpr, sgpr, spill_vgpr, spill_sgpr, lds_bytes}} from the .amdhsa metadata."""
+    out: dict[str, dict[str, int]] = {}
+    for m in re.finditer(r"\.amdhsa_kernel (\S+)(.*?)\.end_amdhsa_kernel", asm, re.S):
+        body = m.group(2)
+
+        def field(name: str, body: str = body) -> int:
+            f = re.search(rf"\.amdhsa_{name}\s+(\d+)", body)
+            return int(f.group(1)) if f else 0
+
+        out[m.group(1)] = {
+            "vgpr": field("next_free_vgpr"),
+            "sgpr": field("next_free_sgpr"),
+            "lds_bytes": field("group_segment_fixed_size"),
+            "scratch_bytes": field("private_segment_fixed_size"),
+        }
+    for name, stats in out.items():
+        sp = re.search(rf"{re.escape(name)}.*?; ScratchSize: (\d+)", asm, re.S)
+        if sp:
+            stats["scratch_bytes"] = max(stats["scratch_bytes"], int(sp.group(1)))
+    return out
+
+
+def dedup_opencl(src: str) -> str:
+    """OpenCL's inspect_source emits one "// Function: NAME" chunk per kernel (and, in some TVM
+    versions, the whole program once per kernel): keep the first chunk of every kernel name."""
+    parts = re.split(r"(?m)^(?=// Function: )", src)
+    seen: set[str] = set()
+    out = []
+    for part in parts:
+        m = re.match(r"// Function: (\S+)", part)
+        if m is not None:
+            if m.group(1) in seen:
+                continue
+            seen.add(m.group(1))
+        out.append(part)
+    return "".join(out)

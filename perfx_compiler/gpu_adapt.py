@@ -23,27 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from perfx_compiler.errors import PerfXError
-
-
-def has_device_launch(func: Any) -> bool:
-    """True when ``func`` binds a GPU thread (thread-bound loop or a thread_extent attribute)."""
-    import tvm_ffi
-    from tvm import tirx
-
-    found = False
-
-    def visit_attr(node: Any) -> None:
-        nonlocal found
-        if node.attr_key == "thread_extent":
-            found = True
-
-    def visit_for(node: Any) -> None:
-        nonlocal found
-        if node.kind == tirx.ForKind.THREAD_BINDING:
-            found = True
-
-    tvm_ffi.structural_walk(func.body, [(tirx.AttrStmt, visit_attr), (tirx.For, visit_for)], order="post")
-    return found
+from perfx_compiler.kernels.tir_queries import has_device_launch
 
 
 def _serialize_loops(stmt: Any) -> Any:

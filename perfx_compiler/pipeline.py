@@ -320,7 +320,7 @@ def phase_build(state: CompileState) -> None:
 def _tir_pipeline(state: CompileState) -> str:
     """``perfx_adreno`` (TextureFlatten) when a kernel reads an image (passes/texture_weights.py);
     ``perfx_cpu`` (stack_alloca.py) on CPU targets."""
-    from perfx_compiler.targets_exec.kernels import has_texture_params
+    from perfx_compiler.kernels.tir_queries import has_texture_params
 
     if any(isinstance(f, tvm.tirx.PrimFunc) and has_texture_params(f) for f in state.mod.functions.values()):
         from perfx_compiler.kernels.gemv_texture import register_pipeline

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from perfx_compiler.gpu_adapt import has_device_launch
+from perfx_compiler.kernels.tir_queries import has_device_launch
 from perfx_compiler.schedule_template import ScheduleConfigError, ScheduleTemplate, Workload, make_workload
 from perfx_compiler.targets import TargetDescription
 

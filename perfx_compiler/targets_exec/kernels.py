@@ -18,6 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from perfx_compiler.device_export import dedup_opencl
+from perfx_compiler.kernels.tir_queries import buffer_type, has_texture_params
+
 
 @dataclass
 class LaunchSpec:
@@ -60,7 +63,7 @@ class CompiledPrimFunc:
         """Shape variables and scalar parameters, from the call's arrays (anything with .shape) and scalars."""
         env: dict[str, int] = {}
         for p, v in zip(self.func.params, values, strict=False):
-            ty = _buffer_type(p)
+            ty = buffer_type(p)
             if ty is None:
                 env[p.name] = int(v)
                 continue
@@ -77,7 +80,7 @@ class CompiledPrimFunc:
                 env[name] = evaluate(expr, env)
             except KeyError:
                 continue
-        data_index = {p.name: i for i, p in enumerate(self.func.params) if _buffer_type(p) is not None}
+        data_index = {p.name: i for i, p in enumerate(self.func.params) if buffer_type(p) is not None}
         out = []
         for spec in self.launches:
             args: list[tuple] = []
@@ -110,20 +113,12 @@ def func_param_info(func: Any) -> list[tuple[str, tuple | None, str]]:
     """(name, shape expressions or None for scalars, dtype) per parameter of a PrimFunc."""
     out = []
     for p in func.params:
-        ty = _buffer_type(p)
+        ty = buffer_type(p)
         if ty is None:
             out.append((p.name, None, expr_dtype(p)))
         else:
             out.append((p.name, tuple(ty.shape), str(ty.dtype)))
     return out
-
-
-def _buffer_type(param: Any) -> Any:
-    """The BufferType of a buffer parameter (TVM 0.27 PrimFuncs take buffers as typed Vars), else None."""
-    from tvm.tirx.buffer import BufferType
-
-    ty = getattr(param, "ty", None)
-    return ty if isinstance(ty, BufferType) else None
 
 
 def expr_dtype(expr: Any) -> str:
@@ -289,11 +284,6 @@ def compile_primfunc(
     )
 
 
-def has_texture_params(func: Any) -> bool:
-    """Whether a PrimFunc takes a buffer in scope ``global.texture`` (an OpenCL image)."""
-    return any("texture" in str(getattr(_buffer_type(p), "storage_scope", "")) for p in func.params)
-
-
 def _device_source(module: Any) -> str:
     kind = module.kind
     if kind == "rocm":
@@ -302,24 +292,6 @@ def _device_source(module: Any) -> str:
     if kind == "opencl":
         return dedup_opencl(src)
     return src
-
-
-def dedup_opencl(src: str) -> str:
-    """OpenCL's inspect_source emits one "// Function: NAME" chunk per kernel (and, in some TVM
-    versions, the whole program once per kernel): keep the first chunk of every kernel name."""
-    import re
-
-    parts = re.split(r"(?m)^(?=// Function: )", src)
-    seen: set[str] = set()
-    out = []
-    for part in parts:
-        m = re.match(r"// Function: (\S+)", part)
-        if m is not None:
-            if m.group(1) in seen:
-                continue
-            seen.add(m.group(1))
-        out.append(part)
-    return "".join(out)
 
 
 def random_inputs(cf: CompiledPrimFunc, sizes: dict[str, int], seed: int = 0) -> list[Any]:

@@ -34,11 +34,8 @@ LAYERS: list[set[str]] = [
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("device_export", "targets_exec"),  # ptxas / amdgpu asm parsers and the OpenCL dedup live in targets_exec
     ("model", "frontend"),  # model/onnx_read hands foreign ONNX graphs to frontend/graph_to_description
-    ("pipeline", "targets_exec"),  # has_texture_params, a TIR query kept with the OpenCL launcher
     ("runtime", "pipeline"),  # LLM(model=...) compiles a model it is given
-    ("schedules", "gpu_adapt"),  # has_device_launch, a TIR query
     ("schedules", "passes"),  # weight formats (VNNI layout, quant attrs) and kernel generators live in passes/_*
 }
 

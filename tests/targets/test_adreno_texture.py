@@ -257,7 +257,7 @@ def adreno_tiny(request, tiny_gguf: Path, tiny_q4: Path, tiny_q4_0: Path, tmp_pa
 def _texture_calls(state, funcs, fn: str) -> list[str]:
     from tvm import relax
 
-    from perfx_compiler.targets_exec.kernels import has_texture_params
+    from perfx_compiler.kernels.tir_queries import has_texture_params
 
     return [b.value.args[0].name_hint for block in state.mod[fn].body.blocks for b in block.bindings
             if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.call_tir"
@@ -437,8 +437,9 @@ def test_every_texture_kernel_of_smollm2_on_pocl(launcher, monkeypatch: pytest.M
     holds the quantized weights' bytes plus only the fp32 widening of the image scales."""
     from tvm import relax
 
+    from perfx_compiler.kernels.tir_queries import has_texture_params
     from perfx_compiler.passes import texture_weights
-    from perfx_compiler.targets_exec.kernels import compile_primfunc, has_texture_params
+    from perfx_compiler.targets_exec.kernels import compile_primfunc
     from perfx_compiler.targets_exec.reference import lowered_module
 
     entering: dict = {}

@@ -17,8 +17,8 @@ HOT = ("matmul", "attention", "gemv")
 
 @pytest.mark.parametrize("target", ["cuda-sm80", "cuda-sm90"])
 def test_cuda_cubin_no_spills(target: str, tiny_gguf: Path, tmp_path: Path) -> None:
+    from perfx_compiler.device_export import parse_ptxas
     from perfx_compiler.pipeline import compile_model
-    from perfx_compiler.targets_exec.toolchains import parse_ptxas
 
     if shutil.which("nvcc") is None and not Path("/usr/local/bin/nvcc").exists():
         pytest.skip("nvcc not found (CUDA toolkit)")
@@ -38,10 +38,9 @@ def test_cuda_cubin_no_spills(target: str, tiny_gguf: Path, tmp_path: Path) -> N
 
 @pytest.mark.parametrize("target", ["rocm-gfx942", "rocm-gfx1100"])
 def test_rocm_code_objects(target: str, tiny_gguf: Path, tmp_path: Path) -> None:
-    from perfx_compiler.device_export import prepare_build_env
+    from perfx_compiler.device_export import parse_amdgpu_asm, prepare_build_env
     from perfx_compiler.pipeline import compile_model
     from perfx_compiler.targets import load_target
-    from perfx_compiler.targets_exec.toolchains import parse_amdgpu_asm
 
     prepare_build_env(load_target(target))
     import os

@@ -24,8 +24,9 @@ def launcher():
 def test_rms_norm_gpu_variant_on_pocl(hidden: int, residual: bool, launcher) -> None:
     import tvm
 
-    from perfx_compiler.gpu_adapt import bind_host_kernels, has_device_launch
+    from perfx_compiler.gpu_adapt import bind_host_kernels
     from perfx_compiler.kernels.rms_norm import rms_norm_kernel
+    from perfx_compiler.kernels.tir_queries import has_device_launch
     from perfx_compiler.targets import load_target
     from perfx_compiler.targets_exec.kernels import compile_primfunc, random_inputs
     from perfx_compiler.targets_exec.reference import host_reference
@@ -54,7 +55,8 @@ def test_unknown_cpu_kernel_still_falls_back() -> None:
     import tvm
     from tvm.script import tirx as T
 
-    from perfx_compiler.gpu_adapt import bind_host_kernels, has_device_launch
+    from perfx_compiler.gpu_adapt import bind_host_kernels
+    from perfx_compiler.kernels.tir_queries import has_device_launch
     from perfx_compiler.targets import load_target
 
     @T.prim_func(private=True)
@@ -89,7 +91,8 @@ def test_quantized_kernels_gpu_scheduled_on_lavapipe(bits: int, kind: str, rows:
     run them: the fp16 scales need cl_khr_fp16, which PoCL 3.1 lacks.)"""
     import tvm
 
-    from perfx_compiler.gpu_adapt import bind_host_kernels, has_device_launch
+    from perfx_compiler.gpu_adapt import bind_host_kernels
+    from perfx_compiler.kernels.tir_queries import has_device_launch
     from perfx_compiler.narrow_index import narrow_to_int32
     from perfx_compiler.passes._quant import int4_matmul_compute
     from perfx_compiler.passes._quant8 import int8_matmul_compute

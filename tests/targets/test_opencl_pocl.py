@@ -37,7 +37,8 @@ def _reference_func(name: str, cpu_funcs: dict, unscheduled: dict):
 @pytest.mark.parametrize("target", OPENCL_TARGETS)
 @pytest.mark.parametrize("seq", [1, 3])
 def test_every_kernel_on_pocl(target: str, seq: int, tiny_gguf: Path, launcher) -> None:
-    from perfx_compiler.targets_exec.kernels import compile_primfunc, has_texture_params, random_inputs
+    from perfx_compiler.kernels.tir_queries import has_texture_params
+    from perfx_compiler.targets_exec.kernels import compile_primfunc, random_inputs
     from perfx_compiler.targets_exec.reference import host_reference, lowered_module
 
     state, funcs = lowered_module(str(tiny_gguf), target, max_context=MAX_CONTEXT)
