@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 # name -> module that defines it; loaded on first attribute access.
 _LAZY = {
-    "LLM": "perfx_compiler.runtime.api",
+    "LLM": "perfx_compiler.llm",
     "SamplingParams": "perfx_compiler.runtime.api",
     "RequestOutput": "perfx_compiler.runtime.api",
     "CompletionOutput": "perfx_compiler.runtime.api",
@@ -22,8 +22,8 @@ _LAZY = {
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
+    from perfx_compiler.llm import LLM
     from perfx_compiler.runtime.api import (
-        LLM,
         CompletionOutput,
         RequestOutput,
         SamplingParams,

@@ -88,7 +88,7 @@ def test_knob_wins_over_default_target_file_and_record() -> None:
 
 
 def test_llm_cache_key_changes_with_a_knob() -> None:
-    from perfx_compiler.runtime.api import cache_key
+    from perfx_compiler.llm import cache_key
 
     plain = cache_key("smollm2-135m", "host", {"max_context": 64})
     knobbed = cache_key("smollm2-135m", "host", {"max_context": 64, "knobs": {KNOB: 0}})

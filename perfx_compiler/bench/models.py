@@ -50,18 +50,11 @@ def _stamp(path: Path) -> str:
 
 
 def compiler_stamp() -> str:
-    """Digest of the compiler's own sources (package, schedule templates, target files, tuning records):
-    a cached PerfX artifact is rebuilt when the code that compiled it has changed since."""
-    import hashlib
+    """Digest of the compiler's own files (llm.compiler_digest, also in LLM()'s cache key): a cached PerfX
+    artifact is rebuilt when the code that compiled it has changed since."""
+    from perfx_compiler.llm import compiler_digest
 
-    root = Path(__file__).resolve().parents[2]
-    digest = hashlib.sha1()
-    for folder, pattern in (("perfx_compiler", "*.py"), ("schedules", "*.py"), ("targets", "*"), ("tuning_logs", "*")):
-        for f in sorted((root / folder).rglob(pattern)):
-            if f.is_file() and "__pycache__" not in f.parts:
-                digest.update(f.relative_to(root).as_posix().encode())
-                digest.update(f.read_bytes())
-    return digest.hexdigest()[:12]
+    return compiler_digest()
 
 
 def build_stamp(gguf_path: Path, quantization: str, max_context: int,

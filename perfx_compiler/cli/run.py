@@ -47,7 +47,8 @@ def _fmt_rate(x: float | None) -> str:
 
 def _run(args: argparse.Namespace) -> int:
     # Imported here so `perfx-run --help` stays instant.
-    from perfx_compiler.runtime.api import LLM, SamplingParams
+    from perfx_compiler.llm import LLM
+    from perfx_compiler.runtime.api import SamplingParams
 
     params = SamplingParams(
         max_tokens=args.max_tokens,

@@ -61,7 +61,8 @@ def _op_tuning_log(case: dict[str, Any]) -> Any:
 
 def _op_artifact(case: dict[str, Any]) -> Any:
     """Load a (corrupted) compiled artifact and generate greedily."""
-    from perfx_compiler.runtime.api import LLM, SamplingParams
+    from perfx_compiler.llm import LLM
+    from perfx_compiler.runtime.api import SamplingParams
 
     llm = LLM(case["path"])
     out = llm.generate(case.get("prompt", "hello"), SamplingParams(max_tokens=int(case.get("max_tokens", 4)), temperature=0))
@@ -106,7 +107,7 @@ def _warm(cases: list[dict[str, Any]]) -> None:
         import perfx_compiler.tune.records  # noqa: F401
         import perfx_compiler.tune.traffic  # noqa: F401
     if "artifact" in ops:
-        import perfx_compiler.runtime.api  # noqa: F401
+        import perfx_compiler.llm  # noqa: F401
         import perfx_compiler.runtime.engine  # noqa: F401
 
 

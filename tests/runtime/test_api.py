@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import perfx_compiler
+from perfx_compiler import llm as api
 from perfx_compiler.cli import run as cli
 from perfx_compiler.errors import ContextLengthError
-from perfx_compiler.runtime import api
+from perfx_compiler.llm import LLM
 from perfx_compiler.runtime.api import (
-    LLM,
     CompletionOutput,
     RequestOutput,
     SamplingParams,
@@ -205,3 +205,13 @@ def test_cli_user_error_is_one_line_exit_2(fake_artifacts, capsys) -> None:
     assert "Traceback" in capsys.readouterr().err
     assert cli.main([art, "--prompt", "x", "--max-tokens", "0"]) == 2
     assert "max_tokens" in capsys.readouterr().err
+
+
+def test_cache_key_follows_the_compiler_files(monkeypatch) -> None:
+    """An edited compiler, template, target file or tuning record must not reuse an artifact cached by the
+    old one: the digest of those files is part of LLM()'s cache key."""
+    digest = api.compiler_digest()
+    assert len(digest) == 12 and digest == api.compiler_digest()
+    key = api.cache_key("smollm2-135m", "host", {"max_context": 64})
+    monkeypatch.setattr(api, "compiler_digest", lambda: "0" * 12)
+    assert api.cache_key("smollm2-135m", "host", {"max_context": 64}) != key

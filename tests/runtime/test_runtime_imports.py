@@ -30,6 +30,7 @@ BLOCKED = [
 LIGHT_MODULES = [
     "perfx_compiler",
     "perfx_compiler.runtime.api",
+    "perfx_compiler.llm",
     "perfx_compiler.runtime.generate",
     "perfx_compiler.runtime.sampling",
     "perfx_compiler.runtime.chat",

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from perfx_compiler.errors import ArtifactError
-from perfx_compiler.runtime.api import LLM, InvalidRequestError, SamplingParams
+from perfx_compiler.llm import LLM
+from perfx_compiler.runtime.api import InvalidRequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")

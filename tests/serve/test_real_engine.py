@@ -34,7 +34,8 @@ def tiny_artifact(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_batched_serving_matches_offline_llm(tiny_artifact: Path) -> None:
-    from perfx_compiler.runtime.api import LLM, SamplingParams
+    from perfx_compiler.llm import LLM
+    from perfx_compiler.runtime.api import SamplingParams
     from perfx_compiler.runtime.batch_engine import BatchEngine
     from perfx_compiler.serve.scheduler import Scheduler
 

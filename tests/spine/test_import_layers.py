@@ -29,13 +29,12 @@ LAYERS: list[set[str]] = [
     {"tune"},
     {"pipeline", "device_export", "package", "compile_report"},  # the compile phases, build, package, report
     {"targets_exec"},  # running every target's code here (emulators, PoCL, lavapipe)
-    {"serve", "bench", "cli"},
+    {"llm", "serve", "bench", "cli"},  # LLM() compiles a model it is given, so it sits above the compiler
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 KNOWN_UPWARD: set[tuple[str, str]] = {
     ("model", "frontend"),  # model/onnx_read hands foreign ONNX graphs to frontend/graph_to_description
-    ("runtime", "pipeline"),  # LLM(model=...) compiles a model it is given
     ("schedules", "passes"),  # weight formats (VNNI layout, quant attrs) and kernel generators live in passes/_*
 }
 
