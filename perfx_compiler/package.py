@@ -19,7 +19,7 @@ import tvm
 
 from perfx_compiler.artifact_hash import MANIFEST_DIGEST_KEY, manifest_digest, sha256_file
 from perfx_compiler.model.onnx_emit import PAGE_SIZE, cache_shape, pages_per_sequence, pool_shape
-from perfx_compiler.pipeline import exported_functions, index_dtype_of
+from perfx_compiler.targets import index_dtype_of
 
 # 2: the manifest carries its own checksum (artifact_hash.manifest_digest); the runtime reads 1 and 2
 FORMAT_VERSION = 2
@@ -43,21 +43,22 @@ def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> list[dict[str,
     return index
 
 
-def write_artifact(state: Any) -> Path:
-    """Write ``state`` (a pipeline CompileState after build) to ``state.options.output_dir``."""
+def write_artifact(state: Any, functions: list[str]) -> Path:
+    """Write ``state`` (a pipeline CompileState after build), which exports ``functions``, to
+    ``state.options.output_dir``."""
     out = Path(state.options.output_dir)
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        return _write_into(state, tmp, out)
+        return _write_into(state, functions, tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves no partial artifact behind
         raise
 
 
-def _write_into(state: Any, tmp: Path, out: Path) -> Path:
+def _write_into(state: Any, functions: list[str], tmp: Path, out: Path) -> Path:
     from perfx_compiler import __version__
     from perfx_compiler.passes.texture_weights import texture_manifest
 
@@ -84,7 +85,7 @@ def _write_into(state: Any, tmp: Path, out: Path) -> Path:
         "compile_options": _compile_options(state),
         # every kernel and the template that scheduled it (schedule.py; --report prints them)
         "schedules": state.notes.get("schedules", []),
-        "functions": {name: name for name in exported_functions(state.options)},
+        "functions": {name: name for name in functions},
         # element type of input_ids / past_len / positions / page_table (int32 on targets without i64)
         "index_dtype": index_dtype_of(target),
         "kv_cache": {"shape": cache_shape(cfg), "dtype": "float32", "count": 2 * cfg.num_layers},

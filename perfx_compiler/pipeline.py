@@ -28,7 +28,7 @@ from tvm import relax
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.model.description import ModelDescription
 from perfx_compiler.progress import pop_console, push_console
-from perfx_compiler.targets import TargetDescription, load_target
+from perfx_compiler.targets import TargetDescription, index_dtype_of, load_target
 
 # Relax functions every artifact exports; the runtime calls them by these names.
 FUNCTIONS = {
@@ -131,15 +131,6 @@ def phase_import(state: CompileState) -> None:
     names = weight_input_names(state.desc)
     assert len(params) == len(names), (len(params), len(names))
     state.weights = {p.name: arrays[n] for p, n in zip(params, names, strict=True)}
-
-
-def index_dtype_of(target: TargetDescription) -> str:
-    """Element type of the graph's integer inputs (ids, past_len, positions, page_table) for ``target``:
-    the target file's ``"index_dtype"`` ("int32" where the device has no 64-bit integers, e.g. WebGPU)."""
-    dtype = str((target.raw or {}).get("index_dtype", "int64"))
-    if dtype not in ("int64", "int32"):
-        raise PerfXError(f"target {target.name}: index_dtype must be 'int64' or 'int32', not {dtype!r}")
-    return dtype
 
 
 def resolve_quantization(
@@ -343,7 +334,7 @@ def check_signatures(state: CompileState) -> None:
 def phase_package(state: CompileState) -> None:
     from perfx_compiler.package import write_artifact
 
-    write_artifact(state)
+    write_artifact(state, exported_functions(state.options))
 
 
 PHASES: list[tuple[str, Callable[[CompileState], None]]] = [

@@ -126,3 +126,12 @@ def load_target(name: str) -> TargetDescription:
     kwargs = {k: v for k, v in data.items() if k in known_fields and k != "raw"}
     kwargs.setdefault("name", resolved)
     return TargetDescription(**kwargs, raw=data)
+
+
+def index_dtype_of(target: TargetDescription) -> str:
+    """Element type of the graph's integer inputs (ids, past_len, positions, page_table) for ``target``:
+    the target file's ``"index_dtype"`` ("int32" where the device has no 64-bit integers, e.g. WebGPU)."""
+    dtype = str((target.raw or {}).get("index_dtype", "int64"))
+    if dtype not in ("int64", "int32"):
+        raise PerfXError(f"target {target.name}: index_dtype must be 'int64' or 'int32', not {dtype!r}")
+    return dtype

@@ -28,7 +28,7 @@ from perfx_compiler.model.description import (
     ModelDescription,
     rope_inv_freq,
 )
-from perfx_compiler.model.gguf_header import check_gguf_header
+from perfx_compiler.model.gguf_header import READ_ERRORS, check_gguf_header, field_value
 
 # Architectures read from GGUF; value: whether llama.cpp's converter permuted Q/K rows.
 _ARCHS = {"llama": True, "mistral": True, "qwen2": False}
@@ -42,8 +42,6 @@ PASSTHROUGH_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 DEFAULT_MAX_CONTEXT = 2048
 
-# What numpy/the gguf reader raise on corrupt or truncated bytes (never shown to users as is).
-READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, OSError, MemoryError, EOFError)
 
 _LAYER_MAP = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -87,13 +85,6 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of ``permute_qk``: interleaved rows -> HF rotate-half rows."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def field_value(field: Any) -> Any:
-    """Python value of a GGUF metadata field (ReaderField or an already plain value)."""
-    if hasattr(field, "contents") and hasattr(field, "parts"):
-        return field.contents()
-    return field
 
 
 class _Meta:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import struct
 from pathlib import Path
+from typing import Any
 
 from perfx_compiler.errors import ModelFormatError
 
@@ -123,3 +124,14 @@ def _check(w: _Walk, qtypes: dict[int, tuple[int, int]]) -> None:
     for name, offset, nbytes in tensors:
         if data + offset + nbytes > w.size:
             raise w.fail(f"{name} ({nbytes} bytes at byte {data + offset}) runs past the end of the file ({w.size} bytes)")
+
+
+# What numpy/the gguf reader raise on corrupt or truncated bytes (never shown to users as is).
+READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, OSError, MemoryError, EOFError)
+
+
+def field_value(field: Any) -> Any:
+    """Python value of a GGUF metadata field (ReaderField or an already plain value)."""
+    if hasattr(field, "contents") and hasattr(field, "parts"):
+        return field.contents()
+    return field

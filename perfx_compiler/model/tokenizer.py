@@ -57,7 +57,7 @@ SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_PRE))
 
 
 def _val(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    from perfx_compiler.model.gguf import READ_ERRORS, field_value
+    from perfx_compiler.model.gguf_header import READ_ERRORS, field_value
 
     f = fields.get(key)
     if f is None:

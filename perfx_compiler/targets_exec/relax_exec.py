@@ -119,7 +119,7 @@ def run_decode_steps(
     ``state`` is a pipeline state after the schedule phase; ``runner`` defaults to a
     :class:`RelaxKernelRunner` over ``launcher``."""
     from perfx_compiler.model.onnx_emit import cache_shape
-    from perfx_compiler.pipeline import index_dtype_of
+    from perfx_compiler.targets import index_dtype_of
 
     cfg = state.desc.config
     index = np.dtype(index_dtype_of(state.target))  # int32 where the device has no 64-bit integers
@@ -149,7 +149,7 @@ def run_paged_decode_steps(
     step, one token per sequence) from empty pools, each sequence on its own randomly drawn pages;
     return the logits [len(streams), vocab] of every step."""
     from perfx_compiler.model.onnx_emit import pages_per_sequence, pool_shape
-    from perfx_compiler.pipeline import index_dtype_of
+    from perfx_compiler.targets import index_dtype_of
 
     cfg = state.desc.config
     index = np.dtype(index_dtype_of(state.target))

@@ -190,7 +190,7 @@ def test_paged_prefill_chunks_match_x86(target: str, tiny_gguf, host_streams) ->
     from targets_common import MAX_CONTEXT
 
     from perfx_compiler.model.onnx_emit import pages_per_sequence, pool_shape
-    from perfx_compiler.pipeline import index_dtype_of
+    from perfx_compiler.targets import index_dtype_of
     from perfx_compiler.targets_exec.reference import lowered_module
     from perfx_compiler.targets_exec.relax_exec import RelaxKernelRunner
 
