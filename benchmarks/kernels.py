@@ -57,8 +57,8 @@ import numpy as np  # noqa: E402
 from _common import RESULTS, figure, write_csv  # noqa: E402
 
 from perfx_compiler.bench.machine import read_bandwidth  # noqa: E402
-from perfx_compiler.passes._gguf_blocks import Q4_0, Q4_1  # noqa: E402
-from perfx_compiler.passes._quant import int4_packed  # noqa: E402
+from perfx_compiler.formats.gguf_blocks import Q4_0, Q4_1  # noqa: E402
+from perfx_compiler.formats.int4 import int4_packed  # noqa: E402
 from perfx_compiler.schedule_template import find_template  # noqa: E402
 from perfx_compiler.targets import load_target  # noqa: E402
 from perfx_compiler.tune.measure import _to_arg, build_func, configure_threads, random_inputs  # noqa: E402

@@ -11,7 +11,7 @@ from its narrowed operands. Before TVM's pass, int64 buffers a kernel allocates 
 e.g. each row's query position in the tiled CPU attention) become int32 (TVM's pass refuses them).
 Tensor parameters of int64 *elements* are not touched (the graph's integer inputs are int32 on such
 targets: ``"index_dtype": "int32"``; quantized kernels read int8 codes as uint32 words there,
-``passes/_quant8.py``); :func:`remaining_int64` reports any that is left so the build can say which
+``formats/int8.py``); :func:`remaining_int64` reports any that is left so the build can say which
 kernel is at fault, and 8/16-bit integer tensors are refused the same way.
 
 Host (Relax) functions keep int64 shapes: the VM passes them into the narrowed PrimFuncs as it does

@@ -153,7 +153,7 @@ def resolve_quantization(
 def resolve_activations(activations: str | None, quantization: str, target: TargetDescription) -> str:
     """``auto`` -> ``int8`` where the target has AVX-512 VNNI and the weights are quantized (the
     VNNI kernels quantize x per group, as llama.cpp does), else ``f32``. ``int8`` elsewhere is an error."""
-    from perfx_compiler.passes._qvnni import has_avx512_vnni
+    from perfx_compiler.formats.vnni import has_avx512_vnni
 
     if activations in (None, "", "auto"):
         return "int8" if quantization != "f32" and has_avx512_vnni(target) else "f32"
@@ -171,7 +171,7 @@ def phase_passes(state: CompileState) -> None:
     opts.precision, opts.quantization = resolve_precision(opts.precision, opts.quantization, state.target)
     state.options.quantization = resolve_quantization(state.options.quantization, state.desc, state.target)
 
-    from perfx_compiler.passes._qlinear import use_activations, use_batch_gemv
+    from perfx_compiler.passes._quantized_linears import use_activations, use_batch_gemv
     from perfx_compiler.schedule_template import is_cpu_target
 
     opts = state.options

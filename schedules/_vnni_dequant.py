@@ -1,4 +1,4 @@
-"""The VNNI layouts' other readers (``passes/_qvnni.py``: int4 row pairs, int8 + 128), used by the
+"""The VNNI layouts' other readers (``formats/vnni.py``: int4 row pairs, int8 + 128), used by the
 ``gemv_qvnni_cpu`` template beside the GEMV of ``_vnni_kernels``: ``dequant`` (prefill: W in float32,
 row-major or as the packed GEMM's panels) and ``take`` (the embedding gather).
 """

@@ -1,4 +1,4 @@
-"""TIR kernels over the VNNI layouts of ``perfx_compiler/passes/_qvnni.py`` (int4 row pairs,
+"""TIR kernels over the VNNI layouts of ``perfx_compiler/formats/vnni.py`` (int4 row pairs,
 int8 + 128), used by the ``gemv_qvnni_cpu`` template.
 
 GEMV (decode, static rows M <= 8), one call:
@@ -15,7 +15,7 @@ GEMV (decode, static rows M <= 8), one call:
 3. Row end: horizontal sum of the 16 lanes.
 
 The result is exactly ``dequant(W) @ xq`` with ``xq`` the int8-quantized x, up to float32
-summation order (``_qvnni.quantize_activations`` is the numpy reference of xq).
+summation order (``formats.vnni.quantize_activations`` is the numpy reference of xq).
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 chunks): functions tagged ``perfx.quant`` with ``layout: vnni``, ``kind: matmul`` and symbolic
 rows (or static rows > 8; the GEMV template ``gemv_qvnni_cpu`` takes decode's <= 8). Formats:
 GGUF Q4_0 / Q4_1 / Q8_0 and PerfX's q4_g32/64/128 (sym and asym) and q8, in the weight layout of
-``perfx_compiler/passes/_qvnni.py`` (the decode GEMV's: one copy of the weights serves both).
+``perfx_compiler/formats/vnni.py`` (the decode GEMV's: one copy of the weights serves both).
 
 One call (``y = dequant(W) @ xq``, xq = x quantized to int8 per row and weight group):
 
 1. Activations, once per GEMM (parallel over rows): per row and group ``dx = amax/127``,
-   ``q = round(x * 127/amax)`` (int8), ``sum(q)``; exactly ``_qvnni.quantize_activations``.
+   ``q = round(x * 127/amax)`` (int8), ``sum(q)``; exactly ``formats.vnni.quantize_activations``.
 2. Parallel over blocks of ``nr`` column tiles (16 output columns each). A block first repacks
    its weights from the row layout into a thread-local panel in the layout ``vpdpbusd`` wants
    for a GEMM: per 4 (int8) / 8 (int4) columns of K, one 64-byte vector holding 16 output
@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from perfx_compiler.passes._qvnni import has_avx512_vnni
+from perfx_compiler.formats.vnni import has_avx512_vnni
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -282,7 +282,7 @@ def prepack(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, arrays: 
             nr: int) -> list[np.ndarray]:
     """The ``prepacked`` kernel's arrays (panels, scales, zero|min) from the row layout's ones:
     what the in-call repack writes per block, made once (a compile-time repack)."""
-    from perfx_compiler.passes._qvnni import unpack_q4_pairs
+    from perfx_compiler.formats.vnni import unpack_q4_pairs
 
     p = plan(K, G)
     KP = p["KP"]

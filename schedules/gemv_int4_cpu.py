@@ -3,7 +3,7 @@ quantize_int4 pass) and the quantized embedding gather.
 
 The tagged function is a plain dequantize+matmul reduction; this template replaces it with a
 hand-written kernel of the same signature, reading the interleaved packing of
-``perfx_compiler/passes/_quant.py`` (one vector load of L uint32 words + constant shift + mask =
+``perfx_compiler/formats/int4.py`` (one vector load of L uint32 words + constant shift + mask =
 L consecutive codes):
 
 * GEMV (static rows <= 8, decode): parallel over output rows N. Per group the codes are
@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfx_compiler.formats import QUANT_ATTR, read_quant_info
 from perfx_compiler.kernels._lanes import lanes_sum
-from perfx_compiler.passes._quant_attr import QUANT_ATTR, read_quant_info
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from perfx_compiler.passes._qvnni import has_avx512_vnni
+from perfx_compiler.formats.vnni import has_avx512_vnni
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -58,8 +58,8 @@ def _plain_gemv(info: dict[str, Any], rows: tuple[int, int] | None) -> Any:
 @functools.lru_cache(maxsize=64)
 def _plain_gemv_of(n: int, k: int, group: int, bits: int, sym: bool, offset: bool, rows: tuple[int, int]) -> Any:
     # cached: a model has a handful of fused shapes, each matched once per layer and again per tuning task
-    from perfx_compiler.passes._qvnni import vnni_compute
-    from perfx_compiler.passes._relax_util import OPAQUE
+    from perfx_compiler.formats.vnni import vnni_compute
+    from perfx_compiler.kernels.tir_queries import OPAQUE
 
     return vnni_compute(n, k, group, bits, sym, offset, "matmul", rows).with_attr("op_pattern", OPAQUE)
 

@@ -72,7 +72,7 @@ def test_knob_wins_over_default_target_file_and_record() -> None:
 
     target = load_target("x86-avx512")
     template = template_by_name("gemv_qvnni_cpu")
-    from perfx_compiler.passes._qvnni import vnni_compute
+    from perfx_compiler.formats.vnni import vnni_compute
 
     wl = template.match(vnni_compute(64, 576, 32, 4, True, False, "matmul", (1, 1)), target)
     assert template.default_config(wl, target)["prefetch"] == 128

@@ -127,7 +127,7 @@ def _quant_image_gemm(N: int, K: int, texels: int, per: int, codes: ImageLayout,
 
 def texture_q4_gemm_kernel(info: dict[str, Any], codes: ImageLayout, scales: ImageLayout, threads: int = 64,
                            rows: int = ROWS) -> Any:
-    """int4 (``passes/_quant.py`` layout) W with codes and (scale, min|zero) in images; x [b, s, K]."""
+    """int4 (``formats/int4.py`` layout) W with codes and (scale, min|zero) in images; x [b, s, K]."""
     N, K, G, L, offset = _q4_parts(info)
     texels = K // 8 // TEXEL
     if texels % 2:
@@ -153,7 +153,7 @@ def texture_q4_gemm_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
 
 def texture_q8_gemm_kernel(info: dict[str, Any], codes: ImageLayout, scales: ImageLayout, threads: int = 64,
                            rows: int = ROWS) -> Any:
-    """int8 (``passes/_quant8.py``) W: code bytes as uint32 words and scales in images; x [b, s, K]."""
+    """int8 (``formats/int8.py``) W: code bytes as uint32 words and scales in images; x [b, s, K]."""
     N, K, G = int(info["N"]), int(info["K"]), int(info["group"])
     texels = K // 16
     if K % 32 or texels % 2 or G % 16:

@@ -7,9 +7,9 @@ weight matrix becomes an ``image2d_array_t`` of RGBA texels: row ``n`` of the ma
 texel ``t`` of a row holds the row's 4 consecutive 32-bit words ``4t .. 4t+3``:
 
 * ``f32``: the float weights (RGBA32F); texel t = ``W[n, 4t:4t+4]``.
-* ``q4`` (int4 codes, ``passes/_quant.py`` layout): the uint32 code words (RGBA32UI), 32 codes a texel;
+* ``q4`` (int4 codes, ``formats/int4.py`` layout): the uint32 code words (RGBA32UI), 32 codes a texel;
   scales and zeros/mins go to a second RGBA32F image, texel i = (scale, zero|min) of groups 2i, 2i+1.
-* ``q8`` (int8 codes, ``passes/_quant8.py``): the codes' bytes as uint32 words (RGBA32UI), 16 codes a
+* ``q8`` (int8 codes, ``formats/int8.py``): the codes' bytes as uint32 words (RGBA32UI), 16 codes a
   texel; scales to an RGBA32F image, texel i = the scales of groups 4i .. 4i+3.
 
 The buffers are declared in scope ``global.texture``: TVM's ``TextureFlatten`` turns their loads into
@@ -204,7 +204,7 @@ def _quant_image_gemv(N: int, K: int, texels: int, codes: ImageLayout, scales: I
 # written inline (an assignment inside the prim_func becomes a local buffer, and TVM's CSE then merges
 # texture reads whose indices load it at different points).
 def q4_col0(t: Any, j: int, L: int) -> Any:
-    """First of the 4 consecutive columns that nibble ``j`` of code texel ``t`` holds (``_quant.py`` lanes)."""
+    """First of the 4 consecutive columns that nibble ``j`` of code texel ``t`` holds (``formats/int4.py`` lanes)."""
     return (t * TEXEL // L) * (8 * L) + j * L + t * TEXEL % L
 
 
@@ -223,7 +223,7 @@ def q8_code(w: Any, b: Any) -> Any:
 
 
 def texture_q4_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: ImageLayout, threads: int = 64) -> Any:
-    """int4 GEMV (``perfx.quant`` info of ``passes/_quant.py``) with codes and scales in images:
+    """int4 GEMV (``perfx.quant`` info of ``formats/int4.py``) with codes and scales in images:
     w = code * scale + min (``offset``) or (code - zero) * scale."""
     N, K, G, L = int(info["N"]), int(info["K"]), int(info["group"]), int(info["lanes"])
     offset = bool(info.get("offset"))
@@ -245,7 +245,7 @@ def texture_q4_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
 
 
 def texture_q8_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: ImageLayout, threads: int = 64) -> Any:
-    """int8 GEMV (``passes/_quant8.py``) with the code bytes (as uint32 words) and scales in images."""
+    """int8 GEMV (``formats/int8.py``) with the code bytes (as uint32 words) and scales in images."""
     N, K, G = int(info["N"]), int(info["K"]), int(info["group"])
     texels = K // 16
     if K % 32 or texels % 2 or G % 16:

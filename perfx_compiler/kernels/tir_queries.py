@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+OPAQUE = 8  # relax OpPatternKind.kOpaque as a PrimFunc's "op_pattern": FuseOps leaves such a call_tir alone
+
 
 def buffer_type(param: Any) -> Any:
     """The BufferType of a buffer parameter (TVM 0.27 PrimFuncs take buffers as typed Vars), else None."""

@@ -1,7 +1,7 @@
 """Half-precision weights (``--quantization f16 | bf16``) packed at compile time into the GEMM's
 panels: the Relax surgery ``weight_layout`` runs on CPU targets, and the PrimFuncs it emits.
 
-Before: a half weight W [N, K] (``_half``) is read by a decode GEMV (``<f>_matmul``, rows <= 8),
+Before: a half weight W [N, K] (``formats/half.py``) is read by a decode GEMV (``<f>_matmul``, rows <= 8),
 by a prefill dequantize (``<f>_dequant``: float32 panels, rewritten per call) feeding NT matmuls,
 and, for a tied embedding, by a gather (``<f>_take``). After: W is stored once as half panels
 ``[N / nb, K, nb]`` (``weight_layout.pack_weight``'s layout, 2 bytes per element), every matmul
@@ -21,8 +21,8 @@ import numpy as np
 import tvm
 from tvm import relax, te, tirx
 
-from perfx_compiler.passes._half import FAMILIES, storage_dtype, widen_expr
-from perfx_compiler.passes._quant_attr import read_quant_info
+from perfx_compiler.formats import read_quant_info
+from perfx_compiler.formats.half import FAMILIES, storage_dtype, widen_expr
 from perfx_compiler.passes._relax_util import FuncInfo, drop_uncalled_primfuncs, exported, replace_weight_params
 
 SUFFIX = "_panels"

@@ -10,6 +10,8 @@ from typing import Any
 import tvm
 from tvm import relax
 
+from perfx_compiler.kernels.tir_queries import OPAQUE
+
 # Relax functions the runtime calls at least; every pass rewrites all exported ones alike.
 EXPORTED = ("prefill", "decode", "prefill_all")
 
@@ -21,7 +23,6 @@ def exported(mod: tvm.IRModule) -> list[str]:
         if isinstance(func, relax.Function) and func.attrs is not None and "num_input" in func.attrs:
             out.append(gv.name_hint)
     return sorted(out, key=lambda n: (n not in EXPORTED, EXPORTED.index(n) if n in EXPORTED else 0, n))
-OPAQUE = 8  # relay/relax OpPatternKind.kOpaque: FuseOps leaves such a call_tir alone
 SKIP = "skip"
 # JSON on the kernels the fusion passes emit ({"op": "add_rms_norm", "eps": ...}, {"op": "swiglu"}), for
 # later passes that fuse them further (fuse_gemv_prologue)

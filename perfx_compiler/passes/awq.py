@@ -30,7 +30,7 @@ import numpy as np
 import tvm
 
 from perfx_compiler.errors import PerfXError
-from perfx_compiler.passes._quant import Int4Format, dequantize_int4, quantize_int4, words_target
+from perfx_compiler.formats.int4 import Int4Format, dequantize_int4, quantize_int4, words_target
 from perfx_compiler.passes.quantize_int4 import quantize_linears
 
 NAME = "awq"

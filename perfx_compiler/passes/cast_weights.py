@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import tvm
 
-from perfx_compiler.passes._half import FAMILIES, half_packed
-from perfx_compiler.passes._qlinear import linear_weights, rewrite_linears
+from perfx_compiler.formats.half import FAMILIES, half_packed
+from perfx_compiler.passes._quantized_linears import linear_weights, rewrite_linears
 
 NAME = "cast_weights"
 

@@ -27,8 +27,8 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from perfx_compiler.passes._quant_attr import QUANT_ATTR
-from perfx_compiler.passes._qvnni import vnni_compute
+from perfx_compiler.formats import QUANT_ATTR
+from perfx_compiler.formats.vnni import vnni_compute
 from perfx_compiler.passes._relax_util import FUSED_OP_ATTR, SKIP, FuncInfo, exported, rewrite_functions
 
 NAME = "fuse_gemv_prologue"

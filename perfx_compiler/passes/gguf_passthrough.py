@@ -1,5 +1,5 @@
 """GGUF passthrough (quantization ``gguf``): linears read the file's Q4_0 / Q4_1 / Q8_0 blocks as
-they are, repacked into the kernels' layouts (``_gguf_blocks``), never requantized.
+they are, repacked into the kernels' layouts (``formats/gguf_blocks.py``), never requantized.
 
 The loader keeps each such tensor's raw blocks in ``ModelDescription.quantized`` (Q/K rows already
 in Hugging Face order). Merged projections (``merge_projections``: QKV, gate+up) take their
@@ -23,9 +23,9 @@ import tvm
 from tqdm import tqdm
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.formats.gguf_blocks import dequantize_blocks, packed_from_blocks
 from perfx_compiler.model.lazy import is_lazy
-from perfx_compiler.passes._gguf_blocks import dequantize_blocks, packed_from_blocks
-from perfx_compiler.passes._qlinear import current_activations, linear_weights, rewrite_linears
+from perfx_compiler.passes._quantized_linears import current_activations, linear_weights, rewrite_linears
 from perfx_compiler.passes.merge_projections import complete_groups
 
 NAME = "gguf_passthrough"

@@ -27,9 +27,10 @@ import numpy as np
 import tvm
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.formats import Packed
+from perfx_compiler.formats.int4 import Int4Format, int4_packed, words_target
 from perfx_compiler.frontend.contrib_ops import NBitsTable
-from perfx_compiler.passes._qlinear import Packed, linear_weights, rewrite_linears
-from perfx_compiler.passes._quant import Int4Format, int4_packed, words_target
+from perfx_compiler.passes._quantized_linears import linear_weights, rewrite_linears
 from perfx_compiler.passes.merge_projections import complete_groups
 
 NAME = "onnx_int4_passthrough"
@@ -68,8 +69,8 @@ def fp16_scales(scales: np.ndarray) -> np.ndarray | None:
 
 
 def packed_from_table(t: NBitsTable, words: bool = False) -> Packed | None:
-    """The ``_qlinear.Packed`` of an int4 table, or None when the kernels cannot hold it (``words``: zero
-    points as uint32 words, ``_quant.words_target``)."""
+    """The :class:`~perfx_compiler.formats.Packed` of an int4 table, or None when the kernels cannot hold it (``words``: zero
+    points as uint32 words, ``formats.int4.words_target``)."""
     n, k = t.shape
     fmt = Int4Format(t.block, symmetric=t.zeros is None)
     try:

@@ -4,7 +4,7 @@ Per-operator policy: only the inputs of linear layers (matmuls against weights) 
 the chosen format, and the weights are stored in it (quantization ``bf16`` / ``f16``); norms,
 softmax, RoPE, attention, residual adds and every accumulation stay fp32.
 
-* decode (few static rows): the half-weight GEMV rounds x itself (``passes/_half.py``);
+* decode (few static rows): the half-weight GEMV rounds x itself (``formats/half.py``);
 * prefill (rows symbolic): this pass inserts one rounding kernel before each such linear, whose
   dequantize + float GEMM then multiplies rounded inputs by the widened weights.
 
@@ -19,8 +19,8 @@ import tvm
 from tvm import relax
 
 from perfx_compiler.errors import PerfXError
-from perfx_compiler.passes._half import half_compute
-from perfx_compiler.passes._qlinear import GEMV_MAX_ROWS, static_dim
+from perfx_compiler.formats.half import half_compute
+from perfx_compiler.passes._quantized_linears import GEMV_MAX_ROWS, static_dim
 from perfx_compiler.passes._relax_util import exported, find_linears, rewrite_functions
 
 NAME = "precision"

@@ -3,7 +3,7 @@
 ``q4_g128`` / ``q4_g64`` / ``q4_g32``: asymmetric (scale + zero point per group of G input
 columns); ``q4_sym_g128`` (also g64/g32): symmetric. Each weight W [N, K] becomes three
 parameters at its position in the weight table: ``<W>_q4`` (uint32 codes, interleaved layout of
-``_quant.py``), ``<W>_q4_scale`` (fp16) and ``<W>_q4_zero`` (uint8). Each linear
+``formats.int4.py``), ``<W>_q4_scale`` (fp16) and ``<W>_q4_zero`` (uint8). Each linear
 ``matmul(x, permute_dims(W)) [+ b]`` becomes one call of a dequantize+matmul PrimFunc (opaque to
 FuseOps) that ``schedules/gemv_int4_cpu.py`` replaces by its GEMV kernel. Many-row linears
 (prefill, M symbolic) become ``dequantize -> float matmul``: the GEMM template then runs at fp32
@@ -20,8 +20,8 @@ import numpy as np
 import tvm
 
 from perfx_compiler.errors import PerfXError
-from perfx_compiler.passes._qlinear import GEMV_MAX_ROWS, linear_weights, rewrite_linears
-from perfx_compiler.passes._quant import Int4Format, int4_packed, quantize_int4, words_target
+from perfx_compiler.formats.int4 import Int4Format, int4_packed, quantize_int4, words_target
+from perfx_compiler.passes._quantized_linears import GEMV_MAX_ROWS, linear_weights, rewrite_linears
 
 NAME = "quantize_int4"
 
@@ -52,7 +52,7 @@ def quantize_linears(
     mod: tvm.IRModule, weights: dict[str, Any], fmt: Int4Format, prepare: Any = None, words: bool = False
 ) -> tuple[tvm.IRModule, dict[str, Any]]:
     """The pass body, reusable by AWQ (``prepare(name, W) -> W'`` adjusts a weight first; ``words``:
-    zero points as uint32 words, ``_quant.words_target``)."""
+    zero points as uint32 words, ``formats.int4.words_target``)."""
     quant, _ = linear_weights(mod, weights)
     packed = {}
     for name in quant:

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import tvm
 
-from perfx_compiler.passes._qlinear import linear_weights, rewrite_linears
-from perfx_compiler.passes._quant8 import check_group, int8_packed, quantize_int8
+from perfx_compiler.formats.int8 import check_group, int8_packed, quantize_int8
+from perfx_compiler.passes._quantized_linears import linear_weights, rewrite_linears
 
 NAME = "quantize_int8"
 _Q8 = re.compile(r"^q8(?:_g(32|64|128))?$")

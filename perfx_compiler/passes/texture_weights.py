@@ -33,7 +33,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from perfx_compiler.passes._quant_attr import QUANT_ATTR
+from perfx_compiler.formats import QUANT_ATTR
 from perfx_compiler.passes._relax_util import (
     SKIP,
     FuncInfo,
@@ -350,7 +350,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
 
 def _content(source: str) -> str:
     if source.endswith("_q4"):
-        return "int4 code words of passes/_quant.py (uint32 [N, K/8]), 4 words a texel"
+        return "int4 code words of formats/int4.py (uint32 [N, K/8]), 4 words a texel"
     if source.endswith("_q8"):
         return "int8 codes as little-endian uint32 words (16 codes a texel)"
     if source.endswith("_q4_scale"):

@@ -12,7 +12,7 @@ them at compile time into the panels the GEMM/GEMV micro-kernels read.
    templates take nb from the function itself, so a tuning record made for another nb belongs
    to another workload and a config whose tiles do not fit nb is rejected.
 3. CPU targets, quantized prefill: a weight dequantized at run time (a ``perfx.quant``
-   ``dequant`` PrimFunc, see ``_qlinear``) whose result only feeds NT matmuls is written
+   ``dequant`` PrimFunc, see ``_quantized_linears``) whose result only feeds NT matmuls is written
    straight into the same panels (its output buffer is re-laid out ``[N / nb, K, nb]``; the
    dequant templates take nb from that buffer) and the matmuls become the same packed variants
    as for a compile-time packed weight: the GEMM never repacks a runtime weight.
@@ -26,7 +26,7 @@ import numpy as np
 import tvm
 from tvm import relax, te, tirx
 
-from perfx_compiler.passes._quant_attr import read_quant_info
+from perfx_compiler.formats import read_quant_info
 from perfx_compiler.passes._relax_util import FuncInfo, drop_uncalled_primfuncs, exported, replace_weight_params
 
 NAME = "weight_layout"

@@ -113,7 +113,7 @@ def pinned_inputs(func: Any) -> dict[str, int]:
     timed on a 10-token cache, its split count would tune nothing), by parameter name."""
     import json
 
-    from perfx_compiler.passes._quant_attr import read_quant_info
+    from perfx_compiler.formats import read_quant_info
 
     pins: dict[str, int] = {}
     info = read_quant_info(func) or {}

@@ -164,7 +164,7 @@ def int4_gemv_sweep(
     import pandas as pd
     import tvm
 
-    from perfx_compiler.passes._quant import Int4Format, dequantize_int4, int4_matmul_compute, pack_int4, quantize_int4
+    from perfx_compiler.formats.int4 import Int4Format, dequantize_int4, int4_matmul_compute, pack_int4, quantize_int4
     from perfx_compiler.schedule import schedule_func
 
     tdesc = _target(target)

@@ -76,8 +76,8 @@ def test_lazy_path_never_dequantizes_a_matrix(files: dict[str, Path], monkeypatc
     size of the matrices (an fp32 copy of even one FFN matrix set would exceed it)."""
     # gguf_passthrough is imported before the traps: imported under them, it would bind the trapped
     # dequantize_blocks by name, and undoing the patches would restore that
+    import perfx_compiler.formats.gguf_blocks as blocks_mod
     import perfx_compiler.model.gguf as gguf_mod
-    import perfx_compiler.passes._gguf_blocks as blocks_mod
     import perfx_compiler.passes.gguf_passthrough  # noqa: F401
     from perfx_compiler import pipeline
     from perfx_compiler.targets import load_target
@@ -110,7 +110,7 @@ def test_lazy_path_never_dequantizes_a_matrix(files: dict[str, Path], monkeypatc
                                            activations=act)
             target = load_target("host")
             if act == "int8":
-                from perfx_compiler.passes._qvnni import has_avx512_vnni
+                from perfx_compiler.formats.vnni import has_avx512_vnni
 
                 if not has_avx512_vnni(target):
                     continue

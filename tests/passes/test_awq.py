@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from perfx_compiler.formats.int4 import Int4Format, dequantize_int4, quantize_int4
 from perfx_compiler.model.description import ModelDescription
-from perfx_compiler.passes._quant import Int4Format, dequantize_int4, quantize_int4
 from perfx_compiler.passes.awq import awq_weights, calibration_ids, parse, search_scale
 from tests.passes.conftest import ALL_PASSES, max_rel_err, tiny_desc
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.formats.gguf_blocks import dequantize_blocks, unpack_blocks
+from perfx_compiler.formats.int4 import pack_int4, unpack_int4
+from perfx_compiler.formats.int8 import dequantize_int8, quantize_int8
 from perfx_compiler.model.description import ModelDescription
-from perfx_compiler.passes._gguf_blocks import dequantize_blocks, unpack_blocks
-from perfx_compiler.passes._quant import pack_int4, unpack_int4
-from perfx_compiler.passes._quant8 import dequantize_int8, quantize_int8
 from tests.passes.conftest import ALL_PASSES, lower, max_rel_err, tiny_desc
 
 GGUF_PASSES = [*ALL_PASSES, "gguf_passthrough", "quantize_int8"]

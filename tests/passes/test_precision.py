@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.formats.half import bf16_bits, bf16_to_f32, from_half, round_act, to_half
 from perfx_compiler.model.reference import ReferenceModel
-from perfx_compiler.passes._half import bf16_bits, bf16_to_f32, from_half, round_act, to_half
 from perfx_compiler.passes.precision import resolve_precision
 from perfx_compiler.targets import load_target
 from tests.passes.conftest import tiny_desc

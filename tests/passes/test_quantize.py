@@ -10,14 +10,14 @@ import pytest
 
 from perfx_compiler import compile_report as report
 from perfx_compiler.errors import PerfXError
-from perfx_compiler.model.description import ModelDescription
-from perfx_compiler.passes._quant import (
+from perfx_compiler.formats.int4 import (
     Int4Format,
     dequantize_int4,
     pack_int4,
     quantize_int4,
     unpack_int4,
 )
+from perfx_compiler.model.description import ModelDescription
 from perfx_compiler.passes.quantize_int4 import parse
 from tests.passes.conftest import ALL_PASSES, lower, max_rel_err, tiny_desc
 

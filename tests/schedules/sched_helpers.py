@@ -16,10 +16,10 @@ def vnni_weights(fmt: str, n: int, k: int, rng: np.random.Generator) -> tuple[An
     """(Random [N, K] weights packed in the VNNI layout, the float64 dequantized W) for a format name:
     ``q8``/``Q8_0`` (the same blocks: int8 codes, one f16 scale per 32), ``Q4_1`` (random codes, scales
     and mins), ``Q4_0`` or the PerfX int4 groups ``g128``, ``g64s`` (symmetric), ``g32``."""
-    from perfx_compiler.passes._gguf_blocks import Q4_0, Q4_1
-    from perfx_compiler.passes._quant import Int4Format, dequantize_int4, quantize_int4
-    from perfx_compiler.passes._quant8 import dequantize_int8, quantize_int8
-    from perfx_compiler.passes._qvnni import q4_vnni_packed, q8_vnni_packed
+    from perfx_compiler.formats.gguf_blocks import Q4_0, Q4_1
+    from perfx_compiler.formats.int4 import Int4Format, dequantize_int4, quantize_int4
+    from perfx_compiler.formats.int8 import dequantize_int8, quantize_int8
+    from perfx_compiler.formats.vnni import q4_vnni_packed, q8_vnni_packed
 
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     if fmt in ("q8", "Q8_0"):

@@ -42,8 +42,8 @@ TAILS = [("q4_g128", 200, 192), ("Q4_1", 104, 320), ("Q4_0", 576, 576), ("q4_sym
 
 
 def _tail_weights(fmt: str, n: int, k: int, rng: np.random.Generator):
-    from perfx_compiler.passes._gguf_blocks import Q4_0, Q4_1
-    from perfx_compiler.passes._quant import Int4Format, dequantize_int4, int4_packed, quantize_int4
+    from perfx_compiler.formats.gguf_blocks import Q4_0, Q4_1
+    from perfx_compiler.formats.int4 import Int4Format, dequantize_int4, int4_packed, quantize_int4
 
     if fmt == "Q4_1":
         codes = rng.integers(0, 16, (n, k)).astype(np.uint8)

@@ -3,7 +3,7 @@
 Each GEMM runs against two numpy references:
 
 * exactly its own arithmetic: x quantized to int8 per row and weight group
-  (``_qvnni.quantize_activations``) times the float64 dequantized weights. The integer dots are
+  (``formats.vnni.quantize_activations``) times the float64 dequantized weights. The integer dots are
   exact; only the float32 group sums and the float32 scale products differ -> 2e-6 of max |y|
   (observed ~3e-7; a wrong group, scale or nibble gives errors of order 1e-2 and more);
 * float activations: the error is bounded by |w| . |x - xq| <= sum_k |w_k| amax_g(k) / 254
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from sched_helpers import needs_vnni, vnni_weights
 
-from perfx_compiler.passes._qvnni import quantize_activations
+from perfx_compiler.formats.vnni import quantize_activations
 from perfx_compiler.schedule_template import ScheduleConfigError
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func

@@ -2,7 +2,7 @@
 
 Each GEMV runs against two numpy references:
 
-* the same int8 activation quantization (``_qvnni.quantize_activations``) times the float64
+* the same int8 activation quantization (``formats.vnni.quantize_activations``) times the float64
   dequantized weights: the kernel's integer dots are exact, only float32 sums differ -> 1e-5
   of max |y|;
 * the float activations: the error is bounded by |w| . |x - xq| <= sum_k |w_k| amax_g(k) / 254
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from sched_helpers import needs_vnni, vnni_weights
 
-from perfx_compiler.passes._gguf_blocks import Q4_1
-from perfx_compiler.passes._qvnni import (
+from perfx_compiler.formats.gguf_blocks import Q4_1
+from perfx_compiler.formats.vnni import (
     pack_q4_pairs,
     pack_q8_offset,
     q4_vnni_packed,
@@ -326,7 +326,7 @@ def test_fused_prologue_gemv_matches_reference(template, target, prologue, fmt, 
     workload is keyed as the plain GEMV of its shape (its tuning records apply)."""
     import tvm
 
-    from perfx_compiler.passes._qvnni import vnni_compute
+    from perfx_compiler.formats.vnni import vnni_compute
 
     rng = np.random.default_rng()
     packed, wd = vnni_weights(fmt, n, k, rng)
@@ -368,7 +368,7 @@ def test_swiglu_epilogue_gemv_matches_reference(template, target, prologue, fmt,
     and Q8_0 (a short last chunk of h)."""
     import tvm
 
-    from perfx_compiler.passes._qvnni import vnni_compute
+    from perfx_compiler.formats.vnni import vnni_compute
 
     rng = np.random.default_rng()
     packed, wd = vnni_weights(fmt, n, k, rng)

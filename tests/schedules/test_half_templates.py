@@ -8,7 +8,7 @@ import pytest
 import tvm
 from sched_helpers import sample_configs
 
-from perfx_compiler.passes._half import from_half, half_compute, round_act, to_half
+from perfx_compiler.formats.half import from_half, half_compute, round_act, to_half
 from perfx_compiler.schedule_template import ScheduleConfigError
 from perfx_compiler.tune.measure import build_func
 from schedules.gemv_half_cpu import TEMPLATE
@@ -102,7 +102,7 @@ def test_wrong_configs_are_rejected(cpu_target):
 
 
 def test_only_half_functions_match(cpu_target):
-    from perfx_compiler.passes._quant8 import int8_matmul_compute
+    from perfx_compiler.formats.int8 import int8_matmul_compute
 
     assert TEMPLATE.match(int8_matmul_compute(64, 64, 32), cpu_target) is None
     assert TEMPLATE.match(half_compute(64, 64, "f16", "round", (None, None), act="f16"), cpu_target) is None

@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from perfx_compiler.passes._gguf_blocks import Q4_0, Q4_1
-from perfx_compiler.passes._half import from_half, half_packed
-from perfx_compiler.passes._quant import Int4Format, dequantize_int4, int4_packed, quantize_int4
-from perfx_compiler.passes._quant8 import dequantize_int8, int8_packed, quantize_int8
+from perfx_compiler.formats.gguf_blocks import Q4_0, Q4_1
+from perfx_compiler.formats.half import from_half, half_packed
+from perfx_compiler.formats.int4 import Int4Format, dequantize_int4, int4_packed, quantize_int4
+from perfx_compiler.formats.int8 import dequantize_int8, int8_packed, quantize_int8
 from perfx_compiler.passes.weight_layout import pack_weight, packed_dequant
 from perfx_compiler.tune.measure import build_func
 
@@ -72,7 +72,7 @@ def test_dequant_to_panels_matches_numpy(cpu_target, fmt, layout):
     pk, wd = _weights(fmt, rng)
     if layout == "vnni":
         assert pk.vnni is not None, f"{fmt} lost its VNNI layout"
-        from perfx_compiler.passes._qvnni import has_avx512_vnni
+        from perfx_compiler.formats.vnni import has_avx512_vnni
 
         if not has_avx512_vnni(cpu_target):
             pytest.skip("no AVX-512 VNNI on this CPU")

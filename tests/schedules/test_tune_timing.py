@@ -20,7 +20,7 @@ def template():
 
 def _gemv(bits: int, n: int, k: int):
     """The decode GEMV (1 row) the pipeline emits for a VNNI-layout linear: Q4_1 or Q8_0-like."""
-    from perfx_compiler.passes._qvnni import vnni_compute
+    from perfx_compiler.formats.vnni import vnni_compute
 
     return vnni_compute(n, k, 32, bits, bits == 8, bits == 4, "matmul", (1, 1))
 
@@ -49,7 +49,7 @@ def test_guard_rejects_impossible_timings(target):
 
 @needs_vnni
 def test_gemv_is_timed_cold_and_gathers_and_prefill_gemms_are_not(target, template):
-    from perfx_compiler.passes._qvnni import vnni_compute
+    from perfx_compiler.formats.vnni import vnni_compute
     from perfx_compiler.schedule_template import find_template
     from perfx_compiler.tune.workloads import packed_linear_func
 

@@ -21,6 +21,7 @@ LAYERS: list[set[str]] = [
     {"targets"},  # target descriptions
     {"runtime"},  # the thin runtime: loads and runs artifacts, imports no compiler code
     {"kernels"},  # hand-written TIR generators: (shape, config) -> PrimFunc
+    {"formats"},  # weight formats: packing, float64 reference, what their kernels need to know
     {"model"},  # model readers -> ModelDescription (+ its ONNX form)
     {"frontend"},  # ONNX -> Relax
     {"knobs", "schedule_template", "schedules", "schedule"},  # templates: match a PrimFunc, apply a config
@@ -35,7 +36,6 @@ RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 KNOWN_UPWARD: set[tuple[str, str]] = {
     ("model", "frontend"),  # model/onnx_read hands foreign ONNX graphs to frontend/graph_to_description
-    ("schedules", "passes"),  # weight formats (VNNI layout, quant attrs) and kernel generators live in passes/_*
 }
 
 

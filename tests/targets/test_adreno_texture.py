@@ -50,8 +50,8 @@ def _check(got: np.ndarray, want: np.ndarray, k: int) -> None:
                                                      (576, 1536, 16384), (100, 64, 30)])
 @pytest.mark.parametrize("offset", [True, False])
 def test_q4_texture_gemv(n: int, k: int, max_height: int, offset: bool, launcher) -> None:
+    from perfx_compiler.formats.int4 import Int4Format, pack_int4
     from perfx_compiler.kernels import gemv_texture as gt
-    from perfx_compiler.passes._quant import Int4Format, pack_int4
 
     lim = {**LIMITS, "max_height": max_height}
     fmt = Int4Format(32, False, offset)
@@ -127,9 +127,9 @@ def _run_rows(launcher, cf, images: list[np.ndarray], k: int, n: int, want_w: np
                                                      (102, 64, 30)])
 @pytest.mark.parametrize("offset", [True, False])
 def test_q4_texture_gemm(n: int, k: int, max_height: int, offset: bool, launcher) -> None:
+    from perfx_compiler.formats.int4 import Int4Format, pack_int4
     from perfx_compiler.kernels import gemm_texture as gm
     from perfx_compiler.kernels import gemv_texture as gt
-    from perfx_compiler.passes._quant import Int4Format, pack_int4
 
     lim = {**LIMITS, "max_height": max_height}
     lanes = Int4Format(32, False, offset).lanes(k)
@@ -177,9 +177,9 @@ def test_f32_texture_gemm(n: int, k: int, max_height: int, launcher) -> None:
 @pytest.mark.parametrize(("n", "k", "max_height"), [(49152, 576, 16384), (300, 640, 128)])
 def test_texture_take(fmt: str, n: int, k: int, max_height: int, launcher) -> None:
     """Embedding gather from the images (a tied embedding: SmolLM2's Q8_0 token_embd is its lm_head)."""
+    from perfx_compiler.formats.int4 import Int4Format, pack_int4
     from perfx_compiler.kernels import gemm_texture as gm
     from perfx_compiler.kernels import gemv_texture as gt
-    from perfx_compiler.passes._quant import Int4Format, pack_int4
 
     lim = {**LIMITS, "max_height": max_height}
     rng = np.random.default_rng(n + k + len(fmt))
@@ -394,7 +394,7 @@ def test_textures_only_where_the_target_file_enables_them(target: str, tiny_gguf
 def _reference_weight(kernel: str, image_names: list[str], weights: dict) -> np.ndarray:
     """float64 W [N, K] from the *buffer* weights the images of a texture call were packed from
     (``weights``: the table as it entered passes/texture_weights.py, which then drops these buffers)."""
-    from perfx_compiler.passes._quant import Int4Format, unpack_int4
+    from perfx_compiler.formats.int4 import Int4Format, unpack_int4
 
     src = image_names[0].removesuffix("__tex")
     m = re.match(r"texture_(?:take_q4_\d+_(\d+)_l\d+_[a-z0-9]+|q4_(?:matmul|dequant)_\d+_(\d+))_g(\d+)(s?)(m?)", kernel)

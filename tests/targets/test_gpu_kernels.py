@@ -91,11 +91,11 @@ def test_quantized_kernels_gpu_scheduled_on_lavapipe(bits: int, kind: str, rows:
     run them: the fp16 scales need cl_khr_fp16, which PoCL 3.1 lacks.)"""
     import tvm
 
+    from perfx_compiler.formats.int4 import int4_matmul_compute
+    from perfx_compiler.formats.int8 import int8_matmul_compute
     from perfx_compiler.gpu_adapt import bind_host_kernels
     from perfx_compiler.kernels.tir_queries import has_device_launch
     from perfx_compiler.narrow_index import narrow_to_int32
-    from perfx_compiler.passes._quant import int4_matmul_compute
-    from perfx_compiler.passes._quant8 import int8_matmul_compute
     from perfx_compiler.schedule import apply_schedules
     from perfx_compiler.targets import load_target
     from perfx_compiler.targets_exec.kernels import compile_primfunc, random_inputs

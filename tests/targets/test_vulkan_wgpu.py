@@ -157,7 +157,7 @@ def test_int4_zero_words_kernel_matches_numpy() -> None:
     group's own byte; random asymmetric codes and zeros, 5 groups a row (a ragged last word), vs numpy."""
     import tvm
 
-    from perfx_compiler.passes._quant import Int4Format, dequantize_int4, int4_packed, quantize_int4
+    from perfx_compiler.formats.int4 import Int4Format, dequantize_int4, int4_packed, quantize_int4
 
     rng = np.random.default_rng()
     n, k, fmt = 24, 160, Int4Format(32, symmetric=False)

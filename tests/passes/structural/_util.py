@@ -23,7 +23,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from perfx_compiler.passes._relax_util import OPAQUE
+from perfx_compiler.kernels.tir_queries import OPAQUE
 from perfx_compiler.targets import TargetDescription, load_target
 
 CPU = "x86-avx512"  # a fixed target file (never ``host``): the expected modules must not depend on the machine

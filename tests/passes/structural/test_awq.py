@@ -1,7 +1,7 @@
 """awq (quantization ``q4_awq_g32``): per layer, the merged qkv and gate|up linears' input columns are scaled
 by the activation-aware factors s and the norm before each divided by s (the product is unchanged), then
 every linear is quantized as quantize_int4 does. The IR is quantize_int4's: the kernels are compared by
-identity to ``_quant.int4_matmul_compute``, the Relax function as written here; the folding is checked on the
+identity to ``formats.int4.int4_matmul_compute``, the Relax function as written here; the folding is checked on the
 arrays: the qkv codes are those of ``W * s`` with ``s = norm_before / norm_after``.
 
 The calibration runs the float reference of a one-layer random model (no tokenizer: fixed pseudo-random ids).
@@ -17,8 +17,8 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.formats.int4 import Int4Format, int4_matmul_compute, int4_packed, quantize_int4
 from perfx_compiler.passes import awq
-from perfx_compiler.passes._quant import Int4Format, int4_matmul_compute, int4_packed, quantize_int4
 from tests.passes.conftest import tiny_desc
 
 from ._util import assert_unchanged, context, opaque, run_pass, with_kernels

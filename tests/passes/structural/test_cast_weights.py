@@ -14,8 +14,8 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from perfx_compiler.formats.half import half_compute, to_half
 from perfx_compiler.passes import cast_weights
-from perfx_compiler.passes._half import half_compute, to_half
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
 

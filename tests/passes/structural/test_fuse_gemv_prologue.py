@@ -3,7 +3,7 @@
 swiglu of anything else into the VNNI GEMV that reads it as its prologue.
 
 The before modules hold the kernels the earlier passes emit (``rms_norm_kernel`` with its ``perfx.fused_op``
-JSON, ``swiglu_kernel``, ``_qvnni.vnni_compute`` GEMVs); the fused kernels are compared by identity to
+JSON, ``swiglu_kernel``, ``formats.vnni.vnni_compute`` GEMVs); the fused kernels are compared by identity to
 ``vnni_compute`` with the expected prologue / epilogue, the Relax functions as written here. Of the kernels
 the fused ones replace, the private ones (norm, swiglu) leave the module with their last call; the GEMVs
 (``te.create_prim_func`` gives them a global symbol) stay until phase 2.
@@ -19,11 +19,11 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from perfx_compiler.formats.int4 import int4_matmul_compute
+from perfx_compiler.formats.vnni import vnni_compute
 from perfx_compiler.kernels.rms_norm import rms_norm_kernel
 from perfx_compiler.kernels.swiglu import swiglu_kernel
 from perfx_compiler.passes import fuse_gemv_prologue
-from perfx_compiler.passes._quant import int4_matmul_compute
-from perfx_compiler.passes._qvnni import vnni_compute
 
 from ._util import assert_unchanged, opaque, run_pass, with_kernels
 

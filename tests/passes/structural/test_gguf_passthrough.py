@@ -2,8 +2,8 @@
 (repacked for the kernels, never requantized); a merged projection (qkv) takes its members' blocks
 concatenated by rows; a weight without blocks stays float.
 
-The kernels are compared by identity to their generators (``_quant.int4_matmul_compute`` symmetric g32 for
-Q4_0, ``_quant8.int8_matmul_compute`` g32 for Q8_0), the Relax function as written here, and the packed
+The kernels are compared by identity to their generators (``formats.int4.int4_matmul_compute`` symmetric g32 for
+Q4_0, ``formats.int8.int8_matmul_compute`` g32 for Q8_0), the Relax function as written here, and the packed
 arrays to the codes and scales the blocks were written from (built here byte by byte). Under int8
 activations (the pipeline's default on AVX-512 VNNI CPUs) the blocks go straight to the VNNI layout
 (``_qvnni``: row pairs in nibbles, codes + 128, groups padded to 16) and the GEMVs are ``vnni_compute``'s.
@@ -21,11 +21,11 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.formats.int4 import int4_matmul_compute, pack_int4
+from perfx_compiler.formats.int8 import int8_matmul_compute
+from perfx_compiler.formats.vnni import vnni_compute
 from perfx_compiler.passes import gguf_passthrough
-from perfx_compiler.passes._qlinear import use_activations
-from perfx_compiler.passes._quant import int4_matmul_compute, pack_int4
-from perfx_compiler.passes._quant8 import int8_matmul_compute
-from perfx_compiler.passes._qvnni import vnni_compute
+from perfx_compiler.passes._quantized_linears import use_activations
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
 

@@ -3,8 +3,8 @@ MatMulNBits codes, scales (rounded to fp16) and zero points on PerfX's int4 kern
 members' tables by rows (a member without zero points joins with explicit 8s); a weight without a table, or
 whose table the kernels cannot hold, stays float.
 
-The kernel is compared by identity to its generator (``_quant.int4_matmul_compute``), the Relax function as
-written here, the arrays to the table's codes (packed by ``_quant.pack_int4``), scales and zero points.
+The kernel is compared by identity to its generator (``formats.int4.int4_matmul_compute``), the Relax function as
+written here, the arrays to the table's codes (packed by ``formats.int4.pack_int4``), scales and zero points.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from perfx_compiler.formats.int4 import int4_matmul_compute, pack_int4
 from perfx_compiler.frontend.contrib_ops import NBitsTable
 from perfx_compiler.passes import onnx_int4_passthrough
-from perfx_compiler.passes._quant import int4_matmul_compute, pack_int4
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
 

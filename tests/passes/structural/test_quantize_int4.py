@@ -2,11 +2,11 @@
 (``<W>_q4``, ``_q4_scale``, ``_q4_zero``); a few-row linear (decode) becomes one quantized-matmul call, a
 many-row one (prefill) dequantize -> float matmul; the gathers of a tied embedding read the packed table.
 
-The kernels are compared by identity to their generator (``_quant.int4_matmul_compute`` at the expected N, K,
+The kernels are compared by identity to their generator (``formats.int4.int4_matmul_compute`` at the expected N, K,
 group, lanes and rows), the Relax functions as written here, the packed arrays to ``_quant``'s packing.
 
-Under int8 activations (the pipeline's default on AVX-512 VNNI CPUs, ``_qlinear.use_activations``) the same
-weights take the VNNI layout and every linear, prefill's too, one ``_qvnni.vnni_compute`` call.
+Under int8 activations (the pipeline's default on AVX-512 VNNI CPUs, ``_quantized_linears.use_activations``) the same
+weights take the VNNI layout and every linear, prefill's too, one ``formats.vnni.vnni_compute`` call.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from perfx_compiler.formats.int4 import Int4Format, int4_matmul_compute, int4_packed
+from perfx_compiler.formats.int4 import quantize_int4 as quantize_codes
+from perfx_compiler.formats.vnni import vnni_compute
 from perfx_compiler.passes import quantize_int4
-from perfx_compiler.passes._qlinear import use_activations
-from perfx_compiler.passes._quant import Int4Format, int4_matmul_compute, int4_packed
-from perfx_compiler.passes._quant import quantize_int4 as quantize_codes
-from perfx_compiler.passes._qvnni import vnni_compute
+from perfx_compiler.passes._quantized_linears import use_activations
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
 

@@ -2,10 +2,10 @@
 (``<W>_q8``, ``<W>_q8_scale``); decode's linear one quantized-matmul call, prefill's dequantize -> float
 matmul; a bias stays an add after it.
 
-The kernels are compared by identity to their generator (``_quant8.int8_matmul_compute``), the Relax
+The kernels are compared by identity to their generator (``formats.int8.int8_matmul_compute``), the Relax
 functions as written here, the arrays to ``_quant8``'s quantization. Under int8 activations (the pipeline's
 default on AVX-512 VNNI CPUs) the codes take the VNNI layout (code + 128, groups padded to 16) and both
-linears, prefill's too, are ``_qvnni.vnni_compute`` calls.
+linears, prefill's too, are ``formats.vnni.vnni_compute`` calls.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.formats.int8 import int8_matmul_compute
+from perfx_compiler.formats.int8 import quantize_int8 as quantize_codes
+from perfx_compiler.formats.vnni import vnni_compute
 from perfx_compiler.passes import quantize_int8
-from perfx_compiler.passes._qlinear import use_activations
-from perfx_compiler.passes._quant8 import int8_matmul_compute
-from perfx_compiler.passes._quant8 import quantize_int8 as quantize_codes
-from perfx_compiler.passes._qvnni import vnni_compute
+from perfx_compiler.passes._quantized_linears import use_activations
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
 

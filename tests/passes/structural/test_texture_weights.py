@@ -20,10 +20,10 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from perfx_compiler.formats.int4 import int4_matmul_compute
 from perfx_compiler.kernels.gemm_texture import texture_gemm_kernel, texture_q4_gemm_kernel
 from perfx_compiler.kernels.gemv_texture import ImageLayout, texture_gemv_kernel, texture_q4_gemv_kernel
 from perfx_compiler.passes import texture_weights
-from perfx_compiler.passes._quant import int4_matmul_compute
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
 

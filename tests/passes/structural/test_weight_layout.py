@@ -3,7 +3,7 @@ float weight read only by such matmuls and row gathers is packed at compile time
 (nb = 64 on x86-avx512) that the matmul and the gather read directly, and a quantized weight dequantized at
 run time (prefill) is written by its dequantize kernel straight into such panels. A weight N not divisible by
 nb, or read by anything else, keeps its [N, K] layout. Every PrimFunc here is small and written out in full
-(the int4 dequantize one as ``_quant.int4_matmul_compute`` emits it), except the half-panel kernels, compared by
+(the int4 dequantize one as ``formats.int4.int4_matmul_compute`` emits it), except the half-panel kernels, compared by
 identity to their generators (``_half_panels.half_panel_matmul`` / ``half_panel_take``)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
+from perfx_compiler.formats.half import half_compute
+from perfx_compiler.formats.int4 import int4_matmul_compute
 from perfx_compiler.passes import weight_layout
-from perfx_compiler.passes._half import half_compute
 from perfx_compiler.passes._half_panels import half_panel_matmul, half_panel_take
-from perfx_compiler.passes._quant import int4_matmul_compute
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels
 

@@ -17,7 +17,7 @@ Kernel names are ``<family>_<kind>_<N>_<K>_<tag>[_<rows>]`` (``q4_matmul_576_576
 
 Activations: under ``use_activations("int8")`` (the pipeline sets it from
 ``CompileOptions.activations``) each Packed that offers a VNNI variant is swapped for it: the
-kernels then quantize x to int8 and use integer dot products (``_qvnni``, x86 AVX-512 VNNI).
+kernels then quantize x to int8 and use integer dot products (``formats/vnni.py``, x86 AVX-512 VNNI).
 Prefill linears then call ``matmul`` with symbolic rows too (the int8 GEMM ``gemm_qvnni_cpu``,
 N a multiple of 16) instead of dequantize + float GEMM (docs/decisions/quantized-linears.md).
 """
@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -35,6 +34,7 @@ import tvm
 from tvm import relax
 
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.formats import Packed
 from perfx_compiler.passes._relax_util import (
     SKIP,
     FuncInfo,
@@ -87,23 +87,6 @@ def batch_gemv_rows(rows: list[int | None], family: str) -> bool:
     int8 activations the VNNI GEMM already takes symbolic rows)."""
     return (_BATCH_GEMV.get() and current_activations() == "f32" and family in ("q4", "q8")
             and rows[0] is None and rows[1] is not None and rows[1] <= GEMV_MAX_ROWS)
-
-
-@dataclass
-class Packed:
-    """One quantized weight: its replacement arrays and its kernels' reference PrimFuncs."""
-
-    family: str  # kernel-name prefix: "q4", "q8"
-    tag: str  # format tag in kernel names, e.g. "g32s" (int4 symmetric, groups of 32)
-    n: int
-    k: int
-    arrays: list[tuple[str, np.ndarray]]  # (parameter-name suffix, array), kernel-argument order
-    compute: Callable[..., Any]  # (kind, rows, ids_dtype="int64") -> PrimFunc
-    vnni: Callable[[], Packed] | None = None  # the same weight in the int8-activation (VNNI) layout
-
-    @property
-    def nbytes(self) -> int:
-        return int(sum(a.nbytes for _, a in self.arrays))
 
 
 def weight_uses(mod: tvm.IRModule, names: set[str]) -> dict[str, set[str]]:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.errors import PerfXError
-from perfx_compiler.passes._quant_attr import QUANT_ATTR
+from perfx_compiler.formats import QUANT_ATTR
 
 
 def check_group(k: int, group: int, what: str = "q8") -> None:
@@ -54,7 +54,7 @@ def int8_matmul_compute(
     n: int, k: int, group: int, kind: str = "matmul", rows: tuple[int | None, int | None] = (1, None),
     ids_dtype: str = "int64", words: bool = False,
 ) -> Any:
-    """Reference PrimFunc of an int8 linear (``kind``: matmul / dequant / take, as in ``_quant``),
+    """Reference PrimFunc of an int8 linear (``kind``: matmul / dequant / take, as in ``formats.int4``),
     tagged ``perfx.quant`` with bits = 8. Correct (slow) on any target as it is. ``words``: the codes
     arrive as uint32 [N, K/4] (4 codes per word, little-endian: the int8 array's own bytes), for
     targets without 8-bit types (WGSL); the info then says ``"words": true``."""
@@ -97,9 +97,9 @@ def int8_matmul_compute(
 
 
 def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = False) -> Any:
-    """The ``_qlinear.Packed`` of int8 codes [N, K] + float16 scales [N, K/G]; ``words``: the codes
+    """The :class:`~perfx_compiler.formats.Packed` of int8 codes [N, K] + float16 scales [N, K/G]; ``words``: the codes
     stored as uint32 [N, K/4] (same bytes; see :func:`int8_matmul_compute`)."""
-    from perfx_compiler.passes._qlinear import Packed
+    from perfx_compiler.formats import Packed
 
     n, k = codes.shape
     check_group(k, group)
@@ -116,7 +116,7 @@ def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = 
               ("_q8_scale", np.ascontiguousarray(scale, dtype=np.float16))]
 
     def vnni() -> Any:
-        from perfx_compiler.passes._qvnni import q8_vnni_packed
+        from perfx_compiler.formats.vnni import q8_vnni_packed
 
         return q8_vnni_packed(codes, scale, group)
 

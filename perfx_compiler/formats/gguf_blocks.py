@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.errors import PerfXError
-from perfx_compiler.passes._quant import Int4Format, int4_packed
-from perfx_compiler.passes._quant8 import int8_packed
+from perfx_compiler.formats.int4 import Int4Format, int4_packed
+from perfx_compiler.formats.int8 import int8_packed
 
 BLOCK = 32
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
@@ -74,18 +74,18 @@ def dequantize_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> np
 def packed_from_blocks(
     qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool = False, vnni: bool = False
 ) -> Any:
-    """The ``_qlinear.Packed`` of a GGUF tensor (``words8``: Q8_0 codes and Q4_0 zeros as uint32 words, for WGSL;
+    """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor (``words8``: Q8_0 codes and Q4_0 zeros as uint32 words, for WGSL;
     ``vnni``: its int8-activation variant directly, the same arrays ``Packed.vnni()`` would give)."""
     parts = unpack_blocks(qtype, raw, shape)
     if qtype == "Q8_0":
         if vnni:
-            from perfx_compiler.passes._qvnni import q8_vnni_packed
+            from perfx_compiler.formats.vnni import q8_vnni_packed
 
             return q8_vnni_packed(parts[0], parts[1], BLOCK)
         return int8_packed(parts[0], parts[1], BLOCK, words=words8)
     fmt = Q4_0 if qtype == "Q4_0" else Q4_1
     if vnni:
-        from perfx_compiler.passes._qvnni import q4_vnni_packed
+        from perfx_compiler.formats.vnni import q4_vnni_packed
 
         return q4_vnni_packed(*parts, fmt)
     return int4_packed(*parts, fmt, words=words8)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from perfx_compiler.passes._quant_attr import QUANT_ATTR
+from perfx_compiler.formats import QUANT_ATTR
 
 FAMILIES = ("f16", "bf16")
 
@@ -138,8 +138,8 @@ def half_compute(
 
 
 def half_packed(w: np.ndarray, family: str, act: str = "f32") -> Any:
-    """The ``_qlinear.Packed`` of one float weight W [N, K] stored in ``family``."""
-    from perfx_compiler.passes._qlinear import Packed
+    """The :class:`~perfx_compiler.formats.Packed` of one float weight W [N, K] stored in ``family``."""
+    from perfx_compiler.formats import Packed
 
     h = np.ascontiguousarray(to_half(w, family))
     n, k = h.shape

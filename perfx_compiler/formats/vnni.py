@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.errors import PerfXError
-from perfx_compiler.passes._quant_attr import QUANT_ATTR
+from perfx_compiler.formats import QUANT_ATTR
 
 STEP = 64  # columns per vpdpbusd step
 CHUNK = 16  # groups per scale vector
@@ -92,8 +92,8 @@ def vnni_info(n: int, k: int, group: int, bits: int, symmetric: bool, offset: bo
 
 
 def q4_vnni_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: Any) -> Any:
-    """The ``_qlinear.Packed`` of int4 codes in the VNNI pair layout (``fmt``: ``_quant.Int4Format``)."""
-    from perfx_compiler.passes._qlinear import Packed
+    """The :class:`~perfx_compiler.formats.Packed` of int4 codes in the VNNI pair layout (``fmt``: ``formats.int4.Int4Format``)."""
+    from perfx_compiler.formats import Packed
 
     n, k = codes.shape
     n2 = n + n % 2
@@ -109,7 +109,7 @@ def q4_vnni_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt:
 
 
 def q8_vnni_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
-    from perfx_compiler.passes._qlinear import Packed
+    from perfx_compiler.formats import Packed
 
     n, k = codes.shape
     arrays = [("_q8", pack_q8_offset(np.asarray(codes, dtype=np.int8))),

@@ -13,7 +13,7 @@ Packed layout (what ``schedules/gemv_int4_cpu.py`` reads), for W [N, K]:
   [N, ceil(K/G)], and w = code * scale + min.
 * Zero words (``words``, GPU targets without 8-bit types: WGSL): ``zero`` is uint32 [N, ceil(ng/4)],
   the uint8 zeros' own bytes (4 groups a word, little-endian, the last word zero-padded), as the int8
-  codes of ``_quant8`` are.
+  codes of ``formats.int8`` are.
 
 Bytes per parameter at g128: 0.5 + 3/128 = 0.523.
 """
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.errors import PerfXError
-from perfx_compiler.passes._quant_attr import QUANT_ATTR
+from perfx_compiler.formats import QUANT_ATTR
 
 
 @dataclass(frozen=True)
@@ -134,9 +134,9 @@ def quant_info(n: int, k: int, group: int, lanes: int, symmetric: bool, offset: 
 def int4_packed(
     codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: Int4Format, words: bool = False
 ) -> Any:
-    """The ``_qlinear.Packed`` of int4 codes [N, K] with scale and zero (or min, ``fmt.offset``);
+    """The :class:`~perfx_compiler.formats.Packed` of int4 codes [N, K] with scale and zero (or min, ``fmt.offset``);
     ``words``: the zeros as uint32 words (:func:`zero_words`; no effect on the min variant)."""
-    from perfx_compiler.passes._qlinear import Packed
+    from perfx_compiler.formats import Packed
 
     n, k = codes.shape
     lanes = fmt.lanes(k)
@@ -156,7 +156,7 @@ def int4_packed(
     arrays = [("_q4", pack_int4(codes, lanes)), ("_q4_scale", np.ascontiguousarray(scale, dtype=np.float16)), third_arr]
 
     def vnni() -> Any:
-        from perfx_compiler.passes._qvnni import q4_vnni_packed
+        from perfx_compiler.formats.vnni import q4_vnni_packed
 
         return q4_vnni_packed(codes, scale, third, fmt)
 

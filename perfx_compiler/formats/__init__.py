@@ -1,0 +1,54 @@
+"""Weight formats, one module each: how a format's weights are packed for each kind of kernel, the
+float64 reference the tests dequantize with, and what its kernels need to know (the ``perfx.quant``
+attribute below).
+
+    int4.py         q4_* groups (asymmetric / symmetric, AWQ) and GGUF Q4_0 / Q4_1
+    int8.py         q8 groups and GGUF Q8_0
+    gguf_blocks.py  GGUF blocks read as they are (Q4_0, Q4_1, Q8_0) into the int4 / int8 tables
+    vnni.py         the x86 AVX-512 VNNI layouts of the int4 / int8 tables (int8 activations)
+    half.py         f16 / bf16 weights
+
+A quantization pass (``passes/``) packs each weight into a :class:`Packed` and puts the format's facts on
+its kernels as ``perfx.quant``; the schedule templates (``schedules/``) match on them. Neither imports the
+other for it: both import this package.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+QUANT_ATTR = "perfx.quant"
+
+
+def read_quant_info(func: Any) -> dict[str, Any] | None:
+    """The parsed ``perfx.quant`` attribute of ``func`` (the JSON facts: bits, N, K, group, layout, kind,
+    ...); None when it has none or it is not JSON. No TVM import: any object with ``attrs`` will do."""
+    attrs = getattr(func, "attrs", None)
+    if attrs is None or QUANT_ATTR not in attrs:
+        return None
+    try:
+        return json.loads(str(attrs[QUANT_ATTR]))
+    except ValueError:
+        return None
+
+
+@dataclass
+class Packed:
+    """One quantized weight: its replacement arrays and its kernels' reference PrimFuncs."""
+
+    family: str  # kernel-name prefix: "q4", "q8"
+    tag: str  # format tag in kernel names, e.g. "g32s" (int4 symmetric, groups of 32)
+    n: int
+    k: int
+    arrays: list[tuple[str, np.ndarray]]  # (parameter-name suffix, array), kernel-argument order
+    compute: Callable[..., Any]  # (kind, rows, ids_dtype="int64") -> PrimFunc
+    vnni: Callable[[], Packed] | None = None  # the same weight in the int8-activation (VNNI) layout
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for _, a in self.arrays))
