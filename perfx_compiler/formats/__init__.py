@@ -7,6 +7,7 @@ attribute below).
     gguf_blocks.py  GGUF blocks read as they are (Q4_0, Q4_1, Q8_0) into the int4 / int8 tables
     vnni.py         the x86 AVX-512 VNNI layouts of the int4 / int8 tables (int8 activations)
     half.py         f16 / bf16 weights
+    panels.py       the [N / nb, K, nb] panels CPU GEMMs / GEMVs read float and half weights in
 
 A quantization pass (``passes/``) packs each weight into a :class:`Packed` and puts the format's facts on
 its kernels as ``perfx.quant``; the schedule templates (``schedules/``) match on them. Neither imports the

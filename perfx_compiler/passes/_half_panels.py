@@ -4,7 +4,7 @@ panels: the Relax surgery ``weight_layout`` runs on CPU targets, and the PrimFun
 Before: a half weight W [N, K] (``formats/half.py``) is read by a decode GEMV (``<f>_matmul``, rows <= 8),
 by a prefill dequantize (``<f>_dequant``: float32 panels, rewritten per call) feeding NT matmuls,
 and, for a tied embedding, by a gather (``<f>_take``). After: W is stored once as half panels
-``[N / nb, K, nb]`` (``weight_layout.pack_weight``'s layout, 2 bytes per element), every matmul
+``[N / nb, K, nb]`` (``formats/panels.py``'s layout, 2 bytes per element), every matmul
 reads ``widen(Wp[n // nb, k, n % nb])`` directly (``schedules/gemm_half_cpu.py`` schedules it,
 widening each panel row in registers: bf16 by a shift, f16 by vcvtph2ps) and the gather reads
 the panels too. The per-call float32 dequantize disappears (it wrote 4 N K bytes per prefill).
@@ -138,7 +138,7 @@ def pack_half_weights(mod: tvm.IRModule, weights: dict[str, Any], nb: int,
     if not packable:
         return mod, weights
 
-    from perfx_compiler.passes.weight_layout import pack_weight
+    from perfx_compiler.formats.panels import pack_weight
 
     new_weights = {n: (pack_weight(np.asarray(a), nb) if n in packable else a) for n, a in weights.items()}
     mod, new_weights, params_by_fn = replace_weight_params(mod, weights, new_weights)

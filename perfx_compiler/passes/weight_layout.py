@@ -27,22 +27,11 @@ import tvm
 from tvm import relax, te, tirx
 
 from perfx_compiler.formats import read_quant_info
+from perfx_compiler.formats.panels import pack_weight
 from perfx_compiler.passes._relax_util import FuncInfo, drop_uncalled_primfuncs, exported, replace_weight_params
 
 NAME = "weight_layout"
 PACKED_SUFFIX = "_packed"
-
-
-def pack_weight(w: np.ndarray, nb: int) -> np.ndarray:
-    """[N, K] -> [N / nb, K, nb]: panel p holds rows p*nb .. p*nb+nb-1, k-major inside."""
-    n, k = w.shape
-    return np.ascontiguousarray(w.reshape(n // nb, nb, k).transpose(0, 2, 1))
-
-
-def unpack_weight(wp: np.ndarray) -> np.ndarray:
-    """Inverse of ``pack_weight``."""
-    p, k, nb = wp.shape
-    return np.ascontiguousarray(wp.transpose(0, 2, 1).reshape(p * nb, k))
 
 
 def _nt_weight_arg(func: Any) -> int | None:

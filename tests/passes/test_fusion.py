@@ -51,7 +51,7 @@ def test_weight_table_matches_signatures(states: dict[str, Any]) -> None:
                    for n in names)
     qkv = st.weights["model_layers_0_self_attn_qkv_proj_weight"]
     if qkv.ndim == 3:  # CPU targets: weight_layout packed it into [N / nb, K, nb] panels
-        from perfx_compiler.passes.weight_layout import unpack_weight
+        from perfx_compiler.formats.panels import unpack_weight
 
         qkv = unpack_weight(qkv)
     assert qkv.shape == (64 + 32 + 32, 64)

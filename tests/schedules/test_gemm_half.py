@@ -14,8 +14,8 @@ from sched_helpers import sample_configs
 from tvm import tirx
 
 from perfx_compiler.formats.half import from_half, to_half
+from perfx_compiler.formats.panels import pack_weight
 from perfx_compiler.passes._half_panels import half_panel_matmul
-from perfx_compiler.passes.weight_layout import pack_weight
 from perfx_compiler.schedule_template import ScheduleConfigError
 from perfx_compiler.tune.measure import build_func
 from schedules._matmul import panel_width

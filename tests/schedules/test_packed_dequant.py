@@ -17,7 +17,8 @@ from perfx_compiler.formats.gguf_blocks import Q4_0, Q4_1
 from perfx_compiler.formats.half import from_half, half_packed
 from perfx_compiler.formats.int4 import Int4Format, dequantize_int4, int4_packed, quantize_int4
 from perfx_compiler.formats.int8 import dequantize_int8, int8_packed, quantize_int8
-from perfx_compiler.passes.weight_layout import pack_weight, packed_dequant
+from perfx_compiler.formats.panels import pack_weight
+from perfx_compiler.passes.weight_layout import packed_dequant
 from perfx_compiler.tune.measure import build_func
 
 N, K = 384, 256  # several panels at every nb; K covers two g128 groups

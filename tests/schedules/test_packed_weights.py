@@ -16,8 +16,8 @@ import tvm
 from sched_helpers import check_func, sample_configs
 from tvm import relax
 
+from perfx_compiler.formats.panels import pack_weight, unpack_weight
 from perfx_compiler.passes import PassContext, weight_layout
-from perfx_compiler.passes.weight_layout import pack_weight, unpack_weight
 from perfx_compiler.schedule_template import ScheduleConfigError, find_template
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.workloads import packed_linear_func
