@@ -25,6 +25,7 @@ from perfx_compiler.model.description import (
     expected_weight_shapes,
 )
 from perfx_compiler.model.gguf import DEFAULT_MAX_CONTEXT
+from perfx_compiler.model.tokenizer import load_tokenizer
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -155,17 +156,6 @@ def _post_processor_adds_bos(data: dict[str, Any], bos_id: int | None) -> bool:
     return False
 
 
-def _check_tokenizer(path: Path) -> None:
-    """tokenizer.json must be one the tokenizers library can build (it is used only after the compile)."""
-    from tokenizers import Tokenizer
-
-    try:
-        Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises plain Exception for any malformed file
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelFormatError(f"{path}: not a valid tokenizer ({first}); fix or re-download it") from None
-
-
 def _tokenizer_files(folder: Path, cfg: ModelConfig) -> tuple[str | None, str | None]:
     tok_json = None
     tok_path = folder / "tokenizer.json"
@@ -175,7 +165,10 @@ def _tokenizer_files(folder: Path, cfg: ModelConfig) -> tuple[str | None, str | 
     adds_bos = False
     if tok_path.is_file():
         data = _read_json(tok_path)
-        _check_tokenizer(tok_path)
+        try:  # one the runtime can build, checked before its fields are read below
+            load_tokenizer(json.dumps(data, ensure_ascii=False))
+        except ModelFormatError as e:
+            raise ModelFormatError(f"{tok_path}: {e}") from None
         adds_bos = _post_processor_adds_bos(data, cfg.bos_token_id)
         data["post_processor"] = None  # our contract: BOS is the runtime's job (config.add_bos_token)
         tok_json = json.dumps(data, ensure_ascii=False)
