@@ -49,19 +49,14 @@ def _stamp(path: Path) -> str:
     return f"{path.resolve()}:{st.st_size}:{int(st.st_mtime)}"
 
 
-def compiler_stamp() -> str:
-    """Digest of the compiler's own files (llm.compiler_digest, also in LLM()'s cache key): a cached PerfX
-    artifact is rebuilt when the code that compiled it has changed since."""
-    from perfx_compiler.llm import compiler_digest
-
-    return compiler_digest()
-
-
 def build_stamp(gguf_path: Path, quantization: str, max_context: int,
                 knobs: Mapping[str, Any] | None = None) -> str:
     """What a cached PerfX build of ``gguf_path`` must match to be reused: the file, the options
-    (``knobs``: perfx-compile --knob values, knobs.py), and the compiler's sources."""
-    stamp = _stamp(gguf_path) + f":{quantization}:{max_context}:{compiler_stamp()}"
+    (``knobs``: perfx-compile --knob values, knobs.py), and the compiler's files (llm.compiler_digest, also
+    in LLM()'s cache key)."""
+    from perfx_compiler.llm import compiler_digest
+
+    stamp = _stamp(gguf_path) + f":{quantization}:{max_context}:{compiler_digest()}"
     return stamp + (f":{json.dumps(dict(knobs), sort_keys=True, default=str)}" if knobs else "")
 
 
