@@ -30,11 +30,16 @@ def set_target_family(family: str) -> None:
 _KERNELS: dict[tuple, tuple[relax.GlobalVar, tirx.PrimFunc]] = {}
 
 
-def kernel_global_var(name: str, builder, *args) -> relax.GlobalVar:
-    key = (name, *args)
+def kernel_global_var(name: str, builder, *args, **features) -> relax.GlobalVar:
+    """The GlobalVar of ``builder(*args, **features)``, built once per configuration.
+
+    ``features``: attention variants a model family asks for (``window``, ``softcap``); only
+    non-default ones are passed, so a plain Llama kernel keeps its name (and its tuning records)."""
+    features = {k: v for k, v in features.items() if v}
+    key = (name, *args, *sorted(features.items()))
     if key not in _KERNELS:
-        suffix = "_".join(str(a) for a in args)
-        func = builder(*args)
+        suffix = "_".join([str(a) for a in args] + [f"{k}{v:g}" for k, v in sorted(features.items())])
+        func = builder(*args, **features)
         # A throwaway BlockBuilder gives the GlobalVar its function type.
         gv = relax.BlockBuilder().add_func(func, f"{name}_{suffix}")
         _KERNELS[key] = (gv, func)
@@ -64,6 +69,12 @@ def _static(dim) -> int:
     return int(dim)
 
 
+def _features(attr: dict) -> dict:
+    """The attention node's variant attributes: ``window`` (sliding-window length, 0 = full causal)
+    and ``softcap`` (attention-logit soft-capping, 0 = none)."""
+    return {"window": int(attr.get("window", 0)), "softcap": float(attr.get("softcap", 0.0))}
+
+
 def _index_args(index: relax.Expr) -> tuple[str, ...]:
     """The kernels' index-dtype argument: the graph's integer input dtype (int32 on WebGPU).
     Empty for int64, the default, so int64 kernels keep their names."""
@@ -82,15 +93,18 @@ class CachedAttention(OnnxOpConverter):
         idx = _index_args(past)
         if TARGET_FAMILY == "gpu":
             gv = kernel_global_var(
-                "cached_attention_gpu", cached_attention_kernel_gpu, heads, kvh, d, maxc, q.ty.dtype, *idx
+                "cached_attention_gpu", cached_attention_kernel_gpu, heads, kvh, d, maxc, q.ty.dtype, *idx,
+                **_features(attr),
             )
         elif getattr(q.ty.shape[1], "value", None) == 1:
             # the decode function (one token): its own kernel, so the template gives it decode knobs
             gv = kernel_global_var(
-                "cached_attention_decode", attention_decode_kernel, heads, kvh, d, maxc, q.ty.dtype, *idx
+                "cached_attention_decode", attention_decode_kernel, heads, kvh, d, maxc, q.ty.dtype, *idx,
+                **_features(attr),
             )
         else:
-            gv = kernel_global_var("cached_attention", attention_prefill_kernel, heads, kvh, d, maxc, q.ty.dtype, *idx)
+            gv = kernel_global_var("cached_attention", attention_prefill_kernel, heads, kvh, d, maxc, q.ty.dtype, *idx,
+                                   **_features(attr))
         out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kc.ty, vc.ty]
         call = relax.call_tir_inplace(gv, [q, k, v, kc, vc, past, cos, sin], [-1, 3, 4], out_ty)
         return bb.emit(call)
@@ -109,7 +123,8 @@ class PagedAttention(OnnxOpConverter):
         name, builder = "paged_attention", paged_attention_kernel
         if TARGET_FAMILY == "gpu":  # a block per (query tile, sequence, head), tree reductions across threads
             name, builder = "paged_attention_gpu", paged_attention_kernel_gpu
-        gv = kernel_global_var(name, builder, heads, kvh, d, maxc, page_size, q.ty.dtype, *_index_args(pos))
+        gv = kernel_global_var(name, builder, heads, kvh, d, maxc, page_size, q.ty.dtype, *_index_args(pos),
+                               **_features(attr))
         out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kp.ty, vp.ty]
         call = relax.call_tir_inplace(gv, [q, k, v, kp, vp, pos, table, cos, sin], [-1, 3, 4], out_ty)
         return bb.emit(call)
