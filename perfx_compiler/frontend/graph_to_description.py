@@ -506,7 +506,7 @@ def _config(genai: dict[str, Any] | None, hf: dict[str, Any], source: str, *, vo
             layers: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool, tied: bool,
             inv: np.ndarray) -> ModelConfig:
     from perfx_compiler.model.gguf import DEFAULT_MAX_CONTEXT
-    from perfx_compiler.model.hf import HF_ARCHITECTURES
+    from perfx_compiler.model.families import family_for_hf_class
 
     gm = (genai or {}).get("model", {})
     if gm.get("type"):
@@ -515,7 +515,9 @@ def _config(genai: dict[str, Any] | None, hf: dict[str, Any], source: str, *, vo
             raise UnsupportedModelError(f"{source}: onnxruntime-genai model type '{gm['type']}' is not supported "
                                         f"(PerfX reads {', '.join(_GENAI_TYPES)})")
     elif hf.get("architectures"):
-        arch = HF_ARCHITECTURES.get(hf["architectures"][0]) or ("qwen2" if bias else "llama")
+        family = family_for_hf_class(hf["architectures"][0])
+        arch = family.name if family is not None and family.name in ("llama", "mistral", "qwen2") else (
+            "qwen2" if bias else "llama")
     else:
         arch = "qwen2" if bias else "llama"
     theta, factor = fit_rope(inv)

@@ -1,9 +1,21 @@
 """The one internal model description every reader produces.
 
-A Llama-family decoder (llama, mistral-style, qwen2) is fully described by a
-``ModelConfig`` plus float weights under canonical Hugging Face names, in the
-Hugging Face layout (``[out_features, in_features]``; Q/K rows in rotate-half
-order, i.e. llama.cpp's interleave permutation already undone).
+A decoder is described by a ``ModelConfig`` (sizes plus *features*: QK-norm, sandwich
+norms, GeGLU, sliding windows, soft-capping, partial RoPE, ...) and float weights under
+canonical Hugging Face Llama names in the HF layout (``[out_features, in_features]``).
+Every family reader (``model/families/<family>/``) brings its weights to this one form:
+
+* Q/K rows are in the kernels' RoPE layout: rotate-half over the whole head, pairs
+  ``(i, i + head_dim/2)``. Interleaved (llama.cpp's permutation, GLM) and partial
+  rotary layouts are reordered at load; the dims RoPE leaves alone sit at the end of
+  each half, where the tables hold cos=1, sin=0 (``rope_inv_freq``). The q.k product
+  is unchanged by applying one permutation to both.
+* Norm weights are the factors applied (Gemma's ``1 + w`` already added).
+* Fused projections (Phi-3's ``qkv_proj``/``gate_up_proj``) are split.
+
+Canonical names beyond Llama's: ``self_attn.q_norm``/``k_norm`` (per-head RMSNorm),
+``attn_output_layernorm``/``mlp_output_layernorm`` (sandwich norms before the residual
+add); ``post_attention_layernorm`` is always the norm in front of the MLP.
 """
 
 from __future__ import annotations
@@ -16,7 +28,7 @@ import numpy as np
 
 from perfx_compiler.errors import UnsupportedModelError
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 
 
 @dataclass
@@ -40,14 +52,21 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     add_bos_token: bool = False
     name: str = ""
+    # --- features: what the graph builder, the reference and the kernels read (defaults: Llama) ---
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms on the attention and MLP outputs before the residual add (Gemma 2/3, GLM-4)
+    mlp_activation: str = "silu"  # gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embedding_scale: float = 1.0  # the embedding rows are multiplied by this (Gemma: sqrt(hidden))
+    query_scale: float = 0.0  # attention score scale; 0: 1/sqrt(head_dim)
+    attn_softcap: float = 0.0  # scores become c*tanh(s/c) (Gemma 2); 0: none
+    final_softcap: float = 0.0  # logits become c*tanh(l/c) (Gemma 2); 0: none
+    sliding_window: int = 0  # window of the layers in sliding_layers
+    sliding_layers: list[int] = field(default_factory=list)
+    rope_local_theta: float = 0.0  # RoPE base of the sliding layers (Gemma 3); 0: rope_theta
+    rotary_dim: int = 0  # head dims RoPE rotates (partial rotary: GLM-4, Phi-4-mini); 0: head_dim
 
     def __post_init__(self) -> None:
         self._check_values()
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"architecture '{self.architecture}' is not supported; "
-                f"PerfX handles: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
         if self.num_heads % self.num_kv_heads:
             raise UnsupportedModelError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -80,6 +99,30 @@ class ModelConfig:
             if not isinstance(v, (bool, np.bool_)) and v not in (0, 1):
                 raise bad(name, v, "true or false")
             setattr(self, name, bool(v))
+        for name in ("qk_norm", "sandwich_norms"):
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)) and v not in (0, 1):
+                raise bad(name, v, "true or false")
+            setattr(self, name, bool(v))
+        for name in ("embedding_scale", "query_scale", "attn_softcap", "final_softcap", "rope_local_theta"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not np.isfinite(float(v)) \
+                    or float(v) < 0:
+                raise bad(name, v, "a finite number >= 0")
+            setattr(self, name, float(v))
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise bad("mlp_activation", self.mlp_activation, f"one of {', '.join(MLP_ACTIVATIONS)}")
+        for name in ("sliding_window", "rotary_dim"):
+            v = getattr(self, name)
+            if not _is_int(v) or not 0 <= int(v) <= _MAX_COUNT:
+                raise bad(name, v, "an integer >= 0")
+            setattr(self, name, int(v))
+        if self.rotary_dim > self.head_dim or self.rotary_dim % 2:
+            raise bad("rotary_dim", self.rotary_dim, f"an even number <= head_dim {self.head_dim}")
+        layers = self.sliding_layers
+        if not isinstance(layers, (list, tuple)) or not all(_is_int(i) and 0 <= i < self.num_layers for i in layers):
+            raise bad("sliding_layers", layers, f"a list of layer indices in 0..{self.num_layers - 1}")
+        self.sliding_layers = sorted({int(i) for i in layers})
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise bad("rope_scaling", self.rope_scaling, "an object or null")
         if self.bos_token_id is not None and (not _is_int(self.bos_token_id) or not 0 <= self.bos_token_id < self.vocab_size):
@@ -98,6 +141,25 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def rotated_dims(self) -> int:
+        """Head dims RoPE rotates (all unless the model uses partial rotary)."""
+        return self.rotary_dim or self.head_dim
+
+    def attention_scale(self) -> float:
+        return self.query_scale or 1.0 / float(np.sqrt(self.head_dim))
+
+    def layer_window(self, layer: int) -> int:
+        """Sliding-window length of ``layer``'s attention; 0 when it attends to the whole context
+        (also when the window covers every position the cache holds: the mask would be a no-op)."""
+        if layer in self.sliding_layers and 0 < self.sliding_window < self.max_context:
+            return self.sliding_window
+        return 0
+
+    def layer_rope_local(self, layer: int) -> bool:
+        """Whether ``layer`` uses the local RoPE tables (a sliding layer of a two-base model)."""
+        return bool(self.rope_local_theta) and layer in self.sliding_layers
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -148,6 +210,12 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (c.q_size,)
             shapes[p + "self_attn.k_proj.bias"] = (c.kv_size,)
             shapes[p + "self_attn.v_proj.bias"] = (c.kv_size,)
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+        if c.sandwich_norms:
+            shapes[p + "attn_output_layernorm.weight"] = (c.hidden_size,)
+            shapes[p + "mlp_output_layernorm.weight"] = (c.hidden_size,)
     shapes["model.norm.weight"] = (c.hidden_size,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
@@ -197,11 +265,22 @@ class ModelDescription:
         return int(sum(w.size for w in self.weights.values()))
 
 
-def rope_inv_freq(config: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies (float64), with HF's linear/llama3 scaling applied."""
-    d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    sc = config.rope_scaling or {}
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
+    """Inverse RoPE frequencies [head_dim/2] (float64), with HF's linear/llama3 scaling applied.
+
+    Partial rotary: the first rotary_dim/2 entries are the model's frequencies, the rest 0
+    (angle 0: cos 1, sin 0, the dims pass through; see the module docstring for the layout).
+    ``local``: the sliding layers' tables of a two-base model (their own base, no scaling)."""
+    d, r = config.head_dim, config.rotated_dims
+    theta = config.rope_local_theta if local and config.rope_local_theta else config.rope_theta
+    inv = 1.0 / (theta ** (np.arange(0, r, 2, dtype=np.float64) / r))
+    if not local:
+        inv = _scaled(inv, config.rope_scaling or {})
+    return np.concatenate([inv, np.zeros((d - r) // 2)])
+
+
+def _scaled(inv: np.ndarray, sc: dict[str, Any]) -> np.ndarray:
+    """HF's rope_scaling applied to the inverse frequencies."""
     kind = sc.get("rope_type", sc.get("type"))
     if kind == "linear":
         inv = inv / float(sc["factor"])
@@ -221,8 +300,8 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
     return inv
 
 
-def rope_tables(config: ModelConfig, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin tables [length, head_dim/2] in float64 for rotate-half RoPE."""
+def rope_tables(config: ModelConfig, length: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables [length, head_dim/2] in float64 for rotate-half RoPE (``local``: see rope_inv_freq)."""
     pos = np.arange(length, dtype=np.float64)[:, None]
-    ang = pos * rope_inv_freq(config)[None, :]
+    ang = pos * rope_inv_freq(config, local)[None, :]
     return np.cos(ang), np.sin(ang)

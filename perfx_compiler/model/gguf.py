@@ -28,10 +28,9 @@ from perfx_compiler.model.description import (
     ModelDescription,
     rope_inv_freq,
 )
+from perfx_compiler.model.families import family_for_gguf_arch, gguf_archs
+from perfx_compiler.model.families._family import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, GGUFMeta, row_plan
 from perfx_compiler.model.gguf_header import READ_ERRORS, check_gguf_header, field_value
-
-# Architectures read from GGUF; value: whether llama.cpp's converter permuted Q/K rows.
-_ARCHS = {"llama": True, "mistral": True, "qwen2": False}
 
 # Types we dequantize (each checked against an independent reference in tests).
 SUPPORTED_GGML_TYPES = (
@@ -43,35 +42,16 @@ PASSTHROUGH_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 DEFAULT_MAX_CONTEXT = 2048
 
 
-_LAYER_MAP = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_MAP = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 def hf_name(gguf_name: str) -> str | None:
     """Canonical HF name of a llama.cpp tensor name (None when unknown)."""
-    if gguf_name in _GLOBAL_MAP:
-        return _GLOBAL_MAP[gguf_name]
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
     m = _BLK.match(gguf_name)
-    if m and m.group(2) in _LAYER_MAP:
-        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    if m and m.group(2) in GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -219,9 +199,10 @@ def config_from_metadata(
     """Build the ModelConfig from GGUF metadata (``tensors``: name -> ReaderTensor, for shapes)."""
     meta = _Meta(fields, source)
     arch = str(meta.require("general.architecture"))
-    if arch not in _ARCHS:
+    family = family_for_gguf_arch(arch)
+    if family is None:
         raise UnsupportedModelError(
-            f"{source}: GGUF architecture '{arch}' is not supported; PerfX reads {', '.join(_ARCHS)} GGUF models"
+            f"{source}: GGUF architecture '{arch}' is not supported; PerfX reads {', '.join(gguf_archs())} GGUF models"
         )
     hidden = int(meta.require(f"{arch}.embedding_length"))
     heads = int(meta.require(f"{arch}.attention.head_count"))
@@ -230,9 +211,6 @@ def config_from_metadata(
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or meta.get(f"{arch}.rope.dimension_count", 0)
                    or hidden // heads)
-    rope_dims = meta.get(f"{arch}.rope.dimension_count")
-    if rope_dims is not None and int(rope_dims) != head_dim:
-        raise UnsupportedModelError(f"{source}: partial rotary embedding ({rope_dims} of {head_dim} dims) is not supported")
     tokens = meta.get("tokenizer.ggml.tokens") or []
     emb = tensors.get("token_embd.weight")
     if emb is None:
@@ -251,8 +229,8 @@ def config_from_metadata(
     if add_bos is None:  # llama.cpp's defaults: SentencePiece and llama3-style BPE add BOS
         add_bos = tok_model == "llama" or meta.get("tokenizer.ggml.pre") in ("llama3", "llama-bpe", "llama-v3")
     name = meta.get("general.name") or meta.get("general.basename") or Path(source).stem
-    cfg = ModelConfig(
-        architecture=arch,
+    fields = dict(
+        architecture=family.name,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=int(meta.require(f"{arch}.feed_forward_length")),
@@ -270,6 +248,10 @@ def config_from_metadata(
         add_bos_token=bool(add_bos),
         name=str(name),
     )
+    fields.update(family.gguf_features(GGUFMeta(meta.get, arch, set(tensors))))
+    cfg = ModelConfig(**fields)
+    if "rope_factors_long.weight" in tensors:
+        raise UnsupportedModelError(f"{source}: LongRoPE scaling (rope_factors_long) is not supported; use a 4k-context variant")
     kind = meta.get(f"{arch}.rope.scaling.type")
     if kind == "linear":
         cfg.rope_scaling = {"rope_type": "linear", "factor": float(meta.require(f"{arch}.rope.scaling.factor"))}
@@ -334,7 +316,7 @@ def load_gguf(
         cfg = config_from_metadata(reader.fields, tensors, source, max_context)
     except (ValueError, TypeError, ArithmeticError) as e:  # e.g. a string where a count belongs, an infinite float
         raise ModelFormatError(f"{source}: malformed model metadata ({e}); re-convert the model") from None
-    permuted = _ARCHS[str(field_value(reader.fields["general.architecture"]))]
+    layout = family_for_gguf_arch(str(field_value(reader.fields["general.architecture"]))).gguf_rope_layout
 
     weights: dict[str, Any] = {}
     quantized: dict[str, Any] = {}
@@ -352,24 +334,26 @@ def load_gguf(
         if lazy_here and (raw.ndim != 2 or raw.shape[0] != shape[0]):  # type: ignore[union-attr]
             raise ModelFormatError(f"{source}: tensor '{gname}' ({qtype}) has {raw.shape} bytes for shape {shape}; the file is corrupt")  # type: ignore[union-attr]
         w = None if lazy_here else dequantize_tensor(t, source)
-        order = None
-        if permuted and (".q_proj." in name or ".k_proj." in name):
-            n = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-            if shape[0] % (2 * n):
-                raise ModelFormatError(f"{source}: tensor '{gname}' has {shape[0]} rows, not a multiple of 2*{n} heads")
-            w = unpermute_qk(w, n) if w is not None else None
+        plan = row_plan(name, shape[0] if shape else 0, cfg, layout)
+        for part, rows, order in plan:
+            n_rows = len(range(*rows.indices(shape[0]))) if shape else 0
+            if order is not None and n_rows != len(order):
+                raise ModelFormatError(f"{source}: tensor '{gname}' has {n_rows} rows, expected {len(order)} for its heads")
+            part_shape = (n_rows, *shape[1:]) if shape else shape
             if lazy_here:
-                order = unpermute_qk(np.arange(shape[0]), n)  # read rows in this order: no copy now
-            else:
-                raw = unpermute_qk(raw, n) if raw is not None else None
-        if lazy_here:
-            lw = QuantizedWeight(qtype, [raw], shape, [order], [_page_release(reader, t)])  # type: ignore[list-item]
-            weights[name] = lw
-            quantized[name] = (qtype, lw, shape)  # the blocks live in the weight (passthrough reads them there)
-            continue
-        weights[name] = w
-        if raw is not None:
-            quantized[name] = (qtype, raw, shape)
+                release = _page_release(reader, t) if len(plan) == 1 else None
+                lw = QuantizedWeight(qtype, [raw[rows]], part_shape, [order], [release])  # type: ignore[index]
+                weights[part] = lw
+                quantized[part] = (qtype, lw, part_shape)  # the blocks live in the weight (passthrough reads them there)
+                continue
+            wp = w[rows] if len(plan) > 1 else w  # type: ignore[index]
+            rp = raw[rows] if raw is not None and len(plan) > 1 else raw
+            if order is not None:
+                wp = wp[order]
+                rp = rp[order] if rp is not None else None
+            weights[part] = wp
+            if rp is not None:
+                quantized[part] = (qtype, rp, part_shape)
 
     tok_json = None
     if "tokenizer.ggml.tokens" in reader.fields:

@@ -24,17 +24,15 @@ from perfx_compiler.model.description import (
     ModelDescription,
     expected_weight_shapes,
 )
+from perfx_compiler.model.families import FAMILIES, family_for_hf_class, hf_classes
+from perfx_compiler.model.families._family import Family, HFConfig, missing_features, row_plan
 from perfx_compiler.model.gguf import DEFAULT_MAX_CONTEXT
 from perfx_compiler.model.tokenizer import load_tokenizer
 
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
-_HF_CLASS = {v: k for k, v in HF_ARCHITECTURES.items()}
 _INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings", "bos_token_id")
+# config.json's activation -> ModelConfig.mlp_activation (the gate of a gated MLP)
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 # Buffers some exporters save that are recomputed from the config.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -46,26 +44,29 @@ def _read_json(path: Path) -> Any:
         raise ModelFormatError(f"{path}: not valid JSON ({e}); fix or re-download the file") from None
 
 
-def _config_from_hf(hf: dict[str, Any], source: str, max_context: int | None) -> ModelConfig:
+def _config_from_hf(hf: dict[str, Any], source: str, max_context: int | None) -> tuple[Family, ModelConfig]:
     if not isinstance(hf, dict):
         raise ModelFormatError(f"{source}/config.json is not a JSON object; use the model's original config.json")
     archs = hf.get("architectures") or []
     arch_cls = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-    if arch_cls not in HF_ARCHITECTURES:
+    family = family_for_hf_class(arch_cls)
+    if family is None:
+        missing = missing_features(hf)
+        detail = f" (it needs {', '.join(missing)}, which PerfX does not run)" if missing else ""
         raise UnsupportedModelError(
-            f"{source}: architecture '{arch_cls or hf.get('model_type')}' is not supported; "
-            f"PerfX reads {', '.join(HF_ARCHITECTURES)}"
+            f"{source}: architecture '{arch_cls or hf.get('model_type')}' is not supported{detail}; "
+            f"PerfX reads {', '.join(hf_classes())}"
         )
-    arch = HF_ARCHITECTURES[arch_cls]
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
+    act = hf.get("hidden_act") or hf.get("hidden_activation") or "silu"
+    if act not in _ACTIVATIONS:
         raise UnsupportedModelError(
-            f"{source}: hidden_act {act!r} is not supported; PerfX runs {arch_cls} MLPs as SwiGLU (hidden_act 'silu')"
+            f"{source}: hidden_act {act!r} is not supported; PerfX runs gated MLPs with silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)"
         )
     flags = [k for k in _INT_KEYS if isinstance(hf.get(k), bool)]
     if flags:
         raise ModelFormatError(f"{source}/config.json: {flags[0]} is true/false, not a number; use the model's original config.json")
     try:
+        c = HFConfig(hf)
         hidden = int(hf["hidden_size"])
         heads = int(hf["num_attention_heads"])
         ctx = int(hf.get("max_position_embeddings") or DEFAULT_MAX_CONTEXT)
@@ -77,15 +78,10 @@ def _config_from_hf(hf: dict[str, Any], source: str, max_context: int | None) ->
             raise ContextLengthError(
                 f"max_context={max_context} is outside the model's trained context 1..{ctx}; pick a value in that range"
             )
-        scaling = hf.get("rope_scaling")
-        if scaling:
-            scaling = dict(scaling)
-            scaling.setdefault("rope_type", scaling.get("type"))
-            scaling.pop("type", None)
         eos = hf.get("eos_token_id")
         eos_ids = [int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
-        return ModelConfig(
-            architecture=arch,
+        fields: dict[str, Any] = dict(
+            architecture=family.name,
             vocab_size=int(hf["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf["intermediate_size"]),
@@ -94,15 +90,18 @@ def _config_from_hf(hf: dict[str, Any], source: str, max_context: int | None) ->
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(hf.get("head_dim") or hidden // heads),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rope_scaling=scaling or None,
+            rope_theta=float(c.rope().get("rope_theta", 10000.0)),
+            rope_scaling=c.rope_scaling(),
             max_context=max_ctx,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=True if arch == "qwen2" else bool(hf.get("attention_bias", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_activation=_ACTIVATIONS[act],
             bos_token_id=int(hf["bos_token_id"]) if hf.get("bos_token_id") is not None else None,
             eos_token_ids=eos_ids,
             name=str(hf.get("_name_or_path") or Path(source).name),
         )
+        fields.update(family.hf_features(c))
+        return family, ModelConfig(**fields)
     except KeyError as e:
         raise ModelFormatError(f"{source}/config.json lacks {e}; use the model's original config.json") from None
     except (TypeError, ValueError) as e:
@@ -188,16 +187,8 @@ def load_hf_folder(path: str | os.PathLike[str], max_context: int | None = None)
     source = str(folder)
     if not (folder / "config.json").is_file():
         raise ModelFormatError(f"{folder}: no config.json; pass a Hugging Face model folder")
-    cfg = _config_from_hf(_read_json(folder / "config.json"), source, max_context)
-    expected = expected_weight_shapes(cfg)
-    weights: dict[str, np.ndarray] = {}
-    for f in _safetensors_files(folder):
-        for name, arr in _load_safetensors(f).items():
-            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                continue
-            if name not in expected:
-                raise UnsupportedModelError(f"{source}: weight '{name}' is not part of a {cfg.architecture} model PerfX understands")
-            weights[name] = np.ascontiguousarray(arr.astype(np.float32, copy=False))
+    family, cfg = _config_from_hf(_read_json(folder / "config.json"), source, max_context)
+    weights = _canonical_weights(folder, family, cfg, source)
     if not cfg.tie_word_embeddings and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
         cfg.tie_word_embeddings = True  # some exports drop lm_head but forget the flag
     tok_json, template = _tokenizer_files(folder, cfg)
@@ -208,6 +199,41 @@ def load_hf_folder(path: str | os.PathLike[str], max_context: int | None = None)
     return desc
 
 
+def _canonical_name(family: Family, name: str) -> str:
+    """The canonical name of a checkpoint tensor (the family's layer renames applied once)."""
+    if name.startswith("model.layers."):
+        prefix, _, rest = name[len("model.layers."):].partition(".")
+        module, dot, kind = rest.rpartition(".")
+        if module in family.hf_renames:
+            return f"model.layers.{prefix}.{family.hf_renames[module]}{dot}{kind}"
+    return name
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight"
+
+
+def _canonical_weights(folder: Path, family: Family, cfg: ModelConfig, source: str) -> dict[str, np.ndarray]:
+    """The checkpoint's tensors as float32 under canonical names, in the canonical layout."""
+    expected = expected_weight_shapes(cfg)
+    weights: dict[str, np.ndarray] = {}
+    for f in _safetensors_files(folder):
+        for name, arr in _load_safetensors(f).items():
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue
+            w = np.asarray(arr).astype(np.float32, copy=False)
+            canon = _canonical_name(family, name)
+            if family.hf_norm_offset and _is_norm(canon):
+                w = w + np.float32(family.hf_norm_offset)  # the factor the model applies: (1 + w)
+            for part, rows, order in row_plan(canon, int(w.shape[0]) if w.ndim else 0, cfg, family.hf_rope_layout):
+                if part not in expected:
+                    raise UnsupportedModelError(
+                        f"{source}: weight '{name}' is not part of a {family.name} model PerfX understands")
+                piece = w[rows]
+                weights[part] = np.ascontiguousarray(piece[order] if order is not None else piece)
+    return weights
+
+
 def _add_stop_tokens(cfg: ModelConfig, tok_json: str) -> None:
     """Chat end markers also stop generation (same rule as for GGUF)."""
     added = {t["content"]: t["id"] for t in json.loads(tok_json).get("added_tokens", []) if "content" in t}
@@ -216,15 +242,23 @@ def _add_stop_tokens(cfg: ModelConfig, tok_json: str) -> None:
             cfg.eos_token_ids.append(int(added[t]))
 
 
+_FEATURE_DEFAULTS = {"qk_norm": False, "sandwich_norms": False, "mlp_activation": "silu", "embedding_scale": 1.0,
+                     "query_scale": 0.0, "attn_softcap": 0.0, "final_softcap": 0.0, "rope_local_theta": 0.0,
+                     "rotary_dim": 0}
+
+
 def write_hf_folder(desc: ModelDescription, path: str | os.PathLike[str]) -> Path:
     """Write ``desc`` as a Hugging Face folder (fp32 safetensors); ``load_hf_folder`` reads it back."""
     from safetensors.numpy import save_file
 
     c = desc.config
+    default = ModelConfig(**{**c.to_dict(), **_FEATURE_DEFAULTS})
+    if c.architecture not in ("llama", "mistral", "qwen2") or c != default:
+        raise UnsupportedModelError(f"write_hf_folder writes Llama-shaped models; {c.architecture} with its features is not")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     hf = {
-        "architectures": [_HF_CLASS[c.architecture]],
+        "architectures": [FAMILIES[c.architecture].hf_classes[0]],
         "model_type": c.architecture,
         "_name_or_path": c.name,
         "vocab_size": c.vocab_size,

@@ -37,6 +37,19 @@ OPSET = 18
 PERFX_DOMAIN = "perfx"
 ROPE_COS = "rope.cos"
 ROPE_SIN = "rope.sin"
+# the sliding layers' tables of a model with two RoPE bases (Gemma 3)
+ROPE_COS_LOCAL = "rope.cos_local"
+ROPE_SIN_LOCAL = "rope.sin_local"
+
+
+def rope_arrays(config: ModelConfig) -> dict[str, np.ndarray]:
+    """The RoPE tables the graph reads, float32 [max_context, head_dim/2] each."""
+    cos, sin = rope_tables(config, config.max_context)
+    out = {ROPE_COS: cos.astype(np.float32), ROPE_SIN: sin.astype(np.float32)}
+    if any(config.layer_rope_local(i) for i in range(config.num_layers)):
+        cos, sin = rope_tables(config, config.max_context, local=True)
+        out[ROPE_COS_LOCAL], out[ROPE_SIN_LOCAL] = cos.astype(np.float32), sin.astype(np.float32)
+    return out
 
 
 def cache_names(num_layers: int) -> list[str]:
@@ -83,6 +96,37 @@ def _rope(g: _Graph, x: str, cos: str, sin: str, d: int) -> str:
     return g.op("Concat", r1, r2, axis=-1)
 
 
+# The attention operators' variant attributes and their defaults (plain causal, no capping);
+# the function bodies read them through attribute references.
+_VARIANT_DEFAULTS = [helper.make_attribute("window", 0), helper.make_attribute("softcap", 0.0)]
+
+
+def _attr_const(g: _Graph, name: str, kind: str) -> str:
+    g._n += 1
+    out = f"{name}_{g._n}"
+    attr = helper.make_attribute_ref(
+        kind, onnx.AttributeProto.INT if kind == "value_int" else onnx.AttributeProto.FLOAT, ref_attr_name=name)
+    node = helper.make_node("Constant", [], [out], name=out)
+    node.attribute.append(attr)
+    g.nodes.append(node)
+    return out
+
+
+def _mask(g: _Graph, key_pos: str, pos: str) -> str:
+    """True where a key is hidden from a query: in its future, or (window W > 0) W or more behind it."""
+    window = _attr_const(g, "window", "value_int")
+    future = g.op("Greater", key_pos, pos)
+    behind = g.op("LessOrEqual", key_pos, g.op("Sub", pos, window))
+    return g.op("Or", future, g.op("And", behind, g.op("Greater", window, g.const(0))))
+
+
+def _softcap(g: _Graph, scores: str) -> str:
+    """c * tanh(s / c) when the softcap attribute c > 0 (Gemma 2), else the scores."""
+    cap = _attr_const(g, "softcap", "value_float")
+    capped = g.op("Mul", g.op("Tanh", g.op("Div", scores, cap)), cap)
+    return g.op("Where", g.op("Greater", cap, g.const(0.0, np.float32)), capped, scores)
+
+
 def _attention_function(config: ModelConfig, index_dtype: str = "int64") -> onnx.FunctionProto:
     """``perfx.CachedAttention`` as standard ONNX ops (what onnxruntime runs).
 
@@ -118,9 +162,9 @@ def _attention_function(config: ModelConfig, index_dtype: str = "int64") -> onnx
     q5 = g.op("Reshape", q, g.const([1, kvh, h // kvh, -1, d]))
     k5 = g.op("Unsqueeze", g.op("Transpose", "cache_k_out", perm=[0, 1, 3, 2]), g.const([2]))
     v5 = g.op("Unsqueeze", "cache_v_out", g.const([2]))
-    scores = g.op("Mul", g.op("MatMul", q5, k5), g.const(1.0 / math.sqrt(d), np.float32))
+    scores = _softcap(g, g.op("Mul", g.op("MatMul", q5, k5), g.const(1.0 / math.sqrt(d), np.float32)))
     key_pos = g.op("Reshape", g.const(np.arange(maxc)), g.const([1, maxc]))
-    masked = g.op("Greater", key_pos, g.op("Reshape", pos, g.const([-1, 1])))  # [seq, MAXC]
+    masked = _mask(g, key_pos, g.op("Reshape", pos, g.const([-1, 1])))  # [seq, MAXC]
     scores = g.op("Where", masked, g.const(-np.inf, np.float32), scores)
     probs = g.op("Softmax", scores, axis=-1)
     o = g.op("MatMul", probs, v5)  # [1,KVH,G,seq,D]
@@ -134,6 +178,7 @@ def _attention_function(config: ModelConfig, index_dtype: str = "int64") -> onnx
         ["out", "cache_k_out", "cache_v_out"],
         g.nodes,
         opset_imports=[helper.make_opsetid("", OPSET)],
+        attribute_protos=_VARIANT_DEFAULTS,
     )
 
 
@@ -197,9 +242,9 @@ def _paged_attention_function(config: ModelConfig, page_size: int, index_dtype: 
     q5 = g.op("Reshape", q, g.const([0, kvh, h // kvh, -1, d]))
     k5 = g.op("Unsqueeze", g.op("Transpose", keys, perm=[0, 1, 3, 2]), g.const([2]))
     v5 = g.op("Unsqueeze", vals, g.const([2]))
-    scores = g.op("Mul", g.op("MatMul", q5, k5), g.const(1.0 / math.sqrt(d), np.float32))
+    scores = _softcap(g, g.op("Mul", g.op("MatMul", q5, k5), g.const(1.0 / math.sqrt(d), np.float32)))
     key_pos = g.op("Reshape", g.const(np.arange(npp * page_size)), g.const([1, 1, -1]))
-    masked = g.op("Greater", key_pos, g.op("Unsqueeze", pos, g.const([2])))  # [B, seq, L]
+    masked = _mask(g, key_pos, g.op("Unsqueeze", pos, g.const([2])))  # [B, seq, L]
     masked = g.op("Unsqueeze", masked, g.const([1, 2]))
     scores = g.op("Where", masked, g.const(-np.inf, np.float32), scores)
     o = g.op("MatMul", g.op("Softmax", scores, axis=-1), v5)  # [B,KVH,G,seq,D]
@@ -212,6 +257,7 @@ def _paged_attention_function(config: ModelConfig, page_size: int, index_dtype: 
         ["out", "pool_k_out", "pool_v_out"],
         g.nodes,
         opset_imports=[helper.make_opsetid("", OPSET)],
+        attribute_protos=_VARIANT_DEFAULTS,
     )
 
 
@@ -240,9 +286,7 @@ def emit_onnx(
     c = desc.config
     g = _Graph()
     weight_arrays: dict[str, np.ndarray] = {n: w for n, w in desc.weights.items()}
-    cos, sin = rope_tables(c, c.max_context)
-    weight_arrays[ROPE_COS] = cos.astype(np.float32)
-    weight_arrays[ROPE_SIN] = sin.astype(np.float32)
+    weight_arrays.update(rope_arrays(c))
 
     def linear(x: str, name: str) -> str:
         y = g.op("MatMul", x, g.op("Transpose", name + ".weight", perm=[1, 0]))
@@ -257,7 +301,24 @@ def emit_onnx(
         var = g.op("ReduceMean", g.op("Pow", x, two), g.const([-1]), keepdims=1)
         return g.op("Mul", g.op("Div", x, g.op("Sqrt", g.op("Add", var, eps))), weight)
 
+    def head_norm(x: str, heads: int, weight: str) -> str:
+        """RMSNorm over each head of x [batch, seq, heads*D] (QK-norm)."""
+        y = rms_norm(g.op("Reshape", x, g.const([0, 0, heads, c.head_dim])), weight)
+        return g.op("Reshape", y, g.const([0, 0, heads * c.head_dim]))
+
+    def gate_activation(x: str) -> str:
+        if c.mlp_activation == "gelu_tanh":  # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+            inner = g.op("Add", x, g.op("Mul", g.op("Mul", g.op("Mul", x, x), x), g.const(0.044715, np.float32)))
+            t = g.op("Tanh", g.op("Mul", inner, g.const(math.sqrt(2.0 / math.pi), np.float32)))
+            return g.op("Mul", g.op("Mul", x, g.const(0.5, np.float32)), g.op("Add", t, g.const(1.0, np.float32)))
+        return g.op("Mul", x, g.op("Sigmoid", x))
+
+    def softcap(x: str, cap: float) -> str:
+        return g.op("Mul", g.op("Tanh", g.op("Mul", x, g.const(1.0 / cap, np.float32))), g.const(cap, np.float32))
+
     x = g.op("Gather", "model.embed_tokens.weight", "input_ids", axis=0)  # [batch, seq, hidden]
+    if c.embedding_scale != 1.0:
+        x = g.op("Mul", x, g.const(c.embedding_scale, np.float32))
     outputs_cache: list[str] = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
@@ -265,33 +326,50 @@ def emit_onnx(
         q = linear(hn, p + "self_attn.q_proj")
         k = linear(hn, p + "self_attn.k_proj")
         v = linear(hn, p + "self_attn.v_proj")
+        if c.qk_norm:
+            q = head_norm(q, c.num_heads, p + "self_attn.q_norm.weight")
+            k = head_norm(k, c.num_kv_heads, p + "self_attn.k_norm.weight")
+        if c.query_scale:  # the kernels scale by 1/sqrt(head_dim): the rest of the model's own scale
+            q = g.op("Mul", q, g.const(c.query_scale * math.sqrt(c.head_dim), np.float32))
+        cos, sin = (ROPE_COS_LOCAL, ROPE_SIN_LOCAL) if c.layer_rope_local(i) else (ROPE_COS, ROPE_SIN)
+        variant = {k_: v_ for k_, v_ in (("window", c.layer_window(i)), ("softcap", c.attn_softcap)) if v_}
         if kv == "paged":
             attn, ck, cv = g.op(
                 "PagedAttention", q, k, v, f"pool_k.{i}", f"pool_v.{i}", "positions", "page_table",
-                ROPE_COS, ROPE_SIN, n_out=3, domain=PERFX_DOMAIN,
+                cos, sin, n_out=3, domain=PERFX_DOMAIN, **variant,
             )
             outs = [f"pool_k_out.{i}", f"pool_v_out.{i}"]
         else:
             attn, ck, cv = g.op(
-                "CachedAttention", q, k, v, f"cache_k.{i}", f"cache_v.{i}", "past_len", ROPE_COS, ROPE_SIN,
-                n_out=3, domain=PERFX_DOMAIN,
+                "CachedAttention", q, k, v, f"cache_k.{i}", f"cache_v.{i}", "past_len", cos, sin,
+                n_out=3, domain=PERFX_DOMAIN, **variant,
             )
             outs = [f"cache_k_out.{i}", f"cache_v_out.{i}"]
         g.nodes.append(helper.make_node("Identity", [ck], [outs[0]]))
         g.nodes.append(helper.make_node("Identity", [cv], [outs[1]]))
         outputs_cache += outs
-        x = g.op("Add", x, linear(attn, p + "self_attn.o_proj"))
+        o = linear(attn, p + "self_attn.o_proj")
+        if c.sandwich_norms:
+            o = rms_norm(o, p + "attn_output_layernorm.weight")
+        x = g.op("Add", x, o)
         hn = rms_norm(x, p + "post_attention_layernorm.weight")
         gate = linear(hn, p + "mlp.gate_proj")
         up = linear(hn, p + "mlp.up_proj")
-        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
-        x = g.op("Add", x, linear(act, p + "mlp.down_proj"))
+        act = g.op("Mul", gate_activation(gate), up)
+        m = linear(act, p + "mlp.down_proj")
+        if c.sandwich_norms:
+            m = rms_norm(m, p + "mlp_output_layernorm.weight")
+        x = g.op("Add", x, m)
     if logits == "last":
         end = np.iinfo(np.int64 if index_dtype == "int64" else np.int32).max  # int32: kernels index in int32
         x = g.op("Slice", x, g.const([-1]), g.const([end]), g.const([1]))
     x = rms_norm(x, "model.norm.weight")
     head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
-    g.nodes.append(helper.make_node("MatMul", [x, g.op("Transpose", head, perm=[1, 0])], ["logits"]))
+    if c.final_softcap:
+        x = softcap(g.op("MatMul", x, g.op("Transpose", head, perm=[1, 0])), c.final_softcap)
+        g.nodes.append(helper.make_node("Identity", [x], ["logits"]))
+    else:
+        g.nodes.append(helper.make_node("MatMul", [x, g.op("Transpose", head, perm=[1, 0])], ["logits"]))
 
     f32, i64 = TensorProto.FLOAT, (TensorProto.INT64 if index_dtype == "int64" else TensorProto.INT32)
     if kv == "paged":
@@ -348,16 +426,14 @@ def save_onnx(desc: ModelDescription, path: str | Path) -> Path:
 
 def weight_input_names(desc: ModelDescription) -> list[str]:
     """Names of the weight inputs of ``emit_onnx(..., weights="inputs")``, in graph order."""
-    return [*desc.weights.keys(), ROPE_COS, ROPE_SIN]
+    return [*desc.weights.keys(), *rope_arrays(desc.config)]
 
 
 def weight_arrays(desc: ModelDescription) -> dict[str, np.ndarray]:
     """The float32 arrays fed to the weight inputs (weights + RoPE tables)."""
-    cos, sin = rope_tables(desc.config, desc.config.max_context)
     from perfx_compiler.model.lazy import is_lazy
 
     # Lazy GGUF matrices stay lazy: the passes read their blocks (np.asarray dequantizes on demand).
     out = {n: (w if is_lazy(w) else np.ascontiguousarray(w, dtype=np.float32)) for n, w in desc.weights.items()}
-    out[ROPE_COS] = cos.astype(np.float32)
-    out[ROPE_SIN] = sin.astype(np.float32)
+    out.update(rope_arrays(desc.config))
     return out

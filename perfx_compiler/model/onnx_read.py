@@ -18,7 +18,7 @@ from onnx import numpy_helper
 
 from perfx_compiler.errors import ModelFormatError
 from perfx_compiler.model.description import ModelConfig, ModelDescription
-from perfx_compiler.model.onnx_emit import ROPE_COS, ROPE_SIN
+from perfx_compiler.model.onnx_emit import ROPE_COS, ROPE_COS_LOCAL, ROPE_SIN, ROPE_SIN_LOCAL
 
 
 def tensor_array(t: onnx.TensorProto, what: str = "initializer") -> np.ndarray:
@@ -87,7 +87,7 @@ def load_onnx(path: str | Path, max_context: int | None = None) -> ModelDescript
     weights = {
         t.name: tensor_array(t)
         for t in model.graph.initializer
-        if t.name not in (ROPE_COS, ROPE_SIN)
+        if t.name not in (ROPE_COS, ROPE_SIN, ROPE_COS_LOCAL, ROPE_SIN_LOCAL)
     }
     desc = ModelDescription(
         config=config,

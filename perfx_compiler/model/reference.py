@@ -1,8 +1,10 @@
 """Float64 numpy reference forward pass over a ``ModelDescription`` (llama2.c style).
 
 The ground truth every compiled path is checked against: no TVM, no torch, just
-numpy. Rotate-half RoPE (the HF layout ``ModelDescription`` guarantees), GQA causal
-attention with a KV cache, SiLU-gated MLP, RMSNorm, tied or separate lm_head.
+numpy. Rotate-half RoPE (the layout ``ModelDescription`` guarantees), GQA causal
+attention with a KV cache, gated MLP, RMSNorm, tied or separate lm_head, and every
+feature a family declares (QK-norm, sandwich norms, GeGLU, sliding windows,
+soft-capping, scaled embeddings, a second RoPE base for sliding layers).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class _Layer:
     w_gate: np.ndarray
     w_up: np.ndarray
     w_down: np.ndarray
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    attn_out_norm: np.ndarray | None = None
+    mlp_out_norm: np.ndarray | None = None
 
 
 def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -38,6 +44,10 @@ def _rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 def _silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
 
 
 def _apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -63,6 +73,11 @@ class ReferenceModel:
         def opt(name: str) -> np.ndarray | None:
             return get(name) if self.config.attention_bias and name in w else None
 
+        def feature(name: str, on: bool) -> np.ndarray | None:
+            return get(name) if on else None
+
+        c = self.config
+
         self.embed = get("model.embed_tokens.weight")
         self.layers: list[_Layer] = []
         for i in range(self.config.num_layers):
@@ -81,13 +96,16 @@ class ReferenceModel:
                     w_gate=get(p + "mlp.gate_proj.weight", True),
                     w_up=get(p + "mlp.up_proj.weight", True),
                     w_down=get(p + "mlp.down_proj.weight", True),
+                    q_norm=feature(p + "self_attn.q_norm.weight", c.qk_norm),
+                    k_norm=feature(p + "self_attn.k_norm.weight", c.qk_norm),
+                    attn_out_norm=feature(p + "attn_output_layernorm.weight", c.sandwich_norms),
+                    mlp_out_norm=feature(p + "mlp_output_layernorm.weight", c.sandwich_norms),
                 )
             )
         self.final_norm = get("model.norm.weight")
         # Tied heads share the embedding array; transposing once keeps logits a plain matmul.
         self.lm_head = np.ascontiguousarray(np.asarray(desc.lm_head(), dtype=self.dtype).T)
-        self._cos = np.zeros((0, self.config.head_dim // 2), self.dtype)
-        self._sin = self._cos
+        self._tables: dict[bool, tuple[np.ndarray, np.ndarray]] = {}
         self.reset()
 
     # -- state -------------------------------------------------------------------------------
@@ -103,13 +121,14 @@ class ReferenceModel:
         """Number of tokens already in the KV cache."""
         return int(self.k_cache[0].shape[1]) if self.k_cache else 0
 
-    def _rope(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        if end > self._cos.shape[0]:
+    def _rope(self, start: int, end: int, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        cos, sin = self._tables.get(local, (np.zeros((0, 1)), None))
+        if end > cos.shape[0]:
             # Grow geometrically so token-by-token decode does not recompute the tables each step.
-            n = max(end, 2 * self._cos.shape[0], 64)
-            cos, sin = rope_tables(self.config, n)
-            self._cos, self._sin = cos.astype(self.dtype), sin.astype(self.dtype)
-        return self._cos[start:end], self._sin[start:end]
+            n = max(end, 2 * cos.shape[0], 64)
+            cos, sin = (t.astype(self.dtype) for t in rope_tables(self.config, n, local))
+            self._tables[local] = (cos, sin)
+        return cos[start:end], sin[start:end]  # type: ignore[index]
 
     # -- forward -----------------------------------------------------------------------------
     def forward(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -127,22 +146,30 @@ class ReferenceModel:
             raise ContextLengthError(
                 f"{end} tokens do not fit the model's context of {c.max_context}; shorten the prompt"
             )
-        cos, sin = self._rope(start, end)
         nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
         group = nh // nkv
-        scale = 1.0 / float(np.sqrt(hd))  # Python float: keeps float32 mode in float32
+        scale = float(c.attention_scale())  # Python float: keeps float32 mode in float32
+        eps = c.rms_norm_eps
         # Causal mask over [new tokens, all tokens]: new token j sees cached + new[: j + 1].
-        mask = np.arange(end)[None, :] > (start + np.arange(seq))[:, None]
+        key_pos, query_pos = np.arange(end)[None, :], (start + np.arange(seq))[:, None]
+        causal = key_pos > query_pos
 
         x = self.embed[ids]
+        if c.embedding_scale != 1.0:
+            x = x * self.dtype.type(c.embedding_scale)
         for li, L in enumerate(self.layers):
-            h = _rms_norm(x, L.attn_norm, c.rms_norm_eps)
+            cos, sin = self._rope(start, end, c.layer_rope_local(li))
+            window = c.layer_window(li)
+            mask = causal | (key_pos <= query_pos - window) if window else causal
+            h = _rms_norm(x, L.attn_norm, eps)
             q, k, v = h @ L.wq, h @ L.wk, h @ L.wv
             if L.bq is not None:
                 q, k, v = q + L.bq, k + L.bk, v + L.bv
             q = q.reshape(seq, nh, hd).transpose(1, 0, 2)
             k = k.reshape(seq, nkv, hd).transpose(1, 0, 2)
             v = v.reshape(seq, nkv, hd).transpose(1, 0, 2)
+            if L.q_norm is not None:
+                q, k = _rms_norm(q, L.q_norm, eps), _rms_norm(k, L.k_norm, eps)
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
             K = np.concatenate([self.k_cache[li], k], axis=1)
             V = np.concatenate([self.v_cache[li], v], axis=1)
@@ -150,17 +177,25 @@ class ReferenceModel:
             # GQA: query head g*group + r reads KV head g.
             qg = q.reshape(nkv, group, seq, hd)
             scores = np.einsum("grsd,gtd->grst", qg, K) * scale
+            if c.attn_softcap:
+                scores = np.tanh(scores / c.attn_softcap) * c.attn_softcap
             scores = np.where(mask, -np.inf, scores)
             scores = scores - scores.max(axis=-1, keepdims=True)
             p = np.exp(scores)
             p /= p.sum(axis=-1, keepdims=True)
             o = np.einsum("grst,gtd->grsd", p, V).reshape(nh, seq, hd).transpose(1, 0, 2)
-            x = x + o.reshape(seq, nh * hd) @ L.wo
+            o = o.reshape(seq, nh * hd) @ L.wo
+            x = x + (_rms_norm(o, L.attn_out_norm, eps) if L.attn_out_norm is not None else o)
 
-            h = _rms_norm(x, L.mlp_norm, c.rms_norm_eps)
-            x = x + (_silu(h @ L.w_gate) * (h @ L.w_up)) @ L.w_down
+            h = _rms_norm(x, L.mlp_norm, eps)
+            act = _gelu_tanh if c.mlp_activation == "gelu_tanh" else _silu
+            m = (act(h @ L.w_gate) * (h @ L.w_up)) @ L.w_down
+            x = x + (_rms_norm(m, L.mlp_out_norm, eps) if L.mlp_out_norm is not None else m)
 
-        return _rms_norm(x, self.final_norm, c.rms_norm_eps) @ self.lm_head
+        logits = _rms_norm(x, self.final_norm, eps) @ self.lm_head
+        if c.final_softcap:
+            logits = np.tanh(logits / c.final_softcap) * c.final_softcap
+        return logits
 
     __call__ = forward
 

@@ -19,13 +19,9 @@ from perfx_compiler.model.description import (
     expected_weight_shapes,
     rope_inv_freq,
 )
-from perfx_compiler.model.gguf import (
-    _ARCHS,
-    _GLOBAL_MAP,
-    _LAYER_MAP,
-    permute_qk,
-    unpermute_qk,
-)
+from perfx_compiler.model.families import FAMILIES
+from perfx_compiler.model.families._family import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES
+from perfx_compiler.model.gguf import permute_qk, unpermute_qk
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # A few English merges (byte-level spelling: 'Ġ' is a space) so BPE does real work.
@@ -75,13 +71,14 @@ def tiny_vocab(vocab: int | None = None) -> tuple[list[str], list[int], list[str
 
 
 def _gguf_name(hf: str) -> str:
-    for g, h in _GLOBAL_MAP.items():
+    for g, h in GGUF_GLOBAL_NAMES.items():
         if h == hf:
             return g
     _, _, idx, rest = hf.split(".", 3)
-    for g, h in _LAYER_MAP.items():
-        if h == rest:
-            return f"blk.{idx}.{g}"
+    module, _, kind = rest.rpartition(".")
+    for g, h in GGUF_LAYER_NAMES.items():
+        if h == module:
+            return f"blk.{idx}.{g}.{kind}"
     raise KeyError(hf)
 
 
@@ -197,7 +194,7 @@ def write_tiny_gguf(
             f = (0.05 * rng.standard_normal(shape)).astype(np.float32)
             q = embed_qtype if (embed_qtype and name == "model.embed_tokens.weight") else qtype
         n_perm = None
-        if _ARCHS[arch] and (".q_proj." in name or ".k_proj." in name):
+        if FAMILIES[arch].gguf_rope_layout == "interleaved" and (".q_proj." in name or ".k_proj." in name):
             n_perm = heads if ".q_proj." in name else kv_heads
             f = permute_qk(f, n_perm)  # llama.cpp's converter layout
         arr, raw_type = _encode(f, q, rng)

@@ -284,14 +284,14 @@ def test_unsupported_architecture_by_name(tmp_path: Path) -> None:
     import gguf
 
     path = tmp_path / "g.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
+    w = gguf.GGUFWriter(str(path), "mamba")
     w.add_embedding_length(8)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    assert "gemma3" in _one_line_error(UnsupportedModelError, path)
+    assert "mamba" in _one_line_error(UnsupportedModelError, path)
 
 
 # ---- the real SmolLM2-135M-Instruct ----
