@@ -505,8 +505,8 @@ def _feeds_silu(g: OnnxGraph, name: str) -> bool:
 def _config(genai: dict[str, Any] | None, hf: dict[str, Any], source: str, *, vocab: int, hidden: int, ffn: int,
             layers: int, heads: int, kv_heads: int, head_dim: int, eps: float, bias: bool, tied: bool,
             inv: np.ndarray) -> ModelConfig:
-    from perfx_compiler.model.gguf import DEFAULT_MAX_CONTEXT
     from perfx_compiler.model.families import family_for_hf_class
+    from perfx_compiler.model.gguf import DEFAULT_MAX_CONTEXT
 
     gm = (genai or {}).get("model", {})
     if gm.get("type"):
