@@ -51,8 +51,8 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         found = []
         for var in list(info.values):
             m = match_rms_norm(info, var)
-            if m is None or weight_name(m.weight, func) is None:
-                continue
+            if m is None or weight_name(m.weight, func) is None or len(m.x.ty.shape.values) != 3:
+                continue  # the kernel takes [batch, seq, hidden]; QK-norm's per-head form stays as ops
             hidden = int(m.x.ty.shape.values[-1])
             add = info.call(m.x, "relax.add")
             residual = (
