@@ -40,6 +40,8 @@ SUPPORTED_GGML_TYPES = (
 PASSTHROUGH_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 DEFAULT_MAX_CONTEXT = 2048
+# chat end markers that also stop generation (ChatML, Llama 3, GPT-style, Gemma)
+STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>")
 
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
@@ -187,7 +189,7 @@ def _special_ids(meta: _Meta, tokens: list[str]) -> tuple[int | None, list[int]]
         if v is not None and int(v) not in eos and (not tokens or 0 <= int(v) < len(tokens)):
             eos.append(int(v))
     index = {t: i for i, t in enumerate(tokens)} if tokens else {}
-    for t in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+    for t in STOP_TOKENS:
         if t in index and index[t] not in eos:
             eos.append(index[t])
     return (int(bos) if bos is not None else None), eos
@@ -316,7 +318,8 @@ def load_gguf(
         cfg = config_from_metadata(reader.fields, tensors, source, max_context)
     except (ValueError, TypeError, ArithmeticError) as e:  # e.g. a string where a count belongs, an infinite float
         raise ModelFormatError(f"{source}: malformed model metadata ({e}); re-convert the model") from None
-    layout = family_for_gguf_arch(str(field_value(reader.fields["general.architecture"]))).gguf_rope_layout
+    family = family_for_gguf_arch(str(field_value(reader.fields["general.architecture"])))
+    layout = family.gguf_rope_layout
 
     weights: dict[str, Any] = {}
     quantized: dict[str, Any] = {}
@@ -358,7 +361,7 @@ def load_gguf(
     tok_json = None
     if "tokenizer.ggml.tokens" in reader.fields:
         tok_json = tokenizer_json_from_gguf(reader.fields)
-    template = _Meta(reader.fields, source).get("tokenizer.chat_template")
+    template = _Meta(reader.fields, source).get("tokenizer.chat_template") or family.chat_template
     desc = ModelDescription(
         config=cfg, weights=weights, tokenizer_json=tok_json,
         chat_template=str(template) if template else None, source=source, quantized=quantized,

@@ -26,7 +26,7 @@ from perfx_compiler.model.description import (
 )
 from perfx_compiler.model.families import FAMILIES, family_for_hf_class, hf_classes
 from perfx_compiler.model.families._family import Family, HFConfig, missing_features, row_plan
-from perfx_compiler.model.gguf import DEFAULT_MAX_CONTEXT
+from perfx_compiler.model.gguf import DEFAULT_MAX_CONTEXT, STOP_TOKENS
 from perfx_compiler.model.tokenizer import load_tokenizer
 
 _INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -192,6 +192,7 @@ def load_hf_folder(path: str | os.PathLike[str], max_context: int | None = None)
     if not cfg.tie_word_embeddings and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
         cfg.tie_word_embeddings = True  # some exports drop lm_head but forget the flag
     tok_json, template = _tokenizer_files(folder, cfg)
+    template = template or family.chat_template
     if tok_json is not None:
         _add_stop_tokens(cfg, tok_json)
     desc = ModelDescription(config=cfg, weights=weights, tokenizer_json=tok_json, chat_template=template, source=source)
@@ -237,7 +238,7 @@ def _canonical_weights(folder: Path, family: Family, cfg: ModelConfig, source: s
 def _add_stop_tokens(cfg: ModelConfig, tok_json: str) -> None:
     """Chat end markers also stop generation (same rule as for GGUF)."""
     added = {t["content"]: t["id"] for t in json.loads(tok_json).get("added_tokens", []) if "content" in t}
-    for t in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+    for t in STOP_TOKENS:
         if t in added and added[t] not in cfg.eos_token_ids:
             cfg.eos_token_ids.append(int(added[t]))
 

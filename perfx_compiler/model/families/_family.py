@@ -95,6 +95,8 @@ class Family:
     gguf_rope_layout: RopeLayout = "rotate_half"
     # HF stores norm weights w applied as (offset + w) (Gemma: 1); llama.cpp's converter adds it
     hf_norm_offset: float = 0.0
+    # the family's chat format, for files that carry no template (llama.cpp knows these by name)
+    chat_template: str | None = None
 
 
 # llama.cpp layer tensor names -> canonical names (every family llama.cpp writes uses these)

@@ -4,7 +4,7 @@ soft-capping, sliding-window attention on every other layer."""
 from typing import Any
 
 from perfx_compiler.model.families._family import Family, GGUFMeta, HFConfig, gemma_embedding_scale
-from perfx_compiler.model.families.gemma3 import GEMMA_RENAMES
+from perfx_compiler.model.families.gemma3 import GEMMA_CHAT_TEMPLATE, GEMMA_RENAMES
 
 
 def _hf(c: HFConfig) -> dict[str, Any]:
@@ -47,4 +47,5 @@ FAMILY = Family(
     gguf_features=_gguf,
     hf_renames=GEMMA_RENAMES,
     hf_norm_offset=1.0,
+    chat_template=GEMMA_CHAT_TEMPLATE,
 )

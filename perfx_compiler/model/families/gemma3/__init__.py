@@ -13,6 +13,15 @@ GEMMA_RENAMES = {
 # llama.cpp's constants for Gemma 3 (llama-model.cpp): the local RoPE base and the layer pattern
 LOCAL_ROPE_BASE = 10000.0
 PATTERN = 6
+# Gemma's turn format (no system role: a system message is prefixed to the next user turn)
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}{% else %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (ns.system if role == 'user' else '') + message['content'] | trim"
+    " + '<end_of_turn>\n' }}{% if role == 'user' %}{% set ns.system = '' %}{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
 
 
 def _hf(c: HFConfig) -> dict[str, Any]:
@@ -67,4 +76,5 @@ FAMILY = Family(
     gguf_features=_gguf,
     hf_renames=GEMMA_RENAMES,
     hf_norm_offset=1.0,
+    chat_template=GEMMA_CHAT_TEMPLATE,
 )
