@@ -143,7 +143,7 @@ def cached_attention_kernel_gpu(
                             for d in T.serial(D):
                                 st[3] = st[3] + qs[d] * KC[0, kh, j, d]
                             if CAP > 0:  # soft-capping bounds the score to (-C, C)
-                                st[3] = T.float32(CAP) * T.tanh(st[3] / T.float32(CAP))
+                                st[3] = T.float32(CAP) * T.tanh(st[3] * T.float32(1.0 / CAP))
                         tile[tx] = st[3]
                         T.tvm_storage_sync("shared")
                         m_tile = T.decl_buffer((1,), dtype, scope="local")

@@ -176,7 +176,7 @@ def paged_attention_kernel_gpu(
                     sc[r] = sc[r] + qs[r * D + d] * kv
             if CAP > 0:  # soft-capping bounds the scores to (-C, C), before the mask
                 for r in T.unroll(T.int64(NQ)):
-                    sc[r] = T.float32(CAP) * T.tanh(sc[r] / T.float32(CAP))
+                    sc[r] = T.float32(CAP) * T.tanh(sc[r] * T.float32(1.0 / CAP))
             for r in T.unroll(T.int64(NQ)):  # causal: query r sees keys up to its own position
                 sc[r] = T.if_then_else(seen(j, p0 + r), sc[r], T.float32(NEG))
         for r in T.unroll(T.int64(NQ)):
