@@ -16,12 +16,22 @@ positions and computes causal GQA attention over cache positions ``0 .. past + i
 
 The launches are separate device kernels (the append must be complete before any block reads
 the cache). The kernel carries ``tirx.is_scheduled`` so no template touches it.
+
+Variants (Gemma 2/3, Mistral), built only when asked for, so plain kernels are unchanged:
+
+* ``window`` W > 0: sliding-window attention, the query at position p sees keys ``p - W < j <= p``
+  (HF / llama.cpp: masked when ``p - j >= W``). Key tiles wholly before the window are skipped and
+  keys outside it are neither scored nor read from V.
+* ``softcap`` C > 0: logit soft-capping, the score ``s = (q . k) * scale`` becomes ``C * tanh(s / C)``
+  before the mask and the softmax.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import tvm
 from tvm.script import tirx as T
 
 
@@ -32,11 +42,14 @@ def cached_attention_kernel_gpu(
     max_context: int,
     dtype: str = "float32",
     index_dtype: str = "int64",
-):
+    window: int = 0,
+    softcap: float = 0.0,
+) -> Any:
     """Build the GPU PrimFunc for one attention configuration (shape constants baked in).
 
     ``index_dtype`` is the element type of ``past_len``: int32 on targets without 64-bit integers
-    (WebGPU), where the compiler also narrows every index expression to int32."""
+    (WebGPU), where the compiler also narrows every index expression to int32. ``window``: sliding
+    window in tokens (0 = plain causal); ``softcap``: logit soft-cap (0 = none); see the module doc."""
     H, KVH, D, MAXC = num_heads, num_kv_heads, head_dim, max_context
     G = H // KVH
     HALF = D // 2
@@ -44,6 +57,23 @@ def cached_attention_kernel_gpu(
     scale = 1.0 / math.sqrt(D)
     if D % 2 or D > 1024:
         raise ValueError(f"head_dim {D} must be even and at most 1024 for the GPU attention kernel")
+    W, CAP = int(window), float(softcap)
+    if W < 0 or CAP < 0:
+        raise ValueError(f"attention window {window} and softcap {softcap} must be >= 0")
+
+    # The variants enter through these expressions (and the parse-time ``if CAP``): with W = 0 they
+    # are exactly the plain kernel's, so its IR (and tuning records, digests) do not change.
+    def visible(j: Any, length: Any) -> Any:
+        """Key j is attended by the query whose keys are 0 .. length - 1: causal, inside the window."""
+        if W == 0:
+            return j < length
+        return tvm.tirx.And(j < length, length - j <= T.int64(W))
+
+    def first_tile(length: Any) -> Any:
+        """The first key tile holding a visible key: tiles wholly before the window are skipped."""
+        if W == 0:
+            return T.int64(0)
+        return T.max(length - T.int64(W), T.int64(0)) // T.int64(TS)
 
     @T.prim_func(private=True)
     def cached_attention_gpu(
@@ -103,13 +133,17 @@ def cached_attention_kernel_gpu(
                     st[0] = T.float32(-3.0e38)
                     st[1] = T.float32(0)
                     st[2] = T.float32(0)
-                    for kt in T.serial((length + T.int64(TS - 1)) // T.int64(TS)):
+                    # (a loop from a non-zero start is safe here: no inner loop's bounds depend on kt,
+                    # see paged_attention_gpu.keys)
+                    for kt in T.serial(first_tile(length), (length + T.int64(TS - 1)) // T.int64(TS)):
                         j: T.let[T.int64] = kt * T.int64(TS) + tx
                         st[3] = T.float32(-3.0e38)
-                        if j < length:
+                        if visible(j, length):
                             st[3] = T.float32(0)
                             for d in T.serial(D):
                                 st[3] = st[3] + qs[d] * KC[0, kh, j, d]
+                            if CAP > 0:  # soft-capping bounds the score to (-C, C)
+                                st[3] = T.float32(CAP) * T.tanh(st[3] * T.float32(1.0 / CAP))
                         tile[tx] = st[3]
                         T.tvm_storage_sync("shared")
                         m_tile = T.decl_buffer((1,), dtype, scope="local")
@@ -118,12 +152,12 @@ def cached_attention_kernel_gpu(
                             m_tile[0] = T.max(m_tile[0], tile[jj])
                         alpha: T.let[T.float32] = T.exp(st[0] - m_tile[0])
                         T.tvm_storage_sync("shared")
-                        tile[tx] = T.if_then_else(j < length, T.exp(st[3] - m_tile[0]), T.float32(0))
+                        tile[tx] = T.if_then_else(visible(j, length), T.exp(st[3] - m_tile[0]), T.float32(0))
                         T.tvm_storage_sync("shared")
                         st[1] = st[1] * alpha
                         st[2] = st[2] * alpha
                         for jj in T.serial(TS):
-                            if kt * T.int64(TS) + jj < length:
+                            if visible(kt * T.int64(TS) + jj, length):
                                 p: T.let[T.float32] = tile[jj]
                                 st[1] = st[1] + p
                                 st[2] = st[2] + p * VC[0, kh, kt * T.int64(TS) + jj, tx]

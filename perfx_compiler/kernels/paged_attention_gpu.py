@@ -26,6 +26,15 @@ the pools, so it is a launch of its own:
    block when ``seq`` is 1.
 
 The kernel carries ``tirx.is_scheduled`` so no template touches it.
+
+Variants (Gemma 2/3, Mistral), built only when asked for, so plain kernels are unchanged:
+
+* ``window`` W > 0: sliding-window attention, the query at position p sees keys ``p - W < j <= p``
+  (HF / llama.cpp: masked when ``p - j >= W``), masked per query. A block starts at the key tile of
+  its first query's oldest visible key, and keys no query of the block sees are neither read from the
+  pools nor looked up in the page table (pages before a window may be recycled some day).
+* ``softcap`` C > 0: logit soft-capping, the score ``s = (q . k) * scale`` becomes ``C * tanh(s / C)``
+  before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import tvm
 from tvm.script import tirx as T
 
 from perfx_compiler.errors import UnsupportedModelError
@@ -74,10 +84,13 @@ def paged_attention_kernel_gpu(
     index_dtype: str = "int64",
     threads: int | None = None,
     query_tile: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Any:
     """The GPU PrimFunc for one configuration (shape constants baked in). ``index_dtype``: element
     type of ``positions`` and ``page_table`` (int32 on WebGPU, where the compiler narrows every index).
-    ``query_tile``: queries a block (default :func:`paged_query_tile`)."""
+    ``query_tile``: queries a block (default :func:`paged_query_tile`). ``window``: sliding window in
+    tokens (0 = plain causal); ``softcap``: logit soft-cap (0 = none); see the module doc."""
     H, KVH, D, PS = num_heads, num_kv_heads, head_dim, page_size
     G = H // KVH
     HALF = D // 2
@@ -90,6 +103,39 @@ def paged_attention_kernel_gpu(
             f"paged attention (GPU): unsupported shape heads={H} kv_heads={KVH} head_dim={D} threads={TS} "
             f"query tile={QT} (heads must be a multiple of kv_heads, head_dim even, threads a power of two >= head_dim)"
         )
+    W, CAP = int(window), float(softcap)
+    if W < 0 or CAP < 0:
+        raise UnsupportedModelError(f"paged attention (GPU): window {window} and softcap {softcap} must be >= 0")
+
+    # The variants enter through these expressions (and the parse-time ``if CAP``): with W = 0 they
+    # are exactly the plain kernel's, so its IR (and tuning records, digests) do not change.
+    def first_key(p0: Any) -> Any:
+        """The oldest key the block's first query (position p0) sees; later queries see no older one."""
+        return T.max(p0 - T.int64(W - 1), T.int64(0))
+
+    def first_tile(p0: Any, tiles: Any) -> Any:
+        """The block's first key tile (at most ``tiles``: a block of the other kind runs none)."""
+        if W == 0:
+            return T.int64(0)
+        return T.min(first_key(p0) // T.int64(TS), tiles)
+
+    def read_key(j: Any, p0: Any, last: Any) -> Any:
+        """Key j is seen by some query of the block (positions p0 .. last)."""
+        if W == 0:
+            return j <= last
+        return tvm.tirx.And(j <= last, first_key(p0) <= j)
+
+    def seen(j: Any, p: Any) -> Any:
+        """The query at position p sees key j: causal, inside the window."""
+        if W == 0:
+            return j <= p
+        return tvm.tirx.And(j <= p, p - j < T.int64(W))
+
+    def first_value(p0: Any, kt: Any) -> Any:
+        """The first row of key tile kt whose value is read (rows before the window weigh 0)."""
+        if W == 0:
+            return T.int64(0)
+        return T.max(first_key(p0) - kt * T.int64(TS), T.int64(0))
 
     @T.macro
     def halve(NQ, src, dst, off, tx):
@@ -114,6 +160,52 @@ def paged_attention_kernel_gpu(
             T.tvm_storage_sync("shared")
 
     @T.macro
+    def key_tile(NQ, kt, KP, VP, PT, b, p0, last, tx, qs, ra, rb, wt, kh, m, lsum, acc, sc, tm):
+        """Key tile kt for the first NQ queries of ``qs``: their scores, the tile's max per query, and
+        the online-softmax update of the running max ``m``, sum ``lsum`` and output ``acc``."""
+        j: T.let[T.int64] = kt * T.int64(TS) + tx
+        for r in T.unroll(T.int64(NQ)):
+            sc[r] = T.float32(NEG)
+        if read_key(j, p0, last):
+            kb: T.let[T.int64] = T.Cast("int64", PT[b, j // PS])
+            for r in T.unroll(T.int64(NQ)):
+                sc[r] = T.float32(0)
+            for d in T.serial(D):  # key j is read once for all the tile's queries
+                kv: T.let[T.float32] = KP[kb, j % PS, kh, d]
+                for r in T.unroll(T.int64(NQ)):
+                    sc[r] = sc[r] + qs[r * D + d] * kv
+            if CAP > 0:  # soft-capping bounds the scores to (-C, C), before the mask
+                for r in T.unroll(T.int64(NQ)):
+                    sc[r] = T.float32(CAP) * T.tanh(sc[r] * T.float32(1.0 / CAP))
+            for r in T.unroll(T.int64(NQ)):  # causal: query r sees keys up to its own position
+                sc[r] = T.if_then_else(seen(j, p0 + r), sc[r], T.float32(NEG))
+        for r in T.unroll(T.int64(NQ)):
+            ra[r * TS + tx] = sc[r]
+        T.tvm_storage_sync("shared")
+        tree_max(NQ, ra, rb, tx)  # each row's max score of the tile
+        for r in T.unroll(T.int64(NQ)):
+            if LOG % 2 == 1:
+                tm[r] = T.max(m[r], rb[r * TS])
+            else:
+                tm[r] = T.max(m[r], ra[r * TS])
+        for r in T.unroll(T.int64(NQ)):  # a masked key (score NEG) weighs 0
+            w: T.let[T.float32] = T.if_then_else(sc[r] > T.float32(NEG), T.exp(sc[r] - tm[r]), T.float32(0))
+            wt[r * TS + tx] = w
+            alpha: T.let[T.float32] = T.exp(m[r] - tm[r])
+            lsum[r] = lsum[r] * alpha
+            acc[r] = acc[r] * alpha
+            m[r] = tm[r]
+        T.tvm_storage_sync("shared")
+        if tx < T.int64(D):  # the weight sums are summed here too (only output threads need them)
+            for jj in T.serial(first_value(p0, kt), T.min(T.int64(TS), last + T.int64(1) - kt * T.int64(TS))):
+                vb: T.let[T.int64] = T.Cast("int64", PT[b, (kt * T.int64(TS) + jj) // PS])
+                vv: T.let[T.float32] = VP[vb, (kt * T.int64(TS) + jj) % PS, kh, tx]
+                for r in T.unroll(T.int64(NQ)):  # v row j is read once for all the queries
+                    lsum[r] = lsum[r] + wt[r * TS + jj]
+                    acc[r] = acc[r] + wt[r * TS + jj] * vv
+        T.tvm_storage_sync("shared")  # ra / wt are rewritten by the next tile
+
+    @T.macro
     def keys(NQ, tiles, KP, VP, PT, OUT, b, h, s0, p0, last, nq, tx, qs, ra, rb, wt):
         """Key tiles 0 .. tiles - 1 for the first NQ rotated queries in ``qs`` (query r at position
         p0 + r; rows r >= nq hold zeros and are never written), then their outputs. NQ is a Python
@@ -129,45 +221,16 @@ def paged_attention_kernel_gpu(
             m[r] = T.float32(NEG)
             lsum[r] = T.float32(0)
             acc[r] = T.float32(0)
-        for kt in T.serial(tiles):
-            j: T.let[T.int64] = kt * T.int64(TS) + tx
-            for r in T.unroll(T.int64(NQ)):
-                sc[r] = T.float32(NEG)
-            if j <= last:
-                kb: T.let[T.int64] = T.Cast("int64", PT[b, j // PS])
-                for r in T.unroll(T.int64(NQ)):
-                    sc[r] = T.float32(0)
-                for d in T.serial(D):  # key j is read once for all the tile's queries
-                    kv: T.let[T.float32] = KP[kb, j % PS, kh, d]
-                    for r in T.unroll(T.int64(NQ)):
-                        sc[r] = sc[r] + qs[r * D + d] * kv
-                for r in T.unroll(T.int64(NQ)):  # causal: query r sees keys up to its own position
-                    sc[r] = T.if_then_else(j <= p0 + r, sc[r], T.float32(NEG))
-            for r in T.unroll(T.int64(NQ)):
-                ra[r * TS + tx] = sc[r]
-            T.tvm_storage_sync("shared")
-            tree_max(NQ, ra, rb, tx)  # each row's max score of the tile
-            for r in T.unroll(T.int64(NQ)):
-                if LOG % 2 == 1:
-                    tm[r] = T.max(m[r], rb[r * TS])
-                else:
-                    tm[r] = T.max(m[r], ra[r * TS])
-            for r in T.unroll(T.int64(NQ)):  # a masked key (score NEG) weighs 0
-                w: T.let[T.float32] = T.if_then_else(sc[r] > T.float32(NEG), T.exp(sc[r] - tm[r]), T.float32(0))
-                wt[r * TS + tx] = w
-                alpha: T.let[T.float32] = T.exp(m[r] - tm[r])
-                lsum[r] = lsum[r] * alpha
-                acc[r] = acc[r] * alpha
-                m[r] = tm[r]
-            T.tvm_storage_sync("shared")
-            if tx < T.int64(D):  # the weight sums are summed here too (only output threads need them)
-                for jj in T.serial(T.min(T.int64(TS), last + T.int64(1) - kt * T.int64(TS))):
-                    vb: T.let[T.int64] = T.Cast("int64", PT[b, (kt * T.int64(TS) + jj) // PS])
-                    vv: T.let[T.float32] = VP[vb, (kt * T.int64(TS) + jj) % PS, kh, tx]
-                    for r in T.unroll(T.int64(NQ)):  # v row j is read once for all the queries
-                        lsum[r] = lsum[r] + wt[r * TS + jj]
-                        acc[r] = acc[r] + wt[r * TS + jj] * vv
-            T.tvm_storage_sync("shared")  # ra / wt are rewritten by the next tile
+        if W == 0:
+            for kt in T.serial(tiles):
+                key_tile(NQ, kt, KP, VP, PT, b, p0, last, tx, qs, ra, rb, wt, kh, m, lsum, acc, sc, tm)
+        else:
+            # from the window's first tile. The loop starts at 0 and the first tile is added: TVM
+            # 0.27 shifts a loop starting elsewhere to 0 without substituting its variable in the
+            # bounds of inner loops (the V loop's), which then run over the wrong rows.
+            first: T.let[T.int64] = first_tile(p0, tiles)
+            for kt in T.serial(tiles - first):
+                key_tile(NQ, first + kt, KP, VP, PT, b, p0, last, tx, qs, ra, rb, wt, kh, m, lsum, acc, sc, tm)
         if tiles > T.int64(0) and tx < T.int64(D):
             for r in T.unroll(T.int64(NQ)):
                 if r < nq:
