@@ -18,6 +18,11 @@ positions ``0 .. past_len + i`` with an online softmax over tiles of keys. Three
   merged afterwards on the launching thread (log-sum-exp). With ``prefetch`` > 0 each task requests its
   cached k/v rows that many keys ahead of the score loop (a decode step's weight stream has evicted them).
 
+Variants (Gemma 2/3, Mistral): ``window`` (sliding window: the query at p sees keys p - window < j <= p;
+the rows and split bodies start their key loops at the window's first key, the tiled body at the tile
+holding its first row's first key and masks per row) and ``softcap`` (scores capped to
+softcap * tanh(s / softcap) before the mask). Both 0 build the plain kernel, text for text.
+
 Per-task buffers are declared inside the parallel loop but outside every per-query/per-key loop:
 each is one allocation per task. ``schedules/attention_cpu.py`` chooses the body and its knobs.
 """

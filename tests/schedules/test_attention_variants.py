@@ -116,6 +116,9 @@ BODIES = {
     "rows": {"body": "rows", "k_tile": 8, "lanes": 8},
     "tiled": {"body": "tiled", "k_tile": 8, "q_tile": 4, "heads_per_task": 2, "key_block": 2, "lanes": 16},
     "tiled_q8_h1": {"body": "tiled", "k_tile": 16, "q_tile": 8, "heads_per_task": 1, "key_block": 4, "lanes": 8},
+    # key tiles shorter than a query tile: a row's window can start past a whole tile the task scores
+    # (rows 20..26 from key 16: tile 16..19 is masked out entirely for rows 24..26)
+    "tiled_k4_q8": {"body": "tiled", "k_tile": 4, "q_tile": 8, "heads_per_task": 2, "key_block": 4, "lanes": 16},
     "split1": {"body": "split", "k_tile": 8, "splits": 1, "lanes": 16, "prefetch": 2},
     "split3": {"body": "split", "k_tile": 4, "splits": 3, "lanes": 8, "prefetch": 0},
 }
