@@ -13,6 +13,9 @@ kernel built for one configuration:
   log-sum-exp; ``k_tile`` and ``lanes`` as above; ``prefetch``: keys ahead whose k/v rows are
   prefetched (default config only, not searched).
 
+A sliding-window or soft-capped kernel (``window`` / ``softcap`` in the tag, only when set) is
+rebuilt as the same variant; its workload key differs from the plain kernel's (another function).
+
 When the merge-projections pass made the kernel read one fused QKV tensor, the built kernel gets
 the same rewrite, so the function keeps its signature.
 """
@@ -76,10 +79,12 @@ class AttentionCPU(ScheduleTemplate):
         decode = info["kind"] == "decode"
         if decode:
             dims["M"] = 1
+        winfo = {"kind": info["kind"], "dtype": info.get("dtype", "float32"),
+                 "index_dtype": info.get("index_dtype", "int64"), "qkv": len(func.params) == 7}
+        # the variant the kernel was built as (absent for plain kernels): apply rebuilds the same one
+        winfo.update({k: info[k] for k in ("window", "softcap") if info.get(k)})
         return make_workload(
-            self.name, func, target, dims, symbolic=None if decode else "M",
-            info={"kind": info["kind"], "dtype": info.get("dtype", "float32"),
-                  "index_dtype": info.get("index_dtype", "int64"), "qkv": len(func.params) == 7},
+            self.name, func, target, dims, symbolic=None if decode else "M", info=winfo,
             version=self.decode_version if decode else self.version,
         )
 
@@ -152,7 +157,9 @@ class AttentionCPU(ScheduleTemplate):
         kcfg = self._kernel_config(workload, config)
         try:
             kernel = cached_attention_kernel(d["H"], d["KVH"], d["D"], d["MAXC"], workload.info["dtype"],
-                                             workload.info["index_dtype"], config=kcfg)
+                                             workload.info["index_dtype"], config=kcfg,
+                                             window=int(workload.info.get("window", 0)),
+                                             softcap=float(workload.info.get("softcap", 0.0)))
         except ValueError as err:
             raise ScheduleConfigError(str(err)) from err
         if workload.info["qkv"]:

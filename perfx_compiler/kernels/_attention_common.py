@@ -34,6 +34,26 @@ def fast_exp(x: Any) -> Any:
     return tirx.Select(x < tirx.const(-60.0, "float32"), tirx.const(0.0, "float32"), _fast_exp(x))
 
 
+def soft_cap(x: Any, cap: float) -> Any:
+    """``cap * tanh(x / cap)`` (Gemma 2's attention-logit soft-capping) from :func:`fast_exp`, so it
+    vectorizes: tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2|y|) <= 1 (no overflow; e is 0
+    past |y| = 30, where tanh is 1 in fp32)."""
+    from tvm import tirx
+
+    f32 = "float32"
+    y = x * tirx.const(1.0 / cap, f32)
+    e = fast_exp(tirx.const(-2.0, f32) * tirx.abs(y))
+    t = (tirx.const(1.0, f32) - e) / (tirx.const(1.0, f32) + e)
+    return tirx.Select(y < tirx.const(0.0, f32), -t, t) * tirx.const(cap, f32)
+
+
+def first_key(pos: Any, window: int) -> Any:
+    """First cache position the query at ``pos`` attends to: 0 (causal), or ``pos - window + 1``
+    with a sliding window (keys ``pos - window < j <= pos``). A Python 0 when ``window`` is 0, so
+    expressions built from it fold back to the plain causal kernel's text."""
+    return T.max(pos - (window - 1), 0) if window > 0 else 0
+
+
 def lanes_for(n: int, max_lanes: int = 16) -> int:
     """Widest f32 vector (<= max_lanes) that divides n (a head_dim, or a tile of keys)."""
     return next(w for w in (16, 8, 4, 2, 1) if w <= max_lanes and n % w == 0)
@@ -133,6 +153,15 @@ def tile_scores(sc, qr, KF, VF, key_base, ctx, j0, n, rows, D, KT, L, ahead, end
                 prefetch_kv_row(KF, VF, key_base(ctx, j0 + jj + ahead), D)
         for r in T.serial(rows):
             sc[r * KT + jj] = _folded_dot(qr, r * D, KF, key_base(ctx, j0 + jj), D, L)
+
+
+@T.macro
+def tile_softcap(sc, rows, KT, cap):
+    """sc[r * KT + jj] = soft_cap(sc[r * KT + jj], cap) over whole tiles (vectorised): lanes past a
+    short tile's end hold stale values, which tile_softmax masks anyway."""
+    for r in T.serial(rows):
+        for jj in T.vectorized(KT):
+            sc[r * KT + jj] = soft_cap(sc[r * KT + jj], cap)
 
 
 @T.macro

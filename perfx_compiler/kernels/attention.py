@@ -18,6 +18,11 @@ positions ``0 .. past_len + i`` with an online softmax over tiles of keys. Three
   merged afterwards on the launching thread (log-sum-exp). With ``prefetch`` > 0 each task requests its
   cached k/v rows that many keys ahead of the score loop (a decode step's weight stream has evicted them).
 
+Variants (Gemma 2/3, Mistral): ``window`` (sliding window: the query at p sees keys p - window < j <= p;
+the rows and split bodies start their key loops at the window's first key, the tiled body at the tile
+holding its first row's first key and masks per row) and ``softcap`` (scores capped to
+softcap * tanh(s / softcap) before the mask). Both 0 build the plain kernel, text for text.
+
 Per-task buffers are declared inside the parallel loop but outside every per-query/per-key loop:
 each is one allocation per task. ``schedules/attention_cpu.py`` chooses the body and its knobs.
 """
@@ -33,12 +38,15 @@ from perfx_compiler.kernels._attention_common import (
     NEG,
     copy_row,
     fast_exp,
+    first_key,
     lanes_for,
     prefetch_kv_row,
     rope_store,
+    soft_cap,
     softmax_init,
     tile_pv,
     tile_scores,
+    tile_softcap,
     tile_softmax,
 )
 
@@ -64,8 +72,15 @@ def cached_attention_kernel(
     dtype: str = "float32",
     index_dtype: str = "int64",
     config: dict[str, Any] | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Any:
     """Build the PrimFunc for one attention configuration (shape constants baked in).
+
+    ``window`` > 0: sliding-window attention, the query at position p sees keys p - window < j <= p
+    (0: plain causal); key loops start at the window's first key, so the work is proportional to
+    the window. ``softcap`` > 0: each score s becomes softcap * tanh(s / softcap) before the mask and
+    softmax (0: none). With both 0 the kernel is the plain one, text for text.
 
     ``index_dtype`` is the element type of ``past_len`` (the graph's integer inputs).
     ``config``: ``{"body": "rows" | "tiled", "k_tile", "q_tile", "heads_per_task", "key_block", "lanes"}`` for
@@ -82,6 +97,16 @@ def cached_attention_kernel(
     if H % KVH or D % 2 or D % L or KT < 1:
         raise ValueError(f"attention: bad shape/config H={H} KVH={KVH} D={D} {cfg}")
     exp = fast_exp
+    WIN, CAP = int(window), float(softcap)
+    if WIN < 0 or CAP < 0:
+        raise ValueError(f"attention: window {window} and softcap {softcap} must be >= 0")
+
+    def lo_key(pos: Any) -> Any:
+        return first_key(pos, WIN)
+
+    def visible(j: Any, pos: Any) -> Any:
+        """Key j is seen by the query at pos (causal, and inside the window when there is one)."""
+        return T.And(j <= pos, pos - j < WIN) if WIN > 0 else j <= pos
 
     @T.macro
     def append_kv(Q, K, V, KF, VF, COS, SIN, past, seq):
@@ -113,10 +138,15 @@ def cached_attention_kernel(
             for g in T.serial(G):
                 rope_store(qr, g * D, 1, Q, 0, s, (kh * G + g) * D, COS, SIN, pos, HALF, T.float32(scale))
             softmax_init(st, acc, G, D)
-            for kt in T.serial(pos // KT + 1):
-                tile_scores(sc, qr, KF, VF, _kb, (kh * MAXC, D), kt * KT, T.min(KT, pos + 1 - kt * KT), G, D, KT, L, 0, 0)
-                tile_softmax(sc, st, T.min(KT, pos + 1 - kt * KT), G, KT, exp)
-                tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), kt * KT, T.min(KT, pos + 1 - kt * KT), G, D, KT, L)
+            # keys lo_key(pos) .. pos in tiles (lo_key is 0 without a window: the terms fold away)
+            for kt in T.serial((pos - lo_key(pos)) // KT + 1):
+                tile_scores(sc, qr, KF, VF, _kb, (kh * MAXC, D), lo_key(pos) + kt * KT,
+                            T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, D, KT, L, 0, 0)
+                if CAP > 0:
+                    tile_softcap(sc, G, KT, CAP)
+                tile_softmax(sc, st, T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, KT, exp)
+                tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo_key(pos) + kt * KT,
+                        T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, D, KT, L)
             for g in T.serial(G):
                 for d in T.vectorized(D):
                     OUT[0, s, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
@@ -134,6 +164,9 @@ def cached_attention_kernel(
         RB = next(b for b in (4, 3, 2, 1) if R % b == 0 and b * D // L <= 16)  # rows per block of p @ V
         if JB < 1 or KT % JB:
             raise ValueError(f"attention: key_block {JB} must divide k_tile {KT}")
+
+        def capped(x: Any) -> Any:
+            return soft_cap(x, CAP) if CAP > 0 else x
 
         @T.macro
         def main_body(Q, KF, VF, COS, SIN, OUT, past, seq):
@@ -159,7 +192,8 @@ def cached_attention_kernel(
                     rs[RP + r] = T.float32(0)
                 for i in T.vectorized(R * D):
                     acc[i] = T.float32(0)
-                for kt in T.serial(last // KT + 1):
+                # key tiles from the one holding the first row's first key (0 without a window) to ``last``
+                for kt in T.serial(lo_key(T.min(past + q0, MAXC - 1)) // KT, last // KT + 1):
                     # scores of the tile's keys (only keys <= last: causal skip), masked per row
                     # JB keys at a time share each load of the transposed queries (register block);
                     # key rows past ``last`` are read clamped and masked
@@ -179,7 +213,8 @@ def cached_attention_kernel(
                             for rv in T.unroll(RV):
                                 for lane in T.vectorized(L):
                                     st_[(jb * JB + u) * RP + rv * L + lane] = T.if_then_else(
-                                        kt * KT + jb * JB + u <= lim[rv * L + lane], sacc[(u * RV + rv) * L + lane],
+                                        visible(kt * KT + jb * JB + u, lim[rv * L + lane]),
+                                        capped(sacc[(u * RV + rv) * L + lane]),
                                         T.float32(NEG),
                                     )
                     # online softmax, vectorised over rows
@@ -196,7 +231,7 @@ def cached_attention_kernel(
                         for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
                             for lane in T.vectorized(L):
                                 st_[jj * RP + rv * L + lane] = T.if_then_else(
-                                    kt * KT + jj <= lim[rv * L + lane],
+                                    visible(kt * KT + jj, lim[rv * L + lane]),
                                     exp(st_[jj * RP + rv * L + lane] - mx[rv * L + lane]),
                                     T.float32(0),
                                 )
@@ -235,7 +270,7 @@ def cached_attention_kernel(
             # k/v row of its kv head (no other task reads that row), so the step's new rows are written
             # where they are read, not on the launching thread before the fork.
             kh = t // SPL
-            lo = t % SPL * ch
+            lo = lo_key(past) + t % SPL * ch  # the chunks cover lo_key(past) .. past
             hi = T.min(past + 1, lo + ch)
             if lo <= past and past < lo + ch:
                 rope_store(KF, (kh * MAXC + past) * D, 1, K, 0, 0, kh * D, COS, SIN, past, HALF, T.float32(1))
@@ -253,6 +288,8 @@ def cached_attention_kernel(
             for kt in T.serial((T.max(hi - lo, 0) + KT - 1) // KT):
                 tile_scores(sc, qr, KF, VF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
                             G, D, KT, L, PF, hi)
+                if CAP > 0:
+                    tile_softcap(sc, G, KT, CAP)
                 tile_softmax(sc, st, T.min(KT, hi - lo - kt * KT), G, KT, exp)
                 tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
                         T.min(KT, hi - lo - kt * KT), G, D, KT, L)
@@ -290,7 +327,8 @@ def cached_attention_kernel(
         @T.macro
         def step_body(Q, K, V, KF, VF, COS, SIN, OUT, past, seq):
             if seq == 1 and past < MAXC:
-                ch = ((past + SPL) // SPL + KT - 1) // KT * KT  # chunk: ceil(ctx / SPL) in whole tiles
+                # chunk: ceil(ctx / SPL) in whole tiles, ctx = the keys the query sees (past + 1 without a window)
+                ch = ((past - lo_key(past) + SPL) // SPL + KT - 1) // KT * KT
                 if SPL == 1:
                     for t in T.parallel(KVH):  # no partials: OUT stands in for the unused ws
                         split_task(Q, K, V, KF, VF, COS, SIN, OUT, OUT, past, ch, t)
@@ -346,26 +384,37 @@ def untuned_attention_kernel(
     max_context: int,
     dtype: str = "float32",
     index_dtype: str = "int64",
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> Any:
     """The kernel the import phase emits: the default (rows) body, not marked scheduled and
     tagged ``perfx.attention`` so ``schedules/attention_cpu.py`` rebuilds it for a tuned
-    configuration. ``kind``: "prefill" (any length) or "decode" (the decode function's call)."""
+    configuration. ``kind``: "prefill" (any length) or "decode" (the decode function's call).
+    ``window``/``softcap``: see :func:`cached_attention_kernel`; recorded in the tag when set, so the
+    template rebuilds the same variant (a plain kernel's tag, and so its tuning records, are unchanged)."""
     import json
 
-    func = cached_attention_kernel(num_heads, num_kv_heads, head_dim, max_context, dtype, index_dtype)
+    func = cached_attention_kernel(num_heads, num_kv_heads, head_dim, max_context, dtype, index_dtype,
+                                   window=window, softcap=softcap)
     info = {"kind": kind, "heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim,
             "max_context": max_context, "dtype": str(dtype), "index_dtype": str(index_dtype)}
+    if window:
+        info["window"] = int(window)
+    if softcap:
+        info["softcap"] = float(softcap)
     func = func.without_attr("tirx.is_scheduled").with_attr(ATTR, json.dumps(info, sort_keys=True))
     if kind == "decode":  # the tuner times decode over a half-full cache, not a random few tokens
         func = func.with_attr("perfx.tune_inputs", json.dumps({"PAST": max_context // 2}))
     return func
 
 
-def attention_prefill_kernel(*args: Any) -> Any:
-    """:func:`untuned_attention_kernel` for the prefill functions (symbolic length)."""
-    return untuned_attention_kernel("prefill", *args)
+def attention_prefill_kernel(*args: Any, **features: Any) -> Any:
+    """:func:`untuned_attention_kernel` for the prefill functions (symbolic length); ``features``:
+    ``window``, ``softcap``."""
+    return untuned_attention_kernel("prefill", *args, **features)
 
 
-def attention_decode_kernel(*args: Any) -> Any:
-    """:func:`untuned_attention_kernel` for the decode function (one token per call)."""
-    return untuned_attention_kernel("decode", *args)
+def attention_decode_kernel(*args: Any, **features: Any) -> Any:
+    """:func:`untuned_attention_kernel` for the decode function (one token per call); ``features``:
+    ``window``, ``softcap``."""
+    return untuned_attention_kernel("decode", *args, **features)

@@ -17,11 +17,13 @@ from tvm.script import tirx as T
 from perfx_compiler.kernels._attention_common import (
     copy_row,
     fast_exp,
+    first_key,
     lanes_for,
     rope_store,
     softmax_init,
     tile_pv,
     tile_scores,
+    tile_softcap,
     tile_softmax,
 )
 
@@ -87,8 +89,13 @@ def paged_attention_kernel(
     page_size: int,
     dtype: str = "float32",
     index_dtype: str = "int64",
-):
+    window: int = 0,
+    softcap: float = 0.0,
+) -> Any:
     """``index_dtype``: element type of ``positions`` and ``page_table`` (the graph's integer inputs).
+    ``window`` > 0: sliding window (the query at p sees keys p - window < j <= p; the key loop starts
+    at the window's first key); ``softcap`` > 0: scores become softcap * tanh(s / softcap). Both 0:
+    the plain causal kernel, text for text.
 
     One task per (sequence, kv head, query): its rows are the query heads sharing the kv head (each
     key/value row is read once for all of them), keys in tiles with an online softmax; the task's
@@ -100,6 +107,12 @@ def paged_attention_kernel(
     KT = KEY_TILE
     scale = 1.0 / math.sqrt(D)
     exp = fast_exp
+    WIN, CAP = int(window), float(softcap)
+    if WIN < 0 or CAP < 0:
+        raise ValueError(f"paged attention: window {window} and softcap {softcap} must be >= 0")
+
+    def lo_key(p: Any) -> Any:
+        return first_key(p, WIN)  # a Python 0 without a window: the terms below fold away
 
     @T.macro
     def body(Q, K, V, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, pages):
@@ -127,12 +140,14 @@ def paged_attention_kernel(
             for g in T.serial(G):
                 rope_store(qr, g * D, 1, Q, b, s, (kh * G + g) * D, COS, SIN, p, HALF, T.float32(scale))
             softmax_init(st, acc, G, D)
-            for kt in T.serial(p // KT + 1):
-                tile_scores(sc, qr, KF, VF, _kb, (PT, b, kh, PS, KVH, D), kt * KT, T.min(KT, p + 1 - kt * KT),
-                            G, D, KT, L, 0, 0)
-                tile_softmax(sc, st, T.min(KT, p + 1 - kt * KT), G, KT, exp)
-                tile_pv(acc, sc, st, VF, _kb, (PT, b, kh, PS, KVH, D), kt * KT, T.min(KT, p + 1 - kt * KT),
-                        G, D, KT, L)
+            for kt in T.serial((p - lo_key(p)) // KT + 1):
+                tile_scores(sc, qr, KF, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
+                            T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L, 0, 0)
+                if CAP > 0:
+                    tile_softcap(sc, G, KT, CAP)
+                tile_softmax(sc, st, T.min(KT, p + 1 - lo_key(p) - kt * KT), G, KT, exp)
+                tile_pv(acc, sc, st, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
+                        T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L)
             for g in T.serial(G):
                 for d in T.vectorized(D):
                     OUT[b, s, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
