@@ -113,70 +113,83 @@ def write_tokenizer(dest: Path) -> int:
 
 # ---------------------------------------------------------------------------------------------- checkpoints
 
-def family_config(family: str, vocab_size: int):
-    """The transformers config of ``family``'s tiny test model."""
+# Sizes at which llama.cpp's K-quants apply (every quantized row a multiple of 256 wide): pass as
+# ``make_checkpoint(family, dest, **KQUANT_SIZES)``; at the default sizes Q4_K_M falls back to Q5_0/Q8_0.
+KQUANT_SIZES: dict[str, int] = {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64}
+
+
+def family_config(family: str, vocab_size: int, **overrides):
+    """The transformers config of ``family``'s tiny test model; ``overrides``: config fields (sizes)."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                  rms_norm_eps=1e-5, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    kw = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+              rms_norm_eps=1e-5, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    rope = dict(rope_type="default", rope_theta=10000.0)
     if family == "llama":
         # llama3 scaling with an original context of 32: with head_dim 16 and theta 10000 the wavelengths
         # (6.3 .. 19869) fall in all three regimes (kept, smoothed, divided by the factor)
-        return tf.LlamaConfig(**common, tie_word_embeddings=False, rope_parameters=dict(
+        cls = tf.LlamaConfig
+        kw.update(tie_word_embeddings=False, rope_parameters=dict(
             rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
             original_max_position_embeddings=32))
-    if family == "mistral":
-        return tf.MistralConfig(**common, sliding_window=SLIDING_WINDOW, tie_word_embeddings=False,
-                                rope_parameters=dict(rope_type="default", rope_theta=10000.0))
-    if family == "qwen2":
-        common.pop("head_dim")
-        return tf.Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False,
-                              rope_parameters=dict(rope_type="default", rope_theta=10000.0))
-    if family == "qwen3":
-        return tf.Qwen3Config(**{**common, "head_dim": 32}, tie_word_embeddings=False, use_sliding_window=False,
-                              rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+    elif family == "mistral":
+        cls = tf.MistralConfig
+        kw.update(sliding_window=SLIDING_WINDOW, tie_word_embeddings=False, rope_parameters=rope)
+    elif family == "qwen2":  # QKV biases (always on in Qwen2), tied head
+        cls = tf.Qwen2Config
+        kw.update(tie_word_embeddings=True, use_sliding_window=False, rope_parameters=rope)
+    elif family == "qwen3":  # QK-norm, head_dim 32 != hidden / heads
+        cls = tf.Qwen3Config
+        kw.update(head_dim=32, tie_word_embeddings=False, use_sliding_window=False, rope_parameters=rope)
+    elif family == "gemma2":
+        # small caps so the tanh bends the logits; query_pre_attn_scalar = 2 * head_dim
+        cls = tf.Gemma2Config
+        kw.update(num_hidden_layers=3, sliding_window=SLIDING_WINDOW,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                  attn_logit_softcapping=2.0, final_logit_softcapping=3.0, hidden_activation="gelu_pytorch_tanh",
+                  tie_word_embeddings=True, rope_parameters=rope)
+    elif family == "gemma3":
+        # llama.cpp's gemma3 reads no layer pattern from the GGUF the converter writes: it uses 5 sliding
+        # layers + 1 full (pattern 6), hence 6 layers. Local rope base 10000 (rope.freq_base_swa), global 1e6.
+        # query_pre_attn_scalar = head_dim: llama.cpp scales by 1/sqrt(head_dim) (not for the 27B)
+        cls = tf.Gemma3TextConfig
+        kw.update(num_hidden_layers=6, sliding_window=SLIDING_WINDOW,
+                  layer_types=["sliding_attention"] * 5 + ["full_attention"], final_logit_softcapping=None,
+                  attn_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                  rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+    elif family == "phi3":  # fused qkv_proj / gate_up_proj, half the head rotated
+        cls = tf.Phi3Config
+        kw.update(tie_word_embeddings=False, original_max_position_embeddings=256, sliding_window=None,
+                  rope_parameters={**rope, "partial_rotary_factor": 0.5})
+    elif family in ("glm4", "glm"):  # QKV biases, half the head rotated (interleaved); GLM-4: sandwich norms
+        # llama.cpp's chatglm converter (GlmForCausalLM) always writes rope base 10000 (it reads only rope_ratio)
+        cls = tf.Glm4Config if family == "glm4" else tf.GlmConfig
+        kw.update(attention_bias=True, tie_word_embeddings=False,
+                  rope_parameters={**rope, "partial_rotary_factor": 0.5})
+    else:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    kw.update(overrides)
     if family == "gemma2":
-        # small caps so the tanh bends the logits; query_pre_attn_scalar 32 != head_dim 16
-        return tf.Gemma2Config(**{**common, "num_hidden_layers": 3}, sliding_window=SLIDING_WINDOW,
-                               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                               attn_logit_softcapping=2.0, final_logit_softcapping=3.0, query_pre_attn_scalar=32,
-                               hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
-                               rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+        kw.setdefault("query_pre_attn_scalar", 2 * kw["head_dim"])
     if family == "gemma3":
-        # llama.cpp's gemma3 has no layer pattern in the GGUF: it uses 5 sliding layers + 1 full (pattern 6),
-        # so 6 layers; local rope base 10000 (the one llama.cpp reads as rope.freq_base_swa), global 1e6
-        return tf.Gemma3TextConfig(**{**common, "num_hidden_layers": 6}, sliding_window=SLIDING_WINDOW,
-                                   layer_types=["sliding_attention"] * 5 + ["full_attention"],
-                                   query_pre_attn_scalar=16, final_logit_softcapping=None,
-                                   attn_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh",
-                                   tie_word_embeddings=True, rope_parameters={
-                                       "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
-    if family == "phi3":
-        common.pop("head_dim")
-        return tf.Phi3Config(**common, tie_word_embeddings=False, original_max_position_embeddings=256,
-                             sliding_window=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
-                                                                       partial_rotary_factor=0.5))
-    if family == "glm4":
-        return tf.Glm4Config(**common, attention_bias=True, tie_word_embeddings=False,
-                             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
-    if family == "glm":
-        # llama.cpp's chatglm converter always writes rope base 10000 (it reads only rope_ratio)
-        return tf.GlmConfig(**common, attention_bias=True, tie_word_embeddings=False,
-                            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
-    raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+        kw.setdefault("query_pre_attn_scalar", kw["head_dim"])
+    if family in ("qwen2", "phi3"):  # these configs derive head_dim = hidden / heads
+        if kw.pop("head_dim") != kw["hidden_size"] // kw["num_attention_heads"] and "head_dim" in overrides:
+            raise ValueError(f"{family}: head_dim is hidden_size / num_attention_heads")
+    return cls(**kw)
 
 
-def make_checkpoint(family: str, dest: Path, seed: int = 0) -> Path:
+def make_checkpoint(family: str, dest: Path, seed: int = 0, **config_overrides) -> Path:
     """Write ``family``'s tiny random float32 checkpoint as an HF folder at ``dest``; returns ``dest``.
-    Every parameter is drawn from normal(0, 0.2)."""
+    Every parameter is drawn from normal(0, 0.2). ``config_overrides``: config fields, e.g. ``KQUANT_SIZES``."""
     import torch
     import transformers as tf
 
     dest = Path(dest)
     vocab = write_tokenizer(dest)
-    cfg = family_config(family, vocab)
+    cfg = family_config(family, vocab, **config_overrides)
     cfg.architectures = [ARCHITECTURES[family]]
     torch.manual_seed(seed)
     model = getattr(tf, ARCHITECTURES[family])(cfg).to(torch.float32).eval()
