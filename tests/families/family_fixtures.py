@@ -20,6 +20,11 @@ BPE vocabulary, as the converter already does for Gemma 3), and GGUF has no fiel
 query_pre_attn_scalar (llama.cpp scales by 1/sqrt(head_dim) except for the 27B model), so the shim folds
 sqrt(head_dim / query_pre_attn_scalar) into attn_q: the file computes what transformers computes.
 See ``GGUF_NOTES`` for what llama.cpp does not do (Mistral's sliding window).
+
+llama.cpp on these checkpoints (f32 GGUF, f32 KV cache, 16 tokens; max |diff| / max |logit| vs float64
+transformers): llama (arch llama, llama3 rope_freqs tensor), qwen2, qwen3, phi3 (partial rotary), glm4 and
+glm (arch chatglm) ~2e-7; gemma2 and gemma3 (sliding windows, softcaps, QK-norm, two rope bases) ~5e-4,
+ggml's fp16 GELU table; mistral (arch llama) exact on the first SLIDING_WINDOW positions only.
 """
 
 from __future__ import annotations
@@ -165,9 +170,12 @@ def family_config(family: str, vocab_size: int, **overrides):
                   rope_parameters={**rope, "partial_rotary_factor": 0.5})
     elif family in ("glm4", "glm"):  # QKV biases, half the head rotated (interleaved); GLM-4: sandwich norms
         # llama.cpp's chatglm converter (GlmForCausalLM) always writes rope base 10000 (it reads only rope_ratio)
+        # and takes its context length from ChatGLM's seq_length (else hidden_size): given here
         cls = tf.Glm4Config if family == "glm4" else tf.GlmConfig
         kw.update(attention_bias=True, tie_word_embeddings=False,
                   rope_parameters={**rope, "partial_rotary_factor": 0.5})
+        if family == "glm":
+            kw["seq_length"] = kw["max_position_embeddings"]
     else:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
     kw.update(overrides)
