@@ -63,10 +63,10 @@ class FamilyArtifacts:
             shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
         return path
 
-    def checkpoint(self, family: str, seed: int = 0, **overrides) -> Path:
+    def checkpoint(self, family: str, seed: int = 0, config_style: str = "v5", **overrides) -> Path:
         """The HF folder (``ff.make_checkpoint``)."""
-        path = self.root / f"{family}-s{seed}{_suffix(overrides)}" / "hf"
-        return self._build(path, lambda p: ff.make_checkpoint(family, p, seed=seed, **overrides))
+        path = self.root / f"{family}-s{seed}{_suffix(overrides)}" / ("hf" if config_style == "v5" else "hf-v4")
+        return self._build(path, lambda p: ff.make_checkpoint(family, p, seed, config_style, **overrides))
 
     def gguf(self, family: str, quant: str = "f32", seed: int = 0, **overrides) -> Path:
         """llama.cpp's conversion at f32, or ``quant`` ("Q8_0", "Q4_K_M", ...) quantized from it."""

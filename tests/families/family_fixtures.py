@@ -189,12 +189,19 @@ def family_config(family: str, vocab_size: int, **overrides):
     return cls(**kw)
 
 
-def make_checkpoint(family: str, dest: Path, seed: int = 0, **config_overrides) -> Path:
+def make_checkpoint(family: str, dest: Path, seed: int = 0, config_style: str = "v5",
+                    **config_overrides) -> Path:
     """Write ``family``'s tiny random float32 checkpoint as an HF folder at ``dest``; returns ``dest``.
-    Every parameter is drawn from normal(0, 0.2). ``config_overrides``: config fields, e.g. ``KQUANT_SIZES``."""
+    Every parameter is drawn from normal(0, 0.2). ``config_style``: "v5", config.json as transformers 5
+    writes it (``rope_parameters``), or "v4", the keys checkpoints saved by transformers 4 carry
+    (``rope_theta``, ``rope_scaling``, ``partial_rotary_factor``, ``rope_local_base_freq``; see
+    ``legacy_config``); transformers 5 reads both to the same model. ``config_overrides``: config fields,
+    e.g. ``KQUANT_SIZES``."""
     import torch
     import transformers as tf
 
+    if config_style not in ("v4", "v5"):
+        raise ValueError(f"config_style {config_style!r}: 'v4' or 'v5'")
     dest = Path(dest)
     vocab = write_tokenizer(dest)
     cfg = family_config(family, vocab, **config_overrides)
@@ -208,7 +215,29 @@ def make_checkpoint(family: str, dest: Path, seed: int = 0, **config_overrides) 
     model.save_pretrained(dest, safe_serialization=True)
     tf.GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
                         do_sample=False).save_pretrained(dest)
+    if config_style == "v4":
+        path = dest / "config.json"
+        path.write_text(json.dumps(legacy_config(json.loads(path.read_text())), indent=2, sort_keys=True))
     return dest
+
+
+def legacy_config(cfg: dict) -> dict:
+    """config.json's RoPE keys as transformers 4 wrote them: ``rope_parameters`` becomes ``rope_theta``
+    (+ ``rope_local_base_freq`` for Gemma 3's sliding layers), ``partial_rotary_factor`` at the top level
+    and ``rope_scaling`` for a non-default rope type."""
+    cfg = dict(cfg)
+    rp = cfg.pop("rope_parameters", None) or {}
+    if "full_attention" in rp:  # Gemma 3: one set per layer type
+        if "sliding_attention" in rp:
+            cfg["rope_local_base_freq"] = rp["sliding_attention"]["rope_theta"]
+        rp = rp["full_attention"]
+    rp = dict(rp)
+    if "rope_theta" in rp:
+        cfg["rope_theta"] = rp.pop("rope_theta")
+    if "partial_rotary_factor" in rp:
+        cfg["partial_rotary_factor"] = rp.pop("partial_rotary_factor")
+    cfg["rope_scaling"] = rp if rp.get("rope_type", "default") != "default" else None
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------- transformers

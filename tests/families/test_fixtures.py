@@ -11,6 +11,7 @@ only on the first SLIDING_WINDOW positions.
 from __future__ import annotations
 
 import copy
+import json
 
 import family_fixtures as ff
 import numpy as np
@@ -84,6 +85,19 @@ def test_checkpoint_reloads_with_its_features(family, family_artifacts):
     assert len(tok) == cfg.vocab_size
     assert (tok.bos_token_id, tok.eos_token_id, cfg.bos_token_id, cfg.eos_token_id) == (ff.BOS_ID, ff.EOS_ID) * 2
     assert tok.decode(tok.encode(PROMPT, add_special_tokens=False)) == PROMPT
+
+
+@pytest.mark.parametrize("family", ff.FAMILIES)
+def test_v4_style_config_is_the_same_model(family, family_artifacts, ids):
+    """config_style="v4" (rope_theta / rope_scaling / partial_rotary_factor / rope_local_base_freq, as
+    checkpoints saved by transformers 4 carry them) loads to the same logits as the v5 file."""
+    v4 = family_artifacts.checkpoint(family, config_style="v4")
+    cfg = json.loads((v4 / "config.json").read_text())
+    assert "rope_parameters" not in cfg and "rope_theta" in cfg
+    assert (family == "llama") == (cfg["rope_scaling"] is not None)
+    assert (family == "gemma3") == ("rope_local_base_freq" in cfg)
+    ref = ff.transformers_logits(family_artifacts.checkpoint(family), ids)
+    assert np.array_equal(ff.transformers_logits(v4, ids), ref)
 
 
 def _without(family: str, feature: str, cfg):
