@@ -1,6 +1,8 @@
 """The decoder-family fixtures themselves: each family's checkpoint reloads with its features switched
-on (and each feature changes the logits), llama.cpp's conversion agrees with transformers, and the ONNX
-export agrees with transformers under onnxruntime, through prefill and cached decode steps.
+on (and each feature changes the logits), its transformers-4 style config.json is the same model,
+llama.cpp's conversion agrees with transformers (f32; Q8_0 and Q4_K_M coarsely), and the ONNX export
+agrees with transformers under onnxruntime, through prefill and cached decode steps. ``-rA`` or the
+end-of-run section "decoder-family fixtures" prints the measured errors.
 
 Measured on this suite's checkpoints (llama-cpp-python 0.3.36, f32 GGUF, f32 KV cache): max |diff| /
 max |logit| ~2e-7 for every family but the Gemmas (~7e-4: ggml evaluates GELU through an fp16 lookup
