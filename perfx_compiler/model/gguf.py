@@ -168,7 +168,7 @@ def _llama3_scaling(rope_freqs: np.ndarray, base: ModelConfig, source: str) -> d
         return {}
     plain = rope_inv_freq(base)
     factor = float(factors.max())
-    for orig in (8192, 4096, 2048, 16384, 32768, 65536, 131072):
+    for orig in (8192, *(1 << k for k in range(4, 21) if k != 13)):  # the usual one first
         for low in (1.0, 2.0, 0.5):
             for high in (4.0, 2.0, 8.0, 1.0):
                 if high <= low:
@@ -211,8 +211,8 @@ def config_from_metadata(
     if heads < 1:  # divides below; ModelConfig checks every other count
         raise ModelFormatError(f"{source}: metadata '{arch}.attention.head_count' is {heads}; the file is corrupt")
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or meta.get(f"{arch}.rope.dimension_count", 0)
-                   or hidden // heads)
+    # not rope.dimension_count: with partial rotary (Phi-4-mini, GLM) RoPE covers part of each head
+    head_dim = int(meta.get(f"{arch}.attention.key_length", 0) or hidden // heads)
     tokens = meta.get("tokenizer.ggml.tokens") or []
     emb = tensors.get("token_embd.weight")
     if emb is None:

@@ -83,3 +83,15 @@ def test_decode_steps_through_launcher(target: str, tiny_gguf: Path, launcher, h
     err = np.abs(got - host_logits).max()
     assert err < 1e-4, f"{target}: decode logits differ from x86 by {err}"
     assert (got.argmax(-1) == host_logits.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("target", ["adreno", "mali"])
+def test_gemma3_decode_steps_through_launcher(target: str, gemma3_folder: Path, launcher, gemma3_host_logits) -> None:
+    """A new family end to end on OpenCL: sliding-window attention kernels, QK-norm, GeGLU, sandwich norms."""
+    from perfx_compiler.targets_exec.reference import lowered_module
+    from perfx_compiler.targets_exec.relax_exec import run_decode_steps
+
+    state, _ = lowered_module(str(gemma3_folder), target, max_context=MAX_CONTEXT)
+    got = np.stack(run_decode_steps(state, launcher, TOKENS, state.weights))
+    err = np.abs(got.reshape(gemma3_host_logits.shape) - gemma3_host_logits).max()
+    assert err < 1e-4, f"{target}: Gemma 3 decode logits differ from x86 by {err}"

@@ -216,3 +216,14 @@ def test_int4_zero_points_decode_on_lavapipe_matches_x86(
     assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"vulkan {qtype}/{quantization}: logits differ by {err}"
     assert (got.argmax(-1) == want.argmax(-1)).all()
     print(f"vulkan {qtype}/{quantization}: {len(q4)} int4 kernels, max |logit - x86| = {err:.2e}")
+
+
+def test_gemma3_decode_steps_on_lavapipe(gemma3_folder: Path, launcher, gemma3_host_logits) -> None:
+    """A new family end to end through WGSL (int32 indices): windowed attention, QK-norm, GeGLU."""
+    from perfx_compiler.targets_exec.reference import lowered_module
+    from perfx_compiler.targets_exec.relax_exec import run_decode_steps
+
+    state, _ = lowered_module(str(gemma3_folder), "vulkan", max_context=MAX_CONTEXT)
+    got = np.stack(run_decode_steps(state, launcher, TOKENS, state.weights))
+    err = np.abs(got.reshape(gemma3_host_logits.shape) - gemma3_host_logits).max()
+    assert err < 1e-4, f"vulkan: Gemma 3 decode logits differ from x86 by {err}"
