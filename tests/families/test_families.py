@@ -9,10 +9,9 @@ per fused-projection layout is also compiled and run end to end.
 
 from __future__ import annotations
 
+import family_fixtures as ff
 import numpy as np
 import pytest
-
-import family_fixtures as ff
 
 CONTEXT = 64
 ATOL_REL = 1e-4
