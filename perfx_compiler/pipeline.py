@@ -73,7 +73,7 @@ class CompileOptions:
     output_dir: Path | None = None
     dump_ir: Path | None = None
     tuning_log: Path | str | None = None  # records to build from; "none": template defaults only
-    quantization: str = "auto"  # "auto": gguf (passthrough) for GGUF input with Q4_0/Q4_1/Q8_0, else f32
+    quantization: str = "auto"  # "auto": gguf (passthrough) for GGUF input with Q4_0/Q4_1/Q5_0/Q8_0, else f32
     max_context: int | None = None
     progress: bool = True
     schedule: str = "perfx"  # "perfx": templates from schedules/; "dlight": TVM's default rules
@@ -136,7 +136,7 @@ def phase_import(state: CompileState) -> None:
 def resolve_quantization(
     quantization: str | None, desc: ModelDescription, target: TargetDescription | None = None
 ) -> str:
-    """``auto`` (or None) -> ``gguf`` when the model carries GGUF Q4_0/Q4_1/Q8_0 blocks, ``onnx`` when it
+    """``auto`` (or None) -> ``gguf`` when the model carries GGUF Q4_0/Q4_1/Q5_0/Q8_0 blocks, ``onnx`` when it
     carries ONNX MatMulNBits int4 blocks, else ``f32``.
 
     Every target, WebGPU's int32-index one included: the quantized kernels take the graph's ids dtype.

@@ -37,7 +37,7 @@ SUPPORTED_GGML_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
 )
 # Types kept raw for a later quantized-passthrough pass.
-PASSTHROUGH_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+PASSTHROUGH_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
 
 DEFAULT_MAX_CONTEXT = 2048
 # chat end markers that also stop generation (ChatML, Llama 3, GPT-style, Gemma)

@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 
-# Bytes per 32-weight block of the types kept lazy.
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+from perfx_compiler.formats.gguf_blocks import BLOCK_BYTES  # bytes per 32-weight block of the types kept lazy
 
 
 class QuantizedWeight:

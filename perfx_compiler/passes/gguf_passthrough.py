@@ -1,4 +1,4 @@
-"""GGUF passthrough (quantization ``gguf``): linears read the file's Q4_0 / Q4_1 / Q8_0 blocks as
+"""GGUF passthrough (quantization ``gguf``): linears read the file's Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks as
 they are, repacked into the kernels' layouts (``formats/gguf_blocks.py``), never requantized.
 
 The loader keeps each such tensor's raw blocks in ``ModelDescription.quantized`` (Q/K rows already
@@ -69,7 +69,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     desc = ctx.desc
     if desc is None or not getattr(desc, "quantized", None):
         raise PerfXError(
-            "quantization 'gguf' needs a GGUF model with Q4_0, Q4_1 or Q8_0 weights; this model has none "
+            "quantization 'gguf' needs a GGUF model with Q4_0, Q4_1, Q5_0 or Q8_0 weights; this model has none "
             "(use f32, q8 or q4_g128)"
         )
     if any(v[0] == "MatMulNBits" for v in desc.quantized.values()):

@@ -1,4 +1,4 @@
-"""GGUF passthrough (Q4_0 / Q4_1 / Q8_0 blocks used as they are) and q8: block unpacking against
+"""GGUF passthrough (Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks used as they are) and q8: block unpacking against
 the gguf package, logits against the float64 reference on the dequantized weights, kernels
 scheduled by the quantized templates, option resolution and one-line errors."""
 
@@ -20,7 +20,7 @@ from tests.passes.conftest import ALL_PASSES, lower, max_rel_err, tiny_desc
 GGUF_PASSES = [*ALL_PASSES, "gguf_passthrough", "quantize_int8"]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_blocks_match_gguf_dequantize(qtype: str) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
@@ -30,7 +30,7 @@ def test_blocks_match_gguf_dequantize(qtype: str) -> None:
     raw = quantize(w, GGMLQuantizationType[qtype])
     want = dequantize(raw, GGMLQuantizationType[qtype]).reshape(w.shape)
     assert np.array_equal(dequantize_blocks(qtype, raw, w.shape), want)  # bit for bit
-    if qtype != "Q8_0":
+    if qtype not in ("Q8_0", "Q5_0"):
         codes = unpack_blocks(qtype, raw, w.shape)[0]
         assert np.array_equal(unpack_int4(pack_int4(codes, 8), 192, 8), codes)
 
@@ -45,6 +45,7 @@ def tiny_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ModelDescr
         "Q4_0+Q8_0": {"qtype": "Q4_0", "embed_qtype": "Q8_0", "tied": True},  # the llama.cpp default mix
         "Q4_1": {"qtype": "Q4_1", "tied": False, "seed": 1},  # SmolLM2's type, separate lm_head
         "Q8_0": {"qtype": "Q8_0", "tied": True, "seed": 2, "hidden": 128, "ffn": 256},  # K % 128 == 0
+        "Q5_0+Q8_0": {"qtype": "Q5_0", "embed_qtype": "Q8_0", "tied": True, "seed": 3},  # Q4_K_M files' Q5_0 layers
     }
     out = {}
     for key, kw in cases.items():
@@ -54,7 +55,7 @@ def tiny_ggufs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ModelDescr
     return out
 
 
-@pytest.mark.parametrize("key", ["Q4_0+Q8_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("key", ["Q4_0+Q8_0", "Q4_1", "Q8_0", "Q5_0+Q8_0"])
 def test_passthrough_logits_equal_dequantized_reference(compiled: Any, tiny_ggufs: dict, key: str) -> None:
     """The artifact computes with the file's own weights: the reference on the dequantized GGUF
     (what load_gguf gives as floats) agrees within float rounding."""
