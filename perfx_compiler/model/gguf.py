@@ -203,6 +203,9 @@ def config_from_metadata(
     emb = tensors.get("token_embd.weight")
     if emb is None:
         raise ModelFormatError(f"{source}: tensor 'token_embd.weight' is missing; the file is incomplete")
+    if int(emb.shape[0]) != hidden:  # llama.cpp's shape check; a corrupt width would size the Q/K row orders
+        raise ModelFormatError(f"{source}: metadata '{arch}.embedding_length' is {hidden}, but 'token_embd.weight' "
+                               f"has rows of {int(emb.shape[0])}; the file is corrupt")
     vocab = int(meta.get(f"{arch}.vocab_size", 0) or int(emb.shape[1]))
     ctx = int(meta.get(f"{arch}.context_length", DEFAULT_MAX_CONTEXT))
     if max_context is None:
