@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from perfx_compiler.errors import ModelFormatError
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 HEADER_BYTES = 24  # magic, version (u32), tensor count (u64), key/value count (u64)
 VERSIONS = (2, 3)
@@ -40,11 +43,11 @@ class GGUFTensor:
     """One tensor info; ``shape`` in GGML order (innermost first), ``data_offset`` from the file start."""
 
     name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
+    tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]
     n_bytes: int
     data_offset: int
-    buf: mmap.mmap
+    buf: mmap.mmap = field(repr=False, compare=False)
 
     @property
     def data(self) -> np.ndarray:
@@ -183,7 +186,7 @@ def _read(w: _Walk, buf: mmap.mmap) -> GGUFFile:
             if vtype != _UINT32 or align == 0 or align & (align - 1):
                 raise w.fail(f"{name} is {align!r}, not a power of two (uint32)")
     qtypes = {int(t): t for t in gguf.GGMLQuantizationType if t in gguf.GGML_QUANT_SIZES}
-    infos: list[tuple[str, Any, tuple[int, ...], int, int]] = []
+    infos: list[tuple[str, GGMLQuantizationType, tuple[int, ...], int, int]] = []
     seen: set[str] = set()
     for i in range(n_tensors):
         tname = w.string(f"the name of tensor {i}")
