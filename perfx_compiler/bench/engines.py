@@ -143,9 +143,9 @@ def decode_loop() -> str:
 # ----------------------------------------------------------------------------------------- llama.cpp
 def gguf_weight_bytes(path: str | Path) -> int:
     """Bytes of a GGUF's tensors one decode step reads (the token embedding only when it is also the output)."""
-    from gguf import GGUFReader
+    from perfx_compiler.model.gguf_header import read_gguf_header
 
-    reader = GGUFReader(str(path))
+    reader = read_gguf_header(path)
     names = {t.name for t in reader.tensors}
     tied = "output.weight" not in names
     total = 0
@@ -160,10 +160,10 @@ def gguf_weight_bytes(path: str | Path) -> int:
 
 def gguf_types(path: str | Path) -> str:
     """The GGUF's 2-D tensor types, most bytes first (e.g. 'Q4_0+Q8_0')."""
-    from gguf import GGUFReader
+    from perfx_compiler.model.gguf_header import read_gguf_header
 
     sizes: dict[str, int] = {}
-    for t in GGUFReader(str(path)).tensors:
+    for t in read_gguf_header(path).tensors:
         if len(t.shape) >= 2:
             sizes[t.tensor_type.name] = sizes.get(t.tensor_type.name, 0) + int(t.n_bytes)
     return "+".join(k for k, _ in sorted(sizes.items(), key=lambda kv: -kv[1]))

@@ -30,7 +30,7 @@ from perfx_compiler.model.description import (
 )
 from perfx_compiler.model.families import family_for_gguf_arch, gguf_archs
 from perfx_compiler.model.families._family import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, GGUFMeta, row_plan
-from perfx_compiler.model.gguf_header import READ_ERRORS, check_gguf_header, field_value
+from perfx_compiler.model.gguf_header import GGUFFile, GGUFTensor, read_gguf_header
 
 # Types we dequantize (each checked against an independent reference in tests).
 SUPPORTED_GGML_TYPES = (
@@ -42,6 +42,8 @@ PASSTHROUGH_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
 DEFAULT_MAX_CONTEXT = 2048
 # chat end markers that also stop generation (ChatML, Llama 3, GPT-style, Gemma)
 STOP_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<end_of_turn>")
+# What numpy / the dequantizer raise on corrupt bytes (never shown to users as is).
+READ_ERRORS = (ValueError, IndexError, KeyError, TypeError, OverflowError, OSError, MemoryError, EOFError)
 
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
@@ -70,20 +72,14 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 class _Meta:
-    """Typed access to GGUF metadata with one-line errors."""
+    """Typed access to GGUF metadata (plain values) with one-line errors."""
 
     def __init__(self, fields: Mapping[str, Any], source: str) -> None:
         self.fields = fields
         self.source = source
 
     def get(self, key: str, default: Any = None) -> Any:
-        f = self.fields.get(key)
-        if f is None:
-            return default
-        try:
-            return field_value(f)
-        except READ_ERRORS as e:  # a malformed field must not leak a numpy traceback
-            raise ModelFormatError(f"{self.source}: metadata '{key}' is unreadable ({e}); the file is corrupt") from None
+        return self.fields.get(key, default)
 
     def require(self, key: str) -> Any:
         v = self.get(key)
@@ -92,10 +88,8 @@ class _Meta:
         return v
 
 
-def open_gguf(path: str | os.PathLike[str]) -> Any:
-    """``gguf.GGUFReader`` with every reader failure turned into a one-line ModelFormatError."""
-    import gguf
-
+def open_gguf(path: str | os.PathLike[str]) -> GGUFFile:
+    """The GGUF's metadata and tensor infos (``gguf_header.read_gguf_header``), every defect a one-line ModelFormatError."""
     p = Path(path)
     if not p.is_file():
         raise ModelFormatError(f"{p}: no such GGUF file; check the path")
@@ -106,37 +100,29 @@ def open_gguf(path: str | os.PathLike[str]) -> Any:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise ModelFormatError(f"{p}: not a GGUF file (magic {magic!r}, expected b'GGUF'); pass a .gguf model file")
-    check_gguf_header(p)  # counts and lengths against the file's size: which field is wrong, and where
-    try:
-        reader = gguf.GGUFReader(p, "r")
-    except READ_ERRORS as e:  # truncated/corrupt headers: ValueError, IndexError, KeyError...
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelFormatError(f"{p}: corrupt or truncated GGUF file ({msg}); re-download the model") from None
-    for t in reader.tensors:
-        if int(t.data_offset) + int(t.n_bytes) > size or t.data.nbytes != int(t.n_bytes):
-            raise ModelFormatError(f"{p}: tensor '{t.name}' runs past the end of the file (truncated); re-download the model")
+    reader = read_gguf_header(p)  # counts and lengths checked against the file's size
     _check_tensor_layout(reader, p)
     return reader
 
 
-def _check_tensor_layout(reader: Any, p: Path) -> None:
+def _check_tensor_layout(reader: GGUFFile, p: Path) -> None:
     """llama.cpp's rule (gguf.cpp): tensors are stored back to back in the order of their infos, each
     padded to the alignment. A data offset that breaks it (a flipped byte: two tensors sharing bytes,
     one reading another's) or a size that does (a changed type or shape) is a corrupt file, refused
     as llama.cpp refuses it, not read as other weights."""
-    align = int(getattr(reader, "alignment", 32)) or 32
-    expected = int(reader.data_offset)
+    align = reader.alignment
+    expected = reader.data_offset
     for t in reader.tensors:
-        if int(t.data_offset) != expected:
+        if t.data_offset != expected:
             raise ModelFormatError(
-                f"{p}: tensor '{t.name}' data is at byte {int(t.data_offset)}, expected {expected} (after the previous "
+                f"{p}: tensor '{t.name}' data is at byte {t.data_offset}, expected {expected} (after the previous "
                 "tensor); the file is corrupt, re-download or re-convert the model"
             )
-        expected += -(-int(t.n_bytes) // align) * align
+        expected += -(-t.n_bytes // align) * align
 
 
 def dequantize_tensor(t: Any, source: str = "") -> np.ndarray:
-    """Float32 array in numpy (HF) shape of a ``ReaderTensor``."""
+    """Float32 array in numpy (HF) shape of a ``GGUFTensor`` (``data``, ``tensor_type``, GGML-order ``shape``)."""
     from gguf.quants import dequantize
 
     tname = t.tensor_type.name
@@ -145,7 +131,7 @@ def dequantize_tensor(t: Any, source: str = "") -> np.ndarray:
             f"{source}: tensor '{t.name}' has ggml type {tname}, which PerfX cannot read; "
             f"use a model quantized as one of {', '.join(SUPPORTED_GGML_TYPES)}"
         )
-    shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+    shape = tuple(int(d) for d in reversed(list(t.shape)))
     try:
         out = np.ascontiguousarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
         if not out.flags.writeable:  # F32 tensors come back as read-only views of the mapped file
@@ -198,7 +184,7 @@ def _special_ids(meta: _Meta, tokens: list[str]) -> tuple[int | None, list[int]]
 def config_from_metadata(
     fields: Mapping[str, Any], tensors: Mapping[str, Any], source: str, max_context: int | None = None
 ) -> ModelConfig:
-    """Build the ModelConfig from GGUF metadata (``tensors``: name -> ReaderTensor, for shapes)."""
+    """Build the ModelConfig from GGUF metadata (``tensors``: name -> GGUFTensor, for shapes)."""
     meta = _Meta(fields, source)
     arch = str(meta.require("general.architecture"))
     family = family_for_gguf_arch(arch)
@@ -217,6 +203,9 @@ def config_from_metadata(
     emb = tensors.get("token_embd.weight")
     if emb is None:
         raise ModelFormatError(f"{source}: tensor 'token_embd.weight' is missing; the file is incomplete")
+    if int(emb.shape[0]) != hidden:  # llama.cpp's shape check; a corrupt width would size the Q/K row orders
+        raise ModelFormatError(f"{source}: metadata '{arch}.embedding_length' is {hidden}, but 'token_embd.weight' "
+                               f"has rows of {int(emb.shape[0])}; the file is corrupt")
     vocab = int(meta.get(f"{arch}.vocab_size", 0) or int(emb.shape[1]))
     ctx = int(meta.get(f"{arch}.context_length", DEFAULT_MAX_CONTEXT))
     if max_context is None:
@@ -269,28 +258,28 @@ def config_from_metadata(
 LAZY_FLOAT_BYTES = 8 << 30
 
 
-def _want_lazy(tensors: Mapping[str, Any], lazy: bool | None) -> bool:
+def _want_lazy(tensors: Mapping[str, GGUFTensor], lazy: bool | None) -> bool:
     """``lazy`` as given; None: the env var PERFX_LAZY_WEIGHTS (0/1), else lazy above LAZY_FLOAT_BYTES."""
     if lazy is not None:
         return lazy
     env = os.environ.get("PERFX_LAZY_WEIGHTS", "").strip()
     if env in ("0", "1"):
         return env == "1"
-    floats = sum(4 * int(np.prod(t.shape.tolist())) for t in tensors.values()
+    floats = sum(4 * int(np.prod(t.shape)) for t in tensors.values()
                  if t.tensor_type.name in PASSTHROUGH_TYPES)
     return floats > LAZY_FLOAT_BYTES
 
 
-def _page_release(reader: Any, t: Any) -> Any:
+def _page_release(reader: GGUFFile, t: GGUFTensor) -> Any:
     """A callable that lets the OS drop tensor ``t``'s pages of the reader's file mapping."""
     import mmap
 
-    mm = getattr(reader.data, "_mmap", None)
+    mm = reader.mmap
     advice = getattr(mmap, "MADV_DONTNEED", None)
-    if mm is None or advice is None:
+    if advice is None:
         return None
-    start = int(t.data_offset) & ~(mmap.PAGESIZE - 1)
-    length = int(t.data_offset) + int(t.n_bytes) - start
+    start = t.data_offset & ~(mmap.PAGESIZE - 1)
+    length = t.data_offset + t.n_bytes - start
 
     def release() -> None:
         try:
@@ -318,7 +307,7 @@ def load_gguf(
         cfg = config_from_metadata(reader.fields, tensors, source, max_context)
     except (ValueError, TypeError, ArithmeticError) as e:  # e.g. a string where a count belongs, an infinite float
         raise ModelFormatError(f"{source}: malformed model metadata ({e}); re-convert the model") from None
-    family = family_for_gguf_arch(str(field_value(reader.fields["general.architecture"])))
+    family = family_for_gguf_arch(str(reader.fields["general.architecture"]))
     layout = family.gguf_rope_layout
 
     weights: dict[str, Any] = {}
@@ -332,7 +321,7 @@ def load_gguf(
             raise UnsupportedModelError(f"{source}: tensor '{gname}' is not part of a {cfg.architecture} model PerfX understands")
         qtype = t.tensor_type.name
         raw = np.asarray(t.data) if qtype in PASSTHROUGH_TYPES else None
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = tuple(reversed(t.shape))
         lazy_here = keep_lazy and raw is not None and len(shape) == 2
         if lazy_here and (raw.ndim != 2 or raw.shape[0] != shape[0]):  # type: ignore[union-attr]
             raise ModelFormatError(f"{source}: tensor '{gname}' ({qtype}) has {raw.shape} bytes for shape {shape}; the file is corrupt")  # type: ignore[union-attr]

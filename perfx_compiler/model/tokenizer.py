@@ -56,18 +56,6 @@ for _names, _regexes, _ignore in (
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_PRE))
 
 
-def _val(fields: Mapping[str, Any], key: str, default: Any = None) -> Any:
-    from perfx_compiler.model.gguf_header import READ_ERRORS, field_value
-
-    f = fields.get(key)
-    if f is None:
-        return default
-    try:
-        return field_value(f)
-    except READ_ERRORS as e:
-        raise ModelFormatError(f"tokenizer metadata '{key}' is unreadable ({e}); the GGUF file is corrupt") from None
-
-
 def _add_added_tokens(tok: Any, tokens: Sequence[str], types: Sequence[int], skip: set[int]) -> None:
     """CONTROL tokens become special added tokens, USER_DEFINED ones plain added tokens.
 
@@ -149,13 +137,13 @@ def _spm_tokenizer(tokens: Sequence[str], types: Sequence[int], scores: Sequence
 def tokenizer_json_from_gguf(reader_fields: Mapping[str, Any]) -> str:
     """Serialized ``tokenizers`` JSON for the vocabulary in GGUF metadata.
 
-    ``reader_fields``: ``GGUFReader.fields`` (or a dict of plain values under the same keys).
+    ``reader_fields``: key -> plain value (``gguf_header.GGUFFile.fields``).
     """
-    model = _val(reader_fields, "tokenizer.ggml.model", "gpt2")
-    tokens = _val(reader_fields, "tokenizer.ggml.tokens")
+    model = reader_fields.get("tokenizer.ggml.model", "gpt2")
+    tokens = reader_fields.get("tokenizer.ggml.tokens")
     if not tokens:
         raise ModelFormatError("GGUF file has no tokenizer.ggml.tokens; use a model file that includes its vocabulary")
-    types = _val(reader_fields, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    types = reader_fields.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
     if len(types) != len(tokens):
         raise ModelFormatError("GGUF tokenizer.ggml.token_type length differs from the token list; the file is corrupt")
     try:
@@ -170,15 +158,15 @@ def tokenizer_json_from_gguf(reader_fields: Mapping[str, Any]) -> str:
 
 def _build(reader_fields: Mapping[str, Any], model: str, tokens: Sequence[str], types: Sequence[int]) -> Any:
     if model == "gpt2":
-        merges = _val(reader_fields, "tokenizer.ggml.merges") or []
-        pre = _val(reader_fields, "tokenizer.ggml.pre") or "default"
+        merges = reader_fields.get("tokenizer.ggml.merges") or []
+        pre = reader_fields.get("tokenizer.ggml.pre") or "default"
         tok = _bpe_tokenizer(tokens, types, merges, str(pre))
     elif model == "llama":
-        scores = _val(reader_fields, "tokenizer.ggml.scores")
+        scores = reader_fields.get("tokenizer.ggml.scores")
         if scores is None or len(scores) != len(tokens):
             raise ModelFormatError("GGUF SentencePiece vocabulary lacks tokenizer.ggml.scores; the file is corrupt")
-        unk = _val(reader_fields, "tokenizer.ggml.unknown_token_id")
-        prefix = bool(_val(reader_fields, "tokenizer.ggml.add_space_prefix", True))
+        unk = reader_fields.get("tokenizer.ggml.unknown_token_id")
+        prefix = bool(reader_fields.get("tokenizer.ggml.add_space_prefix", True))
         tok = _spm_tokenizer(tokens, types, scores, prefix, int(unk) if unk is not None else None)
     else:
         raise UnsupportedModelError(f"GGUF tokenizer model '{model}' is not supported; PerfX handles 'gpt2' (BPE) and 'llama' (SentencePiece)")

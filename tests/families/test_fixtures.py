@@ -154,11 +154,10 @@ def test_transformers_greedy_follows_logits(family, family_artifacts, ids):
 
 @pytest.mark.parametrize("family", ff.FAMILIES)
 def test_gguf_f32_matches_transformers(family, family_artifacts, ids, family_report):
-    from gguf import GGUFReader
+    from perfx_compiler.model.gguf_header import read_gguf_header
 
     gguf = family_artifacts.gguf(family)
-    arch = GGUFReader(str(gguf)).fields["general.architecture"]
-    arch = bytes(arch.parts[arch.data[0]]).decode()
+    arch = read_gguf_header(gguf).fields["general.architecture"]
     ref = ff.transformers_logits(family_artifacts.checkpoint(family), ids)
     got = ff.llamacpp_logits(gguf, ids)
     exact_upto, why = ff.GGUF_NOTES.get(family, (None, ""))
@@ -189,10 +188,10 @@ def test_gguf_q8_0_runs_close(family, family_artifacts, ids, family_report):
 def test_gguf_q4_k_m_real_k_blocks(family, family_artifacts, ids, family_report):
     """At KQUANT_SIZES every row is 256-wide, so Q4_K_M holds real Q4_K / Q6_K blocks (at the default
     sizes llama.cpp falls back to Q5_0 / Q8_0)."""
-    from gguf import GGUFReader
+    from perfx_compiler.model.gguf_header import read_gguf_header
 
     gguf = family_artifacts.gguf(family, "Q4_K_M", **ff.KQUANT_SIZES)
-    types = {t.tensor_type.name for t in GGUFReader(str(gguf)).tensors}
+    types = {t.tensor_type.name for t in read_gguf_header(gguf).tensors}
     assert {"Q4_K", "Q6_K"} <= types, types
     ref = ff.transformers_logits(family_artifacts.checkpoint(family, **ff.KQUANT_SIZES), ids)
     got = ff.llamacpp_logits(gguf, ids)

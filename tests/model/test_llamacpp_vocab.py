@@ -36,20 +36,19 @@ def _cases(name: str) -> list[tuple[str, list[int]]]:
 
 
 def _tokenizer_json(gguf_path: Path, cache_dir: Path) -> str:
-    """Tokenizer JSON for a vocab GGUF, cached: gguf.GGUFReader takes seconds on 150k+ token vocabs.
+    """Tokenizer JSON for a vocab GGUF, cached: building the tokenizer takes seconds on 150k+ token vocabs.
 
     The key covers the GGUF file and our tokenizer builder's source, so a code change rebuilds it.
     """
-    import gguf
-
     import perfx_compiler.model.tokenizer as builder
+    from perfx_compiler.model.gguf_header import read_gguf_header
 
     st = gguf_path.stat()
     key = hashlib.sha256(Path(builder.__file__).read_bytes() + f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     cached = cache_dir / f"{gguf_path.stem}-{key}.json"
     if cached.is_file():
         return cached.read_text(encoding="utf-8")
-    text = tokenizer_json_from_gguf(gguf.GGUFReader(gguf_path).fields)
+    text = tokenizer_json_from_gguf(read_gguf_header(gguf_path).fields)
     cached.write_text(text, encoding="utf-8")
     return text
 

@@ -29,26 +29,24 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def smollm_tok():
-    import gguf
-
+    from perfx_compiler.model.gguf_header import read_gguf_header
     from perfx_compiler.model.loader import default_model_path
 
     try:
         path = default_model_path()
     except ModelFormatError as e:
         pytest.skip(str(e))
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf_header(path)
     return load_tokenizer(tokenizer_json_from_gguf(reader.fields)), reader
 
 
 @pytest.fixture(scope="module")
 def tiny_tok(tmp_path_factory):
-    import gguf
-
+    from perfx_compiler.model.gguf_header import read_gguf_header
     from perfx_compiler.model.testing import write_tiny_gguf
 
     path, _ = write_tiny_gguf(tmp_path_factory.mktemp("tok") / "t.gguf")
-    return load_tokenizer(tokenizer_json_from_gguf(gguf.GGUFReader(path).fields))
+    return load_tokenizer(tokenizer_json_from_gguf(read_gguf_header(path).fields))
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -60,7 +58,7 @@ def test_smollm2_round_trip(smollm_tok, text: str) -> None:
 
 def test_smollm2_known_ids(smollm_tok) -> None:
     tok, reader = smollm_tok
-    vocab = reader.fields["tokenizer.ggml.tokens"].contents()
+    vocab = reader.fields["tokenizer.ggml.tokens"]
     enc = tok.encode("Once upon a time")
     # Whole words are single tokens; 'Ġ' marks the space (checked against the GGUF vocab itself).
     assert enc.tokens == ["Once", "Ġupon", "Ġa", "Ġtime"]
@@ -161,7 +159,7 @@ def test_render_chat() -> None:
 
 def test_render_smollm2_template(smollm_tok) -> None:
     tok, reader = smollm_tok
-    template = reader.fields["tokenizer.chat_template"].contents()
+    template = reader.fields["tokenizer.chat_template"]
     text = render_chat(template, [{"role": "user", "content": "What is 2+2?"}])
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert text.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
