@@ -48,7 +48,7 @@ from perfx_compiler.frontend.graph_features import (
     softcap_after,
     unexplained,
 )
-from perfx_compiler.frontend.onnx_families import LEGACY_WINDOW_FAMILIES, hf_family, reconcile
+from perfx_compiler.frontend.onnx_families import LEGACY_WINDOW_FAMILIES, check_without_config, hf_family, reconcile
 from perfx_compiler.frontend.onnx_graph import Linear, OnnxGraph, f32, linear_at, reach, rms_norm
 from perfx_compiler.frontend.rope_fit import fit_rope, local_inv_freq_of, rope_inv_freq_of
 from perfx_compiler.model.description import ModelConfig, ModelDescription, rope_inv_freq
@@ -229,6 +229,8 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
     features["rope_local_theta"] = fit_rope(local)[0] if local is not None else 0.0
     if family is not None:
         features = reconcile(family, hf, features, head_dim, source)
+    elif not genai:
+        check_without_config(features, source)
     window = _sliding_window(hf, gqa, genai) if family is None or family.name in LEGACY_WINDOW_FAMILIES else None
     cfg = _config(genai, hf, family, source, vocab=vocab, hidden=hidden,
                   ffn=weights["model.layers.0.mlp.up_proj.weight"].shape[0], layers=n_layers, heads=q_rows // head_dim,

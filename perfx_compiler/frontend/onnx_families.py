@@ -94,3 +94,20 @@ def reconcile(family: Family, hf: dict[str, Any], found: dict[str, Any], head_di
             f"{source}: the graph's sliding-layer RoPE base {local or 'none'} is not config.json's "
             f"{out.get('rope_local_theta') or 'none'}; {_ADVICE}")
     return out
+
+
+# what a decoder without config.json may show: none of these come with per-layer windows in any family
+_SAFE_WITHOUT_CONFIG = ("qk_norm",)
+
+
+def check_without_config(found: dict[str, Any], source: str) -> None:
+    """A graph with no config.json naming its architecture: refuse features that come with what only the
+    config tells (Gemma's sliding layers and window, Phi-3's window), rather than run them without it."""
+    extra = sorted(k for k, v in GRAPH_FEATURES.items() if k not in _SAFE_WITHOUT_CONFIG and found[k] != v)
+    if found.get("rope_local_theta"):
+        extra.append("a second RoPE base (sliding layers)")
+    if extra:
+        raise UnsupportedModelError(
+            f"{source}: the graph shows {', '.join(extra)}, but no config.json next to it names the architecture, "
+            "and which layers use a sliding window (and its size) cannot be read from the graph; put the model's "
+            f"config.json next to the .onnx file, or {_ADVICE}")
