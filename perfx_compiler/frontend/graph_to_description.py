@@ -1,4 +1,5 @@
-"""Recognise a Llama-family decoder in a third-party ONNX graph and rebuild its ModelDescription.
+"""Recognise a decoder (any family in ``model/families/``) in a third-party ONNX graph and rebuild
+its ModelDescription, equal to the one the model's Hugging Face folder gives.
 
 The graph's *structure* is matched, not its names (``torch.onnx`` dynamo exports constant-fold
 every linear weight into an anonymous pre-transposed initializer):
@@ -10,16 +11,23 @@ every linear weight into an anonymous pre-transposed initializer):
   optional bias ``Add``; linears sharing one input form a group, and a layer is four groups
   in graph order: q/k/v (or one packed qkv) -> o -> gate/up -> down; the last linear is lm_head;
 * q vs k vs v: which KV output (``present.N.key`` / ``.value``) or attention-op input a
-  linear's result reaches without passing another linear; gate vs up: which one feeds SiLU;
+  linear's result reaches without passing another linear; gate vs up: which one feeds the activation
+  (a fused gate_up: which half of its Split does);
 * RMSNorms feeding each group: ``SimplifiedLayerNormalization``, ``SkipSimplifiedLayerNormalization``,
   ``RMSNormalization`` or the ``Pow -> ReduceMean -> Add(eps) -> Sqrt -> Reciprocal -> Mul -> Mul(w)``
   chain (its weight and epsilon);
 * RoPE: the ``inv_freq`` constant (torch) or the cos/sin caches of ``GroupQueryAttention`` /
   ``RotaryEmbedding`` (genai), fitted to ``theta^(-2i/d)`` (optionally / a linear factor);
-  interleaved rotary is turned into rotate-half by permuting Q/K rows (and their int4 tables' rows);
-* sliding window (Mistral ``sliding_window``, genai ``decoder.sliding_window``, GQA
-  ``local_window_size``): PerfX attention has none, so the context is capped at the window and a
-  longer ``max_context`` is refused.
+  interleaved and partial rotary are brought to the kernels' layout by reordering Q/K rows (and
+  their int4 tables' rows; ``families._family.qk_row_order``); a partial rotary's head dim comes from
+  the KV cache inputs' shape;
+* features (``graph_features``): QK-norm, sandwich norms, tanh-GELU, soft-caps, embedding and
+  query scales, fused qkv / gate_up projections; ``onnx_families`` checks them against the family
+  config.json names and takes from it what a graph cannot show (sliding layers, window, the local
+  RoPE base); anything the reader cannot place is refused in one line;
+* Llama/Mistral/Qwen2 sliding window (Mistral ``sliding_window``, genai ``decoder.sliding_window``,
+  GQA ``local_window_size``): read as before per-layer windows existed, the context is capped at
+  the window and a longer ``max_context`` is refused.
 
 Config values the graph cannot give (context length, BOS/EOS, architecture name) come from
 ``genai_config.json`` or ``config.json`` in the model's folder; the tokenizer from its

@@ -10,9 +10,11 @@ difference means the reader missed something, and the file is refused in one lin
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
 from typing import Any
 
 from perfx_compiler.errors import UnsupportedModelError
+from perfx_compiler.model.description import ModelConfig
 from perfx_compiler.model.families import family_for_hf_class
 from perfx_compiler.model.families._family import Family, HFConfig, missing_features
 
@@ -44,11 +46,19 @@ def hf_family(hf: dict[str, Any], source: str) -> Family | None:
         raise UnsupportedModelError(f"{source}: config.json names architecture '{archs[0]}'{detail}, which PerfX "
                                     f"does not read; it reads {', '.join(ONNX_FAMILIES)} from ONNX")
     if family.name not in ONNX_FAMILIES:
-        wanted = sorted(k for k, v in expected_features(family, hf).items() if GRAPH_FEATURES.get(k, v) != v)
         raise UnsupportedModelError(
-            f"{source}: config.json names {archs[0]} ({family.name}), whose features ({', '.join(wanted) or 'none'}) "
-            f"the ONNX reader does not recover; {_ADVICE}")
+            f"{source}: config.json names {archs[0]} ({family.name}), whose features "
+            f"({', '.join(family_features(family, hf)) or 'none'}) the ONNX reader does not recover; {_ADVICE}")
     return family
+
+
+def family_features(family: Family, hf: dict[str, Any]) -> list[str]:
+    """The features (beyond Llama's) config.json gives the family, by name."""
+    defaults = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
+    defaults.update(sliding_layers=[], mlp_activation="silu")
+    defaults.pop("tie_word_embeddings")  # a layout choice, not a feature
+    names = sorted(k for k, v in expected_features(family, hf).items() if k in defaults and defaults[k] != v)
+    return names + (["interleaved RoPE"] if family.hf_rope_layout == "interleaved" else [])
 
 
 def expected_features(family: Family, hf: dict[str, Any]) -> dict[str, Any]:
@@ -71,6 +81,7 @@ def reconcile(family: Family, hf: dict[str, Any], found: dict[str, Any], head_di
     exact spelling once equal); plus the config-only ones. A difference: UnsupportedModelError."""
     want = expected_features(family, hf)
     out = dict(found)
+    wrong = []
     for key in GRAPH_FEATURES:
         got, exp = found[key], want[key]
         if key == "rotary_dim":  # full rotary: 0 or head_dim alike
@@ -78,10 +89,12 @@ def reconcile(family: Family, hf: dict[str, Any], found: dict[str, Any], head_di
         elif key == "query_scale":
             got, exp = got or head_dim ** -0.5, exp or head_dim ** -0.5
         if not _same(got, exp):
-            raise UnsupportedModelError(
-                f"{source}: config.json names {family.hf_classes[0]}, whose {key} is {want[key]!r}, but the graph "
-                f"shows {found[key]!r}: the ONNX reader did not recover this model's structure; {_ADVICE}")
+            wrong.append(f"{key} (config {want[key]!r}, graph {found[key]!r})")
         out[key] = want[key]
+    if wrong:
+        raise UnsupportedModelError(
+            f"{source}: config.json names {family.hf_classes[0]}, but the graph differs from it in {', '.join(wrong)}: "
+            f"the ONNX reader did not recover this model's structure; {_ADVICE}")
     if want.get("attention_bias"):
         out["attention_bias"] = True  # zero biases where the graph has none (Qwen2 always declares them)
     if family.name not in LEGACY_WINDOW_FAMILIES:

@@ -110,7 +110,8 @@ def test_refuses_a_graph_that_is_not_its_config(family_artifacts, tmp_path):
     """config.json says Llama, the graph has Gemma 2's sandwich norms, GeGLU and soft-caps: not read as Llama."""
     path, _ = _copy(family_artifacts, "gemma2", tmp_path, architectures=["LlamaForCausalLM"], model_type="llama",
                     hidden_act="silu")
-    _refused(path, "LlamaForCausalLM", "the graph shows", "Hugging Face folder or GGUF")
+    _refused(path, "LlamaForCausalLM", "the graph differs", "attn_softcap (config 0.0, graph 2.0)",
+             "Hugging Face folder or GGUF")
 
 
 def test_refuses_an_unknown_architecture(family_artifacts, tmp_path):
