@@ -231,7 +231,8 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
     k_rows = weights["model.layers.0.self_attn.k_proj.weight"].shape[0]
     if q_rows % head_dim or k_rows % head_dim:
         raise UnsupportedModelError(f"{source}: q/k rows {q_rows}/{k_rows} are not multiples of the head dim {head_dim}")
-    features = _graph_features(g, layers, emb.output[0], head.out, head_dim, rotary, source)
+    gqa_scale = float_attr(gqa, "scale", 0.0) if gqa is not None else 0.0
+    features = _graph_features(g, layers, emb.output[0], head.out, head_dim, rotary, gqa_scale, source)
     features["attention_bias"] = has_bias
     local = local_inv_freq_of(g)
     features["rope_local_theta"] = fit_rope(local)[0] if local is not None else 0.0
@@ -273,7 +274,7 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
 
 
 def _graph_features(g: OnnxGraph, layers: list[_Layer], emb_out: str, head_out: str, head_dim: int, rotary: int,
-                    source: str) -> dict[str, Any]:
+                    gqa_scale: float, source: str) -> dict[str, Any]:
     """The ModelConfig features the graph's structure shows; structure it cannot place: refused."""
     first = layers[0]
     for i, layer in enumerate(layers):
@@ -281,9 +282,13 @@ def _graph_features(g: OnnxGraph, layers: list[_Layer], emb_out: str, head_out: 
             raise UnsupportedModelError(f"{source}: layer {i} differs from layer 0 in its norms or activation; "
                                         "PerfX runs decoders whose layers share one structure")
     scores = attention_scores(g)
-    if g.consumers and scores and len(scores) != len(layers):
-        raise UnsupportedModelError(f"{source}: {len(scores)} attention score blocks for {len(layers)} layers")
-    scales = {round(s.scale, 9) for s in scores} or {head_dim ** -0.5}
+    softmax = sum(n.op_type == "Softmax" for n in g.nodes)
+    if (scores or softmax) and not len(scores) == softmax == len(layers):
+        raise UnsupportedModelError(f"{source}: {len(scores)} recognised attention score blocks, {softmax} Softmax "
+                                    f"nodes, {len(layers)} layers: the attention is not the MatMul -> scale -> "
+                                    "Softmax the reader knows; compile the model's Hugging Face folder or GGUF instead")
+    # genai's attention op carries its scale (0: 1/sqrt(head_dim))
+    scales = {round(s.scale, 9) for s in scores} or {gqa_scale or head_dim ** -0.5}
     caps = {s.softcap for s in scores} or {0.0}
     if len(scales) != 1 or len(caps) != 1:
         raise UnsupportedModelError(f"{source}: the layers scale or soft-cap their attention scores differently")
