@@ -70,7 +70,7 @@ def gate_activation(g: OnnxGraph, name: str) -> str | None:
             return "silu"
         if n.op_type == "Silu" or (n.op_type == "QuickGelu" and _attr(n, "alpha", 1.702) == 1.0):
             return "silu"
-        if n.op_type == "FastGelu" or (n.op_type == "Gelu" and _attr(n, "approximate", "none") == "tanh"):
+        if n.op_type == "FastGelu" or (n.op_type == "Gelu" and _attr(n, "approximate", b"none") in (b"tanh", "tanh")):
             return "gelu_tanh"
         if n.op_type in ("Gelu", "BiasGelu") or n.op_type == "Div" and _downstream(g, n.output[0], "Erf", 2):
             return "gelu"

@@ -293,6 +293,9 @@ def _graph_features(g: OnnxGraph, layers: list[_Layer], emb_out: str, head_out: 
     if len(scales) != 1 or len(caps) != 1:
         raise UnsupportedModelError(f"{source}: the layers scale or soft-cap their attention scores differently")
     scale = float(next(iter(scales)))
+    if not 0 < scale < float("inf"):
+        raise UnsupportedModelError(f"{source}: the attention scores are scaled by {scale}; the file is not a decoder "
+                                    "PerfX reads")
     power = 1.0 / scale ** 2  # the scale is 1/sqrt(n) for a round n (head_dim, Gemma's query_pre_attn_scalar)
     if abs(power - round(power)) < 1e-4 * power:
         scale = float(round(power)) ** -0.5
