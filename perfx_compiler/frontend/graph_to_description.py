@@ -25,9 +25,9 @@ every linear weight into an anonymous pre-transposed initializer):
   query scales, fused qkv / gate_up projections; ``onnx_families`` checks them against the family
   config.json names and takes from it what a graph cannot show (sliding layers, window, the local
   RoPE base); anything the reader cannot place is refused in one line;
-* Llama/Mistral/Qwen2 sliding window (Mistral ``sliding_window``, genai ``decoder.sliding_window``,
-  GQA ``local_window_size``): read as before per-layer windows existed, the context is capped at
-  the window and a longer ``max_context`` is refused.
+* sliding windows: a family's (Mistral, Qwen2, Phi-3, Gemma) from its config.json, per layer as the
+  HF reader has them; an onnxruntime-genai model's (``decoder.sliding_window``, GQA
+  ``local_window_size``) cap the context at the window, and a longer ``max_context`` is refused.
 
 Config values the graph cannot give (context length, BOS/EOS, architecture name) come from
 ``genai_config.json`` or ``config.json`` in the model's folder; the tokenizer from its
@@ -56,7 +56,7 @@ from perfx_compiler.frontend.graph_features import (
     softcap_after,
     unexplained,
 )
-from perfx_compiler.frontend.onnx_families import LEGACY_WINDOW_FAMILIES, check_without_config, hf_family, reconcile
+from perfx_compiler.frontend.onnx_families import check_without_config, hf_family, reconcile
 from perfx_compiler.frontend.onnx_graph import Linear, OnnxGraph, f32, linear_at, reach, rms_norm
 from perfx_compiler.frontend.rope_fit import fit_rope, local_inv_freq_of, rope_inv_freq_of
 from perfx_compiler.model.description import ModelConfig, ModelDescription, rope_inv_freq
@@ -240,7 +240,8 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
         features = reconcile(family, hf, features, head_dim, source)
     elif not genai:
         check_without_config(features, source)
-    window = _sliding_window(hf, gqa, genai) if family is None or family.name in LEGACY_WINDOW_FAMILIES else None
+    # a family's windows come from its config.json (reconcile); genai's and GroupQueryAttention's cap the context
+    window = _sliding_window(gqa, genai) if family is None else None
     cfg = _config(genai, hf, family, source, vocab=vocab, hidden=hidden,
                   ffn=weights["model.layers.0.mlp.up_proj.weight"].shape[0], layers=n_layers, heads=q_rows // head_dim,
                   kv_heads=k_rows // head_dim, head_dim=head_dim, eps=max(eps_seen), tied=tied, inv=inv,
@@ -251,7 +252,7 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
                 key = f"model.layers.{i}.self_attn.{name}.bias"
                 weights.setdefault(key, np.zeros(weights[key.replace("bias", "weight")].shape[0], np.float32))
     if window is not None:
-        # Llama-family readers predate sliding-window masks: exact while the context fits in the window.
+        # read as before per-layer windows existed: exact while the context fits in the window
         cfg.max_context = min(cfg.max_context, window)
         if max_context is not None and max_context > window:
             raise UnsupportedModelError(
@@ -409,19 +410,15 @@ def _gate_up(g: OnnxGraph, mlp: list[Linear], where: str) -> tuple[Linear, Linea
     return gate, up, act
 
 
-def _sliding_window(hf: dict[str, Any], gqa: onnx.NodeProto | None, genai: dict[str, Any] | None) -> int | None:
-    """The attention window in tokens (Mistral's ``sliding_window``, Qwen2's when
-    ``use_sliding_window``, GroupQueryAttention's ``local_window_size``, genai_config's
-    ``decoder.sliding_window.window_size``), or None."""
+def _sliding_window(gqa: onnx.NodeProto | None, genai: dict[str, Any] | None) -> int | None:
+    """The attention window in tokens of an onnxruntime-genai model (GroupQueryAttention's
+    ``local_window_size``, genai_config's ``decoder.sliding_window.window_size``), or None."""
     windows = []
     gw = ((genai or {}).get("model", {}).get("decoder", {}).get("sliding_window") or {})
     if isinstance(gw, dict) and isinstance(gw.get("window_size"), int) and gw["window_size"] > 0:
         windows.append(int(gw["window_size"]))
     if gqa is not None and int_attr(gqa, "local_window_size", -1) > 0:
         windows.append(int_attr(gqa, "local_window_size"))
-    w = hf.get("sliding_window")
-    if isinstance(w, int) and w > 0 and hf.get("use_sliding_window", hf.get("model_type") != "qwen2"):
-        windows.append(w)
     return min(windows) if windows else None
 
 

@@ -21,8 +21,6 @@ from perfx_compiler.model.families._family import Family, HFConfig, missing_feat
 # Families whose every feature the reader recovers from a torch.onnx export (+ config.json).
 # A family added later is refused until its features are read here too.
 ONNX_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "glm4", "glm", "gemma3", "gemma2")
-# Families read as before features existed: a sliding window caps the context (see graph_to_description).
-LEGACY_WINDOW_FAMILIES = ("llama", "mistral", "qwen2")
 # features the graph shows, and the defaults of a model without them (ModelConfig's)
 GRAPH_FEATURES: dict[str, Any] = {
     "qk_norm": False, "sandwich_norms": False, "mlp_activation": "silu", "embedding_scale": 1.0,
@@ -97,10 +95,9 @@ def reconcile(family: Family, hf: dict[str, Any], found: dict[str, Any], head_di
             f"the ONNX reader did not recover this model's structure; {_ADVICE}")
     if want.get("attention_bias"):
         out["attention_bias"] = True  # zero biases where the graph has none (Qwen2 always declares them)
-    if family.name not in LEGACY_WINDOW_FAMILIES:
-        for key in CONFIG_FEATURES:
-            if key in want:
-                out[key] = want[key]
+    for key in CONFIG_FEATURES:
+        if key in want:
+            out[key] = want[key]
     local = found.get("rope_local_theta", 0.0)
     if local and not _same(local, out.get("rope_local_theta", 0.0)) or bool(local) != bool(out.get("rope_local_theta")):
         raise UnsupportedModelError(
