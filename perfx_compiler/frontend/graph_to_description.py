@@ -237,7 +237,7 @@ def graph_to_description(model: onnx.ModelProto, path: str | Path, max_context: 
     local = local_inv_freq_of(g)
     features["rope_local_theta"] = fit_rope(local)[0] if local is not None else 0.0
     if family is not None:
-        features = reconcile(family, hf, features, head_dim, source)
+        features = reconcile(family, hf, {**features, "interleaved": interleaved}, head_dim, source)
     elif not genai:
         check_without_config(features, source)
     # a family's windows come from its config.json (reconcile); genai's and GroupQueryAttention's cap the context

@@ -78,8 +78,12 @@ def reconcile(family: Family, hf: dict[str, Any], found: dict[str, Any], head_di
     """The features to use: the graph's, each checked against the family's config.json (in the config's
     exact spelling once equal); plus the config-only ones. A difference: UnsupportedModelError."""
     want = expected_features(family, hf)
+    found = dict(found)
+    layout = "interleaved" if found.pop("interleaved", False) else "rotate_half"
     out = dict(found)
     wrong = []
+    if layout != family.hf_rope_layout:
+        wrong.append(f"RoPE pairs (config {family.hf_rope_layout}, graph {layout})")
     for key in GRAPH_FEATURES:
         got, exp = found[key], want[key]
         if key == "rotary_dim":  # full rotary: 0 or head_dim alike
