@@ -12,7 +12,7 @@ from perfx_compiler.errors import ModelFormatError, UnsupportedModelError
 from perfx_compiler.frontend.contrib_ops import _attr
 
 if TYPE_CHECKING:
-    from perfx_compiler.frontend.graph_to_description import OnnxGraph
+    from perfx_compiler.frontend.onnx_graph import OnnxGraph
 
 
 def fit_rope(inv: np.ndarray) -> tuple[float, float]:
@@ -61,9 +61,7 @@ def rope_inv_freq_of(g: OnnxGraph, source: str) -> tuple[np.ndarray, bool]:
                                        f"{sin.shape} (want equal [positions, head_dim / 2]); the file is corrupt")
             return inv_freq_from_tables(cos, sin), bool(_attr(n, "interleaved" if n.op_type == "RotaryEmbedding"
                                                                  else "rotary_interleaved", 0))
-    cands = [t.name for t in g.model.graph.initializer if "inv_freq" in t.name]
-    cands += [n.output[0] for n in g.nodes if n.op_type == "Constant" and "inv_freq" in n.output[0]]
-    for name in cands:
+    for name in _inv_freq_names(g, local=False):
         c = g.const(name)
         if c is not None and c.size > 1:
             return c.reshape(-1).astype(np.float64), False
@@ -71,6 +69,26 @@ def rope_inv_freq_of(g: OnnxGraph, source: str) -> tuple[np.ndarray, bool]:
     if found is not None:
         return found, False
     raise UnsupportedModelError(f"{source}: no RoPE found (no inv_freq constant, no rotary cos/sin caches)")
+
+
+def _inv_freq_names(g: OnnxGraph, local: bool) -> list[str]:
+    """Names of ``inv_freq`` constants: the global ones, or (``local``) the sliding layers' (Gemma 3's
+    ``sliding_attention_inv_freq``)."""
+    names = [t.name for t in g.model.graph.initializer if "inv_freq" in t.name]
+    names += [n.output[0] for n in g.nodes if n.op_type == "Constant" and "inv_freq" in n.output[0]]
+    return [n for n in names if any(w in n for w in _LOCAL_WORDS) == local]
+
+
+_LOCAL_WORDS = ("sliding", "local")
+
+
+def local_inv_freq_of(g: OnnxGraph) -> np.ndarray | None:
+    """The sliding layers' own inverse frequencies (a two-base model), else None."""
+    for name in _inv_freq_names(g, local=True):
+        c = g.const(name)
+        if c is not None and c.size > 1:
+            return c.reshape(-1).astype(np.float64)
+    return None
 
 
 def inv_freq_before_cos(g: OnnxGraph) -> np.ndarray | None:
