@@ -14,6 +14,7 @@ from perfx_compiler.errors import (
     UnsupportedModelError,
 )
 from perfx_compiler.model.gguf import (
+    PASSTHROUGH_TYPES,
     dequantize_tensor,
     load_gguf,
     permute_qk,
@@ -195,7 +196,7 @@ def test_tiny_gguf_loads_exact(tmp_path: Path, qtype: str) -> None:
     assert c.tie_word_embeddings and "lm_head.weight" not in desc.weights
     assert c.max_context == 2048 and c.bos_token_id == 1 and c.eos_token_ids == [2, 0]
     assert desc.chat_template and "<|im_start|>" in desc.chat_template
-    if qtype in ("Q4_0", "Q4_1", "Q8_0"):
+    if qtype in PASSTHROUGH_TYPES:
         from gguf.constants import GGMLQuantizationType
         from gguf.quants import dequantize
 
