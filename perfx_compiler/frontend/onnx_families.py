@@ -14,13 +14,10 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from perfx_compiler.errors import UnsupportedModelError
-from perfx_compiler.model.description import ModelConfig
-from perfx_compiler.model.families import family_for_hf_class
+from perfx_compiler.model.description import FEATURES, ModelConfig
+from perfx_compiler.model.families import family_for_hf_class, hf_classes
 from perfx_compiler.model.families._family import Family, HFConfig, missing_features
 
-# Families whose every feature the reader recovers from a torch.onnx export (+ config.json).
-# A family added later is refused until its features are read here too.
-ONNX_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "glm4", "glm", "gemma3", "gemma2")
 # features the graph shows, and the defaults of a model without them (ModelConfig's)
 GRAPH_FEATURES: dict[str, Any] = {
     "qk_norm": False, "sandwich_norms": False, "mlp_activation": "silu", "embedding_scale": 1.0,
@@ -28,6 +25,9 @@ GRAPH_FEATURES: dict[str, Any] = {
 }
 # features only config.json gives (checked against the graph where it can tell)
 CONFIG_FEATURES = ("sliding_window", "sliding_layers", "rope_local_theta")
+# A family whose config sets a feature outside these (one added to ModelConfig later) is refused until
+# the reader learns it: no list of families here, a new family folder with known features just reads.
+RECOVERED = (*GRAPH_FEATURES, *CONFIG_FEATURES)
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
 _ADVICE = "compile the model's Hugging Face folder or GGUF instead"
 
@@ -42,11 +42,12 @@ def hf_family(hf: dict[str, Any], source: str) -> Family | None:
         missing = missing_features(hf)
         detail = f" (it needs {', '.join(missing)})" if missing else ""
         raise UnsupportedModelError(f"{source}: config.json names architecture '{archs[0]}'{detail}, which PerfX "
-                                    f"does not read; it reads {', '.join(ONNX_FAMILIES)} from ONNX")
-    if family.name not in ONNX_FAMILIES:
+                                    f"does not read; it reads {', '.join(hf_classes())}")
+    unrecovered = [f for f in family_features(family, hf) if f in FEATURES and f not in RECOVERED]
+    if unrecovered:
         raise UnsupportedModelError(
             f"{source}: config.json names {archs[0]} ({family.name}), whose features "
-            f"({', '.join(family_features(family, hf)) or 'none'}) the ONNX reader does not recover; {_ADVICE}")
+            f"({', '.join(unrecovered)}) the ONNX reader does not recover; {_ADVICE}")
     return family
 
 

@@ -29,6 +29,9 @@ import numpy as np
 from perfx_compiler.errors import UnsupportedModelError
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+# ModelConfig's feature fields (what a family declares beyond sizes; readers that recover only some refuse the rest)
+FEATURES = ("qk_norm", "sandwich_norms", "mlp_activation", "embedding_scale", "query_scale", "attn_softcap",
+            "final_softcap", "sliding_window", "sliding_layers", "rope_local_theta", "rotary_dim")
 
 
 @dataclass
