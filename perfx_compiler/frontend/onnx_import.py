@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,43 +20,7 @@ import tvm
 
 from perfx_compiler.errors import ModelFormatError, PerfXError, UnsupportedModelError
 from perfx_compiler.frontend.converter_fixes import patched_convert_map
-
-# Domains whose ops TVM's map covers by op_type (ai.onnx + the com.microsoft contrib ops it has).
-_KNOWN_DOMAINS = ("", "ai.onnx", "com.microsoft")
-# Handled by the importer itself, not through the converter map.
-_DIRECT_OPS = ("If", "Constant")
-_MAX_LISTED_NODES = 3  # node names shown per unsupported op type
-_MAX_LISTED_TYPES = 12
-
-
-def _op_label(domain: str, op_type: str) -> str:
-    return op_type if domain in ("", "ai.onnx") else f"{domain}::{op_type}"
-
-
-def _opset_versions(model: onnx.ModelProto) -> dict[str, int]:
-    versions = {imp.domain: imp.version for imp in model.opset_import}
-    if "ai.onnx" in versions and "" not in versions:
-        versions[""] = versions["ai.onnx"]
-    return versions
-
-
-def _walk_nodes(
-    graph: onnx.GraphProto | onnx.FunctionProto, functions: Mapping[tuple[str, str], onnx.FunctionProto]
-) -> Iterator[onnx.NodeProto]:
-    """Every node, including those in If/Loop/Scan bodies and in called model-local functions
-    (import_onnx inlines those, so their bodies are what must convert)."""
-    for node in graph.node:
-        body = functions.get((node.domain or "", node.op_type))
-        if body is not None:
-            yield from _walk_nodes(body, functions)
-            continue
-        yield node
-        for a in node.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                yield from _walk_nodes(a.g, functions)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for g in a.graphs:
-                    yield from _walk_nodes(g, functions)
+from perfx_compiler.model import onnx_ops
 
 
 def _effective_ops(extra_converters: Mapping[str, type] | None) -> set[str]:
@@ -67,46 +31,9 @@ def _effective_ops(extra_converters: Mapping[str, type] | None) -> set[str]:
 def unsupported_ops(
     model: onnx.ModelProto, extra_converters: Mapping[str, type] | None = None
 ) -> list[tuple[str, str, int]]:
-    """Nodes no converter handles: ``(op_type with domain, node name, opset)`` in graph order.
-
-    A node from an unknown domain counts as unsupported even if an ai.onnx op of the same
-    name exists (TVM looks converters up by op_type alone), unless ``extra_converters``
-    registers that op_type explicitly.
-    """
-    known = _effective_ops(extra_converters)
-    extra = set(extra_converters or {})
-    versions = _opset_versions(model)
-    out = []
-    functions = {(f.domain or "", f.name): f for f in model.functions}
-    for node in _walk_nodes(model.graph, functions):
-        domain = node.domain or ""
-        if node.op_type in _DIRECT_OPS and domain in ("", "ai.onnx"):
-            continue
-        ok = node.op_type in extra or (domain in _KNOWN_DOMAINS and node.op_type in known)
-        if not ok:
-            out.append((_op_label(domain, node.op_type), node.name, versions.get(domain, 0)))
-    return out
-
-
-def _unsupported_message(found: list[tuple[str, str, int]], source: str) -> str:
-    by_type: dict[tuple[str, int], list[str]] = {}
-    for label, name, opset in found:
-        if isinstance(name, bytes):  # protobuf hands back a name that is not UTF-8 as bytes
-            name = name.decode("utf-8", errors="replace")
-        by_type.setdefault((label, opset), []).append(name or "<unnamed>")
-    parts = []
-    for (label, opset), names in list(by_type.items())[:_MAX_LISTED_TYPES]:
-        shown = ", ".join(names[:_MAX_LISTED_NODES])
-        more = f" +{len(names) - _MAX_LISTED_NODES} more" if len(names) > _MAX_LISTED_NODES else ""
-        parts.append(f"{label} (opset {opset}; {len(names)} node{'s' * (len(names) > 1)}: {shown}{more})")
-    if len(by_type) > _MAX_LISTED_TYPES:
-        parts.append(f"+{len(by_type) - _MAX_LISTED_TYPES} more op types")
-    return (
-        f"{source} uses {len(by_type)} unsupported ONNX operator type(s): {'; '.join(parts)}. "
-        "Re-export with standard ai.onnx ops (torch.onnx.export) or the com.microsoft ops onnxruntime-genai "
-        "writes (MatMulNBits, GroupQueryAttention, RotaryEmbedding, (Skip)SimplifiedLayerNormalization), "
-        "or register converters for them via extra_converters."
-    )
+    """``model.onnx_ops.unsupported_ops`` against the converter map this importer runs with
+    (``extra_converters`` registered: converted whatever their domain)."""
+    return onnx_ops.unsupported_ops(model, _effective_ops(extra_converters), set(extra_converters or {}))
 
 
 def _load(model: onnx.ModelProto | str | Path) -> tuple[onnx.ModelProto, str]:
@@ -198,7 +125,7 @@ def import_onnx(
         proto = onnx.inliner.inline_selected_functions(proto, keep, exclude=True)
     found = unsupported_ops(proto, extra_converters)
     if found:
-        raise UnsupportedModelError(_unsupported_message(found, source))
+        raise UnsupportedModelError(onnx_ops.unsupported_message(found, source))
 
     from tvm.relax.frontend.onnx import from_onnx
     from tvm.relax.frontend.onnx import onnx_frontend as _of

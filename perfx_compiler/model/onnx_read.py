@@ -3,7 +3,7 @@
 A graph PerfX emitted carries its config, tokenizer and chat template in
 ``metadata_props`` and its weights as initializers; it compiles exactly like
 the model it came from. Other ONNX files (torch.onnx / onnxruntime-genai decoders) go
-to ``frontend.graph_to_description``: operators PerfX cannot import are named in one
+to ``model/foreign_onnx/graph_to_description``: operators PerfX cannot import are named in one
 error, otherwise the decoder is recognised and its description rebuilt.
 """
 
@@ -71,7 +71,7 @@ def load_onnx(path: str | Path, max_context: int | None = None) -> ModelDescript
             raise ModelFormatError(f"{path}: its {key} metadata is not UTF-8 text; the file is corrupt, re-export it")
     if "perfx.config" not in meta:
         # A third-party decoder (torch.onnx, onnxruntime-genai): recognise it and rebuild its description.
-        from perfx_compiler.frontend.graph_to_description import load_foreign_onnx
+        from perfx_compiler.model.foreign_onnx.graph_to_description import load_foreign_onnx
 
         return load_foreign_onnx(model, path, max_context)
     try:

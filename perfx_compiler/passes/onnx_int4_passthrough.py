@@ -2,7 +2,7 @@
 its ``MatMulNBits`` int4 blocks as they are, on PerfX's own int4 kernels (``perfx.quant``-tagged,
 the ones ``quantize_int4`` and ``gguf_passthrough`` produce), never dequantized and requantized.
 
-The importer (``frontend/graph_to_description``) keeps each int4 weight's codes, scales and zero
+The foreign-ONNX reader (``model/foreign_onnx/graph_to_description``) keeps each int4 weight's codes, scales and zero
 points in ``ModelDescription.quantized`` as an ``NBitsTable`` (type ``MatMulNBits``; Q/K rows in
 Hugging Face order, a packed QKV already split). Here each becomes ``int4_packed(codes, scale,
 zero, Int4Format(block_size, symmetric=no zero points))``:
@@ -29,7 +29,7 @@ import tvm
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.formats import Packed
 from perfx_compiler.formats.int4 import Int4Format, int4_packed, words_target
-from perfx_compiler.frontend.contrib_ops import NBitsTable
+from perfx_compiler.model.foreign_onnx.nbits import NBitsTable
 from perfx_compiler.passes._quantized_linears import linear_weights, rewrite_linears
 from perfx_compiler.passes.merge_projections import complete_groups
 

@@ -1,5 +1,5 @@
 """Every decoder family's torch.onnx (dynamo) export, read by the foreign-ONNX reader
-(``frontend/graph_to_description.py``), against the same family's Hugging Face folder.
+(``model/foreign_onnx/graph_to_description.py``), against the same family's Hugging Face folder.
 
 The export constant-folds and renames everything, so the reader finds each feature by its structure
 (QK-norm, sandwich norms, tanh-GELU, soft-caps, embedding scale, fused projections, interleaved partial
@@ -93,7 +93,7 @@ def _refused(path, *match: str) -> str:
 
 def test_refuses_a_family_it_does_not_recover(family_artifacts, tmp_path, monkeypatch):
     """A family with a feature the reader is not (yet) taught is refused by name with the features it would miss."""
-    from perfx_compiler.frontend import onnx_families
+    from perfx_compiler.model.foreign_onnx import families as onnx_families
 
     taught = tuple(f for f in onnx_families.RECOVERED if f not in ("attn_softcap", "final_softcap", "sandwich_norms"))
     monkeypatch.setattr(onnx_families, "RECOVERED", taught)

@@ -21,7 +21,7 @@ from genai_testgraph import kernel_weights_desc
 from perfx_compiler.cli.compile import main as compile_main
 from perfx_compiler.cli.run import main as run_main
 from perfx_compiler.errors import UnsupportedModelError
-from perfx_compiler.frontend.decoder_io import OrtDecoder
+from perfx_compiler.model.foreign_onnx.decoder_io import OrtDecoder
 from perfx_compiler.model.onnx_read import load_onnx
 from perfx_compiler.model.reference import ReferenceModel
 from perfx_compiler.pipeline import compile_model

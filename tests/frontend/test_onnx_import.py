@@ -331,3 +331,13 @@ def test_external_data_model(llama_onnx, tmp_path):
     unloaded = onnx.load(str(ext_dir / "model.onnx"), load_external_data=False)
     with pytest.raises(ModelFormatError, match="external data"):
         import_onnx(unloaded)
+
+
+def test_operator_table_is_the_importers_converter_map():
+    """model/onnx_ops.py (the model layer's TVM-free table) lists exactly what the importer converts."""
+    from perfx_compiler.frontend.contrib_ops import CONTRIB_CONVERTERS
+    from perfx_compiler.frontend.onnx_import import _effective_ops
+    from perfx_compiler.model.onnx_ops import CONTRIB_OPS, TVM_OPS
+
+    assert set(_effective_ops(None)) == TVM_OPS
+    assert set(CONTRIB_CONVERTERS) == CONTRIB_OPS

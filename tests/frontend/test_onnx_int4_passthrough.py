@@ -23,8 +23,8 @@ import tvm
 from genai_testgraph import GenaiSpec, build_genai_model, kernel_weights_desc
 
 from perfx_compiler.errors import PerfXError, UnsupportedModelError
-from perfx_compiler.frontend.decoder_io import OrtDecoder
 from perfx_compiler.model.description import ModelDescription
+from perfx_compiler.model.foreign_onnx.decoder_io import OrtDecoder
 from perfx_compiler.model.onnx_read import load_onnx
 from perfx_compiler.model.reference import ReferenceModel
 from perfx_compiler.passes.onnx_int4_passthrough import int4_tables, packed_from_table

@@ -99,7 +99,7 @@ def _warm(cases: list[dict[str, Any]]) -> None:
 
     ops = {c["op"] for c in cases}
     if "load_model" in ops:
-        import perfx_compiler.frontend.graph_to_description  # noqa: F401
+        import perfx_compiler.model.foreign_onnx.graph_to_description  # noqa: F401
         import perfx_compiler.model.gguf  # noqa: F401
         import perfx_compiler.model.loader  # noqa: F401
         import perfx_compiler.model.onnx_read  # noqa: F401

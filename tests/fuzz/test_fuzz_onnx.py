@@ -1,6 +1,6 @@
 """Fuzzing the ONNX readers: 170 mutated ONNX files, half from a graph PerfX emitted
 (``--emit-onnx``: config and tokenizer in its metadata, read by ``model/onnx_read.py``), half from
-an onnxruntime-genai-style int4 decoder (recognised by ``frontend/graph_to_description.py``).
+an onnxruntime-genai-style int4 decoder (recognised by ``model/foreign_onnx/graph_to_description.py``).
 Every case must end in a PerfXError with a message or a description that validates.
 
 ``PERFX_FUZZ_SEED=N`` draws another set; a failure names each bad case's id, seed and file.

@@ -34,9 +34,7 @@ LAYERS: list[set[str]] = [
 ]
 RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("model", "frontend"),  # model/onnx_read hands foreign ONNX graphs to frontend/graph_to_description
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()  # none left: every import goes down the layers
 
 
 def unit_of(module: str) -> str | None:

@@ -18,7 +18,7 @@ from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from perfx_compiler.formats.int4 import int4_matmul_compute, pack_int4
-from perfx_compiler.frontend.contrib_ops import NBitsTable
+from perfx_compiler.model.foreign_onnx.nbits import NBitsTable
 from perfx_compiler.passes import onnx_int4_passthrough
 
 from ._util import assert_unchanged, context, opaque, rand, run_pass, with_kernels

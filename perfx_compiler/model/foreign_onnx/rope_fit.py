@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from perfx_compiler.errors import ModelFormatError, UnsupportedModelError
-from perfx_compiler.frontend.contrib_ops import _attr
+from perfx_compiler.model.foreign_onnx.nbits import _attr
 
 if TYPE_CHECKING:
-    from perfx_compiler.frontend.onnx_graph import OnnxGraph
+    from perfx_compiler.model.foreign_onnx.onnx_graph import OnnxGraph
 
 
 def fit_rope(inv: np.ndarray) -> tuple[float, float]:

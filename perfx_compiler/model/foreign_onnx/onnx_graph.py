@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 
 from perfx_compiler.errors import ModelFormatError, UnsupportedModelError
-from perfx_compiler.frontend.contrib_ops import NBitsTable, float_attr, int_attr, matmulnbits_table
+from perfx_compiler.model.foreign_onnx.nbits import NBitsTable, float_attr, int_attr, matmulnbits_table
 from perfx_compiler.model.onnx_read import tensor_array
 
 _PASS_THROUGH = ("Cast", "Identity")

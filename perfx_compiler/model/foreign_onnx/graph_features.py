@@ -22,8 +22,8 @@ import numpy as np
 import onnx
 
 from perfx_compiler.errors import UnsupportedModelError
-from perfx_compiler.frontend.contrib_ops import _attr
-from perfx_compiler.frontend.onnx_graph import OnnxGraph, rms_norm, scalar
+from perfx_compiler.model.foreign_onnx.nbits import _attr
+from perfx_compiler.model.foreign_onnx.onnx_graph import OnnxGraph, rms_norm, scalar
 
 # ops that move or re-view a tensor without changing its values
 _SHAPE_OPS = ("Reshape", "Transpose", "Cast", "Identity", "Unsqueeze", "Squeeze")

@@ -45,9 +45,11 @@ import numpy as np
 import onnx
 
 from perfx_compiler.errors import ModelFormatError, UnsupportedModelError
-from perfx_compiler.frontend.contrib_ops import NBitsTable, float_attr, int_attr
-from perfx_compiler.frontend.decoder_io import DecoderIO, read_genai_config, recognize_io
-from perfx_compiler.frontend.graph_features import (
+from perfx_compiler.model.description import ModelConfig, ModelDescription, rope_inv_freq
+from perfx_compiler.model.families._family import Family, HFConfig, qk_row_order
+from perfx_compiler.model.foreign_onnx.decoder_io import DecoderIO, read_genai_config, recognize_io
+from perfx_compiler.model.foreign_onnx.families import check_without_config, hf_family, reconcile
+from perfx_compiler.model.foreign_onnx.graph_features import (
     attention_scores,
     embedding_scale,
     gate_activation,
@@ -56,11 +58,9 @@ from perfx_compiler.frontend.graph_features import (
     softcap_after,
     unexplained,
 )
-from perfx_compiler.frontend.onnx_families import check_without_config, hf_family, reconcile
-from perfx_compiler.frontend.onnx_graph import Linear, OnnxGraph, f32, linear_at, reach, rms_norm
-from perfx_compiler.frontend.rope_fit import fit_rope, local_inv_freq_of, rope_inv_freq_of
-from perfx_compiler.model.description import ModelConfig, ModelDescription, rope_inv_freq
-from perfx_compiler.model.families._family import Family, HFConfig, qk_row_order
+from perfx_compiler.model.foreign_onnx.nbits import NBitsTable, float_attr, int_attr
+from perfx_compiler.model.foreign_onnx.onnx_graph import Linear, OnnxGraph, f32, linear_at, reach, rms_norm
+from perfx_compiler.model.foreign_onnx.rope_fit import fit_rope, local_inv_freq_of, rope_inv_freq_of
 
 _GENAI_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
 QTYPE = "MatMulNBits"  # ModelDescription.quantized type of a MatMulNBits table (GGUF's are ggml type names)
@@ -482,14 +482,13 @@ def _config(genai: dict[str, Any] | None, hf: dict[str, Any], family: Family | N
 def load_foreign_onnx(model: onnx.ModelProto, path: str | Path, max_context: int | None = None) -> ModelDescription:
     """``load_onnx`` for graphs PerfX did not emit: one error naming every operator PerfX cannot
     import (with node names and opset), else the recognised decoder's description."""
-    from perfx_compiler.frontend.contrib_ops import CONTRIB_CONVERTERS
-    from perfx_compiler.frontend.onnx_import import _unsupported_message, unsupported_ops
+    from perfx_compiler.model.onnx_ops import unsupported_message, unsupported_ops
 
     if model.functions:
         import onnx.inliner
 
         model = onnx.inliner.inline_local_functions(model)
-    found = unsupported_ops(model, CONTRIB_CONVERTERS)
+    found = unsupported_ops(model)
     if found:
-        raise UnsupportedModelError(_unsupported_message(found, str(path)))
+        raise UnsupportedModelError(unsupported_message(found, str(path)))
     return graph_to_description(model, path, max_context)
