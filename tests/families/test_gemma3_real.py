@@ -1,11 +1,10 @@
-"""The real Gemma 3 270M Q4_K_M GGUF (tests/setup.sh assembles it into the test cache), compiled for
+"""The real Gemma 3 270M Q4_K_M GGUF (known model 'gemma3-270m': tests/setup.sh installs it), compiled for
 this CPU with float activations, against PerfX's float reference on the dequantized weights and against
 llama.cpp on the same file. 640 teacher-forced tokens: past the 512-token sliding window, so the
 windowed layers, the local RoPE base and the global layers all decide the logits."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +13,6 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("PERFX_TEST_CACHE", Path.home() / ".cache" / "perfx-test"))
-GGUF = CACHE / "gemma3-270m-q4_k_m.gguf"
 TEXT = REPO / "benchmarks" / "data" / "kjv_eval_mark_ruth.txt"
 TOKENS = 640
 CONTEXT = 1024  # > the 512-token window: the sliding layers mask
@@ -23,12 +20,21 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def gemma_desc():
-    if not GGUF.is_file():
-        pytest.skip(f"{GGUF} is missing; run tests/setup.sh")
+def gguf() -> Path:
+    from perfx_compiler.errors import ModelFormatError
+    from perfx_compiler.model.loader import known_model_path
+
+    try:
+        return known_model_path("gemma3-270m")
+    except ModelFormatError as e:
+        pytest.skip(f"{e}; tests/setup.sh installs it")
+
+
+@pytest.fixture(scope="module")
+def gemma_desc(gguf):
     from perfx_compiler.model.loader import load_model
 
-    return load_model(GGUF, max_context=CONTEXT)
+    return load_model(gguf, max_context=CONTEXT)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +62,10 @@ def perfx_logits(gemma_artifact, text_ids) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def llamacpp_logits(text_ids) -> np.ndarray:
+def llamacpp_logits(gguf, text_ids) -> np.ndarray:
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(GGUF), n_ctx=CONTEXT, logits_all=True, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(str(gguf), n_ctx=CONTEXT, logits_all=True, n_threads=2, verbose=False)
     llm.eval(text_ids)
     return np.array(llm.scores[: len(text_ids)], dtype=np.float64)
 
@@ -104,7 +110,7 @@ def test_agrees_with_llamacpp_on_the_same_file(perfx_logits, llamacpp_logits, te
     assert float(np.mean(perfx_logits[late].argmax(-1) == llamacpp_logits[late].argmax(-1))) >= 0.88
 
 
-def test_chat_prompt_is_tokenized_as_llamacpp_does(gemma_artifact):
+def test_chat_prompt_is_tokenized_as_llamacpp_does(gguf, gemma_artifact):
     import llama_cpp
 
     from perfx_compiler import LLM
@@ -112,7 +118,7 @@ def test_chat_prompt_is_tokenized_as_llamacpp_does(gemma_artifact):
     tok = LLM(model=str(gemma_artifact)).get_tokenizer()
     text = tok.apply_chat_template(CHAT)
     assert text == "<bos><start_of_turn>user\nWhat is the capital of France?<end_of_turn>\n<start_of_turn>model\n"
-    vocab = llama_cpp.Llama(str(GGUF), vocab_only=True, verbose=False)
+    vocab = llama_cpp.Llama(str(gguf), vocab_only=True, verbose=False)
     assert tok.encode(text) == vocab.tokenize(text.encode(), add_bos=False, special=True)
 
 
