@@ -20,8 +20,9 @@ def rope_tables(maxc: int, d: int, theta: float = 10000.0) -> tuple[np.ndarray, 
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def attention_reference(q, k, v, kc, vc, past, cos, sin, heads, kv_heads):
-    """float64: (out [1, seq, H*D], k cache, v cache) after appending the rotated k and v."""
+def attention_reference(q, k, v, kc, vc, past, cos, sin, heads, kv_heads, window=0, softcap=0.0):
+    """float64: (out [1, seq, H*D], k cache, v cache) after appending the rotated k and v; ``window`` > 0:
+    keys at least that far behind a query are masked; ``softcap`` > 0: scores become c * tanh(s / c)."""
     seq, d = q.shape[1], kc.shape[-1]
     half, group = d // 2, heads // kv_heads
     c = cos[past : past + seq].astype(np.float64)[:, None]
@@ -36,13 +37,18 @@ def attention_reference(q, k, v, kc, vc, past, cos, sin, heads, kv_heads):
     vc[0, :, past : past + seq] = v[0].astype(np.float64).reshape(seq, kv_heads, d).transpose(1, 0, 2)
     qr = rot(q[0].astype(np.float64).reshape(seq, heads, d))
     n = past + seq
-    mask = np.arange(n)[None] > (past + np.arange(seq))[:, None]
+    j, p = np.arange(n)[None], (past + np.arange(seq))[:, None]
+    mask = j > p
+    if window:
+        mask |= p - j >= window
     out = np.zeros((seq, heads, d))
     for h in range(heads):
         sc = qr[:, h] @ kc[0, h // group, :n].T / np.sqrt(d)
+        if softcap:
+            sc = softcap * np.tanh(sc / softcap)
         sc[mask] = -np.inf
-        p = np.exp(sc - sc.max(-1, keepdims=True))
-        out[:, h] = (p / p.sum(-1, keepdims=True)) @ vc[0, h // group, :n]
+        w = np.exp(sc - sc.max(-1, keepdims=True))
+        out[:, h] = (w / w.sum(-1, keepdims=True)) @ vc[0, h // group, :n]
     return out.reshape(1, seq, heads * d), kc, vc
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.schedules.test_attention_cpu import attention_reference as variant_reference
 from tests.schedules.test_attention_cpu import build, rope_tables
 
 H, KVH, D, MAXC = 4, 2, 16, 64
@@ -28,37 +29,6 @@ OFFSET = 13.4
 LOW = D // 2 - 1
 CASES = [(12, 0), (1, 20), (7, 20)]  # (seq, past): the window cuts keys in each
 VARIANTS = [(w, c) for w in (0, 5) for c in (0.0, 30.0)]
-
-
-def variant_reference(q, k, v, kc, vc, past, cos, sin, heads, kv_heads, window=0, softcap=0.0):
-    """float64: (out [1, seq, H*D], k cache, v cache) after appending the rotated k and v."""
-    seq, d = q.shape[1], kc.shape[-1]
-    half, group = d // 2, heads // kv_heads
-    c = cos[past : past + seq].astype(np.float64)[:, None]
-    s = sin[past : past + seq].astype(np.float64)[:, None]
-
-    def rot(x: np.ndarray) -> np.ndarray:
-        x1, x2 = x[..., :half], x[..., half:]
-        return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)
-
-    kc, vc = kc.astype(np.float64), vc.astype(np.float64)
-    kc[0, :, past : past + seq] = rot(k[0].astype(np.float64).reshape(seq, kv_heads, d)).transpose(1, 0, 2)
-    vc[0, :, past : past + seq] = v[0].astype(np.float64).reshape(seq, kv_heads, d).transpose(1, 0, 2)
-    qr = rot(q[0].astype(np.float64).reshape(seq, heads, d))
-    n = past + seq
-    j, p = np.arange(n)[None], (past + np.arange(seq))[:, None]
-    mask = j > p
-    if window:
-        mask |= p - j >= window
-    out = np.zeros((seq, heads, d))
-    for h in range(heads):
-        sc = qr[:, h] @ kc[0, h // group, :n].T / np.sqrt(d)
-        if softcap:
-            sc = softcap * np.tanh(sc / softcap)
-        sc[mask] = -np.inf
-        w = np.exp(sc - sc.max(-1, keepdims=True))
-        out[:, h] = (w / w.sum(-1, keepdims=True)) @ vc[0, h // group, :n]
-    return out.reshape(1, seq, heads * d), kc, vc
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from targets_common import gpu_launcher
 
 pytestmark = pytest.mark.targets
 
@@ -51,22 +52,6 @@ def attend(q, k, v, kc, vc, past: int, cos, sin, window: int, softcap: float):
             w = np.exp(sc - sc.max())
             out[s, h * D : (h + 1) * D] = (w / w.sum()) @ vc[h // g, j]
     return out, kc, vc
-
-
-def _launcher(target: str) -> Any:
-    if target == "vulkan":
-        from perfx_compiler.targets_exec.webgpu import WebGPULauncher, webgpu_available
-
-        why = webgpu_available()
-        if why is not None:
-            pytest.skip(why)
-        return WebGPULauncher()
-    from perfx_compiler.targets_exec.opencl import OpenCLLauncher, opencl_available
-
-    why = opencl_available()
-    if why is not None:
-        pytest.skip(why)
-    return OpenCLLauncher()
 
 
 def _compile(func: Any, target: str, name: str) -> Any:
@@ -116,7 +101,7 @@ def _assert_variant_matters(what: str, window: int, gaps: list[dict[str, float]]
 def test_cached_attention_gpu_variants(target: str, window: int, softcap: float) -> None:
     from perfx_compiler.kernels.attention_gpu import cached_attention_kernel_gpu
 
-    launcher = _launcher(target)
+    launcher = gpu_launcher(target)
     index = "int32" if target == "vulkan" else "int64"
     func = cached_attention_kernel_gpu(H, KVH, D, MAXC, "float32", index, window=window, softcap=softcap)
     cf = _compile(func, target, "cached_attention_gpu")
@@ -150,7 +135,7 @@ def test_paged_attention_gpu_variants(target: str, window: int, softcap: float) 
     to both: the pools are gathered into per-sequence caches for the reference and scattered back."""
     from perfx_compiler.kernels.paged_attention_gpu import paged_attention_kernel_gpu
 
-    launcher = _launcher(target)
+    launcher = gpu_launcher(target)
     index = "int32" if target == "vulkan" else "int64"
     func = paged_attention_kernel_gpu(H, KVH, D, MAXC, PS, "float32", index, window=window, softcap=softcap)
     cf = _compile(func, target, "paged_attention_gpu")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from targets_common import gpu_launcher
 
 pytestmark = pytest.mark.targets
 
@@ -57,22 +58,6 @@ def paged_reference(q, k, v, kp, vp, pos, table, cos, sin, shape=SHAPES["smollm2
     return out, kp, vp
 
 
-def _launcher(target: str):
-    if target == "vulkan":
-        from perfx_compiler.targets_exec.webgpu import WebGPULauncher, webgpu_available
-
-        why = webgpu_available()
-        if why is not None:
-            pytest.skip(why)
-        return WebGPULauncher()
-    from perfx_compiler.targets_exec.opencl import OpenCLLauncher, opencl_available
-
-    why = opencl_available()
-    if why is not None:
-        pytest.skip(why)
-    return OpenCLLauncher()
-
-
 @pytest.mark.parametrize("target", ["vulkan", "mali", "adreno", "intel-igpu"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_paged_attention_gpu_matches_numpy(target: str, shape: str) -> None:
@@ -88,7 +73,7 @@ def test_paged_attention_gpu_matches_numpy(target: str, shape: str) -> None:
     from perfx_compiler.targets_exec.kernels import compile_primfunc
 
     H, KVH, D, PS = SHAPES[shape]
-    launcher = _launcher(target)
+    launcher = gpu_launcher(target)
     index_dtype = "int32" if target == "vulkan" else "int64"
     func = paged_attention_kernel_gpu(H, KVH, D, MAXC, PS, "float32", index_dtype)
     mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
@@ -171,7 +156,7 @@ def test_paged_decode_steps_match_x86(target: str, tiny_gguf, host_streams) -> N
     from perfx_compiler.targets_exec.reference import lowered_module
     from perfx_compiler.targets_exec.relax_exec import run_paged_decode_steps
 
-    launcher = _launcher(target)
+    launcher = gpu_launcher(target)
     state, funcs = lowered_module(str(tiny_gguf), target, max_context=MAX_CONTEXT)
     assert any(n.startswith("paged_attention_gpu") for n in funcs), sorted(funcs)
     got = np.stack(run_paged_decode_steps(state, launcher, host_streams["streams"], state.weights))
@@ -194,7 +179,7 @@ def test_paged_prefill_chunks_match_x86(target: str, tiny_gguf, host_streams) ->
     from perfx_compiler.targets_exec.reference import lowered_module
     from perfx_compiler.targets_exec.relax_exec import RelaxKernelRunner
 
-    launcher = _launcher(target)
+    launcher = gpu_launcher(target)
     state, _ = lowered_module(str(tiny_gguf), target, max_context=MAX_CONTEXT)
     cfg = state.desc.config
     index = np.dtype(index_dtype_of(state.target))
