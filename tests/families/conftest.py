@@ -85,8 +85,9 @@ class FamilyArtifacts:
 
 @pytest.fixture(scope="session")
 def family_artifacts(tmp_path_factory) -> FamilyArtifacts:
-    cache = os.environ.get("PERFX_TEST_CACHE")
-    root = Path(cache) / "families" / _cache_key() if cache else tmp_path_factory.mktemp("families")
+    # kept across runs in the test cache tests/setup.sh fills (keyed by the fixtures' code and versions)
+    cache = os.environ.get("PERFX_TEST_CACHE") or Path.home() / ".cache" / "perfx-test"
+    root = Path(cache) / "families" / _cache_key()
     return FamilyArtifacts(root)
 
 
