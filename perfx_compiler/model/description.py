@@ -29,9 +29,6 @@ import numpy as np
 from perfx_compiler.errors import UnsupportedModelError
 
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
-# ModelConfig's feature fields (what a family declares beyond sizes; readers that recover only some refuse the rest)
-FEATURES = ("qk_norm", "sandwich_norms", "mlp_activation", "embedding_scale", "query_scale", "attn_softcap",
-            "final_softcap", "sliding_window", "sliding_layers", "rope_local_theta", "rotary_dim")
 
 
 @dataclass
@@ -182,6 +179,14 @@ class ModelConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+# ModelConfig's feature fields (every field after ``name``: what a family declares beyond sizes; readers
+# that recover only some refuse the rest) and their defaults (a Llama decoder)
+_FIELDS = [f.name for f in fields(ModelConfig)]
+FEATURES = tuple(_FIELDS[_FIELDS.index("name") + 1:])
+FEATURE_DEFAULTS: dict[str, Any] = {
+    f.name: f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc]
+    for f in fields(ModelConfig) if f.name in FEATURES
+}
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 # Sizes and counts of a config: positive, and within int32 (index arithmetic in the kernels).
 _COUNTS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

@@ -20,6 +20,7 @@ from perfx_compiler.errors import (
     UnsupportedModelError,
 )
 from perfx_compiler.model.description import (
+    FEATURE_DEFAULTS,
     ModelConfig,
     ModelDescription,
     expected_weight_shapes,
@@ -243,17 +244,12 @@ def _add_stop_tokens(cfg: ModelConfig, tok_json: str) -> None:
             cfg.eos_token_ids.append(int(added[t]))
 
 
-_FEATURE_DEFAULTS = {"qk_norm": False, "sandwich_norms": False, "mlp_activation": "silu", "embedding_scale": 1.0,
-                     "query_scale": 0.0, "attn_softcap": 0.0, "final_softcap": 0.0, "rope_local_theta": 0.0,
-                     "rotary_dim": 0}
-
-
 def write_hf_folder(desc: ModelDescription, path: str | os.PathLike[str]) -> Path:
     """Write ``desc`` as a Hugging Face folder (fp32 safetensors); ``load_hf_folder`` reads it back."""
     from safetensors.numpy import save_file
 
     c = desc.config
-    default = ModelConfig(**{**c.to_dict(), **_FEATURE_DEFAULTS})
+    default = ModelConfig(**{**c.to_dict(), **FEATURE_DEFAULTS})
     if c.architecture not in ("llama", "mistral", "qwen2") or c != default:
         raise UnsupportedModelError(f"write_hf_folder writes Llama-shaped models; {c.architecture} with its features is not")
     folder = Path(path)

@@ -14,15 +14,14 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from perfx_compiler.errors import UnsupportedModelError
-from perfx_compiler.model.description import FEATURES, ModelConfig
+from perfx_compiler.model.description import FEATURE_DEFAULTS, FEATURES, ModelConfig
 from perfx_compiler.model.families import family_for_hf_class, hf_classes
 from perfx_compiler.model.families._family import Family, HFConfig, missing_features
 
 # features the graph shows, and the defaults of a model without them (ModelConfig's)
-GRAPH_FEATURES: dict[str, Any] = {
-    "qk_norm": False, "sandwich_norms": False, "mlp_activation": "silu", "embedding_scale": 1.0,
-    "query_scale": 0.0, "attn_softcap": 0.0, "final_softcap": 0.0, "rotary_dim": 0,
-}
+GRAPH_FEATURES: dict[str, Any] = {k: FEATURE_DEFAULTS[k] for k in (
+    "qk_norm", "sandwich_norms", "mlp_activation", "embedding_scale", "query_scale", "attn_softcap", "final_softcap",
+    "rotary_dim")}
 # features only config.json gives (checked against the graph where it can tell)
 CONFIG_FEATURES = ("sliding_window", "sliding_layers", "rope_local_theta")
 # A family whose config sets a feature outside these (one added to ModelConfig later) is refused until
