@@ -4,7 +4,7 @@ soft-capping, sliding-window attention on every other layer."""
 from typing import Any
 
 from perfx_compiler.model.families._family import Family, GGUFMeta, HFConfig, gemma_embedding_scale
-from perfx_compiler.model.families.gemma3 import GEMMA_CHAT_TEMPLATE, GEMMA_RENAMES
+from perfx_compiler.model.families.gemma3 import GEMMA_CHAT_TEMPLATE, GEMMA_RENAMES, gemma_gguf_features
 
 
 def _hf(c: HFConfig) -> dict[str, Any]:
@@ -24,18 +24,11 @@ def _hf(c: HFConfig) -> dict[str, Any]:
 
 
 def _gguf(m: GGUFMeta) -> dict[str, Any]:
-    n, hidden, heads = int(m.get("block_count")), int(m.get("embedding_length")), int(m.get("attention.head_count"))
-    head_dim = int(m.get("attention.key_length", hidden // heads))
     return {
-        "sandwich_norms": True,
-        "mlp_activation": "gelu_tanh",
-        "embedding_scale": gemma_embedding_scale(hidden),
-        # llama.cpp: Gemma 2 27B scales queries by hidden/heads, the others by the head size
-        "query_scale": (hidden / heads) ** -0.5 if n == 46 else head_dim ** -0.5,
+        **gemma_gguf_features(m, layers_27b=46),
         "attn_softcap": float(m.get("attn_logit_softcapping", 0.0) or 0.0),
         "final_softcap": float(m.get("final_logit_softcapping", 0.0) or 0.0),
-        "sliding_window": int(m.get("attention.sliding_window", 0) or 0),
-        "sliding_layers": list(range(0, n, 2)),
+        "sliding_layers": list(range(0, int(m.get("block_count")), 2)),
     }
 
 

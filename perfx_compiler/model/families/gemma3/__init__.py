@@ -46,26 +46,29 @@ def _hf(c: HFConfig) -> dict[str, Any]:
     }
 
 
-def _gguf(m: GGUFMeta) -> dict[str, Any]:
+def gemma_gguf_features(m: GGUFMeta, layers_27b: int) -> dict[str, Any]:
+    """What Gemma 2 and 3 GGUFs share: sandwich norms, GeGLU, scaled embeddings, and llama.cpp's query
+    scale (the 27B model, recognised by its layer count, scales by hidden/heads; the others by head size)."""
     n, hidden, heads = int(m.get("block_count")), int(m.get("embedding_length")), int(m.get("attention.head_count"))
+    head_dim = int(m.get("attention.key_length", hidden // heads))
+    return {
+        "sandwich_norms": True,
+        "mlp_activation": "gelu_tanh",
+        "embedding_scale": gemma_embedding_scale(hidden),
+        "query_scale": (hidden / heads) ** -0.5 if n == layers_27b else head_dim ** -0.5,
+        "sliding_window": int(m.get("attention.sliding_window", 0) or 0),
+    }
+
+
+def _gguf(m: GGUFMeta) -> dict[str, Any]:
+    n = int(m.get("block_count"))
     pattern = m.get("attention.sliding_window_pattern")
     if isinstance(pattern, list):  # newer files: one flag per layer
         layers = [i for i, sliding in enumerate(pattern) if sliding]
     else:
         layers = [i for i in range(n) if (i + 1) % PATTERN]
-    head_dim = int(m.get("attention.key_length", hidden // heads))
-    # llama.cpp: Gemma 3 27B scales queries by hidden/heads, the others by the head size
-    scale = (hidden / heads) ** -0.5 if n == 62 else head_dim ** -0.5
-    return {
-        "qk_norm": True,
-        "sandwich_norms": True,
-        "mlp_activation": "gelu_tanh",
-        "embedding_scale": gemma_embedding_scale(hidden),
-        "query_scale": scale,
-        "sliding_window": int(m.get("attention.sliding_window", 0) or 0),
-        "sliding_layers": layers,
-        "rope_local_theta": LOCAL_ROPE_BASE,
-    }
+    return {**gemma_gguf_features(m, layers_27b=62), "qk_norm": True, "sliding_layers": layers,
+            "rope_local_theta": LOCAL_ROPE_BASE}
 
 
 FAMILY = Family(
