@@ -29,7 +29,7 @@ from perfx_compiler.model.description import (
     rope_inv_freq,
 )
 from perfx_compiler.model.families import family_for_gguf_arch, gguf_archs
-from perfx_compiler.model.families._family import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, GGUFMeta, row_plan
+from perfx_compiler.model.families._family import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, GGUFMeta, qk_row_order, row_plan
 from perfx_compiler.model.gguf_header import GGUFFile, GGUFTensor, read_gguf_header
 
 # Types we dequantize (each checked against an independent reference in tests).
@@ -66,9 +66,9 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Inverse of ``permute_qk``: interleaved rows -> HF rotate-half rows."""
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    """Inverse of ``permute_qk``: interleaved rows -> HF rotate-half rows (the row order the loader uses)."""
+    order = qk_row_order(n_head, w.shape[0] // n_head, 0, "interleaved")
+    return w[order]
 
 
 class _Meta:
@@ -239,7 +239,7 @@ def config_from_metadata(
         add_bos_token=bool(add_bos),
         name=str(name),
     )
-    fields.update(family.gguf_features(GGUFMeta(meta.get, arch, set(tensors))))
+    fields.update(family.gguf_features(GGUFMeta(meta.get, arch)))
     cfg = ModelConfig(**fields)
     if "rope_factors_long.weight" in tensors:
         raise UnsupportedModelError(f"{source}: LongRoPE scaling (rope_factors_long) is not supported; use a 4k-context variant")

@@ -65,10 +65,9 @@ class HFConfig:
 class GGUFMeta:
     """GGUF metadata of one architecture: ``get("attention.sliding_window")`` reads ``<arch>.attention...``."""
 
-    def __init__(self, getter: Callable[[str, Any], Any], arch: str, tensor_names: set[str]) -> None:
+    def __init__(self, getter: Callable[[str, Any], Any], arch: str) -> None:
         self._get = getter
         self.arch = arch
-        self.tensor_names = tensor_names
 
     def get(self, key: str, default: Any = None) -> Any:
         return self._get(f"{self.arch}.{key}", default)
