@@ -1,31 +1,70 @@
-"""The VNNI layouts' other readers (``formats/vnni.py``: int4 row pairs, int8 + 128), used by the
-``gemv_qvnni_cpu`` template beside the GEMV of ``_vnni_kernels``: ``dequant`` (prefill: W in float32,
-row-major or as the packed GEMM's panels) and ``take`` (the embedding gather).
+"""The VNNI layouts' other readers (``formats/vnni.py``: int4 row pairs, int8 + 128, unsigned
+int8 with a min, superblock scales), used by the ``gemv_qvnni_cpu`` template beside the GEMV of
+``_vnni_kernels``: ``dequant`` (prefill: W in float32, row-major or as the packed GEMM's panels)
+and ``take`` (the embedding gather).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from schedules._vnni_kernels import plan, transpose_tile
+from schedules._vnni_kernels import _without_zero, plan, transpose_tile
 
 
-def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: int, nb: int = 0) -> Any:
+class _Layout:
+    """The array shapes of one VNNI weight (see formats/vnni.py) and its float weight expression."""
+
+    def __init__(self, bits: int, N: int, K: int, G: int, sym: bool, offset: bool, sb: int) -> None:  # noqa: N803
+        p = plan(K, G)
+        self.bits, self.sym, self.offset, self.sb, self.G = bits, sym, offset, sb, G
+        self.KP, self.NGP = p["KP"], p["NGP"]
+        pair = bits == 4
+        self.N2 = N + N % 2 if pair else N
+        self.QW = self.N2 // 2 if pair else N
+        self.ST = "int8" if sb else "float16"
+        self.ZT = self.ST if offset else "uint8"
+        self.SW = self.NGP + (2 * (K // sb) if sb else 0)
+        self.has_z = pair or offset  # int8 codes without a min take no zero/min array
+
+    def factor(self, A: Any, Ad: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's scale (or min factor) as float32: the float16 value, or sc * d (superblocks)."""
+        from tvm.script import tirx as T
+
+        if not self.sb:
+            return T.Cast("float32", A[row, g])
+        d = Ad[row * (self.SW // 2) + self.NGP // 2 + g // (self.sb // self.G)]
+        return T.Cast("float32", A[row, g]) * T.Cast("float32", d)
+
+    def weight(self, Q: Any, Sc: Any, Z: Any, Sd: Any, Zd: Any, row: Any, col: Any, g: Any) -> Any:  # noqa: N803
+        """Float weight (row, col) of group g."""
+        from tvm.script import tirx as T
+
+        s = self.factor(Sc, Sd, row, g)
+        if self.offset:
+            mn = -self.factor(Z, Zd, row, g) if self.sb else self.factor(Z, Zd, row, g)
+        if self.bits == 8:
+            if self.offset:  # unsigned codes as they are, then the min
+                return T.Cast("float32", Q[row, col]) * s + mn
+            return (T.Cast("float32", Q[row, col]) - T.float32(128)) * s
+        code = T.Cast("float32", T.bitwise_and(T.shift_right(Q[row // 2, col], T.Cast("uint8", (row % 2) * 4)),
+                                               T.uint8(15)))
+        if self.offset:
+            return code * s + mn
+        if self.sym:
+            return (code - T.float32(8)) * s
+        return (code - T.Cast("float32", Z[row, g])) * s
+
+
+def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: int, nb: int = 0,  # noqa: N803
+            sb: int = 0) -> Any:
     """W [N, K] in float32 from the VNNI layout (prefill: the float GEMM follows), or with
     ``nb`` as [N / nb, K, nb] panels, the packed GEMM's layout (see weight_layout)."""
     from tvm.script import tirx as T
 
-    p = plan(K, G)
-    KP, NGP = p["KP"], p["NGP"]
-    pair = bits == 4
-    N2 = N + N % 2 if pair else N
-    QW = N2 // 2 if pair else N
-    ZT = "float16" if offset else "uint8"
+    L = _Layout(bits, N, K, G, sym, offset, sb)
+    KP, QW, N2, SW, ST, ZT = L.KP, L.QW, L.N2, L.SW, L.ST, L.ZT
     NV = K // 16
     PER = -(-N // tasks)
-
-    def _w(Q: Any, Sc: Any, Z: Any, row: Any, col: Any, g: Any) -> Any:
-        return weight_expr(bits, sym, offset, Q, Sc, Z, row, col, g)
 
     if nb and (N % nb or nb % 16):
         raise ValueError(f"panel width {nb} must be a multiple of 16 dividing N={N}")
@@ -35,118 +74,73 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
     # the row kernel, then stored transposed (16 columns of 16 rows each, contiguous in Out):
     # transpose_tile's shuffles, then column c picked from them (constant after unrolling).
     @T.macro
-    def panels(Q, Sc, Z, Out):
+    def panels(Q, Sc, Z, Sd, Zd, Out):
         for pn in T.parallel(N // nb):
             for kb in T.serial(K // 16):
                 for jb in T.serial(nb // 16):
                     tile = T.decl_buffer((256,), "float32", scope="local")
                     for j in T.unroll(16):
                         for lane in T.vectorized(16):
-                            tile[j * 16 + lane] = _w(Q, Sc, Z, pn * nb + jb * 16 + j, kb * 16 + lane, (kb * 16) // G)
+                            tile[j * 16 + lane] = L.weight(Q, Sc, Z, Sd, Zd, pn * nb + jb * 16 + j, kb * 16 + lane,
+                                                           (kb * 16) // G)
                     for c in T.unroll(16):
                         Out[pn, kb * 16 + c, T.Ramp(jb * 16, 1, 16)] = T.Shuffle(
                             transpose_tile([tile[T.Ramp(r * 16, 1, 16)] for r in range(16)]), [c * 16 + r for r in range(16)])
 
     @T.macro
-    def rows(Q, Sc, Z, Out):
+    def rows(Q, Sc, Z, Sd, Zd, Out):
         for t in T.parallel(tasks):
             for j in T.serial(PER):
                 if t * PER + j < N:
                     for v in T.serial(NV):
                         for lane in T.vectorized(16):
-                            Out[t * PER + j, v * 16 + lane] = _w(
-                                Q, Sc, Z, t * PER + j, v * 16 + lane, (v * 16) // G)
+                            Out[t * PER + j, v * 16 + lane] = L.weight(
+                                Q, Sc, Z, Sd, Zd, t * PER + j, v * 16 + lane, (v * 16) // G)
 
     body = panels if nb else rows
 
-    if pair:
-
-        @T.prim_func(private=True)
-        def qv_dequant4(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
-            Out = T.match_buffer(o_h, [T.int64(d) for d in OUT], "float32")
-            body(Q, Sc, Z, Out)
-
-        return qv_dequant4
-
     @T.prim_func(private=True)
-    def qv_dequant8(q_h: T.handle, s_h: T.handle, o_h: T.handle):
+    def qv_dequant(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
+        Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
         Out = T.match_buffer(o_h, [T.int64(d) for d in OUT], "float32")
-        body(Q, Sc, Sc, Out)
+        Sd = T.decl_buffer((N2 * SW // 2,), "float16", data=Sc.data)  # superblock d (sb only)
+        Zd = T.decl_buffer((N2 * SW // 2,), "float16", data=Z.data)
+        body(Q, Sc, Z, Sd, Zd, Out)
 
-    return qv_dequant8
-
-
-def weight_expr(bits: int, sym: bool, offset: bool, Q: Any, Sc: Any, Z: Any, row: Any, col: Any, g: Any) -> Any:
-    """Float weight (row, col) of group g read from the VNNI layout."""
-    from tvm.script import tirx as T
-
-    s = T.Cast("float32", Sc[row, g])
-    if bits == 8:
-        return (T.Cast("float32", Q[row, col]) - T.float32(128)) * s
-    code = T.Cast("float32", T.bitwise_and(T.shift_right(Q[row // 2, col], T.Cast("uint8", (row % 2) * 4)),
-                                           T.uint8(15)))
-    if offset:
-        return code * s + T.Cast("float32", Z[row, g])
-    if sym:
-        return (code - T.float32(8)) * s
-    return (code - T.Cast("float32", Z[row, g])) * s
+    return qv_dequant if L.has_z else _without_zero(qv_dequant)
 
 
-def take(bits: int, N: int, K: int, G: int, sym: bool, offset: bool) -> Any:
+def take(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, sb: int = 0) -> Any:  # noqa: N803
     """Embedding gather out[b, m, :] = W[ids[b, m], :] from the VNNI layout."""
     from tvm.script import tirx as T
 
-    p = plan(K, G)
-    KP, NGP = p["KP"], p["NGP"]
-    pair = bits == 4
-    N2 = N + N % 2 if pair else N
-    QW = N2 // 2 if pair else N
-    ZT = "float16" if offset else "uint8"
+    L = _Layout(bits, N, K, G, sym, offset, sb)
+    KP, QW, N2, SW, ST, ZT = L.KP, L.QW, L.N2, L.SW, L.ST, L.ZT
     NV = K // 16
 
-    def _w(Q: Any, Sc: Any, Z: Any, row: Any, col: Any, g: Any) -> Any:
-        return weight_expr(bits, sym, offset, Q, Sc, Z, row, col, g)
-
     @T.macro
-    def body(Q, Sc, Z, ID, Out, b, m):
+    def body(Q, Sc, Z, Sd, Zd, ID, Out, b, m):
         for bm in T.serial(b * m):
             for v in T.serial(NV):
                 for lane in T.vectorized(16):
-                    Out[bm // m, bm % m, v * 16 + lane] = _w(
-                        Q, Sc, Z, ID[bm // m, bm % m], v * 16 + lane, (v * 16) // G)
-
-    if pair:
-
-        @T.prim_func(private=True)
-        def qv_take4(q_h: T.handle, s_h: T.handle, z_h: T.handle, i_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            b = T.int64()
-            m = T.int64()
-            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
-            ID = T.match_buffer(i_h, (b, m), "int64")
-            Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
-            body(Q, Sc, Z, ID, Out, b, m)
-
-        return qv_take4
+                    Out[bm // m, bm % m, v * 16 + lane] = L.weight(
+                        Q, Sc, Z, Sd, Zd, ID[bm // m, bm % m], v * 16 + lane, (v * 16) // G)
 
     @T.prim_func(private=True)
-    def qv_take8(q_h: T.handle, s_h: T.handle, i_h: T.handle, o_h: T.handle):
+    def qv_take(q_h: T.handle, s_h: T.handle, z_h: T.handle, i_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         b = T.int64()
         m = T.int64()
         Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
+        Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
         ID = T.match_buffer(i_h, (b, m), "int64")
         Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
-        body(Q, Sc, Sc, ID, Out, b, m)
+        Sd = T.decl_buffer((N2 * SW // 2,), "float16", data=Sc.data)
+        Zd = T.decl_buffer((N2 * SW // 2,), "float16", data=Z.data)
+        body(Q, Sc, Z, Sd, Zd, ID, Out, b, m)
 
-    return qv_take8
+    return qv_take if L.has_z else _without_zero(qv_take)

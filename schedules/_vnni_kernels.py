@@ -98,7 +98,7 @@ GEMV_CONFIG: dict[str, int] = {"units": 1, "tasks": 1, "unroll": 1, "prefetch": 
 
 
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
-         config: Mapping[str, Any], prologue: str = "", eps: float = 0.0, epilogue: str = "") -> Any:
+         config: Mapping[str, Any], prologue: str = "", eps: float = 0.0, epilogue: str = "", sb: int = 0) -> Any:
     """The GEMV PrimFunc (x, q, scale[, zero|min], y) of one shape for one ``config`` (keys of
     :data:`GEMV_CONFIG`): ``units`` per iteration (rows sharing each activation load), ``tasks``
     (parallel chunks of rows), ``unroll`` (64-byte steps per inner loop); ``prefetch``: software
@@ -116,7 +116,9 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     small kernel's inputs; ``epilogue="swiglu"`` (one activation row; y = [gate | up], N even): each
     task takes the same range of gate rows and of up rows (gate's first, then up's: two streams one
     after the other) and ends with ``h = silu(gate) * up`` over its range, read back from its own y
-    rows, into a second output h [1, 1, N/2] (see ``passes/fuse_gemv_prologue.py``)."""
+    rows, into a second output h [1, 1, N/2] (see ``passes/fuse_gemv_prologue.py``).
+    ``sb``: superblock scales (GGUF K-quants: int8 group values times a float16 d per ``sb`` columns,
+    ``formats/vnni.py``); ``bits == 8`` with ``offset``: unsigned codes and a min (Q5_1, Q5_K)."""
     c = {**GEMV_CONFIG, **{k: int(v) for k, v in config.items() if k in GEMV_CONFIG}}
     units, tasks, unroll, prefetch, split, hinib, sprefetch, nta, ploc, tquant = (
         c[k] for k in ("units", "tasks", "unroll", "prefetch", "split", "hinib", "sprefetch", "nta", "ploc", "tquant"))
@@ -141,7 +143,11 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     IPT = -(-NIT // tasks)
     N2 = NU * RPU
     UG = unroll * STEP // G  # groups advanced per unrolled inner loop (>= 1 by validity)
-    ZT = "float16" if offset else "uint8"
+    ST = "int8" if sb else "float16"  # scale / min element type
+    ZT = ST if offset else "uint8"
+    SW = NGP + (2 * (K // sb) if sb else 0)  # scale row: groups, then the superblocks' float16 d bytes
+    NSB = K // sb if sb else 0
+    GPS = sb // G if sb else 0  # groups per superblock
     QW = (N2 // 2) if pair else N
     zconst = 128.0 if bits == 8 else 8.0
     GV = G // 16  # 16-lane vectors per group
@@ -152,9 +158,9 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     # own prefetch runs) and the scale lines of those rows (64 bytes = 32 scales a line)
     PRO = int(prefetch) if tquant else 0
     pro_units = -(-PRO * STEP // KP) + 1  # units the prologue's codes touch (a partial one at each end)
-    PRO_S = -(-pro_units * RPU * NGP // 32) if tquant and sprefetch else 0
-    # scale prefetch distance in elements of the flat [N2 * NGP] arrays: the codes' distance in rows
-    SPD = max(1, prefetch * STEP // KP) * RPU * NGP if sprefetch else 0
+    PRO_S = -(-pro_units * RPU * SW // 32) if tquant and sprefetch else 0
+    # scale prefetch distance in elements of the flat [N2 * SW] arrays: the codes' distance in rows
+    SPD = max(1, prefetch * STEP // KP) * RPU * SW if sprefetch else 0
     # The units of task t's iteration it: a contiguous run of the rows, or with the swiglu epilogue
     # HPT iterations over its share of the gate half, then the same share of the up half
     HALF = NU // 2  # units in the gate half (epilogue)
@@ -200,10 +206,31 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         return (s_local * STEP + h * 32) // G
 
     def idx_vec(off: Any, s_local: int) -> Any:
-        a, b = lane_group(s_local, 0), lane_group(s_local, 1)
         lanes = T.Ramp(T.int32(0), 1, 16)
+        if G < 32:  # G = 16: four groups a step, lanes 4i..4i+3 in group i (vpdpbusd: 4 columns a lane)
+            return T.Broadcast(off + s_local * (STEP // G), 16) + T.shift_right(lanes, T.Broadcast(T.int32(2), 16))
+        a, b = lane_group(s_local, 0), lane_group(s_local, 1)
         return T.Broadcast(off, 16) + T.Select(lanes < T.Broadcast(T.int32(8), 16), T.Broadcast(T.int32(a), 16),
                                                T.Broadcast(T.int32(b), 16))
+
+    def svec(A: Any, Ad: Any, row: Any, c0: Any) -> Any:
+        """Groups c0..c0+15 of a row's scales (or mins) as float32x16: the float16 values, or with
+        superblock scales sc * d (Ad: the array's float16 view; c0 is a multiple of the groups per
+        superblock or of 8, so the 16 lanes span one or two superblocks; pad groups read the last d)."""
+        if not sb:
+            return T.Cast("float32x16", A.vload([row, c0], "float16x16"))
+        base = row * (SW // 2) + NGP // 2
+
+        def d(j: Any) -> Any:
+            return T.Broadcast(T.Cast("float32", Ad[base + T.min(j, NSB - 1)]), 16)
+
+        dv = d(c0 // GPS) if GPS >= 16 else T.Select(
+            T.Ramp(T.int32(0), 1, 16) < T.Broadcast(T.int32(8), 16), d(c0 // GPS), d(c0 // GPS + 1))
+        return T.Cast("float32x16", A.vload([row, c0], "int8x16")) * dv
+
+    def zvec(Z: Any, Zd: Any, row: Any, c0: Any) -> Any:
+        """The min term's factor (w = code * scale + min): the float16 min, or -(m * dmin)."""
+        return -svec(Z, Zd, row, c0) if sb else svec(Z, Zd, row, c0)
 
     def vdot(w: Any, x: Any) -> Any:
         return T.call_llvm_pure_intrin(
@@ -297,7 +324,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"), idx)
 
     @T.macro
-    def row_task(t, Q, Sc, Z, Y, H, XQ, DXC, DSC, Qf, Scf, Zf):
+    def row_task(t, Q, Sc, Z, Y, H, XQ, DXC, DSC, Qf, Scf, Zf, Sdf, Zdf):
         # task t's rows: its ITERS iterations of `units` units each (ubase), then the epilogue's h
         acc = T.decl_buffer((M * RW * A * 16,), "float32", scope="local")
         cb = T.decl_buffer((M * RW * 16,), "float32", scope="local")
@@ -312,32 +339,25 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                         for h in T.unroll(RPU):
                             if SPD > 0:
                                 T.evaluate(prefetch_at(T.address_of(Scf[T.min(((ubase(t, it) + u) * RPU + h)
-                                                           * NGP + T.min(c * 16, NGP - 16) + SPD, N2 * NGP - 16)]), 3))
+                                                           * SW + T.min(c * 16, NGP - 16) + SPD, N2 * SW - 16)]), 3))
                                 if offset or not (sym or bits == 8):
                                     T.evaluate(prefetch_at(T.address_of(Zf[T.min(((ubase(t, it) + u) * RPU
-                                                               + h) * NGP + T.min(c * 16, NGP - 16) + SPD,
-                                                              N2 * NGP - 16)]), 3))
+                                                               + h) * SW + T.min(c * 16, NGP - 16) + SPD,
+                                                              N2 * SW - 16)]), 3))
                             for bm in T.unroll(M):
-                                cb[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = T.Cast(
-                                    "float32x16",
-                                    Sc.vload([(ubase(t, it) + u) * RPU + h,
-                                              T.min(c * 16, NGP - 16)], "float16x16"),
+                                cb[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = svec(
+                                    Sc, Sdf, (ubase(t, it) + u) * RPU + h, T.min(c * 16, NGP - 16)
                                 ) * (DXC.vload([(bm * NCH + c) * 16], "float32x16")
                                      * T.Broadcast(hscale(h), 16))
                                 if offset:
                                     acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
-                                        [((bm * units + u) * RPU + h) * A * 16], "float32x16") + T.Cast(
-                                        "float32x16",
-                                        Z.vload([(ubase(t, it) + u) * RPU + h,
-                                                 T.min(c * 16, NGP - 16)], "float16x16"),
-                                    ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
+                                        [((bm * units + u) * RPU + h) * A * 16], "float32x16") + zvec(
+                                        Z, Zdf, (ubase(t, it) + u) * RPU + h, T.min(c * 16, NGP - 16)) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
                                 elif sym or bits == 8:
                                     acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
                                         [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Broadcast(
-                                        T.float32(zconst), 16) * T.Cast(
-                                        "float32x16",
-                                        Sc.vload([(ubase(t, it) + u) * RPU + h,
-                                                  T.min(c * 16, NGP - 16)], "float16x16"),
+                                        T.float32(zconst), 16) * svec(
+                                        Sc, Sdf, (ubase(t, it) + u) * RPU + h, T.min(c * 16, NGP - 16)
                                     ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
                                 else:
                                     acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
@@ -407,8 +427,11 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     def body(X, PB, PW, SUM, Q, Sc, Z, Y, H):
         # flat views: the prefetch runs on past a row's end into the next rows of the task
         Qf = T.decl_buffer((QW * KP,), "uint8", data=Q.data)
-        Scf = T.decl_buffer((N2 * NGP,), "float16", data=Sc.data)
-        Zf = T.decl_buffer((N2 * NGP,), ZT, data=Z.data)
+        Scf = T.decl_buffer((N2 * SW,), ST, data=Sc.data)
+        Zf = T.decl_buffer((N2 * SW,), ZT, data=Z.data)
+        # superblock scales: the same rows as float16, for the d values after each row's groups
+        Sdf = T.decl_buffer((N2 * SW // 2,), "float16", data=Sc.data)
+        Zdf = T.decl_buffer((N2 * SW // 2,), "float16", data=Z.data)
         if tquant > 0:
             # every task quantizes x for itself: no serial quantization before the fork, the workers
             # read x itself (meant for tasks == threads: one quantization per thread)
@@ -418,7 +441,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 for s in T.serial(PRO):
                     T.evaluate(prefetch_at(T.address_of(Qf[T.min(T.min(ubase(t, 0), NU - units) * KP + s * STEP, QW * KP - STEP)]), PF_LOC))
                 for s in T.serial(PRO_S):
-                    T.evaluate(prefetch_at(T.address_of(Scf[T.min(T.min(ubase(t, 0), NU - units) * RPU * NGP + s * 32, N2 * NGP - 32)]), 3))
+                    T.evaluate(prefetch_at(T.address_of(Scf[T.min(T.min(ubase(t, 0), NU - units) * RPU * SW + s * 32, N2 * SW - 32)]), 3))
                 XQ = T.decl_buffer((M * KP,), "int8", scope="local")
                 DXC = T.decl_buffer((M * NCH * 16,), "float32", scope="local")
                 DSC = T.decl_buffer((M * NCH * 16,), "float32", scope="local")
@@ -426,7 +449,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 gds = T.decl_buffer((M * NGE,), "float32", scope="local")
                 make_x(X, PB, PW, SUM, XQ, gdx, gds, t == 0)
                 chunk_scales(gdx, gds, DXC, DSC)
-                row_task(t, Q, Sc, Z, Y, H, XQ, DXC, DSC, Qf, Scf, Zf)
+                row_task(t, Q, Sc, Z, Y, H, XQ, DXC, DSC, Qf, Scf, Zf, Sdf, Zdf)
         else:
             XQ = T.decl_buffer((M * KP,), "int8")
             DXC = T.decl_buffer((M * NCH * 16,), "float32")
@@ -438,7 +461,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             chunk_scales(gdx, gds, DXC, DSC)
             # 2. rows
             for t in T.parallel(tasks):
-                row_task(t, Q, Sc, Z, Y, H, XQ, DXC, DSC, Qf, Scf, Zf)
+                row_task(t, Q, Sc, Z, Y, H, XQ, DXC, DSC, Qf, Scf, Zf, Sdf, Zdf)
 
     # One PrimFunc per form of x; each takes a zero/min array, which int8 codes do not have: their
     # function drops that parameter (``_without_zero``; the body then reads the scales in its place).
@@ -452,8 +475,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             PB = T.match_buffer(b_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             PW = T.match_buffer(w_h, (T.int64(K),), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
             SUM = T.match_buffer(sum_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
             H = T.match_buffer(h_h, (T.int64(1), T.int64(1), T.int64(FR)), "float32")
@@ -468,8 +491,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             X = T.match_buffer(x_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
             H = T.match_buffer(h_h, (T.int64(1), T.int64(1), T.int64(FR)), "float32")
             body(X, X, X, X, Q, Sc, Z, Y, H)
@@ -485,8 +508,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             PB = T.match_buffer(b_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             PW = T.match_buffer(w_h, (T.int64(K),), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
             SUM = T.match_buffer(sum_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
             body(PA, PB, PW, SUM, Q, Sc, Z, Y, Y)
@@ -499,8 +522,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             X = T.match_buffer(x_h, (T.int64(1), T.int64(1), T.int64(2 * K)), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
             body(X, X, X, X, Q, Sc, Z, Y, Y)
 
@@ -512,13 +535,13 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             X = T.match_buffer(x_h, (T.int64(B), T.int64(MM), T.int64(K)), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(NGP)), ZT)
+            Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
             Y = T.match_buffer(y_h, (T.int64(B), T.int64(MM), T.int64(N)), "float32")
             body(X, X, X, X, Q, Sc, Z, Y, Y)
 
         func = qv_gemv
-    return func if pair else _without_zero(func)
+    return func if pair or offset else _without_zero(func)
 
 
 def _without_zero(func: Any) -> Any:

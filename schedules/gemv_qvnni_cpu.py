@@ -52,16 +52,17 @@ def _info(func: Any) -> dict[str, Any] | None:
 def _plain_gemv(info: dict[str, Any], rows: tuple[int, int] | None) -> Any:
     """The unfused GEMV of a fused one's shape, as the passes emit it (the function a record's key hashes)."""
     return _plain_gemv_of(int(info["N"]), int(info["K"]), int(info["group"]), int(info["bits"]), bool(info.get("sym")),
-                          bool(info.get("offset")), rows or (1, 1))
+                          bool(info.get("offset")), rows or (1, 1), int(info.get("sb", 0)))
 
 
 @functools.lru_cache(maxsize=64)
-def _plain_gemv_of(n: int, k: int, group: int, bits: int, sym: bool, offset: bool, rows: tuple[int, int]) -> Any:
+def _plain_gemv_of(n: int, k: int, group: int, bits: int, sym: bool, offset: bool, rows: tuple[int, int],
+                   sb: int = 0) -> Any:
     # cached: a model has a handful of fused shapes, each matched once per layer and again per tuning task
     from perfx_compiler.formats.vnni import vnni_compute
     from perfx_compiler.kernels.tir_queries import OPAQUE
 
-    return vnni_compute(n, k, group, bits, sym, offset, "matmul", rows).with_attr("op_pattern", OPAQUE)
+    return vnni_compute(n, k, group, bits, sym, offset, "matmul", rows, sb=sb).with_attr("op_pattern", OPAQUE)
 
 
 def _rows(func: Any, kind: str) -> tuple[int, int] | None:
@@ -94,6 +95,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         return make_workload(
             self.name, keyed, target, dims, symbolic=None if rows or kind != "matmul" else "M",
             info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "nb": panel_of(func),
+                  "sb": int(info.get("sb", 0)),
                   "prologue": prologue, "eps": float(info.get("eps", 0.0)), "epilogue": epilogue},
             version=self.version,
         )
@@ -195,16 +197,16 @@ class GemvQVnniCPU(ScheduleTemplate):
         args = (d["bits"], d["N"], d["K"], d["G"], info["sym"], info["offset"])
         kind = info.get("kind")
         if kind == "take":
-            kernel = _vnni_dequant.take(*args)
+            kernel = _vnni_dequant.take(*args, sb=int(info.get("sb", 0)))
         elif kind == "dequant":
-            kernel = _vnni_dequant.dequant(*args, int(config["tasks"]), int(info.get("nb", 0)))
+            kernel = _vnni_dequant.dequant(*args, int(config["tasks"]), int(info.get("nb", 0)), sb=int(info.get("sb", 0)))
         else:
             # a record tuned before `ploc` existed (or one that does not search it) gets the target's
             # default: the locality is the machine's, not the shape's
             if "ploc" not in config:
                 config = {**config, "ploc": self.default_config(workload, target).get("ploc", 3)}
             kernel = vk.gemv(*args, (d["B"], d["MM"]), config, str(info.get("prologue", "")),
-                             float(info.get("eps", 0.0)), str(info.get("epilogue", "")))
+                             float(info.get("eps", 0.0)), str(info.get("epilogue", "")), int(info.get("sb", 0)))
         return _like(kernel, func)
 
 

@@ -49,6 +49,7 @@ class Packed:
     arrays: list[tuple[str, np.ndarray]]  # (parameter-name suffix, array), kernel-argument order
     compute: Callable[..., Any]  # (kind, rows, ids_dtype="int64") -> PrimFunc
     vnni: Callable[[], Packed] | None = None  # the same weight in the int8-activation (VNNI) layout
+    int8_gemm: bool = True  # (VNNI layouts) prefill may run the int8 GEMM; else dequantize + float GEMM
 
     @property
     def nbytes(self) -> int:

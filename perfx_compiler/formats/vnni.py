@@ -17,6 +17,16 @@ Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
   groups, zero-padded: the kernel reads 16 groups with one vector load (the last chunk of a
   row overlaps the one before it instead of reading past the row).
 
+* int8 with a min (``bits 8, offset``: GGUF Q5_1 / Q5_K): codes uint8 [N, KP] are the unsigned
+  codes themselves (no +128); w = code * scale + min.
+* superblock scales (info ``sb: 256``: GGUF K-quants and IQ4_XS, ``formats/ggml``): the group
+  (sub-block, G = 16 or 32) scale is an int8 ``sc`` times a float16 ``d`` per 256 columns, and the
+  min likewise ``m`` times ``dmin``: w = (d * sc) * code - dmin * m, every product exact in float32.
+  The scale array is int8 [N2, SW] with SW = NGP + 2 * K/256: columns 0..NGP-1 the group values
+  (zero-padded), then the row's superblock d values as little-endian float16 bytes; the min array
+  (formats with mins) has the same shape with m and dmin. 4.625 bits a weight for Q4_K (4.5 in the
+  file), where float16 group scales would need 5.0 and lose d * sc's low bits.
+
 Codes, scales, zeros and mins are the format's own values moved, never recomputed: the
 unpacking functions below give back the exact input arrays (tests check this bit for bit).
 """
@@ -71,6 +81,28 @@ def unpack_q8_offset(packed: np.ndarray, k: int) -> np.ndarray:
     return np.ascontiguousarray((packed[:, :k] ^ np.uint8(0x80)).view(np.int8))
 
 
+def scale_width(k: int, group: int, sb: int = 0) -> int:
+    """Columns of a scale / min array: the padded groups, then (``sb``) 2 bytes of d per superblock."""
+    _, ngp = groups_padded(k, group)
+    return ngp + (2 * (k // sb) if sb else 0)
+
+
+def pack_subscales(values: np.ndarray, d: np.ndarray, k: int, group: int, rows: int, sb: int) -> np.ndarray:
+    """int8 group values [N, K/G] and float16 superblock factors [N, K/sb] -> int8 [rows, SW]."""
+    _, ngp = groups_padded(k, group)
+    out = np.zeros((rows, scale_width(k, group, sb)), dtype=np.int8)
+    out[: values.shape[0], : values.shape[1]] = values
+    out[: d.shape[0], ngp:] = np.ascontiguousarray(d, dtype="<f2").view(np.int8)
+    return out
+
+
+def unpack_subscales(packed: np.ndarray, n: int, k: int, group: int, sb: int) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`pack_subscales`: (values int8 [N, K/G], d float16 [N, K/sb])."""
+    _, ngp = groups_padded(k, group)
+    d = np.ascontiguousarray(packed[:n, ngp:]).view("<f2").astype(np.float16)
+    return np.ascontiguousarray(packed[:n, : k // group]), d
+
+
 def pad_groups(a: np.ndarray, k: int, group: int, rows: int) -> np.ndarray:
     """[N, ng] per-group array -> [rows, NGP], zero-padded."""
     _, ngp = groups_padded(k, group)
@@ -80,10 +112,12 @@ def pad_groups(a: np.ndarray, k: int, group: int, rows: int) -> np.ndarray:
 
 
 def vnni_info(n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str,
-              prologue: str = "", eps: float = 0.0, epilogue: str = "") -> str:
+              prologue: str = "", eps: float = 0.0, epilogue: str = "", sb: int = 0) -> str:
     ng, ngp = groups_padded(k, group)
     info = {"bits": bits, "N": n, "K": k, "KP": padded_k(k), "group": group, "NGP": ngp,
             "sym": symmetric, "offset": offset, "kind": kind, "layout": "vnni", "act": "int8"}
+    if sb:  # only then: the classic formats' facts (and so their tuning keys) stay as they were
+        info["sb"] = sb
     if prologue:
         info.update(prologue=prologue, eps=eps)
     if epilogue:
@@ -119,6 +153,52 @@ def q8_vnni_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
         return vnni_compute(n, k, group, 8, True, False, kind, rows, ids_dtype)
 
     return Packed("q8", f"g{group}v", n, k, arrays, compute)
+
+
+def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
+    """Unsigned codes [N, K] (int8 with a min: Q5_1 / Q5_K) -> uint8 [N, KP] as they are (padding 0:
+    the padded activations are 0, and so is their share of the min term)."""
+    n, k = codes.shape
+    out = np.zeros((n, padded_k(k)), dtype=np.uint8)
+    out[:, :k] = codes
+    return out
+
+
+# GGUF types whose codes take the int4 row-pair layout (the others take bytes)
+NIBBLE_TYPES = ("Q4_K", "Q2_K")
+
+
+def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
+    """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor unpacked by ``formats.ggml``
+    (``SubScaled``) in the VNNI layout: codes as int4 row pairs (Q4_K, Q2_K), uint8 with a min
+    (Q5_K, Q5_1) or int8 + 128 (Q6_K, Q3_K, IQ4_XS, IQ4_NL); superblock scales as described above,
+    or for one-level types (sb == group: Q5_1, IQ4_NL, whose sub-scale is 1) float16 group tables."""
+    from perfx_compiler.formats import Packed
+
+    n, k = sub.codes.shape
+    g, offset = int(sub.group), sub.mins is not None
+    sb = 0 if int(sub.sb) == g else int(sub.sb)
+    bits = 4 if qtype in NIBBLE_TYPES else 8
+    n2 = n + n % 2 if bits == 4 else n
+    if bits == 4:
+        codes = pack_q4_pairs(sub.codes)
+    elif offset:
+        codes = pack_q8_raw(sub.codes)
+    else:
+        codes = pack_q8_offset(np.asarray(sub.codes, dtype=np.int8))
+    if sb:
+        scale = pack_subscales(sub.scales, sub.d, k, g, n2, sb)
+        third = pack_subscales(sub.mins, sub.dmin, k, g, n2, sb) if offset else None
+    else:  # one level: scale d, min -dmin (both exact float16)
+        scale = pad_groups(np.asarray(sub.d, dtype=np.float16), k, g, n2)
+        third = pad_groups(-np.asarray(sub.dmin, dtype=np.float16), k, g, n2) if offset else None
+    fam = "q4" if bits == 4 else "q8"
+    arrays = [(f"_{fam}", codes), (f"_{fam}_scale", scale)] + ([(f"_{fam}_min", third)] if offset else [])
+
+    def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
+        return vnni_compute(n, k, g, bits, not offset, offset, kind, rows, ids_dtype, sb=sb)
+
+    return Packed(fam, f"{qtype.lower().replace('_', '')}v", n, k, arrays, compute, int8_gemm=not sb)
 
 
 def quantize_activations(x: np.ndarray, k: int, group: int) -> np.ndarray:
@@ -163,7 +243,7 @@ def _int8_activations(x: Any, b: Any, m: Any, k: int, group: int) -> Any:
 def vnni_compute(
     n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str = "matmul",
     rows: tuple[int | None, int | None] = (1, None), ids_dtype: str = "int64", prologue: str = "", eps: float = 0.0,
-    epilogue: str = "",
+    epilogue: str = "", sb: int = 0,
 ) -> Any:
     """Reference PrimFunc over the VNNI layouts, tagged ``perfx.quant`` with ``layout: vnni``. The
     matmul multiplies with x quantized to int8 per group exactly as the kernel does
@@ -181,20 +261,33 @@ def vnni_compute(
         q = te.placeholder((n2 // 2, kp), "uint8", name="q")
     else:
         q = te.placeholder((n, kp), "uint8", name="q")
-    s = te.placeholder((q.shape[0] * (2 if bits == 4 else 1), ngp), "float16", name="scale")
+    sw = scale_width(k, group, sb)
+    s = te.placeholder((q.shape[0] * (2 if bits == 4 else 1), sw), "int8" if sb else "float16", name="scale")
     z = None
-    if bits == 4:
-        z = te.placeholder(s.shape, "float16" if offset else "uint8", name="min" if offset else "zero")
+    if bits == 4 or offset:
+        z = te.placeholder(s.shape, ("int8" if sb else "float16") if offset else "uint8",
+                           name="min" if offset else "zero")
+
+    def factor(a: Any, row: Any, g: Any) -> Any:
+        """Group g's scale (or min) of the row as float32: the float16 value, or sc * d."""
+        if not sb:
+            return a[row, g].astype("float32")
+        at = ngp + 2 * (g // (sb // group))
+        d16 = a[row, at].astype("uint8").astype("uint16") | (a[row, at + 1].astype("uint8").astype("uint16") << 8)
+        return a[row, g].astype("float32") * tirx.reinterpret("float16", d16).astype("float32")
 
     def w(row: Any, col: Any) -> Any:
         g = col // group
-        sc = s[row, g].astype("float32")
+        sc = factor(s, row, g)
         if bits == 8:
+            if offset:  # unsigned codes as they are, then the min
+                mn = -factor(z, row, g) if sb else factor(z, row, g)
+                return q[row, col].astype("float32") * sc + mn
             return (q[row, col].astype("float32") - tirx.const(128.0, "float32")) * sc
         byte = q[row // 2, col]
         code = ((byte >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")).astype("float32")
         if offset:
-            return code * sc + z[row, g].astype("float32")
+            return code * sc + (-factor(z, row, g) if sb else factor(z, row, g))
         return (code - z[row, g].astype("float32")) * sc
 
     ins = [q, s] + ([z] if z is not None else [])
@@ -222,7 +315,7 @@ def vnni_compute(
             after = [te.compute((1, 1, f), lambda bi, i, c: out[bi, i, c] * tirx.sigmoid(out[bi, i, c])
                                 * out[bi, i, c + f], name="swiglu")]
         func = te.create_prim_func([*head, *ins, *tail, out, *after])
-    return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind, prologue, eps, epilogue))
+    return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind, prologue, eps, epilogue, sb))
 
 
 def _prologue(prologue: str, b: Any, m: Any, k: int, eps: float) -> tuple[list[Any], Any, list[Any]]:

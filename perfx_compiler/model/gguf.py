@@ -3,7 +3,8 @@
 Weights are dequantized with the ``gguf`` package to float32 in the Hugging Face
 layout; llama.cpp's Q/K row interleave (done by its converter for the llama
 architecture, whose RoPE is GPT-J style) is undone so Q/K are in rotate-half
-order. Q4_0/Q4_1/Q8_0 tensors are also kept raw (memory-mapped) in
+order. Q4_0/Q4_1/Q5_0/Q8_0 tensors and the superblock types of ``formats/ggml`` (K-quants, IQ4,
+Q5_1; their scales checked finite at load) are also kept raw (memory-mapped) in
 ``ModelDescription.quantized`` for a passthrough pass; their Q/K rows are
 un-permuted the same way (a row permutation moves whole quantized rows).
 """
@@ -23,6 +24,8 @@ from perfx_compiler.errors import (
     ModelFormatError,
     UnsupportedModelError,
 )
+from perfx_compiler.formats.ggml import FORMATS as SUPERBLOCK_FORMATS
+from perfx_compiler.formats.ggml import check_finite
 from perfx_compiler.model.description import (
     ModelConfig,
     ModelDescription,
@@ -32,12 +35,15 @@ from perfx_compiler.model.families import family_for_gguf_arch, gguf_archs
 from perfx_compiler.model.families._family import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, GGUFMeta, qk_row_order, row_plan
 from perfx_compiler.model.gguf_header import GGUFFile, GGUFTensor, read_gguf_header
 
-# Types we dequantize (each checked against an independent reference in tests).
+# Types we read (each checked against an independent reference in tests).
 SUPPORTED_GGML_TYPES = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K",
+    "IQ4_NL", "IQ4_XS",
 )
-# Types kept raw for a later quantized-passthrough pass.
-PASSTHROUGH_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+# Types whose blocks the lazy loader may keep instead of floats (every target's kernels read them).
+LAZY_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+# Types kept raw for the quantized-passthrough pass (formats/gguf_blocks.py, formats/ggml/).
+PASSTHROUGH_TYPES = (*LAZY_TYPES, *sorted(SUPERBLOCK_FORMATS))
 
 DEFAULT_MAX_CONTEXT = 2048
 # chat end markers that also stop generation (ChatML, Llama 3, GPT-style, Gemma)
@@ -266,7 +272,7 @@ def _want_lazy(tensors: Mapping[str, GGUFTensor], lazy: bool | None) -> bool:
     if env in ("0", "1"):
         return env == "1"
     floats = sum(4 * int(np.prod(t.shape)) for t in tensors.values()
-                 if t.tensor_type.name in PASSTHROUGH_TYPES)
+                 if t.tensor_type.name in LAZY_TYPES)
     return floats > LAZY_FLOAT_BYTES
 
 
@@ -322,7 +328,9 @@ def load_gguf(
         qtype = t.tensor_type.name
         raw = np.asarray(t.data) if qtype in PASSTHROUGH_TYPES else None
         shape = tuple(reversed(t.shape))
-        lazy_here = keep_lazy and raw is not None and len(shape) == 2
+        if qtype in SUPERBLOCK_FORMATS and len(shape) == 2:
+            check_finite(qtype, raw, shape, f"{source}: {gname}")  # one clear line for corrupt blocks
+        lazy_here = keep_lazy and qtype in LAZY_TYPES and len(shape) == 2
         if lazy_here and (raw.ndim != 2 or raw.shape[0] != shape[0]):  # type: ignore[union-attr]
             raise ModelFormatError(f"{source}: tensor '{gname}' ({qtype}) has {raw.shape} bytes for shape {shape}; the file is corrupt")  # type: ignore[union-attr]
         w = None if lazy_here else dequantize_tensor(t, source)

@@ -1,12 +1,15 @@
-"""GGUF passthrough (quantization ``gguf``): linears read the file's Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks as
-they are, repacked into the kernels' layouts (``formats/gguf_blocks.py``), never requantized.
+"""GGUF passthrough (quantization ``gguf``): linears read the file's blocks as they are, repacked into
+the kernels' layouts, never requantized: Q4_0 / Q4_1 / Q5_0 / Q8_0 on every target
+(``formats/gguf_blocks.py``), the superblock types (K-quants, IQ4_NL / IQ4_XS, Q5_1:
+``formats/ggml``) under int8 activations (the VNNI kernels read their sub-block scales and
+superblock d as they are; elsewhere these weights stay float32).
 
 The loader keeps each such tensor's raw blocks in ``ModelDescription.quantized`` (Q/K rows already
 in Hugging Face order). Merged projections (``merge_projections``: QKV, gate+up) take their
 members' blocks concatenated by rows when all members share one type. Each packed weight is
 checked against the float weight the graph was built from (the same file, dequantized by the
 ``gguf`` package); a mismatch is an internal error, never a silent change of the model. Weights
-of other types (F32, F16, K-quants) stay float32.
+of other types (F32, F16) stay float32.
 
 Lazy models (``model/lazy.py``, large GGUFs): the weight itself is a ``QuantizedWeight`` holding
 the mapped blocks; they are repacked one weight at a time straight from the file (no float
@@ -23,7 +26,9 @@ import tvm
 from tqdm import tqdm
 
 from perfx_compiler.errors import PerfXError
-from perfx_compiler.formats.gguf_blocks import dequantize_blocks, packed_from_blocks
+from perfx_compiler.formats import ggml
+from perfx_compiler.formats.gguf_blocks import BLOCK_BYTES, dequantize_blocks, packed_from_blocks
+from perfx_compiler.formats.vnni import subscaled_vnni_packed
 from perfx_compiler.model.lazy import is_lazy
 from perfx_compiler.passes._quantized_linears import current_activations, linear_weights, rewrite_linears
 from perfx_compiler.passes.merge_projections import complete_groups
@@ -50,17 +55,28 @@ def block_tables(desc: Any) -> dict[str, tuple[str, np.ndarray, tuple[int, int]]
     return out
 
 
+def packable(qtype: str, vnni: bool) -> bool:
+    """Whether this pass keeps a ``qtype`` weight as blocks (under int8 activations when ``vnni``)."""
+    return qtype in BLOCK_BYTES or (vnni and qtype in ggml.FORMATS)
+
+
+def _pack(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool, vnni: bool) -> Any:
+    if qtype in ggml.FORMATS:
+        return subscaled_vnni_packed(ggml.unpack(qtype, raw, shape), qtype)
+    return packed_from_blocks(qtype, raw, shape, words8, vnni)
+
+
 def _checked(name: str, weight: Any, table: tuple[str, np.ndarray, tuple[int, int]], words8: bool, vnni: bool) -> Any:
     """The Packed of eager blocks, after checking they reproduce the graph's float weight."""
     qtype, raw, shape = table
     w = np.asarray(weight, dtype=np.float32)
     if tuple(w.shape) != shape:
         raise PerfXError(f"internal: GGUF blocks of {name} have shape {shape}, the graph's weight {w.shape}")
-    back = dequantize_blocks(qtype, raw, shape)
+    back = ggml.dequantize(qtype, raw, shape) if qtype in ggml.FORMATS else dequantize_blocks(qtype, raw, shape)
     err = float(np.abs(back - w).max())
     if err > 1e-6 * max(float(np.abs(w).max()), 1e-30):
         raise PerfXError(f"internal: GGUF blocks of {name} ({qtype}) do not reproduce its weights (max error {err:g})")
-    return packed_from_blocks(qtype, raw, shape, words8, vnni)
+    return _pack(qtype, raw, shape, words8, vnni)
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
@@ -85,7 +101,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     # Under int8 activations each weight goes to the VNNI layout right away: the unpacked codes
     # (twice the blocks' size) are dropped before the next weight, not kept for rewrite_linears.
     vnni = current_activations() == "int8"
-    names = [n for n in sorted(quant) if is_lazy(weights[n]) or n in tables]  # others stay float
+    names = [n for n in sorted(quant) if is_lazy(weights[n]) or (n in tables and packable(tables[n][0], vnni))]
     show = bool(getattr(ctx.options, "progress", False)) and len(names) >= 32
     packed = {}
     from perfx_compiler.progress import console
@@ -93,7 +109,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     for name in tqdm(names, desc="pack GGUF weights", unit="weight", disable=not show, leave=False, file=console()):
         w = weights[name]
         if is_lazy(w):
-            packed[name] = packed_from_blocks(w.qtype, w.blocks(), w.shape, words8, vnni)
+            packed[name] = _pack(w.qtype, w.blocks(), w.shape, words8, vnni)
             w.release()  # read once: its file pages need not stay resident
         else:
             packed[name] = _checked(name, w, tables[name], words8, vnni)

@@ -9,6 +9,10 @@ merged linear reads its input once and launches once. The split costs nothing:
 * gate/up: two ``strided_slice`` views of the [1, seq, 2F] result; ``fuse_swiglu`` turns
   ``silu(gate) * up`` over them into one kernel that reads the merged tensor directly.
 
+A group whose members the GGUF passthrough would keep as blocks of different types (llama.cpp's
+Q4_K_M gives attn_v Q6_K blocks beside Q4_K q/k in some layers) is not merged: each member keeps
+its own block kernel, which beats one float32 matmul over all three.
+
 The weight parameters change: ``q_proj``/``k_proj``/``v_proj`` -> ``qkv_proj`` (at q's position)
 and ``gate_proj``/``up_proj`` -> ``gate_up_proj``, in every exported function alike.
 """
@@ -87,8 +91,22 @@ def _slice(x: Any, begin: int, end: int) -> Any:
     return relax.op.strided_slice(x, axes=[2], begin=[begin], end=[end])
 
 
+def _block_types(ctx: Any) -> dict[str, str]:
+    """Relax weight name -> the ggml type of the blocks the GGUF passthrough will keep for it."""
+    desc = getattr(ctx, "desc", None)
+    if getattr(getattr(ctx, "options", None), "quantization", None) != "gguf" or desc is None:
+        return {}
+    from perfx_compiler.passes._quantized_linears import current_activations
+    from perfx_compiler.passes.gguf_passthrough import packable, relax_name
+
+    vnni = current_activations() == "int8"
+    return {relax_name(n): v[0] for n, v in (desc.quantized or {}).items() if packable(v[0], vnni)}
+
+
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
-    groups = complete_groups(weights)
+    types = _block_types(ctx)
+    groups = [g for g in complete_groups(weights)
+              if len({types.get(f"{g[0]}{s}_weight", "float") for s in g[2]}) == 1]
     if not groups:
         return mod, weights
     new_weights = _merged_weights(weights, groups)

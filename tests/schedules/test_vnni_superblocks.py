@@ -1,0 +1,109 @@
+"""The VNNI kernels (GEMV, dequantize, gather) on the GGUF superblock layouts of ``formats/vnni.py``
+(K-quants, IQ4, Q5_1): fresh random codes, group scales and mins and superblock d / dmin in each
+type's own value ranges, checked against the float64 weights of the documented formula
+w = (d * sc) * code - dmin * m (exact in float32, so the dequantize and gather must match bit for bit)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from sched_helpers import needs_vnni
+
+from perfx_compiler.formats.vnni import quantize_activations, subscaled_vnni_packed
+from perfx_compiler.targets import load_target
+from perfx_compiler.tune.measure import build_func
+
+# type: (group, superblock, signed codes range or unsigned code max, scale range, min max or None)
+TYPES = {
+    "Q4_K": (32, 256, (0, 15), (0, 63), 63),
+    "Q2_K": (16, 256, (0, 3), (0, 15), 15),
+    "Q5_K": (32, 256, (0, 31), (0, 63), 63),
+    "Q6_K": (16, 256, (-32, 31), (-128, 127), None),
+    "Q3_K": (16, 256, (-4, 3), (-32, 31), None),
+    "IQ4_XS": (32, 256, (-127, 113), (-32, 31), None),
+    "IQ4_NL": (32, 32, (-127, 113), (1, 1), None),
+    "Q5_1": (32, 32, (0, 31), (1, 1), 1),
+}
+
+
+def fake_subscaled(qtype: str, n: int, k: int, rng: np.random.Generator) -> tuple[SimpleNamespace, np.ndarray]:
+    """(A SubScaled-shaped tensor of random values, its float64 weights)."""
+    g, sb, (c0, c1), (s0, s1), mmax = TYPES[qtype]
+    signed = mmax is None
+    codes = rng.integers(c0, c1 + 1, (n, k)).astype(np.int8 if signed else np.uint8)
+    scales = rng.integers(s0, s1 + 1, (n, k // g)).astype(np.int8)
+    d = (rng.random((n, k // sb)) * 0.002 + 1e-4).astype(np.float16)
+    mins = dmin = None
+    if not signed:
+        mins = rng.integers(0 if mmax > 1 else 1, mmax + 1, (n, k // g)).astype(np.int8)
+        dmin = (rng.random((n, k // sb)) * 0.003 * (1 if sb > g else -10)).astype(np.float16)
+    gi, si = np.arange(k) // g, np.arange(k) // sb
+    w = (d.astype(np.float32)[:, si] * scales.astype(np.float32)[:, gi]) * codes.astype(np.float32)
+    if mins is not None:
+        w = w - dmin.astype(np.float32)[:, si] * mins.astype(np.float32)[:, gi]
+    sub = SimpleNamespace(codes=codes, scales=scales, mins=mins, d=d, dmin=dmin, group=g, sb=sb)
+    return sub, w.astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def template():
+    from schedules.gemv_qvnni_cpu import TEMPLATE
+
+    return TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target("host")
+
+
+def _build(template, target, func, config=None):
+    wl = template.match(func, target)
+    assert wl is not None
+    cfg = config if config is not None else template.default_config(wl, target)
+    return build_func(template.apply(func, wl, cfg, target), target)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", sorted(TYPES))
+@pytest.mark.parametrize("n,k", [(48, 512), (37, 2304)])
+def test_dequant_and_take_are_exact(template, target, qtype, n, k):
+    import tvm
+
+    rng = np.random.default_rng()
+    sub, w = fake_subscaled(qtype, n, k, rng)
+    pk = subscaled_vnni_packed(sub, qtype)
+    dev = tvm.cpu()
+    arrays = [tvm.runtime.tensor(a, dev) for _, a in pk.arrays]
+    out = tvm.runtime.tensor(np.zeros((n, k), np.float32), dev)
+    _build(template, target, pk.compute("dequant", (None, None)))["main"](*arrays, out)
+    np.testing.assert_array_equal(out.numpy(), w)
+    ids = rng.integers(0, n, (1, 5)).astype(np.int64)
+    got = tvm.runtime.tensor(np.zeros((1, 5, k), np.float32), dev)
+    _build(template, target, pk.compute("take", (None, None)))["main"](*arrays, tvm.runtime.tensor(ids, dev), got)
+    np.testing.assert_array_equal(got.numpy(), w[ids])
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", sorted(TYPES))
+@pytest.mark.parametrize("n,k,rows", [(64, 512, (1, 1)), (38, 2304, (1, 1)), (32, 1024, (1, 3))])
+def test_gemv_matches_int8_reference(template, target, qtype, n, k, rows):
+    import tvm
+
+    rng = np.random.default_rng()
+    sub, w = fake_subscaled(qtype, n, k, rng)
+    pk = subscaled_vnni_packed(sub, qtype)
+    func = pk.compute("matmul", rows)
+    wl = template.match(func, target)
+    configs = [template.default_config(wl, target), {"units": 1, "tasks": 2, "unroll": 1, "split": 1}]
+    dev = tvm.cpu()
+    x = rng.standard_normal((*rows, k)).astype(np.float32)
+    x[..., :32] *= 20.0  # one loud group: per-group scales must not leak across groups
+    ref = quantize_activations(x, k, sub.group) @ w.astype(np.float64).T
+    for cfg in configs:
+        y = tvm.runtime.tensor(np.zeros((*rows, n), np.float32), dev)
+        rt = build_func(template.apply(func, wl, cfg, target), target)
+        rt["main"](tvm.runtime.tensor(x, dev), *[tvm.runtime.tensor(a, dev) for _, a in pk.arrays], y)
+        assert np.abs(y.numpy() - ref).max() <= 2e-5 * np.abs(ref).max(), (qtype, cfg)
