@@ -9,6 +9,10 @@ Models (all GGUF; llama.cpp's own quantizer makes the requantized ones):
     smollm2-q8_0     the same requantized to Q8_0
     tinyllama-q4_0   random weights with TinyLlama-1.1B dimensions, F16 via GGUFWriter -> Q4_0 (pure:
                      the output head too, so every engine reads the same Q4_0 blocks)
+    tinyllama-TYPE   the same F16 file -> TYPE by llama.cpp's quantizer as users get it (q4_k_m, q5_k_m,
+                     q6_k, q5_0, iq4_xs, ...: llama.cpp's own mix of tensor types); --peers llama.cpp
+    smollm2-q4_k_m   SmolLM2 requantized to Q4_K_M (its 576-wide rows are not whole 256-superblocks:
+                     llama.cpp gives those Q5_0 / Q8_0, so it is mostly a Q5_0 + Q6_K + Q4_K mix)
     llama2-7b-q4_0   random weights with Llama-2-7B dimensions, random Q4_0 blocks written straight by
                      GGUFWriter (pure; 3.6 GiB; PerfX loads it lazily). Not in the default set: run it
                      with --models llama2-7b-q4_0 --peers llama.cpp --prefill-lens 128 (the fp32 ONNX /
@@ -32,7 +36,10 @@ from perfx_compiler.bench import models  # noqa: E402
 from perfx_compiler.cli.bench import main as bench_main  # noqa: E402
 
 MODELS = ("smollm2-q4_1", "smollm2-q4_0", "smollm2-q8_0", "tinyllama-q4_0")
-EXTRA_MODELS = ("llama2-7b-q4_0", "gemma3-270m-q4_k_m")  # by name only: llama.cpp as the only peer
+# by name only, llama.cpp as the only peer (the other peers read no K-quants)
+KQUANT_MODELS = ("tinyllama-q4_k_m", "tinyllama-q5_k_m", "tinyllama-q6_k", "tinyllama-q5_0", "tinyllama-iq4_xs",
+                 "smollm2-q4_k_m", "gemma3-270m-q4_k_m")
+EXTRA_MODELS = ("llama2-7b-q4_0", *KQUANT_MODELS)
 
 
 def model_file(name: str, folder: Path) -> Path:
@@ -48,15 +55,19 @@ def model_file(name: str, folder: Path) -> Path:
             print(f"requantizing {shipped.name} to {qtype} with llama.cpp ...")
             models.llama_quantize(shipped, out, qtype)
         return out
-    if name == "tinyllama-q4_0":
-        out = folder / "tinyllama-1.1b-random.Q4_0-pure.gguf"
+    if name.startswith("tinyllama-"):
+        # Q4_0 pure (every matrix, head included, in Q4_0: all engines read the same 4-bit data); the
+        # K-quant mixes (Q4_K_M, ...) and other types as llama.cpp's quantizer makes them for users
+        qtype = name.split("-", 1)[1].upper()
+        pure = qtype == "Q4_0"
+        out = folder / f"tinyllama-1.1b-random.{qtype}{'-pure' if pure else ''}.gguf"
         if not out.is_file():
             f16 = folder / "tinyllama-1.1b-random.F16.gguf"
             if not f16.is_file():
                 print("writing random-weight TinyLlama-1.1B (F16) with GGUFWriter ...")
                 models.write_random_tinyllama(f16, "F16")
-            print("quantizing it to Q4_0 with llama.cpp ...")
-            models.llama_quantize(f16, out, "Q4_0", pure=True)
+            print(f"quantizing it to {qtype} with llama.cpp ...")
+            models.llama_quantize(f16, out, qtype, pure=pure)
         return out
     if name == "llama2-7b-q4_0":
         out = folder / "llama2-7b-random.Q4_0-pure.gguf"

@@ -1,7 +1,7 @@
 """GGUF matrices kept as their quantized blocks (memory-mapped), float32 only on demand.
 
 ``load_gguf(..., lazy=True)`` puts a :class:`QuantizedWeight` in ``ModelDescription.weights`` for
-every Q4_0 / Q4_1 / Q8_0 matrix instead of its float32 copy: a 7B model's fp32 weights (27 GB)
+every matrix of a block type (Q4_0 / Q4_1 / Q5_0 / Q8_0, the K-quants, IQ4, Q5_1) instead of its float32 copy: a 7B model's fp32 weights (27 GB)
 would not fit in memory, its blocks (3.6 GB) are read from the mapped file. The object looks
 like a float32 array where only the metadata is asked (``shape``, ``ndim``, ``dtype``, ``size``);
 ``np.asarray`` dequantizes it (the float64 reference, the float / own-quantization compile
@@ -16,7 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from perfx_compiler.formats.gguf_blocks import BLOCK_BYTES  # bytes per 32-weight block of the types kept lazy
+
+def _row_bytes(qtype: str, k: int) -> int | None:
+    """Bytes of one row of ``k`` weights of ggml type ``qtype`` (None: not a block type)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qt = getattr(GGMLQuantizationType, qtype, None)
+    if qt is None or qtype in ("F32", "F16", "BF16") or qt not in GGML_QUANT_SIZES:
+        return None
+    weights, nbytes = GGML_QUANT_SIZES[qt]
+    return k // weights * nbytes
 
 
 class QuantizedWeight:
@@ -33,8 +42,9 @@ class QuantizedWeight:
         rows: Sequence[np.ndarray | None] | None = None,
         releases: Sequence[Callable[[], None] | None] | None = None,
     ) -> None:
-        if qtype not in BLOCK_BYTES:
-            raise ValueError(f"lazy weights are Q4_0, Q4_1 or Q8_0 blocks, not {qtype}")
+        row_bytes = _row_bytes(qtype, int(shape[1]))
+        if row_bytes is None:
+            raise ValueError(f"lazy weights are GGUF blocks, not {qtype}")
         self.qtype = qtype
         self.parts = list(parts)  # raw uint8 [rows_i, K / 32 * block bytes], concatenated by rows
         # Per part: the row order to read it in (llama.cpp's Q/K interleave undone without a copy)
@@ -43,7 +53,6 @@ class QuantizedWeight:
         self.releases = list(releases) if releases is not None else [None] * len(self.parts)
         self.shape = (int(shape[0]), int(shape[1]))
         rows = sum(int(p.shape[0]) for p in self.parts)
-        row_bytes = self.shape[1] // 32 * BLOCK_BYTES[qtype]
         if rows != self.shape[0] or any(int(p.shape[1]) != row_bytes for p in self.parts):
             raise ValueError(f"{qtype} blocks of {rows} rows do not describe a {self.shape} matrix")
 
@@ -71,7 +80,7 @@ class QuantizedWeight:
         return p if order is None else p[order]
 
     def blocks(self) -> np.ndarray:
-        """The raw blocks [N, K / 32 * block bytes] in row order (one unpermuted part: the mapped view)."""
+        """The raw blocks [N, row bytes] in row order (one unpermuted part: the mapped view)."""
         if len(self.parts) == 1:
             return self._part(0)
         return np.concatenate([self._part(i) for i in range(len(self.parts))], axis=0)

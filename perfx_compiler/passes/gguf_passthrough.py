@@ -101,7 +101,12 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     # Under int8 activations each weight goes to the VNNI layout right away: the unpacked codes
     # (twice the blocks' size) are dropped before the next weight, not kept for rewrite_linears.
     vnni = current_activations() == "int8"
-    names = [n for n in sorted(quant) if is_lazy(weights[n]) or (n in tables and packable(tables[n][0], vnni))]
+
+    def qtype_of(n: str) -> str:
+        return weights[n].qtype if is_lazy(weights[n]) else tables[n][0] if n in tables else ""
+
+    # others stay float (a lazy one dequantizes where it is read as an array)
+    names = [n for n in sorted(quant) if packable(qtype_of(n), vnni)]
     show = bool(getattr(ctx.options, "progress", False)) and len(names) >= 32
     packed = {}
     from perfx_compiler.progress import console

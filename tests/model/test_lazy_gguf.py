@@ -19,6 +19,12 @@ from perfx_compiler.model.description import expected_weight_shapes
 from perfx_compiler.model.lazy import QuantizedWeight, is_lazy
 
 
+def llama_quantize(src: Path, dst: Path, qtype: str) -> Path:
+    from perfx_compiler.bench.models import llama_quantize as quantize
+
+    return quantize(src, dst, qtype)
+
+
 def _write(path: Path, qtype: str, **kw: Any) -> Path:
     from perfx_compiler.model.testing import write_tiny_gguf
 
@@ -36,10 +42,13 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # matrices dominate: 4 MiB of float32 per layer, 0.6 MiB of Q4_0 blocks
         "big": _write(root / "big.gguf", "Q4_0", hidden=512, ffn=1536, layers=3, heads=8, kv_heads=4,
                       vocab=2048, tied=False, seed=3),
+        # llama.cpp's own Q4_K_M mix (Q4_K, Q6_K): rows of whole 256-weight superblocks
+        "Q4_K_M": llama_quantize(_write(root / "f32.gguf", "F32", hidden=256, ffn=512, heads=4, kv_heads=2,
+                                        tied=False, seed=4), root / "q4_k_m.gguf", "Q4_K_M"),
     }
 
 
-@pytest.mark.parametrize("key", ["Q4_0", "Q4_1+Q8_0"])
+@pytest.mark.parametrize("key", ["Q4_0", "Q4_1+Q8_0", "Q4_K_M"])
 def test_lazy_weights_stand_for_the_eager_floats(files: dict[str, Path], key: str) -> None:
     from perfx_compiler.model.gguf import load_gguf
 
