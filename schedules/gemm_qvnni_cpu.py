@@ -2,7 +2,10 @@
 chunks): functions tagged ``perfx.quant`` with ``layout: vnni``, ``kind: matmul`` and symbolic
 rows (or static rows > 8; the GEMV template ``gemv_qvnni_cpu`` takes decode's <= 8). Formats:
 GGUF Q4_0 / Q4_1 / Q8_0 and PerfX's q4_g32/64/128 (sym and asym) and q8, in the weight layout of
-``perfx_compiler/formats/vnni.py`` (the decode GEMV's: one copy of the weights serves both).
+``perfx_compiler/formats/vnni.py`` (the decode GEMV's: one copy of the weights serves both); also
+its two later variants: unsigned int8 codes with a min (``bits 8, offset``: GGUF Q5_1, Q5_K) and
+superblock scales (info ``sb``: GGUF K-quants and IQ4_XS, groups of G = 16 or 32), whose group
+scale (and min) the repack makes as float32 ``sc * d`` (``-(m * dmin)``) once per block.
 
 One call (``y = dequant(W) @ xq``, xq = x quantized to int8 per row and weight group):
 
@@ -19,6 +22,10 @@ One call (``y = dequant(W) @ xq``, xq = x quantized to int8 per row and weight g
    take ``G/4`` ``vpdpbusd`` each (a 64-byte weight vector times a broadcast dword of 4 int8
    activations: 16 columns x 4 k per instruction, no horizontal sums); then one int->float
    conversion and one FMA with ``s_w * dx`` (Q4_1 adds ``min * dx * sum(q)``).
+
+G must be a multiple of 16 (activation groups are quantized 16 lanes at a time; a group is a whole
+number of panel steps); with ``sb``, G must divide sb and sb divide K (the layout's own rules): the
+template declines other workloads.
 
 ``prepacked=True`` builds the same GEMM reading panels made at compile time (``prepack``) instead
 of repacking per call: the benchmark compares the two (the model uses the in-call repack, which
@@ -63,10 +70,14 @@ def _static_rows(func: Any) -> int | None:
 
 
 def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, nr: int, tasks: int,
-           prepacked: bool = False) -> Any:
+           prepacked: bool = False, sb: int = 0) -> Any:
     """The GEMM PrimFunc (x, q, scale[, zero|min], y) for one configuration; with ``prepacked``
-    (x, panels, panel_scales[, panel_zero|panel_min], y) over ``prepack``'s arrays."""
+    (x, panels, panel_scales[, panel_zero|panel_min], y) over ``prepack``'s arrays. ``sb``: superblock
+    scales (int8 [N2, SW] scale / min arrays, see formats/vnni.py); not with ``prepacked``."""
     from tvm.script import tirx as T
+
+    if sb and prepacked:
+        raise ValueError("prepacked VNNI GEMM panels take float16 group scales, not superblock (sb) scales")
 
     quantize_group = quantize_group_macro()
     KP = plan(K, G)["KP"]
@@ -80,7 +91,11 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     BPT = -(-NB // tasks)
     N2 = N + N % 2 if pair else N
     QW = N2 // 2 if pair else N
-    ZT = "float16" if offset else "uint8"
+    ST = "int8" if sb else "float16"  # scale / min element type
+    ZT = ST if offset else "uint8"
+    SW = NGP + (2 * (K // sb) if sb else 0)  # scale row: groups, then (sb) the superblocks' float16 d bytes
+    NSB = K // sb if sb else 0
+    GPS = sb // G if sb else 0  # groups per superblock
     zconst = 8 if bits == 4 else 128
     asym = pair and not sym and not offset
     GV = G // 16
@@ -90,6 +105,20 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
 
     def steps(g: int) -> int:
         return (min(KP, (g + 1) * G) - g * G) // KS
+
+    def factor(A: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's scale (or min factor) of a row as float32: the float16 value, or (sb) sc * d,
+        d the row's superblock float16 from its two little-endian bytes after the groups."""
+        if not sb:
+            return T.Cast("float32", A[row, g])
+        at = NGP + 2 * T.min(g // GPS, NSB - 1)
+        d16 = T.Cast("uint16", T.Cast("uint8", A[row, at])) | T.shift_left(
+            T.Cast("uint16", T.Cast("uint8", A[row, at + 1])), T.uint16(8))
+        return T.Cast("float32", A[row, g]) * T.Cast("float32", T.reinterpret("float16", d16))
+
+    def minf(Z: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """The min term's factor (w = code * scale + min): the float16 min, or (sb) -(m * dmin)."""
+        return -factor(Z, row, g) if sb else factor(Z, row, g)
 
     def vdot(acc: Any, w: Any, x: Any) -> Any:
         return T.call_llvm_pure_intrin(
@@ -145,9 +174,9 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
         for g in T.serial(NG):
             for t in T.unroll(nr):
                 for c in T.serial(16):
-                    SP[(g * nr + t) * 16 + c] = T.Cast("float32", Sc[n0 + t * 16 + c, g])
+                    SP[(g * nr + t) * 16 + c] = factor(Sc, n0 + t * 16 + c, g)
                     if offset:
-                        ZP[(g * nr + t) * 16 + c] = T.reinterpret("int32", T.Cast("float32", Z[n0 + t * 16 + c, g]))
+                        ZP[(g * nr + t) * 16 + c] = T.reinterpret("int32", minf(Z, n0 + t * 16 + c, g))
                     elif asym:
                         ZP[(g * nr + t) * 16 + c] = T.Cast("int32", Z[n0 + t * 16 + c, g])
 
@@ -238,7 +267,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                         tiles(XQ32, DX, SQ, PK, SP, ZP, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
                               0, 0)
 
-    if prepacked or pair:
+    if prepacked or pair or offset:
         # (x, weights, scales, zero|min, y): the row layout's arrays, or ``prepack``'s panels
         i64 = T.int64
         if prepacked:
@@ -247,7 +276,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
             Z_SHAPE, Z_DT = S_SHAPE, "int32"
         else:
             W_SHAPE, W_DT = (i64(QW), i64(KP)), "uint8"
-            S_SHAPE, S_DT = (i64(N2), i64(NGP)), "float16"
+            S_SHAPE, S_DT = (i64(N2), i64(SW)), ST
             Z_SHAPE, Z_DT = S_SHAPE, ZT
 
         @T.prim_func(private=True)
@@ -271,7 +300,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
         MM = T.int64()
         X = T.match_buffer(x_h, (B, MM, T.int64(K)), "float32")
         Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
-        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(NGP)), "float16")
+        Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
         Y = T.match_buffer(y_h, (B, MM, T.int64(N)), "float32")
         body(X, Q, Sc, Sc, Y, B, MM)
 
@@ -279,10 +308,14 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
 
 
 def prepack(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, arrays: list[np.ndarray],
-            nr: int) -> list[np.ndarray]:
+            nr: int, sb: int = 0) -> list[np.ndarray]:
     """The ``prepacked`` kernel's arrays (panels, scales, zero|min) from the row layout's ones:
-    what the in-call repack writes per block, made once (a compile-time repack)."""
+    what the in-call repack writes per block, made once (a compile-time repack). Float16 group
+    scales only: superblock (``sb``) layouts are declined."""
     from perfx_compiler.formats.vnni import unpack_q4_pairs
+
+    if sb or arrays[1].dtype != np.float16:
+        raise ValueError("prepack takes float16 group scales, not superblock (sb) scales")
 
     p = plan(K, G)
     KP = p["KP"]
@@ -325,8 +358,11 @@ class GemmQVnniCPU(ScheduleTemplate):
         if rows is not None and rows <= GEMV_MAX_ROWS:
             return None  # decode: the GEMV template's
         dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "bits": int(info["bits"])}
+        sb = int(info.get("sb", 0))
+        if dims["G"] % 16 or (sb and (sb % dims["G"] or dims["K"] % sb)):
+            return None  # see the module docstring: whole 16-lane groups, whole groups per superblock
         return make_workload(self.name, func, target, dims, symbolic=None if rows else "M",
-                             info={"sym": bool(info.get("sym")), "offset": bool(info.get("offset"))},
+                             info={"sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "sb": sb},
                              version=self.version)
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
@@ -360,7 +396,7 @@ class GemmQVnniCPU(ScheduleTemplate):
             raise ScheduleConfigError(f"invalid VNNI GEMM config {config} for {workload.dims}: {why}")
         d, info = workload.dims, workload.info
         k = kernel(d["bits"], d["N"], d["K"], d["G"], info["sym"], info["offset"], int(config["mr"]),
-                   int(config["nr"]), int(config["tasks"]))
+                   int(config["nr"]), int(config["tasks"]), sb=int(info.get("sb", 0)))
         return _like(k, func)
 
 

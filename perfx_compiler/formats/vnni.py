@@ -198,7 +198,7 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
         return vnni_compute(n, k, g, bits, not offset, offset, kind, rows, ids_dtype, sb=sb)
 
-    return Packed(fam, f"{qtype.lower().replace('_', '')}v", n, k, arrays, compute, int8_gemm=not sb)
+    return Packed(fam, f"{qtype.lower().replace('_', '')}v", n, k, arrays, compute)
 
 
 def quantize_activations(x: np.ndarray, k: int, group: int) -> np.ndarray:
