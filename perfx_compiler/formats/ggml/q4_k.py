@@ -122,11 +122,20 @@ def quantize(w: np.ndarray) -> np.ndarray:
     Each sub-block of 32 gets a scale and min from make_qkx2_quants (weights av_x + |x|, 21 trial
     scales); the superblock's d and dmin are the largest scale / min over 63 (f16), the sub-block
     ones their 6-bit multiples, and the codes are requantized against those rounded factors."""
-    f32 = np.float32
-    x = np.asarray(w, dtype=f32)
+    x = np.asarray(w, dtype=np.float32)
     n, k = x.shape
     if k % 256:
         raise ValueError(f"Q4_K quantizes rows of whole 256-weight superblocks; got K = {k}")
+    step = max(1, CHUNK_WEIGHTS // k)  # rows at a time: the search's temporaries stay ~100 MB
+    return np.concatenate([_quantize_rows(x[r : r + step]) for r in range(0, n, step)], axis=0)
+
+
+CHUNK_WEIGHTS = 1 << 20
+
+
+def _quantize_rows(x: np.ndarray) -> np.ndarray:
+    f32 = np.float32
+    n, k = x.shape
     x = x.reshape(n, k // 256, 8, 32)
     av_x = np.sqrt(seqsum(x * x) / f32(32))
     scales, mins, q = make_qkx2_quants(x, av_x[..., None] + np.abs(x), 15, -1.0, 0.1, 20)
