@@ -2,8 +2,11 @@
 compile time (K % 256 == 0; the others int8 groups of 32) and run on the VNNI kernels.
 
 The model check compares with the float64 reference run on the weights the artifact holds (each
-linear's Q4_K / int8 blocks dequantized), so the only difference left is the int8 activations: the
-bound is test_activations_int8.py's (int8 vs float activations, 3e-2 of max |logit|)."""
+linear's Q4_K / int8 blocks dequantized), so the only difference left is the int8 activations.
+Bound 5e-2 of max |logit|, between test_activations_int8.py's 3e-2 (int8 vs float activations at
+hidden 64) and test_prefill_int8_gemm.py's 6e-2: at hidden 256 seven random models gave 0.8e-2 to
+2.2e-2 (prefill and 4 decode steps), the same model's q8 build 3.0e-2 against its float weights. The
+reference on the original (not dequantized) weights is 0.2 away, and a broken kernel order 1."""
 
 from __future__ import annotations
 
@@ -83,7 +86,7 @@ def test_tiny_q4_k_model_matches_reference_on_dequantized_weights(tmp_path) -> N
     for tok in ids[:4]:
         errs.append(rel(eng.decode(tok), ref.forward([tok])[-1]))
     print(f"q4_k: max rel logit error vs the float64 reference on the dequantized weights: {max(errs):.2e}")
-    assert max(errs) < 3e-2, errs
+    assert max(errs) < 5e-2, errs
 
 
 def test_q4_k_needs_int8_activations() -> None:
