@@ -8,6 +8,10 @@ w = (d * sc[s]) * q - (dmin * m[s]), q in 0..15.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from perfx_compiler.formats.ggml._format import GGMLFormat, SubScaled, blocks, f16, field, rows, split_bits
@@ -65,8 +69,8 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
     sum_w = seqsum(weights)
     sum_x = seqsum(weights * x)
 
-    def codes(iscale: np.ndarray, mn: np.ndarray) -> np.ndarray:
-        return np.clip(nearest_int(iscale[..., None] * (x - mn[..., None])), 0, nmax).astype(f32)
+    def codes(iscale: np.ndarray, mn: np.ndarray) -> np.ndarray:  # nearest_int in float32: same integers
+        return np.clip(np.rint(iscale[..., None] * (x - mn[..., None])), f32(0), f32(nmax))
 
     def error(scale: np.ndarray, mn: np.ndarray, q: np.ndarray) -> np.ndarray:
         diff = scale[..., None] * q + mn[..., None] - x
@@ -126,11 +130,22 @@ def quantize(w: np.ndarray) -> np.ndarray:
     n, k = x.shape
     if k % 256:
         raise ValueError(f"Q4_K quantizes rows of whole 256-weight superblocks; got K = {k}")
-    step = max(1, CHUNK_WEIGHTS // k)  # rows at a time: the search's temporaries stay ~100 MB
-    return np.concatenate([_quantize_rows(x[r : r + step]) for r in range(0, n, step)], axis=0)
+    return in_row_chunks(_quantize_rows, x, CHUNK_WEIGHTS)
 
 
-CHUNK_WEIGHTS = 1 << 20
+CHUNK_WEIGHTS = 1 << 20  # weights a chunk: the search's temporaries stay ~100 MB
+THREADS = min(8, os.cpu_count() or 1)
+
+
+def in_row_chunks(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, chunk: int | None = None) -> np.ndarray:
+    """fn over chunks of ~``chunk`` weights of whole rows, on up to THREADS threads (numpy's
+    operations on large arrays release the GIL), joined in row order."""
+    step = max(1, (chunk or CHUNK_WEIGHTS) // x.shape[1])
+    parts = [x[r : r + step] for r in range(0, x.shape[0], step)]
+    if len(parts) == 1 or THREADS == 1:
+        return np.concatenate([fn(p) for p in parts], axis=0)
+    with ThreadPoolExecutor(min(THREADS, len(parts))) as pool:
+        return np.concatenate(list(pool.map(fn, parts)), axis=0)
 
 
 def _quantize_rows(x: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from perfx_compiler.formats.ggml._format import GGMLFormat, SubScaled, blocks, f16, field, rows, split_bits
-from perfx_compiler.formats.ggml.q4_k import nearest_int, seqsum
+from perfx_compiler.formats.ggml.q4_k import in_row_chunks, nearest_int, seqsum
 
 
 def unpack(raw: np.ndarray, shape: tuple[int, int]) -> SubScaled:
@@ -41,8 +41,8 @@ def make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     wx = x * x * x  # C: w * x[i] with w = x[i] * x[i]
     w = x * x
 
-    def trial(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        q = np.clip(nearest_int(iscale[..., None] * x), -nmax, nmax - 1).astype(f32)
+    def trial(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # nearest_int in float32
+        q = np.clip(np.rint(iscale[..., None] * x), f32(-nmax), f32(nmax - 1))
         return q, seqsum(wx * q), seqsum(w * q * q)
 
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -69,11 +69,10 @@ def quantize(w: np.ndarray) -> np.ndarray:
     n, k = x.shape
     if k % 256:
         raise ValueError(f"Q6_K quantizes rows of whole 256-weight superblocks; got K = {k}")
-    step = max(1, CHUNK_WEIGHTS // k)  # rows at a time: the search's temporaries stay ~100 MB
-    return np.concatenate([_quantize_rows(x[r : r + step]) for r in range(0, n, step)], axis=0)
+    return in_row_chunks(_quantize_rows, x, CHUNK_WEIGHTS)
 
 
-CHUNK_WEIGHTS = 1 << 20
+CHUNK_WEIGHTS = 1 << 20  # weights a chunk: the search's temporaries stay ~100 MB
 
 
 def _quantize_rows(x: np.ndarray) -> np.ndarray:
