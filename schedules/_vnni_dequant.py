@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from schedules._vnni_kernels import _without_zero, plan, transpose_tile
+from schedules._vnni_kernels import ROWS_PER_UNIT, _without_zero, plan, transpose_tile
 
 
 class _Layout:
@@ -18,13 +18,14 @@ class _Layout:
         p = plan(K, G)
         self.bits, self.sym, self.offset, self.sb, self.G = bits, sym, offset, sb, G
         self.KP, self.NGP = p["KP"], p["NGP"]
-        pair = bits == 4
-        self.N2 = N + N % 2 if pair else N
-        self.QW = self.N2 // 2 if pair else N
+        rpu = ROWS_PER_UNIT[bits]
+        self.N2 = -(-N // rpu) * rpu
+        self.QW = self.N2 // rpu
+        self.QKW = 3 * self.KP if bits == 6 else self.KP  # bytes of a code row
         self.ST = "int8" if sb else "float16"
         self.ZT = self.ST if offset else "uint8"
         self.SW = self.NGP + (2 * (K // sb) if sb else 0)
-        self.has_z = pair or offset  # int8 codes without a min take no zero/min array
+        self.has_z = bits == 4 or offset  # int8 codes without a min take no zero/min array
 
     def factor(self, A: Any, Ad: Any, row: Any, g: Any) -> Any:  # noqa: N803
         """Group g's scale (or min factor) as float32: the float16 value, or sc * d (superblocks)."""
@@ -42,6 +43,11 @@ class _Layout:
         s = self.factor(Sc, Sd, row, g)
         if self.offset:
             mn = -self.factor(Z, Zd, row, g) if self.sb else self.factor(Z, Zd, row, g)
+        if self.bits == 6:  # the row's nibble in its pair row, 2 high bits in the quad's last row
+            lo = T.bitwise_and(T.shift_right(Q[row // 4, (row % 4) // 2 * self.KP + col], T.Cast("uint8", (row % 2) * 4)),
+                               T.uint8(15))
+            hb = T.bitwise_and(T.shift_right(Q[row // 4, 2 * self.KP + col], T.Cast("uint8", (row % 4) * 2)), T.uint8(3))
+            return (T.Cast("float32", T.bitwise_or(lo, T.shift_left(hb, T.uint8(4)))) - T.float32(32)) * s
         if self.bits == 8:
             if self.offset:  # unsigned codes as they are, then the min
                 return T.Cast("float32", Q[row, col]) * s + mn
@@ -62,7 +68,7 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
     from tvm.script import tirx as T
 
     L = _Layout(bits, N, K, G, sym, offset, sb)
-    KP, QW, N2, SW, ST, ZT = L.KP, L.QW, L.N2, L.SW, L.ST, L.ZT
+    QKW, QW, N2, SW, ST, ZT = L.QKW, L.QW, L.N2, L.SW, L.ST, L.ZT
     NV = K // 16
     PER = -(-N // tasks)
 
@@ -102,7 +108,7 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
     @T.prim_func(private=True)
     def qv_dequant(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
         Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
         Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
         Out = T.match_buffer(o_h, [T.int64(d) for d in OUT], "float32")
@@ -118,7 +124,7 @@ def take(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, sb: int = 0
     from tvm.script import tirx as T
 
     L = _Layout(bits, N, K, G, sym, offset, sb)
-    KP, QW, N2, SW, ST, ZT = L.KP, L.QW, L.N2, L.SW, L.ST, L.ZT
+    QKW, QW, N2, SW, ST, ZT = L.QKW, L.QW, L.N2, L.SW, L.ST, L.ZT
     NV = K // 16
 
     @T.macro
@@ -134,7 +140,7 @@ def take(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, sb: int = 0
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         b = T.int64()
         m = T.int64()
-        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
         Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
         Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
         ID = T.match_buffer(i_h, (b, m), "int64")

@@ -28,6 +28,7 @@ from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (
 
 STEP = 64
 CHUNK = 16
+ROWS_PER_UNIT = {4: 2, 6: 4, 8: 1}  # rows whose codes one code row holds (formats/vnni.py)
 
 
 def plan(K: int, G: int) -> dict[str, int]:
@@ -130,14 +131,14 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     if prologue not in ("", "add_rms_norm", "swiglu") or (prologue and (B * MM != 1 or K % 16)):
         raise ValueError(f"gemv: prologue {prologue!r} needs one activation row, K % 16 == 0")
     if epilogue not in ("", "swiglu") or (epilogue and (B * MM != 1 or prologue == "swiglu"
-                                                        or N % (4 if bits == 4 else 2) or N // 2 < units * 2)):
+                                                        or N % (2 * ROWS_PER_UNIT[bits]) or N // 2 < units * max(2, ROWS_PER_UNIT[bits]))):
         raise ValueError(f"gemv: epilogue {epilogue!r} needs one activation row, no swiglu prologue, "
                          f"N = 2F with F a whole number of row units (N={N}, units={units})")
     PF_LOC = 0 if nta else ploc  # llvm.prefetch locality: 0 = prefetchnta, 2 = prefetcht1, 3 = prefetcht0
     M = B * MM
     pair = bits == 4
-    NU = -(-N // 2) if pair else N  # units: row pairs or rows
-    RPU = 2 if pair else 1
+    RPU = ROWS_PER_UNIT[bits]  # rows per unit: int4 row pairs, 6-bit row quads, int8 rows
+    NU = -(-N // RPU)
     RW = units * RPU  # rows per iteration
     NIT = -(-NU // units)
     IPT = -(-NIT // tasks)
@@ -148,8 +149,9 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     SW = NGP + (2 * (K // sb) if sb else 0)  # scale row: groups, then the superblocks' float16 d bytes
     NSB = K // sb if sb else 0
     GPS = sb // G if sb else 0  # groups per superblock
-    QW = (N2 // 2) if pair else N
-    zconst = 128.0 if bits == 8 else 8.0
+    QW = N2 // RPU if RPU > 1 else N  # code rows: one per unit
+    QKW = 3 * KP if bits == 6 else KP  # bytes of a code row (6-bit: two nibble rows and the high bits)
+    zconst = {8: 128.0, 6: 32.0, 4: 8.0}[bits]
     GV = G // 16  # 16-lane vectors per group
     A = split
     quantize_group = quantize_group_macro()
@@ -191,6 +193,18 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     def prefetch_at(addr: Any, locality: int) -> Any:
         """llvm.prefetch (read, data cache) of ``addr``; locality 0 = prefetchnta .. 3 = prefetcht0."""
         return T.call_llvm_intrin("void", "llvm.prefetch.p0", addr, T.int32(0), T.int32(locality), T.int32(1))
+
+    def codes(Q: Any, unit: Any, s_abs: Any, h: Any) -> Any:
+        """uint8x64: the 64 codes of row h of ``unit`` in step ``s_abs`` (int4: its nibble of the pair's
+        bytes; 6-bit: the nibble of its pair row, with bits 2h..2h+1 of the high-bits row above it)."""
+        if bits == 6:
+            lo = T.shift_right(Q.vload([unit, (h // 2) * KP + s_abs * STEP], "uint8x64"),
+                               T.Broadcast(T.Cast("uint8", 4 * (h % 2)), 64)) & T.Broadcast(T.uint8(15), 64)
+            hb = T.shift_right(Q.vload([unit, 2 * KP + s_abs * STEP], "uint8x64"),
+                               T.Broadcast(T.Cast("uint8", 2 * h), 64)) & T.Broadcast(T.uint8(3), 64)
+            return lo | T.shift_left(hb, T.Broadcast(T.uint8(4), 64))
+        return T.shift_right(Q.vload([unit, s_abs * STEP], "uint8x64"), T.Broadcast(hshift(h), 64)) & T.Broadcast(
+            hmask(h), 64)
 
     def hmask(h: Any) -> Any:  # code mask of row h of a pair (after hshift)
         return T.Select(h == 0, T.uint8(15), T.uint8(240)) if hi else T.uint8(15 if pair else 255)
@@ -316,11 +330,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 acc[T.Ramp((((bm * units + u) * RPU + h) * A + si % A) * 16, 1, 16)] = acc.vload(
                     [(((bm * units + u) * RPU + h) * A + si % A) * 16], "float32x16") + T.Cast(
                     "float32x16",
-                    vdot(
-                        T.shift_right(Q.vload([unit, s_abs * STEP], "uint8x64"), T.Broadcast(hshift(h), 64))
-                        & T.Broadcast(hmask(h), 64),
-                        XQ.vload([bm * KP + s_abs * STEP], "int8x64"),
-                    ),
+                    vdot(codes(Q, unit, s_abs, h), XQ.vload([bm * KP + s_abs * STEP], "int8x64")),
                 ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"), idx)
 
     @T.macro
@@ -375,9 +385,9 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                             for si in T.unroll(unroll):
                                 for u in T.unroll(units):
                                     if prefetch > 0:
-                                        T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * KP
+                                        T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * QKW
                                                                   + (c * SPC + so * unroll + si + prefetch) * STEP,
-                                                                  QW * KP - STEP)]), PF_LOC))
+                                                                  QW * QKW - STEP)]), PF_LOC))
                                     step_fma(acc, cb, Q, XQ, ubase(t, it) + u, u,
                                              c * SPC + so * unroll + si, si, idx_vec(so * UG, si))
                     else:
@@ -426,7 +436,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     @T.macro
     def body(X, PB, PW, SUM, Q, Sc, Z, Y, H):
         # flat views: the prefetch runs on past a row's end into the next rows of the task
-        Qf = T.decl_buffer((QW * KP,), "uint8", data=Q.data)
+        Qf = T.decl_buffer((QW * QKW,), "uint8", data=Q.data)
         Scf = T.decl_buffer((N2 * SW,), ST, data=Sc.data)
         Zf = T.decl_buffer((N2 * SW,), ZT, data=Z.data)
         # superblock scales: the same rows as float16, for the d values after each row's groups
@@ -439,7 +449,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 # the task's first codes requested before it quantizes x: the weight stream's first
                 # misses overlap the quantization instead of following it
                 for s in T.serial(PRO):
-                    T.evaluate(prefetch_at(T.address_of(Qf[T.min(T.min(ubase(t, 0), NU - units) * KP + s * STEP, QW * KP - STEP)]), PF_LOC))
+                    T.evaluate(prefetch_at(T.address_of(Qf[T.min(T.min(ubase(t, 0), NU - units) * QKW + s * STEP, QW * QKW - STEP)]), PF_LOC))
                 for s in T.serial(PRO_S):
                     T.evaluate(prefetch_at(T.address_of(Scf[T.min(T.min(ubase(t, 0), NU - units) * RPU * SW + s * 32, N2 * SW - 32)]), 3))
                 XQ = T.decl_buffer((M * KP,), "int8", scope="local")
@@ -474,7 +484,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             PA = T.match_buffer(a_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             PB = T.match_buffer(b_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             PW = T.match_buffer(w_h, (T.int64(K),), "float32")
-            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
             Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
             SUM = T.match_buffer(sum_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
@@ -490,7 +500,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                                 h_h: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             X = T.match_buffer(x_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
-            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
             Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
@@ -507,7 +517,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             PA = T.match_buffer(a_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             PB = T.match_buffer(b_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             PW = T.match_buffer(w_h, (T.int64(K),), "float32")
-            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
             Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
             SUM = T.match_buffer(sum_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
@@ -521,7 +531,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         def qv_gemv_swiglu(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             X = T.match_buffer(x_h, (T.int64(1), T.int64(1), T.int64(2 * K)), "float32")
-            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
             Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
@@ -534,7 +544,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         def qv_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             X = T.match_buffer(x_h, (T.int64(B), T.int64(MM), T.int64(K)), "float32")
-            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+            Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
             Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
             Y = T.match_buffer(y_h, (T.int64(B), T.int64(MM), T.int64(N)), "float32")

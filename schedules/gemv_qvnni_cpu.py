@@ -46,7 +46,7 @@ def _info(func: Any) -> dict[str, Any] | None:
     info = quant_info(func)
     if info is None:
         return None
-    return info if info.get("layout") == "vnni" and info.get("bits") in (4, 8) else None
+    return info if info.get("layout") == "vnni" and info.get("bits") in (4, 6, 8) else None
 
 
 def _plain_gemv(info: dict[str, Any], rows: tuple[int, int] | None) -> Any:
@@ -101,7 +101,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         )
 
     def _units(self, d: dict[str, int]) -> int:
-        return -(-d["N"] // 2) if d["bits"] == 4 else d["N"]
+        return -(-d["N"] // vk.ROWS_PER_UNIT[d["bits"]])
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
         d = workload.dims
@@ -112,7 +112,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         if kind != "matmul":
             return {"tasks": tasks}
         return {
-            "units": [1, 2, 4] if d["bits"] == 4 else [1, 2, 4, 8],
+            "units": {4: [1, 2, 4], 6: [1, 2]}.get(d["bits"], [1, 2, 4, 8]),
             "tasks": tasks,
             "unroll": [1, 2, 4, 8],
             "prefetch": [0, 16, 64, 128, 256],  # software prefetch of the codes, in 64-byte steps ahead (0: off)
@@ -130,13 +130,14 @@ class GemvQVnniCPU(ScheduleTemplate):
             return {"tasks": 16 if d["N"] >= 64 else 2}
         # rows of >= 2048 bytes: one unit per iteration (two code streams 1 KiB apart trip the prefetchers)
         long_rows = d["bits"] == 4 and vk.plan(d["K"], d["G"])["KP"] >= 2048
-        units = (1 if long_rows else 2) if d["bits"] == 4 else 4
+        rpu = vk.ROWS_PER_UNIT[d["bits"]]
+        units = {4: 1 if long_rows else 2, 6: 1}.get(d["bits"], 4)
         m = max(1, d["B"] * d["MM"])
-        while units > 1 and (units * (2 if d["bits"] == 4 else 1) * m > MAX_ACC or units > self._units(d)):
+        while units > 1 and (units * rpu * m > MAX_ACC or units > self._units(d)):
             units //= 2
         unroll = max(4, d["G"] // vk.STEP)
         # two accumulators per row while they fit the registers with the scale vectors
-        split = 2 if units * (2 if d["bits"] == 4 else 1) * m * 3 <= MAX_REGS else 1
+        split = 2 if units * rpu * m * 3 <= MAX_REGS else 1
         hinib = 1 if d["bits"] == 4 else 0
         if long_rows and m == 1:  # decode's long rows: hinib alone
             split = 1
@@ -168,10 +169,11 @@ class GemvQVnniCPU(ScheduleTemplate):
         spc = vk.plan(d["K"], d["G"])["SPC"]
         if units < 1 or units > self._units(d):
             return f"units={units} exceeds the {self._units(d)} row units"
-        if units * (2 if d["bits"] == 4 else 1) * d["B"] * d["MM"] > MAX_ACC:
+        rpu = vk.ROWS_PER_UNIT[d["bits"]]
+        if units * rpu * d["B"] * d["MM"] > MAX_ACC:
             return f"units={units} x {d['B'] * d['MM']} activation rows needs more than {MAX_ACC} accumulators"
         split = int(config.get("split", 1))
-        if split not in (1, 2) or (split > 1 and units * (2 if d["bits"] == 4 else 1) * d["B"] * d["MM"] * 3 > MAX_REGS):
+        if split not in (1, 2) or (split > 1 and units * rpu * d["B"] * d["MM"] * 3 > MAX_REGS):
             return f"split={split} must be 1 or 2, and 2 only while 3 vectors per row fit {MAX_REGS} registers"
         if int(config.get("nta", 0)) not in (0, 1):
             return "nta is 0 or 1"
@@ -183,7 +185,7 @@ class GemvQVnniCPU(ScheduleTemplate):
             return "sprefetch is 0 or 1"
         if int(config.get("hinib", 0)) not in (0, 1) or (config.get("hinib") and d["bits"] != 4):
             return "hinib is 0 or 1, and 1 only for int4 codes"
-        if workload.info.get("epilogue") and d["N"] // 2 < units * 2:
+        if workload.info.get("epilogue") and (d["N"] // 2 < units * max(2, rpu) or d["N"] % (2 * rpu)):
             return f"units={units}: the swiglu epilogue splits N={d['N']} rows into gate and up halves of whole units"
         if unroll < 1 or (unroll * vk.STEP) % d["G"] or spc % unroll:
             return f"unroll={unroll} must cover whole groups (G={d['G']}) and divide {spc} steps per chunk"

@@ -17,6 +17,10 @@ Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
   groups, zero-padded: the kernel reads 16 groups with one vector load (the last chunk of a
   row overlaps the one before it instead of reading past the row).
 
+* 6-bit (``q6v``, GGUF Q6_K): codes uint8 [ceil(N/4), 3 * KP], one code row per quad of rows: two
+  int4 pair rows of the codes' low nibbles (rows 4q, 4q+1, then 4q+2, 4q+3, as ``q4v``), then one row
+  whose byte k holds the four rows' high 2 bits of column k (row 4q+r in bits 2r..2r+1): 6 bits a
+  weight, where int8 codes would take 8. Codes are unsigned (zero point 32).
 * int8 with a min (``bits 8, offset``: GGUF Q5_1 / Q5_K): codes uint8 [N, KP] are the unsigned
   codes themselves (no +128); w = code * scale + min.
 * superblock scales (info ``sb: 256``: GGUF K-quants and IQ4_XS, ``formats/ggml``): the group
@@ -155,6 +159,26 @@ def q8_vnni_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
     return Packed("q8", f"g{group}v", n, k, arrays, compute)
 
 
+def pack_q6_quads(codes: np.ndarray) -> np.ndarray:
+    """Unsigned 6-bit codes [N, K] (0..63) -> uint8 [ceil(N/4), 3 * KP] (see the module docstring)."""
+    n, k = codes.shape
+    kp, n4 = padded_k(k), -(-n // 4) * 4
+    c = np.zeros((n4, kp), dtype=np.uint8)
+    c[:n, :k] = codes
+    lo = pack_q4_pairs(c & np.uint8(15)).reshape(n4 // 4, 2 * kp)
+    hi = c >> np.uint8(4)
+    high = hi[0::4] | (hi[1::4] << np.uint8(2)) | (hi[2::4] << np.uint8(4)) | (hi[3::4] << np.uint8(6))
+    return np.ascontiguousarray(np.concatenate([lo, high], axis=1))
+
+
+def unpack_q6_quads(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    kp = packed.shape[1] // 3
+    lo = unpack_q4_pairs(packed[:, : 2 * kp].reshape(-1, kp), packed.shape[0] * 4, kp)
+    high = packed[:, 2 * kp :]
+    hi = np.stack([(high >> np.uint8(2 * r)) & np.uint8(3) for r in range(4)], axis=1).reshape(-1, kp)
+    return np.ascontiguousarray((lo | (hi << np.uint8(4)))[:n, :k])
+
+
 def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
     """Unsigned codes [N, K] (int8 with a min: Q5_1 / Q5_K) -> uint8 [N, KP] as they are (padding 0:
     the padded activations are 0, and so is their share of the min term)."""
@@ -164,24 +188,37 @@ def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
     return out
 
 
-# GGUF types whose codes take the int4 row-pair layout (the others take bytes)
-NIBBLE_TYPES = ("Q4_K", "Q2_K")
+# GGUF types whose codes take the int4 row-pair layout, the 6-bit row-quad layout (the others take bytes)
+NIBBLE_TYPES = ("Q4_K", "Q2_K", "Q3_K")
+SIGNED_NIBBLE_TYPES = {"Q3_K": 4}  # signed nibble types: their zero point
+SIXBIT_TYPES = ("Q6_K",)
+ROWS_PER_UNIT = {4: 2, 6: 4, 8: 1}  # rows one code row holds
 
 
 def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor unpacked by ``formats.ggml``
-    (``SubScaled``) in the VNNI layout: codes as int4 row pairs (Q4_K, Q2_K), uint8 with a min
-    (Q5_K, Q5_1) or int8 + 128 (Q6_K, Q3_K, IQ4_XS, IQ4_NL); superblock scales as described above,
-    or for one-level types (sb == group: Q5_1, IQ4_NL, whose sub-scale is 1) float16 group tables."""
+    (``SubScaled``) in the VNNI layout: codes as int4 row pairs (Q4_K, Q2_K, Q3_K), 6-bit row quads
+    (Q6_K), uint8 with a min (Q5_K, Q5_1) or int8 + 128 (IQ4_XS, IQ4_NL); superblock scales as
+    described above, or for one-level types (sb == group: Q5_1, IQ4_NL, whose sub-scale is 1) float16
+    group tables."""
     from perfx_compiler.formats import Packed
 
     n, k = sub.codes.shape
     g, offset = int(sub.group), sub.mins is not None
     sb = 0 if int(sub.sb) == g else int(sub.sb)
-    bits = 4 if qtype in NIBBLE_TYPES else 8
-    n2 = n + n % 2 if bits == 4 else n
+    if qtype in SIGNED_NIBBLE_TYPES:
+        # signed codes -4..3 as nibbles 0..7 with the zero as a min: (d*sc)*(c+4) - d*(4*sc), exact
+        # (4*sc fits int8); the +128 byte form would cancel 128*sum(x) against small dot products
+        zero = SIGNED_NIBBLE_TYPES[qtype]
+        sub = type(sub)(**{**vars(sub), "codes": (np.asarray(sub.codes, np.int16) + zero).astype(np.uint8),
+                           "mins": (np.asarray(sub.scales, np.int16) * zero).astype(np.int8), "dmin": sub.d})
+        offset = True
+    bits = 4 if qtype in NIBBLE_TYPES else 6 if qtype in SIXBIT_TYPES and not offset else 8
+    n2 = -(-n // ROWS_PER_UNIT[bits]) * ROWS_PER_UNIT[bits]
     if bits == 4:
         codes = pack_q4_pairs(sub.codes)
+    elif bits == 6:  # signed codes -32..31 -> unsigned, zero point 32
+        codes = pack_q6_quads((np.asarray(sub.codes, dtype=np.int16) + 32).astype(np.uint8))
     elif offset:
         codes = pack_q8_raw(sub.codes)
     else:
@@ -192,13 +229,14 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     else:  # one level: scale d, min -dmin (both exact float16)
         scale = pad_groups(np.asarray(sub.d, dtype=np.float16), k, g, n2)
         third = pad_groups(-np.asarray(sub.dmin, dtype=np.float16), k, g, n2) if offset else None
-    fam = "q4" if bits == 4 else "q8"
+    fam = {4: "q4", 6: "q6", 8: "q8"}[bits]
     arrays = [(f"_{fam}", codes), (f"_{fam}_scale", scale)] + ([(f"_{fam}_min", third)] if offset else [])
 
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
         return vnni_compute(n, k, g, bits, not offset, offset, kind, rows, ids_dtype, sb=sb)
 
-    return Packed(fam, f"{qtype.lower().replace('_', '')}v", n, k, arrays, compute)
+    # the int8 GEMM (prefill) reads int4 and int8 codes; 6-bit ones are dequantized for the float GEMM
+    return Packed(fam, f"{qtype.lower().replace('_', '')}v", n, k, arrays, compute, int8_gemm=bits != 6)
 
 
 def quantize_activations(x: np.ndarray, k: int, group: int) -> np.ndarray:
@@ -256,13 +294,11 @@ def vnni_compute(
 
     kp = padded_k(k)
     _, ngp = groups_padded(k, group)
-    n2 = n + n % 2
-    if bits == 4:
-        q = te.placeholder((n2 // 2, kp), "uint8", name="q")
-    else:
-        q = te.placeholder((n, kp), "uint8", name="q")
+    rpu = ROWS_PER_UNIT[bits]
+    nu = -(-n // rpu)
+    q = te.placeholder((nu, 3 * kp if bits == 6 else kp), "uint8", name="q")
     sw = scale_width(k, group, sb)
-    s = te.placeholder((q.shape[0] * (2 if bits == 4 else 1), sw), "int8" if sb else "float16", name="scale")
+    s = te.placeholder((nu * rpu, sw), "int8" if sb else "float16", name="scale")
     z = None
     if bits == 4 or offset:
         z = te.placeholder(s.shape, ("int8" if sb else "float16") if offset else "uint8",
@@ -279,6 +315,10 @@ def vnni_compute(
     def w(row: Any, col: Any) -> Any:
         g = col // group
         sc = factor(s, row, g)
+        if bits == 6:
+            lo = (q[row // 4, (row % 4) // 2 * kp + col] >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")
+            hi = (q[row // 4, 2 * kp + col] >> ((row % 4) * 2).astype("uint8")) & tirx.const(3, "uint8")
+            return ((lo | (hi << tirx.const(4, "uint8"))).astype("float32") - tirx.const(32.0, "float32")) * sc
         if bits == 8:
             if offset:  # unsigned codes as they are, then the min
                 mn = -factor(z, row, g) if sb else factor(z, row, g)
