@@ -75,8 +75,6 @@ class Scales:
     classic kernels' own (their generated code does not change)."""
 
     def __init__(self, N: int, K: int, G: int, offset: bool, sb: int = 0) -> None:  # noqa: N803
-        if sb and not offset:
-            raise ValueError("internal: int4 superblock scales come with mins (GGUF Q4_K / Q2_K)")
         self.NG = -(-K // G)
         self.G, self.sb = G, sb
         self.SW = self.NG + 2 * (K // sb) if sb else self.NG
@@ -412,8 +410,18 @@ class GemvInt4CPU(ScheduleTemplate):
             out["sb"] = int(info["sb"])
         return out
 
+    def _weight_arrays(self, info: dict[str, Any]) -> int:
+        """Weight arrays of this format's functions (the gather's ids follow them)."""
+        return self.weight_arrays
+
     def _fits(self, N: int, K: int, G: int, L: int) -> bool:
         return K % (8 * L) == 0 and G % L == 0  # 8 codes per uint32 word, whole vectors per group
+
+    def _takes_superblocks(self, info: dict[str, Any]) -> bool:
+        """Whether the kernels read this superblock-scale variant (int4: the min variant only,
+        GGUF Q4_K / Q2_K; superblocks of whole groups, K whole superblocks)."""
+        sb, G, K = int(info["sb"]), int(info["group"]), int(info["K"])
+        return bool(info.get("offset")) and not info.get("words") and sb % G == 0 and K % sb == 0
 
     def _kernels(self, workload: Workload) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """(gemv, dequant, dequant_panels, take builders, their format keyword arguments)."""
@@ -440,8 +448,10 @@ class GemvInt4CPU(ScheduleTemplate):
         # the VNNI layout (int8 activations) is gemv_qvnni_cpu's
         if info is None or info.get("bits") != self.bits or info.get("layout") is not None:
             return None
+        if info.get("sb") and not self._takes_superblocks(info):
+            return None  # the reference PrimFunc runs
         kind = info.get("kind", "matmul")
-        rows = static_rows_of(func.params[0] if kind == "matmul" else func.params[self.weight_arrays])
+        rows = static_rows_of(func.params[0] if kind == "matmul" else func.params[self._weight_arrays(info)])
         dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "L": int(info["lanes"]),
                 "M": rows or 0}
         return make_workload(
