@@ -120,3 +120,45 @@ def test_batched_gemv_matches_float64(host, qtype):
     ref = x.astype(np.float64) @ w.astype(np.float64).T
     y = _run(pk, pk.compute("matmul", (None, 1)), host, {}, x, *_arrays(pk), np.zeros((3, 1, n), np.float32))
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_q4_k_m_model_matches_reference(tmp_path):
+    """A tiny llama quantized to Q4_K_M by llama.cpp (Q4_K and Q6_K matrices), compiled with float
+    activations: every matrix stays blocks (no float32 copy) and the logits agree with the float64
+    reference on the file's dequantized weights."""
+    import ctypes
+    import json
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from perfx_compiler.model.gguf import load_gguf
+    from perfx_compiler.model.reference import ReferenceModel
+    from perfx_compiler.model.testing import write_tiny_gguf
+    from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.runtime.engine import Engine
+
+    src, _ = write_tiny_gguf(tmp_path / "f32.gguf", hidden=256, ffn=512, heads=4, kv_heads=2, layers=1, seed=1,
+                             vocab=320, tied=False)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.nthread = 2
+    dst = tmp_path / "q4km.gguf"
+    assert llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) == 0
+    desc = load_gguf(dst)
+    types = {v[0] for v in desc.quantized.values()}
+    assert {"Q4_K", "Q6_K"} <= types, types
+    out = tmp_path / "artifact"
+    compile_model(desc, "host", out, quantization="gguf", activations="f32", batching=False, progress=False)
+    manifest = json.loads((out / "perfx-config.json").read_text())
+    float_mats = [w["name"] for w in manifest["weights"] if w["dtype"] == "float32" and len(w["shape"]) == 2]
+    assert all("rope" in n for n in float_mats), float_mats
+    scales = {w["name"] for w in manifest["weights"] if w["name"].endswith("_scale") and w["dtype"] == "int8"}
+    assert len(scales) >= 7, scales  # superblock scale tables: every matrix of the file
+    engine, ref = Engine(out), ReferenceModel(desc)
+
+    def rel(a: np.ndarray, r: np.ndarray) -> float:
+        return float(np.abs(a - r).max() / np.abs(r).max())
+
+    ids = [3, 17, 42, 5, 9, 60, 1]
+    assert rel(engine.prefill(ids), ref.forward(ids)[-1]) < 1e-3
+    for tok in (7, 11):
+        assert rel(engine.decode(tok), ref.forward([tok])[-1]) < 1e-3
