@@ -162,3 +162,19 @@ def test_q4_k_m_model_matches_reference(tmp_path):
     assert rel(engine.prefill(ids), ref.forward(ids)[-1]) < 1e-3
     for tok in (7, 11):
         assert rel(engine.decode(tok), ref.forward([tok])[-1]) < 1e-3
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q5_1"])
+def test_reference_dequant_is_exact(host, qtype):
+    """The reference PrimFunc (what the tuner checks candidates against, and what runs where a
+    template declines) reads the same layout: bit for bit too."""
+    import tvm
+
+    n, k = 16, 512
+    sub, w = fake_subscaled(qtype, n, k, np.random.default_rng(5))
+    pk = subscaled_packed(sub, qtype)
+    rt = build_func(pk.compute("dequant", (None, None)), host)
+    dev = tvm.cpu()
+    out = tvm.runtime.tensor(np.zeros((n, k), np.float32), dev)
+    rt["main"](*[tvm.runtime.tensor(a, dev) for a in _arrays(pk)], out)
+    np.testing.assert_array_equal(out.numpy(), w)
