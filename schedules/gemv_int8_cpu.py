@@ -8,6 +8,12 @@ the ``q8`` scheme and GGUF Q8_0 passthrough) and the int8 embedding gather.
 * Batched GEMV (paged_decode: x [batch, 1, K], batch symbolic): the same kernel, rows bound at run time.
 * Dequantize (prefill, rows symbolic): int8 -> fp32 W [N, K], then the float GEMM template.
 * Embedding gather: rows of the int8 table dequantized on the fly.
+
+GGUF superblock types kept as they are (``formats/superblocks.py``; info ``offset`` / ``sb``, never
+on the classic format): unsigned codes with a min (Q5_K, Q5_1: one more weight array, the GEMV adds
+``min_g * sum_g(x)``, the group's x summed beside the codes) and superblock scales (Q6_K, Q3_K,
+IQ4_XS, Q5_K: int8 sc times the row's float16 d read through a float16 view of the scale buffer,
+``gemv_int4_cpu.Scales``). Every kernel above reads them.
 """
 
 from __future__ import annotations
