@@ -9,18 +9,20 @@ from perfx_compiler.kernels._lanes import lanes_sum
 
 
 def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offset: bool = False,
-               batch: bool = False) -> Any:
+               batch: bool = False, sb: int = 0) -> Any:
     """Int4 GEMV over several rows of x (static M in 2..8, or paged_decode's symbolic batch), each
     weight unpacked once per MB rows: per L-code vector the nibbles are shifted, masked, converted
     and scaled (``w = q * s + c``, c = -z * s or the Q4_1 min) once into R registers, then FMAed
     into MB x R vector accumulators, one per (row, weight row). The per-row kernel (``_gemv``)
     repeats the unpack for every row, so M rows cost M times its ALU work on a memory-bound loop.
     A symbolic batch runs in chunks of MB rows, the last one through a body unrolled for its row
-    count (MB bodies in all)."""
+    count (MB bodies in all). ``sb``: superblock scales (``gemv_int4_cpu.Scales``, min variant)."""
     from tvm.script import tirx as T
 
-    NG = -(-K // G)
-    ZT = "float16" if offset else "uint8"
+    from schedules.gemv_int4_cpu import Scales
+
+    F = Scales(N, K, G, offset, sb)
+    NG, SW, ST, ZT, SB = F.NG, F.SW, F.ST, F.ZT, bool(sb)
     VPG = G // L
     NV = K // L
     NB = K // (8 * L)
@@ -43,7 +45,7 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
                     xs[xs0 + (c * L // G) * L + lane] = xs[xs0 + (c * L // G) * L + lane] + xr[xr0 + c * L + lane]
 
     @T.macro
-    def block1(Q, S, Z, Y, xr, xs, acc, accg, t, nj, c, m):
+    def block1(Q, S, Z, Sd, Zd, Y, xr, xs, acc, accg, t, nj, c, m):
         # a chunk of one row (batch 1, or the last of an odd batch): nobody shares the unpacked
         # weights, so the per-row kernel's order, scale and zero applied per group to the sums of
         # q * x (fewer ops than dequantizing every weight)
@@ -74,8 +76,8 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
                 for lane in T.vectorized(L):
                     if offset:
                         acc[r * L + lane] = acc[r * L + lane] + (
-                            T.Cast("float32", S[t * PER + nj * R + r, g]) * accg[r * L + lane]
-                            + T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[c * MB * NG * L + g * L + lane])
+                            F.scale(S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
+                            + F.min(Z, Zd, t * PER + nj * R + r, g) * xs[c * MB * NG * L + g * L + lane])
                     else:
                         acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
                             accg[r * L + lane]
@@ -84,7 +86,7 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
             Y[(c * MB) // m, (c * MB) % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 
     @T.macro
-    def block(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, rows):
+    def block(Q, S, Z, Sd, Zd, Y, xr, acc, w, sc, t, nj, c, m, rows):
         # rows (a Python int <= MB): the rows of x in this chunk, all unrolled
         for i in T.unroll(rows):
             for r in T.unroll(R):
@@ -92,9 +94,9 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
                     acc[(i * R + r) * L + lane] = T.float32(0)
         for g in T.serial(NG):
             for r in T.unroll(R):
-                sc[r * 2] = T.Cast("float32", S[t * PER + nj * R + r, g])
+                sc[r * 2] = F.scale(S, Sd, t * PER + nj * R + r, g)
                 if offset:
-                    sc[r * 2 + 1] = T.Cast("float32", Z[t * PER + nj * R + r, g])
+                    sc[r * 2 + 1] = F.min(Z, Zd, t * PER + nj * R + r, g)
                 else:
                     sc[r * 2 + 1] = -T.Cast("float32", Z[t * PER + nj * R + r, g]) * sc[r * 2]
             for u in T.unroll(VPG):
@@ -128,32 +130,24 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
         # a chunk of up to ``rows`` rows: the body for exactly ``rows``, else ``fewer``'s (macros
         # cannot call themselves, so the chain is built here)
         @T.macro
-        def chunk(Q, S, Z, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, left):
+        def chunk(Q, S, Z, Sd, Zd, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, left):
             if left >= rows:
-                block(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, rows)
+                block(Q, S, Z, Sd, Zd, Y, xr, acc, w, sc, t, nj, c, m, rows)
             else:
-                fewer(Q, S, Z, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, left)
+                fewer(Q, S, Z, Sd, Zd, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, left)
 
         return chunk
 
     @T.macro
-    def one(Q, S, Z, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, left):
-        block1(Q, S, Z, Y, xr, xs, acc1, accg, t, nj, c, m)
+    def one(Q, S, Z, Sd, Zd, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, left):
+        block1(Q, S, Z, Sd, Zd, Y, xr, xs, acc1, accg, t, nj, c, m)
 
     chunk = one
     for rows in range(2, MB + 1):
         chunk = dispatch(rows, chunk)
 
-    @T.prim_func(private=True)
-    def q4_gemv_once(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        b = T.int64()
-        m = T.int64()
-        X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
-        Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
+    @T.macro
+    def body(X, Q, S, Z, Sd, Zd, Y, b, m):
         xr = T.decl_buffer((b * m * NG * G,), "float32")
         xs = T.decl_buffer((b * m * NG * L if batch else 1,), "float32")
         for bm in T.serial(b * m):
@@ -169,8 +163,25 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
             for nj, c in T.grid(PER // R, (b * m + MB - 1) // MB):
                 if batch:
                     # the last chunk of a symbolic batch: a body unrolled for its exact row count
-                    chunk(Q, S, Z, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, b * m - c * MB)
+                    chunk(Q, S, Z, Sd, Zd, Y, xr, xs, acc, acc1, accg, w, sc, t, nj, c, m, b * m - c * MB)
                 else:
-                    block(Q, S, Z, Y, xr, acc, w, sc, t, nj, c, m, MB)
+                    block(Q, S, Z, Sd, Zd, Y, xr, acc, w, sc, t, nj, c, m, MB)
+
+    @T.prim_func(private=True)
+    def q4_gemv_once(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        b = T.int64()
+        m = T.int64()
+        X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+        Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
+        if SB:  # the superblock d / dmin: float16 views of the scale / min buffers
+            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+            Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
+            body(X, Q, S, Z, Sd, Zd, Y, b, m)
+        else:
+            body(X, Q, S, Z, S, Z, Y, b, m)
 
     return q4_gemv_once

@@ -19,6 +19,11 @@ L consecutive codes):
   linears; this kernel unpacks W [N, K] to fp32 (vectorized, parallel over rows) and the float
   GEMM template does the matmul at full speed. The scratch is reused across layers.
 * Embedding gather: rows of the packed table dequantized on the fly.
+
+Superblock scales (info ``sb``: GGUF Q4_K / Q2_K as they are, ``formats/superblocks.py``, min
+variant only): every kernel above reads them; a group's scale is float32(sc) * float32(d) with d
+read through a float16 view of the int8 scale buffer (its row tail), the min -(m * dmin) likewise
+(:class:`Scales`).
 """
 
 from __future__ import annotations
@@ -61,14 +66,49 @@ def batch_rows(buf: Any) -> bool:
 
 
 
-def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool = False, batch: bool = False) -> Any:
+class Scales:
+    """How a kernel reads a weight's scale and zero / min tables: float16 [N, NG] (uint8 zeros or
+    float16 mins), or with ``sb`` (superblock scales, ``formats/superblocks.py``) int8 [N, SW],
+    SW = NG + 2 K/sb, whose row tail holds the superblocks' float16 d (dmin), read through a
+    float16 view (``Ad``: ``decl_buffer((N * SW // 2,), "float16", data=A.data)``) of the same buffer,
+    as ``schedules/_vnni_dequant._Layout.factor`` does. Without ``sb`` the expressions are the
+    classic kernels' own (their generated code does not change)."""
+
+    def __init__(self, N: int, K: int, G: int, offset: bool, sb: int = 0) -> None:  # noqa: N803
+        self.NG = -(-K // G)
+        self.G, self.sb = G, sb
+        self.SW = self.NG + 2 * (K // sb) if sb else self.NG
+        self.ST = "int8" if sb else "float16"
+        self.ZT = "int8" if sb else ("float16" if offset else "uint8")
+        self.VIEW = N * self.SW // 2  # float16 elements of a view
+
+    def scale(self, A: Any, Ad: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's scale as float32: the float16 value, or sc * d."""
+        from tvm.script import tirx as T
+
+        if not self.sb:
+            return T.Cast("float32", A[row, g])
+        d = Ad[row * (self.SW // 2) + self.NG // 2 + g // (self.sb // self.G)]
+        return T.Cast("float32", A[row, g]) * T.Cast("float32", d)
+
+    def min(self, Z: Any, Zd: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's additive min (offset variants) as float32: the float16 min, or -(m * dmin)."""
+        from tvm.script import tirx as T
+
+        if not self.sb:
+            return T.Cast("float32", Z[row, g])
+        return -self.scale(Z, Zd, row, g)
+
+
+def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool = False, batch: bool = False,
+          sb: int = 0) -> Any:
     """Int4 GEMV over the rows of x [b, m, K]. One row after another, each a parallel launch; with
     ``batch`` (paged_decode's symbolic batch) one parallel launch with the rows innermost, so each
     task's R-row weight block is read from memory once per call and from L1 per row."""
     from tvm.script import tirx as T
 
-    NG = -(-K // G)
-    ZT = "float16" if offset else "uint8"  # offset (GGUF Q4_1): w = code * s + min
+    F = Scales(N, K, G, offset, sb)
+    NG, SW, ST, ZT, SB = F.NG, F.SW, F.ST, F.ZT, bool(sb)  # offset (GGUF Q4_1): w = code * s + min
     VPG = G // L  # vectors per full group
     NV = K // L
     NB = K // (8 * L)  # packed blocks per row
@@ -90,7 +130,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
                 xs[xs0 + (c * L // G) * L + lane] = xs[xs0 + (c * L // G) * L + lane] + xr[xr0 + c * L + lane]
 
     @T.macro
-    def row_block(Q, S, Z, Y, xr, xs, xr0, xs0, acc, accg, t, nj, bm, m):
+    def row_block(Q, S, Z, Sd, Zd, Y, xr, xs, xr0, xs0, acc, accg, t, nj, bm, m):
         # R weight rows against one row of x: R independent FMA chains sharing each x load
         for r in T.unroll(R):
             for lane in T.vectorized(L):
@@ -121,8 +161,8 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
                 for r in T.unroll(R):
                     for lane in T.vectorized(L):
                         acc[r * L + lane] = acc[r * L + lane] + (
-                            T.Cast("float32", S[t * PER + nj * R + r, g]) * accg[r * L + lane]
-                            + T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[xs0 + g * L + lane]
+                            F.scale(S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
+                            + F.min(Z, Zd, t * PER + nj * R + r, g) * xs[xs0 + g * L + lane]
                         )
             else:
                 for r in T.unroll(R):
@@ -133,44 +173,24 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
         for r in T.unroll(R):
             Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 
-    if batch:
+    @T.macro
+    def batch_body(X, Q, S, Z, Sd, Zd, Y, b, m):
+        # every row's padded x and group sums first (one workspace for the call), so the rows
+        # can be the innermost loop below
+        xs = T.decl_buffer((b * m * NG * L,), "float32")
+        xr = T.decl_buffer((b * m * NG * G,), "float32")
+        for bm in T.serial(b * m):
+            prepare_x(X, xr, xs, bm * NG * G, bm * NG * L, bm, m)
+        # accumulators once per task, not per row: inside a parallel loop each allocation is
+        # a TVMBackendAllocWorkspace call, which cost more than the row itself
+        for t in T.parallel(tasks):
+            acc = T.decl_buffer((R * L,), "float32", scope="local")
+            accg = T.decl_buffer((R * L,), "float32", scope="local")
+            for nj, bm in T.grid(PER // R, b * m):
+                row_block(Q, S, Z, Sd, Zd, Y, xr, xs, bm * NG * G, bm * NG * L, acc, accg, t, nj, bm, m)
 
-        @T.prim_func(private=True)
-        def q4_gemv_batch(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            b = T.int64()
-            m = T.int64()
-            X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
-            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
-            S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-            Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
-            Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-            # every row's padded x and group sums first (one workspace for the call), so the rows
-            # can be the innermost loop below
-            xs = T.decl_buffer((b * m * NG * L,), "float32")
-            xr = T.decl_buffer((b * m * NG * G,), "float32")
-            for bm in T.serial(b * m):
-                prepare_x(X, xr, xs, bm * NG * G, bm * NG * L, bm, m)
-            # accumulators once per task, not per row: inside a parallel loop each allocation is
-            # a TVMBackendAllocWorkspace call, which cost more than the row itself
-            for t in T.parallel(tasks):
-                acc = T.decl_buffer((R * L,), "float32", scope="local")
-                accg = T.decl_buffer((R * L,), "float32", scope="local")
-                for nj, bm in T.grid(PER // R, b * m):
-                    row_block(Q, S, Z, Y, xr, xs, bm * NG * G, bm * NG * L, acc, accg, t, nj, bm, m)
-
-        return q4_gemv_batch
-
-    @T.prim_func(private=True)
-    def q4_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        b = T.int64()
-        m = T.int64()
-        X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
-        Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
+    @T.macro
+    def rows_body(X, Q, S, Z, Sd, Zd, Y, b, m):
         xs = T.decl_buffer((NG * L,), "float32")
         xr = T.decl_buffer((NG * G,), "float32")
         for bm in T.serial(b * m):
@@ -179,26 +199,40 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
                 acc = T.decl_buffer((R * L,), "float32", scope="local")
                 accg = T.decl_buffer((R * L,), "float32", scope="local")
                 for nj in T.serial(PER // R):
-                    row_block(Q, S, Z, Y, xr, xs, 0, 0, acc, accg, t, nj, bm, m)
+                    row_block(Q, S, Z, Sd, Zd, Y, xr, xs, 0, 0, acc, accg, t, nj, bm, m)
+
+    body = batch_body if batch else rows_body
+
+    @T.prim_func(private=True)
+    def q4_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        b = T.int64()
+        m = T.int64()
+        X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+        Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
+        if SB:  # the superblock d / dmin: float16 views of the scale / min buffers
+            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+            Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
+            body(X, Q, S, Z, Sd, Zd, Y, b, m)
+        else:
+            body(X, Q, S, Z, S, Z, Y, b, m)
 
     return q4_gemv
 
 
-def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False) -> Any:
+def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, sb: int = 0) -> Any:
     from tvm.script import tirx as T
 
-    NG = -(-K // G)
-    ZT = "float16" if offset else "uint8"
+    F = Scales(N, K, G, offset, sb)
+    SW, ST, ZT, SB = F.SW, F.ST, F.ZT, bool(sb)
     NV = K // L
     PER = N // tasks
 
-    @T.prim_func(private=True)
-    def q4_dequant(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
-        Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
+    @T.macro
+    def body(Q, S, Z, Sd, Zd, Out):
         for t in T.parallel(tasks):
             for nj in T.serial(PER):
                 for v in T.serial(NV):
@@ -213,7 +247,7 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False) -
                                         T.uint32(15),
                                     ),
                                 ),
-                            ) * T.Cast("float32", S[t * PER + nj, v * L // G]) + T.Cast("float32", Z[t * PER + nj, v * L // G])
+                            ) * F.scale(S, Sd, t * PER + nj, v * L // G) + F.min(Z, Zd, t * PER + nj, v * L // G)
                     else:
                         for lane in T.vectorized(L):
                             Out[t * PER + nj, v * L + lane] = (
@@ -230,10 +264,24 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False) -
                                 - T.Cast("float32", Z[t * PER + nj, v * L // G])
                             ) * T.Cast("float32", S[t * PER + nj, v * L // G])
 
+    @T.prim_func(private=True)
+    def q4_dequant(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+        Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
+        if SB:
+            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+            Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
+            body(Q, S, Z, Sd, Zd, Out)
+        else:
+            body(Q, S, Z, S, Z, Out)
+
     return q4_dequant
 
 
-def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = False) -> Any:
+def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = False, sb: int = 0) -> Any:
     """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout): an
     L x L tile is widened with the row kernel's contiguous loads, then stored transposed (L
     columns of L contiguous rows) through ``transpose_tile``'s shuffles."""
@@ -241,58 +289,59 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
 
     from schedules._vnni_kernels import transpose_tile
 
-    NG = -(-K // G)
-    ZT = "float16" if offset else "uint8"
+    F = Scales(N, K, G, offset, sb)
+    SW, ST, ZT, SB = F.SW, F.ST, F.ZT, bool(sb)
     TR = L
     if nb % L or L & (L - 1):
         raise ScheduleConfigError(f"panel width {nb} is not a multiple of the {L}-lane tile")
 
-    def w(Q: Any, S: Any, Z: Any, row: Any, col: Any) -> Any:
+    def w(Q: Any, S: Any, Z: Any, Sd: Any, Zd: Any, row: Any, col: Any) -> Any:  # noqa: N803
         word = (col // L // 8) * L + col % L
         shift = T.Cast("uint32", (col // L) % 8 * 4)
         q = T.Cast("float32", T.Cast("int32", T.bitwise_and(T.shift_right(Q[row, word], shift), T.uint32(15))))
         if offset:
-            return q * T.Cast("float32", S[row, col // G]) + T.Cast("float32", Z[row, col // G])
+            return q * F.scale(S, Sd, row, col // G) + F.min(Z, Zd, row, col // G)
         return (q - T.Cast("float32", Z[row, col // G])) * T.Cast("float32", S[row, col // G])
 
-    @T.prim_func(private=True)
-    def q4_dequant_panels(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
-        Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
+    @T.macro
+    def body(Q, S, Z, Sd, Zd, Out):
         for p in T.parallel(N // nb):
             for v in T.serial(K // L):
                 for jb in T.serial(nb // TR):
                     tile = T.decl_buffer((TR * L,), "float32", scope="local")
                     for j in T.unroll(TR):
                         for lane in T.vectorized(L):
-                            tile[j * L + lane] = w(Q, S, Z, p * nb + jb * TR + j, v * L + lane)
+                            tile[j * L + lane] = w(Q, S, Z, Sd, Zd, p * nb + jb * TR + j, v * L + lane)
                     for c in T.unroll(L):
                         Out[p, v * L + c, T.Ramp(jb * TR, 1, TR)] = T.Shuffle(
                             transpose_tile([tile[T.Ramp(r * L, 1, L)] for r in range(TR)]), [c * TR + r for r in range(TR)])
 
+    @T.prim_func(private=True)
+    def q4_dequant_panels(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+        Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
+        if SB:
+            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+            Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
+            body(Q, S, Z, Sd, Zd, Out)
+        else:
+            body(Q, S, Z, S, Z, Out)
+
     return q4_dequant_panels
 
 
-def _take(N: int, K: int, G: int, L: int, offset: bool = False) -> Any:
+def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> Any:
     from tvm.script import tirx as T
 
-    NG = -(-K // G)
-    ZT = "float16" if offset else "uint8"
+    F = Scales(N, K, G, offset, sb)
+    SW, ST, ZT, SB = F.SW, F.ST, F.ZT, bool(sb)
     NV = K // L
 
-    @T.prim_func(private=True)
-    def q4_take(q_h: T.handle, s_h: T.handle, z_h: T.handle, i_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        b = T.int64()
-        m = T.int64()
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(NG)), ZT)
-        ID = T.match_buffer(i_h, (b, m), "int64")
-        Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
+    @T.macro
+    def body(Q, S, Z, Sd, Zd, ID, Out, b, m):
         for bm in T.serial(b * m):
             for v in T.serial(NV):
                 if offset:
@@ -303,9 +352,7 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False) -> Any:
                                 T.shift_right(Q[ID[bm // m, bm % m], (v // 8) * L + lane], T.Cast("uint32", (v % 8) * 4)),
                                 T.uint32(15),
                             ),
-                        ) * T.Cast("float32", S[ID[bm // m, bm % m], v * L // G]) + T.Cast(
-                            "float32", Z[ID[bm // m, bm % m], v * L // G]
-                        )
+                        ) * F.scale(S, Sd, ID[bm // m, bm % m], v * L // G) + F.min(Z, Zd, ID[bm // m, bm % m], v * L // G)
                 else:
                     for lane in T.vectorized(L):
                         Out[bm // m, bm % m, v * L + lane] = (
@@ -318,6 +365,23 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False) -> Any:
                             )
                             - T.Cast("float32", Z[ID[bm // m, bm % m], v * L // G])
                         ) * T.Cast("float32", S[ID[bm // m, bm % m], v * L // G])
+
+    @T.prim_func(private=True)
+    def q4_take(q_h: T.handle, s_h: T.handle, z_h: T.handle, i_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        b = T.int64()
+        m = T.int64()
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+        ID = T.match_buffer(i_h, (b, m), "int64")
+        Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
+        if SB:
+            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+            Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
+            body(Q, S, Z, Sd, Zd, ID, Out, b, m)
+        else:
+            body(Q, S, Z, S, Z, ID, Out, b, m)
 
     return q4_take
 
@@ -341,14 +405,30 @@ class GemvInt4CPU(ScheduleTemplate):
 
     def _format_info(self, info: dict[str, Any]) -> dict[str, Any]:
         """Workload facts of this format beyond kind, nb and batch."""
-        return {"sym": bool(info.get("sym")), "offset": bool(info.get("offset"))}
+        out = {"sym": bool(info.get("sym")), "offset": bool(info.get("offset"))}
+        if info.get("sb"):  # only then: the classic formats' workload keys stay as they were
+            out["sb"] = int(info["sb"])
+        return out
+
+    def _weight_arrays(self, info: dict[str, Any]) -> int:
+        """Weight arrays of this format's functions (the gather's ids follow them)."""
+        return self.weight_arrays
 
     def _fits(self, N: int, K: int, G: int, L: int) -> bool:
         return K % (8 * L) == 0 and G % L == 0  # 8 codes per uint32 word, whole vectors per group
 
+    def _takes_superblocks(self, info: dict[str, Any]) -> bool:
+        """Whether the kernels read this superblock-scale variant (int4: the min variant only,
+        GGUF Q4_K / Q2_K; superblocks of whole groups, K whole superblocks)."""
+        sb, G, K = int(info["sb"]), int(info["group"]), int(info["K"])
+        return bool(info.get("offset")) and not info.get("words") and sb % G == 0 and K % sb == 0
+
     def _kernels(self, workload: Workload) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """(gemv, dequant, dequant_panels, take builders, their format keyword arguments)."""
-        return _gemv, _dequant, _dequant_panels, _take, {"offset": bool(workload.info.get("offset"))}
+        fmt: dict[str, Any] = {"offset": bool(workload.info.get("offset"))}
+        if workload.info.get("sb"):
+            fmt["sb"] = int(workload.info["sb"])
+        return _gemv, _dequant, _dequant_panels, _take, fmt
 
     def _gemv_once(self) -> Any:
         """The multi-row GEMV that unpacks each weight once for all rows, or None (the per-row
@@ -368,8 +448,10 @@ class GemvInt4CPU(ScheduleTemplate):
         # the VNNI layout (int8 activations) is gemv_qvnni_cpu's
         if info is None or info.get("bits") != self.bits or info.get("layout") is not None:
             return None
+        if info.get("sb") and not self._takes_superblocks(info):
+            return None  # the reference PrimFunc runs
         kind = info.get("kind", "matmul")
-        rows = static_rows_of(func.params[0] if kind == "matmul" else func.params[self.weight_arrays])
+        rows = static_rows_of(func.params[0] if kind == "matmul" else func.params[self._weight_arrays(info)])
         dims = {"N": int(info["N"]), "K": int(info["K"]), "G": int(info["group"]), "L": int(info["lanes"]),
                 "M": rows or 0}
         return make_workload(

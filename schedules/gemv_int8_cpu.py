@@ -8,6 +8,12 @@ the ``q8`` scheme and GGUF Q8_0 passthrough) and the int8 embedding gather.
 * Batched GEMV (paged_decode: x [batch, 1, K], batch symbolic): the same kernel, rows bound at run time.
 * Dequantize (prefill, rows symbolic): int8 -> fp32 W [N, K], then the float GEMM template.
 * Embedding gather: rows of the int8 table dequantized on the fly.
+
+GGUF superblock types kept as they are (``formats/superblocks.py``; info ``offset`` / ``sb``, never
+on the classic format): unsigned codes with a min (Q5_K, Q5_1: one more weight array, the GEMV adds
+``min_g * sum_g(x)``, the group's x summed beside the codes) and superblock scales (Q6_K, Q3_K,
+IQ4_XS, Q5_K: int8 sc times the row's float16 d read through a float16 view of the scale buffer,
+``gemv_int4_cpu.Scales``). Every kernel above reads them.
 """
 
 from __future__ import annotations
@@ -16,21 +22,32 @@ from typing import Any
 
 from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.schedule_template import ScheduleConfigError, ScheduleTemplate, Workload
-from schedules.gemv_int4_cpu import GemvInt4CPU
+from schedules.gemv_int4_cpu import GemvInt4CPU, Scales
 
 
-def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = False) -> Any:
+def _views(offset: bool, sb: int) -> tuple[bool, bool]:
+    """(SB, OFF): Python-level switches of the kernels' signatures (superblock views, a min array)."""
+    return bool(sb), bool(offset)
+
+
+def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = False, offset: bool = False,
+          sb: int = 0) -> Any:
     """Int8 GEMV over the rows of x [b, m, K]: one parallel launch per row, or with ``batch``
     (paged_decode's symbolic batch) one launch with the rows innermost, so each task's R-row
-    weight block is read from memory once per call and from L1 per row."""
+    weight block is read from memory once per call and from L1 per row. ``offset``: unsigned codes
+    and a min (``y += s_g * sum_g(q x) + min_g * sum_g(x)``); ``sb``: superblock scales."""
     from tvm.script import tirx as T
 
+    F = Scales(N, K, G, offset, sb)
+    SW, ST, ZT = F.SW, F.ST, F.ZT
+    SB, OFF = _views(offset, sb)
+    QT = "uint8" if offset else "int8"
     NG = K // G
     VPG = G // L
     PER = N // tasks
 
     @T.macro
-    def row_block(X, Q, S, Y, acc, accg, t, nj, bm, m):
+    def row_block(X, Q, S, Z, Sd, Zd, Y, acc, accg, accx, t, nj, bm, m):
         # R weight rows against one row of x: R independent FMA chains sharing each x load
         for r in T.unroll(R):
             for lane in T.vectorized(L):
@@ -39,38 +56,82 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
             for r in T.unroll(R):
                 for lane in T.vectorized(L):
                     accg[r * L + lane] = T.float32(0)
+            if offset:
+                for lane in T.vectorized(L):
+                    accx[lane] = T.float32(0)
             for u in T.unroll(VPG):
                 for r in T.unroll(R):
                     for lane in T.vectorized(L):
                         accg[r * L + lane] = accg[r * L + lane] + T.Cast(
                             "float32", Q[t * PER + nj * R + r, g * G + u * L + lane]
                         ) * X[bm // m, bm % m, g * G + u * L + lane]
-            for r in T.unroll(R):
-                for lane in T.vectorized(L):
-                    acc[r * L + lane] = acc[r * L + lane] + T.Cast(
-                        "float32", S[t * PER + nj * R + r, g]
-                    ) * accg[r * L + lane]
+                if offset:  # the group's sum of x, for the min term
+                    for lane in T.vectorized(L):
+                        accx[lane] = accx[lane] + X[bm // m, bm % m, g * G + u * L + lane]
+            if offset:
+                for r in T.unroll(R):
+                    for lane in T.vectorized(L):
+                        acc[r * L + lane] = acc[r * L + lane] + (
+                            F.scale(S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
+                            + F.min(Z, Zd, t * PER + nj * R + r, g) * accx[lane])
+            else:
+                for r in T.unroll(R):
+                    for lane in T.vectorized(L):
+                        acc[r * L + lane] = acc[r * L + lane] + F.scale(
+                            S, Sd, t * PER + nj * R + r, g
+                        ) * accg[r * L + lane]
         for r in T.unroll(R):
             Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 
-    if batch:
+    @T.macro
+    def batch_body(X, Q, S, Z, Sd, Zd, Y, b, m):
+        for t in T.parallel(tasks):
+            acc = T.decl_buffer((R * L,), "float32", scope="local")
+            accg = T.decl_buffer((R * L,), "float32", scope="local")
+            if offset:
+                accx = T.decl_buffer((L,), "float32", scope="local")
+                for nj, bm in T.grid(PER // R, b * m):
+                    row_block(X, Q, S, Z, Sd, Zd, Y, acc, accg, accx, t, nj, bm, m)
+            else:
+                for nj, bm in T.grid(PER // R, b * m):
+                    row_block(X, Q, S, Z, Sd, Zd, Y, acc, accg, acc, t, nj, bm, m)
+
+    @T.macro
+    def rows_body(X, Q, S, Z, Sd, Zd, Y, b, m):
+        for bm in T.serial(b * m):
+            for t in T.parallel(tasks):
+                acc = T.decl_buffer((R * L,), "float32", scope="local")
+                accg = T.decl_buffer((R * L,), "float32", scope="local")
+                if offset:
+                    accx = T.decl_buffer((L,), "float32", scope="local")
+                    for nj in T.serial(PER // R):
+                        row_block(X, Q, S, Z, Sd, Zd, Y, acc, accg, accx, t, nj, bm, m)
+                else:
+                    for nj in T.serial(PER // R):
+                        row_block(X, Q, S, Z, Sd, Zd, Y, acc, accg, acc, t, nj, bm, m)
+
+    body = batch_body if batch else rows_body
+
+    if OFF:  # unsigned codes and a min: one more weight array
 
         @T.prim_func(private=True)
-        def q8_gemv_batch(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
+        def q8_gemv_min(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
             T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
             b = T.int64()
             m = T.int64()
             X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
-            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
-            S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
+            S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+            Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
             Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-            for t in T.parallel(tasks):
-                acc = T.decl_buffer((R * L,), "float32", scope="local")
-                accg = T.decl_buffer((R * L,), "float32", scope="local")
-                for nj, bm in T.grid(PER // R, b * m):
-                    row_block(X, Q, S, Y, acc, accg, t, nj, bm, m)
+            if SB:
+                Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+                Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
+                body(X, Q, S, Z, Sd, Zd, Y, b, m)
+            else:
+                body(X, Q, S, Z, S, Z, Y, b, m)
 
-        return q8_gemv_batch
+        return q8_gemv_min
 
     @T.prim_func(private=True)
     def q8_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
@@ -79,79 +140,183 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
         m = T.int64()
         X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
         Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-        for bm in T.serial(b * m):
-            for t in T.parallel(tasks):
-                acc = T.decl_buffer((R * L,), "float32", scope="local")
-                accg = T.decl_buffer((R * L,), "float32", scope="local")
-                for nj in T.serial(PER // R):
-                    row_block(X, Q, S, Y, acc, accg, t, nj, bm, m)
+        if SB:  # the superblock d: a float16 view of the scale buffer
+            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+            body(X, Q, S, S, Sd, S, Y, b, m)
+        else:
+            body(X, Q, S, S, S, S, Y, b, m)
 
     return q8_gemv
 
 
-def _dequant(N: int, K: int, G: int, L: int, tasks: int) -> Any:
+def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, sb: int = 0) -> Any:
     from tvm.script import tirx as T
 
-    NG = K // G
+    F = Scales(N, K, G, offset, sb)
+    SW, ST, ZT = F.SW, F.ST, F.ZT
+    SB, OFF = _views(offset, sb)
+    QT = "uint8" if offset else "int8"
     NV = K // L
     PER = N // tasks
+
+    @T.macro
+    def body(Q, S, Z, Sd, Zd, Out):
+        for t in T.parallel(tasks):
+            for nj in T.serial(PER):
+                for v in T.serial(NV):
+                    if offset:
+                        for lane in T.vectorized(L):
+                            Out[t * PER + nj, v * L + lane] = T.Cast("float32", Q[t * PER + nj, v * L + lane]) * F.scale(
+                                S, Sd, t * PER + nj, v * L // G) + F.min(Z, Zd, t * PER + nj, v * L // G)
+                    else:
+                        for lane in T.vectorized(L):
+                            Out[t * PER + nj, v * L + lane] = T.Cast("float32", Q[t * PER + nj, v * L + lane]) * F.scale(
+                                S, Sd, t * PER + nj, v * L // G
+                            )
+
+    if OFF:  # unsigned codes and a min: one more weight array
+
+        @T.prim_func(private=True)
+        def q8_dequant_min(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
+            S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+            Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+            Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
+            if SB:
+                Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+                Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
+                body(Q, S, Z, Sd, Zd, Out)
+            else:
+                body(Q, S, Z, S, Z, Out)
+
+        return q8_dequant_min
 
     @T.prim_func(private=True)
     def q8_dequant(q_h: T.handle, s_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
         Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
-        for t in T.parallel(tasks):
-            for nj in T.serial(PER):
-                for v in T.serial(NV):
-                    for lane in T.vectorized(L):
-                        Out[t * PER + nj, v * L + lane] = T.Cast("float32", Q[t * PER + nj, v * L + lane]) * T.Cast(
-                            "float32", S[t * PER + nj, v * L // G]
-                        )
+        if SB:
+            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+            body(Q, S, S, Sd, S, Out)
+        else:
+            body(Q, S, S, S, S, Out)
 
     return q8_dequant
 
 
-def _dequant_panels(N: int, K: int, G: int, L: int, nb: int) -> Any:
+def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = False, sb: int = 0) -> Any:
     """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout): an
     L x L tile widened with contiguous loads, stored transposed through ``transpose_tile``."""
     from tvm.script import tirx as T
 
     from schedules._vnni_kernels import transpose_tile
 
-    NG = K // G
+    F = Scales(N, K, G, offset, sb)
+    SW, ST, ZT = F.SW, F.ST, F.ZT
+    SB, OFF = _views(offset, sb)
+    QT = "uint8" if offset else "int8"
     if nb % L or L & (L - 1) or K % L:
         raise ScheduleConfigError(f"panel width {nb} / K={K} is not a multiple of the {L}-lane tile")
 
-    @T.prim_func(private=True)
-    def q8_dequant_panels(q_h: T.handle, s_h: T.handle, o_h: T.handle):
-        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
-        Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
+    def w(Q: Any, S: Any, Z: Any, Sd: Any, Zd: Any, row: Any, col: Any) -> Any:  # noqa: N803
+        if offset:
+            return T.Cast("float32", Q[row, col]) * F.scale(S, Sd, row, col // G) + F.min(Z, Zd, row, col // G)
+        return T.Cast("float32", Q[row, col]) * F.scale(S, Sd, row, col // G)
+
+    @T.macro
+    def body(Q, S, Z, Sd, Zd, Out):
         for p in T.parallel(N // nb):
             for v in T.serial(K // L):
                 for jb in T.serial(nb // L):
                     tile = T.decl_buffer((L * L,), "float32", scope="local")
                     for j in T.unroll(L):
                         for lane in T.vectorized(L):
-                            tile[j * L + lane] = T.Cast("float32", Q[p * nb + jb * L + j, v * L + lane]) * T.Cast(
-                                "float32", S[p * nb + jb * L + j, (v * L + lane) // G])
+                            tile[j * L + lane] = w(Q, S, Z, Sd, Zd, p * nb + jb * L + j, v * L + lane)
                     for c in T.unroll(L):
                         Out[p, v * L + c, T.Ramp(jb * L, 1, L)] = T.Shuffle(
                             transpose_tile([tile[T.Ramp(r * L, 1, L)] for r in range(L)]), [c * L + r for r in range(L)])
 
+    if OFF:  # unsigned codes and a min: one more weight array
+
+        @T.prim_func(private=True)
+        def q8_dequant_panels_min(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
+            S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+            Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+            Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
+            if SB:
+                Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+                Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
+                body(Q, S, Z, Sd, Zd, Out)
+            else:
+                body(Q, S, Z, S, Z, Out)
+
+        return q8_dequant_panels_min
+
+    @T.prim_func(private=True)
+    def q8_dequant_panels(q_h: T.handle, s_h: T.handle, o_h: T.handle):
+        T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+        Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
+        if SB:
+            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+            body(Q, S, S, Sd, S, Out)
+        else:
+            body(Q, S, S, S, S, Out)
+
     return q8_dequant_panels
 
 
-def _take(N: int, K: int, G: int, L: int) -> Any:
+def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> Any:
     from tvm.script import tirx as T
 
-    NG = K // G
+    F = Scales(N, K, G, offset, sb)
+    SW, ST, ZT = F.SW, F.ST, F.ZT
+    SB, OFF = _views(offset, sb)
+    QT = "uint8" if offset else "int8"
     NV = K // L
+
+    @T.macro
+    def body(Q, S, Z, Sd, Zd, ID, Out, b, m):
+        for bm in T.serial(b * m):
+            for v in T.serial(NV):
+                if offset:
+                    for lane in T.vectorized(L):
+                        Out[bm // m, bm % m, v * L + lane] = T.Cast("float32", Q[ID[bm // m, bm % m], v * L + lane]) * F.scale(
+                            S, Sd, ID[bm // m, bm % m], v * L // G) + F.min(Z, Zd, ID[bm // m, bm % m], v * L // G)
+                else:
+                    for lane in T.vectorized(L):
+                        Out[bm // m, bm % m, v * L + lane] = T.Cast("float32", Q[ID[bm // m, bm % m], v * L + lane]) * F.scale(
+                            S, Sd, ID[bm // m, bm % m], v * L // G
+                        )
+
+    if OFF:  # unsigned codes and a min: one more weight array
+
+        @T.prim_func(private=True)
+        def q8_take_min(q_h: T.handle, s_h: T.handle, z_h: T.handle, i_h: T.handle, o_h: T.handle):
+            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
+            b = T.int64()
+            m = T.int64()
+            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
+            S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+            Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+            ID = T.match_buffer(i_h, (b, m), "int64")
+            Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
+            if SB:
+                Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+                Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
+                body(Q, S, Z, Sd, Zd, ID, Out, b, m)
+            else:
+                body(Q, S, Z, S, Z, ID, Out, b, m)
+
+        return q8_take_min
 
     @T.prim_func(private=True)
     def q8_take(q_h: T.handle, s_h: T.handle, i_h: T.handle, o_h: T.handle):
@@ -159,15 +324,14 @@ def _take(N: int, K: int, G: int, L: int) -> Any:
         b = T.int64()
         m = T.int64()
         Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
-        S = T.match_buffer(s_h, (T.int64(N), T.int64(NG)), "float16")
+        S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
         ID = T.match_buffer(i_h, (b, m), "int64")
         Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
-        for bm in T.serial(b * m):
-            for v in T.serial(NV):
-                for lane in T.vectorized(L):
-                    Out[bm // m, bm % m, v * L + lane] = T.Cast("float32", Q[ID[bm // m, bm % m], v * L + lane]) * T.Cast(
-                        "float32", S[ID[bm // m, bm % m], v * L // G]
-                    )
+        if SB:
+            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
+            body(Q, S, S, Sd, S, ID, Out, b, m)
+        else:
+            body(Q, S, S, S, S, ID, Out, b, m)
 
     return q8_take
 
@@ -182,13 +346,31 @@ class GemvInt8CPU(GemvInt4CPU):
     weight_arrays = 2  # codes, scales
 
     def _format_info(self, info: dict[str, Any]) -> dict[str, Any]:
-        return {}
+        out: dict[str, Any] = {}
+        if info.get("offset"):  # only then: the classic format's workload keys stay as they were
+            out["offset"] = True
+        if info.get("sb"):
+            out["sb"] = int(info["sb"])
+        return out
+
+    def _weight_arrays(self, info: dict[str, Any]) -> int:
+        return 3 if info.get("offset") else 2  # codes, scales (, mins)
 
     def _fits(self, N: int, K: int, G: int, L: int) -> bool:
         return K % G == 0 and G % L == 0
 
+    def _takes_superblocks(self, info: dict[str, Any]) -> bool:
+        """int8: signed codes, or unsigned codes with a min; byte codes (no words)."""
+        sb, G, K = int(info["sb"]), int(info["group"]), int(info["K"])
+        return not info.get("words") and sb % G == 0 and K % sb == 0
+
     def _kernels(self, workload: Workload) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        return _gemv, _dequant, _dequant_panels, _take, {}
+        fmt: dict[str, Any] = {}
+        if workload.info.get("offset"):
+            fmt["offset"] = True
+        if workload.info.get("sb"):
+            fmt["sb"] = int(workload.info["sb"])
+        return _gemv, _dequant, _dequant_panels, _take, fmt
 
     def _gemv_once(self) -> Any:
         return None  # int8 codes: the per-row kernel for every row count (no unpack-once variant yet)

@@ -11,6 +11,10 @@ Packed layout (what ``schedules/gemv_int4_cpu.py`` reads), for W [N, K]:
   K leaves a shorter last group (K = 576 with g128: 4 groups of 128 + one of 64).
 * Offset variant (``Int4Format.offset``, GGUF Q4_1 as it is): the third array is ``min``, float16
   [N, ceil(K/G)], and w = code * scale + min.
+* Superblock scales (info ``sb: 256``, GGUF Q4_K / Q2_K as they are, ``formats/superblocks.py``;
+  offset only): ``scale`` and ``min`` are int8 [N, NG + 2 * K/256]: the group values (sub-block
+  scale ``sc``, min ``m``), then the row's superblock ``d`` (``dmin``) as little-endian float16 bytes;
+  w = code * (sc * d) - (m * dmin), every product exact in float32.
 * Zero words (``words``, GPU targets without 8-bit types: WGSL): ``zero`` is uint32 [N, ceil(ng/4)],
   the uint8 zeros' own bytes (4 groups a word, little-endian, the last word zero-padded), as the int8
   codes of ``formats.int8`` are.
@@ -123,11 +127,13 @@ def zero_words(zero: np.ndarray) -> np.ndarray:
     return padded.view("<u4").astype(np.uint32)
 
 
-def quant_info(n: int, k: int, group: int, lanes: int, symmetric: bool, offset: bool = False) -> str:
+def quant_info(n: int, k: int, group: int, lanes: int, symmetric: bool, offset: bool = False, sb: int = 0) -> str:
     """The JSON the schedule template reads from a quantized matmul PrimFunc."""
     info = {"bits": 4, "N": n, "K": k, "group": group, "lanes": lanes, "sym": symmetric}
     if offset:
         info["offset"] = True
+    if sb:  # only then: the classic formats' facts (and tuning keys) stay as they were
+        info["sb"] = sb
     return json.dumps(info, sort_keys=True)
 
 
@@ -166,7 +172,7 @@ def int4_packed(
 def int4_matmul_compute(
     n: int, k: int, group: int, lanes: int, symmetric: bool, kind: str = "matmul",
     rows: tuple[int | None, int | None] = (1, None), offset: bool = False, ids_dtype: str = "int64",
-    words: bool = False,
+    words: bool = False, sb: int = 0,
 ) -> Any:
     """Reference PrimFunc ``y[0, m, n] = sum_k x[0, m, k] * dequant(W)[n, k]`` (M symbolic), tagged
     with ``perfx.quant`` so the int4 template can replace it with its scheduled kernel. Correct
@@ -174,17 +180,26 @@ def int4_matmul_compute(
     ``kind="dequant"``: the whole float W [N, K] (prefill then runs the float GEMM template).
     ``rows``: the two leading dims of x (ids), each static or None for symbolic; ``ids_dtype``: the
     graph's index dtype (int32 on targets without 64-bit integers, where shapes are int32 too);
-    ``words``: the zeros arrive as uint32 words (:func:`zero_words`) and the info says ``"words": true``."""
+    ``words``: the zeros arrive as uint32 words (:func:`zero_words`) and the info says ``"words": true``;
+    ``sb``: superblock scales (module docstring; offset only, no words)."""
     from tvm import te, tirx
 
     ng = -(-k // group)
     block = 8 * lanes
+    if sb and (not offset or words or k % sb):
+        raise PerfXError(f"internal: int4 superblock scales need the min variant and K % {sb} == 0 (K={k})")
     q = te.placeholder((n, k // 8), "uint32", name="q")
-    s = te.placeholder((n, ng), "float16", name="scale")
     words = words and not offset
-    if words:
+    if sb:
+        from perfx_compiler.formats.superblocks import te_factor
+
+        s = te.placeholder((n, ng + 2 * (k // sb)), "int8", name="scale")
+        z = te.placeholder((n, ng + 2 * (k // sb)), "int8", name="min")
+    elif words:
+        s = te.placeholder((n, ng), "float16", name="scale")
         z = te.placeholder((n, -(-ng // 4)), "uint32", name="zero")
     else:
+        s = te.placeholder((n, ng), "float16", name="scale")
         z = te.placeholder((n, ng), "float16" if offset else "uint8", name="min" if offset else "zero")
 
     def zero(row: Any, g: Any) -> Any:
@@ -197,6 +212,8 @@ def int4_matmul_compute(
         word = q[row, (col // block) * lanes + col % lanes]
         code = (word >> ((col % block) // lanes * 4).astype("uint32")) & tirx.const(15, "uint32")
         g = col // group
+        if sb:  # code * (sc * d) - (m * dmin)
+            return code.astype("float32") * te_factor(s, row, g, ng, group, sb) - te_factor(z, row, g, ng, group, sb)
         if offset:
             return code.astype("float32") * s[row, g].astype("float32") + z[row, g].astype("float32")
         return (code.astype("float32") - zero(row, g)) * s[row, g].astype("float32")
@@ -215,7 +232,7 @@ def int4_matmul_compute(
         r = te.reduce_axis((0, k), name="k")
         out = te.compute((b, m, n), lambda bi, i, j: te.sum(x[bi, i, r] * w(j, r), axis=r), name="matmul_q4")
         func = te.create_prim_func([x, q, s, z, out])
-    info = json.loads(quant_info(n, k, group, lanes, symmetric, offset))
+    info = json.loads(quant_info(n, k, group, lanes, symmetric, offset, sb))
     info["kind"] = kind
     if words:
         info["words"] = True

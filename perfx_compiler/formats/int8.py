@@ -4,6 +4,14 @@ the reference PrimFuncs that ``schedules/gemv_int8_cpu.py`` replaces by its kern
 Layout, for W [N, K]: ``q`` int8 [N, K] row-major (a vector load of L bytes = L consecutive
 columns), ``scale`` float16 [N, K/G]; w = q * scale. G must divide K (every GGUF Q8_0 tensor
 qualifies: rows are whole blocks of 32). Bytes per parameter at G = 32: 1 + 2/32 = 1.0625.
+
+Variants for the GGUF superblock types kept as they are (``formats/superblocks.py``), CPU only:
+
+* offset (info ``offset: true``; Q5_K, Q5_1): ``q`` uint8 [N, K] unsigned codes, a third array
+  ``min`` after ``scale``; w = q * scale + min.
+* superblock scales (info ``sb: 256``; Q6_K, Q3_K, IQ4_XS, and Q5_K with the offset): ``scale`` (and
+  ``min``) int8 [N, K/G + 2 * K/256]: the group values sc (m), then the row's superblock d (dmin) as
+  little-endian float16 bytes; w = q * (sc * d), or with the offset q * (sc * d) - (m * dmin).
 """
 
 from __future__ import annotations
@@ -52,20 +60,33 @@ def lanes8(k: int, group: int) -> int:
 
 def int8_matmul_compute(
     n: int, k: int, group: int, kind: str = "matmul", rows: tuple[int | None, int | None] = (1, None),
-    ids_dtype: str = "int64", words: bool = False,
+    ids_dtype: str = "int64", words: bool = False, offset: bool = False, sb: int = 0,
 ) -> Any:
     """Reference PrimFunc of an int8 linear (``kind``: matmul / dequant / take, as in ``formats.int4``),
     tagged ``perfx.quant`` with bits = 8. Correct (slow) on any target as it is. ``words``: the codes
     arrive as uint32 [N, K/4] (4 codes per word, little-endian: the int8 array's own bytes), for
-    targets without 8-bit types (WGSL); the info then says ``"words": true``."""
+    targets without 8-bit types (WGSL); the info then says ``"words": true``. ``offset`` / ``sb``:
+    the superblock variants of the module docstring (no words)."""
     from tvm import te, tirx
 
     check_group(k, group)
     ng = k // group
     if words and k % 4:
         raise PerfXError(f"q8: K={k} is not a multiple of 4; the codes cannot be read as 32-bit words")
-    q = te.placeholder((n, k // 4) if words else (n, k), "uint32" if words else "int8", name="q")
-    s = te.placeholder((n, ng), "float16", name="scale")
+    if (offset or sb) and (words or (sb and k % sb)):
+        raise PerfXError(f"internal: q8 superblock / min variants take byte codes and K % {sb} == 0 (K={k})")
+    z = None
+    if offset or sb:
+        from perfx_compiler.formats.superblocks import te_factor
+
+        width = ng + (2 * (k // sb) if sb else 0)
+        q = te.placeholder((n, k), "uint8" if offset else "int8", name="q")
+        s = te.placeholder((n, width), "int8" if sb else "float16", name="scale")
+        if offset:
+            z = te.placeholder((n, width), "int8" if sb else "float16", name="min")
+    else:
+        q = te.placeholder((n, k // 4) if words else (n, k), "uint32" if words else "int8", name="q")
+        s = te.placeholder((n, ng), "float16", name="scale")
 
     def code(row: Any, col: Any) -> Any:
         if not words:
@@ -74,25 +95,38 @@ def int8_matmul_compute(
         return (byte.astype("int32") ^ 128) - 128  # sign-extend without 8-bit types
 
     def w(row: Any, col: Any) -> Any:
+        if offset or sb:
+            g = col // group
+            sc = te_factor(s, row, g, ng, group, sb) if sb else s[row, g].astype("float32")
+            if not offset:
+                return q[row, col].astype("float32") * sc
+            if sb:  # code * (sc * d) - (m * dmin)
+                return q[row, col].astype("float32") * sc - te_factor(z, row, g, ng, group, sb)
+            return q[row, col].astype("float32") * sc + z[row, g].astype("float32")
         return code(row, col).astype("float32") * s[row, col // group].astype("float32")
 
+    ws = [q, s] + ([z] if z is not None else [])
     b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
     m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
     if kind == "dequant":
         out = te.compute((n, k), lambda row, col: w(row, col), name="dequant_q8")
-        func = te.create_prim_func([q, s, out])
+        func = te.create_prim_func([*ws, out])
     elif kind == "take":
         ids = te.placeholder((b, m), ids_dtype, name="ids")
         out = te.compute((b, m, k), lambda bi, i, c: w(ids[bi, i], c), name="take_q8")
-        func = te.create_prim_func([q, s, ids, out])
+        func = te.create_prim_func([*ws, ids, out])
     else:
         x = te.placeholder((b, m, k), "float32", name="x")
         r = te.reduce_axis((0, k), name="k")
         out = te.compute((b, m, n), lambda bi, i, j: te.sum(x[bi, i, r] * w(j, r), axis=r), name="matmul_q8")
-        func = te.create_prim_func([x, q, s, out])
+        func = te.create_prim_func([x, *ws, out])
     info = {"bits": 8, "N": n, "K": k, "group": group, "lanes": lanes8(k, group), "kind": kind}
     if words:
         info["words"] = True
+    if offset:  # only then (and sb): the classic facts (and tuning keys) stay as they were
+        info["offset"] = True
+    if sb:
+        info["sb"] = sb
     return func.with_attr(QUANT_ATTR, json.dumps(info, sort_keys=True))
 
 

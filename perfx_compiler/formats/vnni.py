@@ -93,11 +93,11 @@ def scale_width(k: int, group: int, sb: int = 0) -> int:
 
 def pack_subscales(values: np.ndarray, d: np.ndarray, k: int, group: int, rows: int, sb: int) -> np.ndarray:
     """int8 group values [N, K/G] and float16 superblock factors [N, K/sb] -> int8 [rows, SW]."""
+    from perfx_compiler.formats.superblocks import pack_superblock_scales
+
     _, ngp = groups_padded(k, group)
-    out = np.zeros((rows, scale_width(k, group, sb)), dtype=np.int8)
-    out[: values.shape[0], : values.shape[1]] = values
-    out[: d.shape[0], ngp:] = np.ascontiguousarray(d, dtype="<f2").view(np.int8)
-    return out
+    assert d.shape[1] == k // sb
+    return pack_superblock_scales(values, d, ngp, rows)
 
 
 def unpack_subscales(packed: np.ndarray, n: int, k: int, group: int, sb: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,8 +1,9 @@
 """GGUF passthrough (quantization ``gguf``): linears read the file's blocks as they are, repacked into
 the kernels' layouts, never requantized: Q4_0 / Q4_1 / Q5_0 / Q8_0 on every target
 (``formats/gguf_blocks.py``), the superblock types (K-quants, IQ4_NL / IQ4_XS, Q5_1:
-``formats/ggml``) under int8 activations (the VNNI kernels read their sub-block scales and
-superblock d as they are; elsewhere these weights stay float32).
+``formats/ggml``) on CPU targets: under int8 activations the VNNI kernels read their sub-block
+scales and superblock d as they are (``formats/vnni.py``), under float activations the int4 / int8
+CPU kernels do (``formats/superblocks.py``); on GPU targets these weights stay float32 for now.
 
 The loader keeps each such tensor's raw blocks in ``ModelDescription.quantized`` (Q/K rows already
 in Hugging Face order). Merged projections (``merge_projections``: QKV, gate+up) take their
@@ -28,6 +29,7 @@ from tqdm import tqdm
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.formats import ggml
 from perfx_compiler.formats.gguf_blocks import BLOCK_BYTES, dequantize_blocks, packed_from_blocks
+from perfx_compiler.formats.superblocks import subscaled_packed
 from perfx_compiler.formats.vnni import subscaled_vnni_packed
 from perfx_compiler.model.lazy import is_lazy
 from perfx_compiler.passes._quantized_linears import current_activations, linear_weights, rewrite_linears
@@ -55,14 +57,21 @@ def block_tables(desc: Any) -> dict[str, tuple[str, np.ndarray, tuple[int, int]]
     return out
 
 
-def packable(qtype: str, vnni: bool) -> bool:
-    """Whether this pass keeps a ``qtype`` weight as blocks (under int8 activations when ``vnni``)."""
-    return qtype in BLOCK_BYTES or (vnni and qtype in ggml.FORMATS)
+def packable(qtype: str, vnni: bool, gpu: bool = False) -> bool:
+    """Whether this pass keeps a ``qtype`` weight as blocks (under int8 activations when ``vnni``; on a
+    GPU target when ``gpu``, where the superblock types stay float32)."""
+    return qtype in BLOCK_BYTES or (qtype in ggml.FORMATS and (vnni or not gpu))
+
+
+def gpu_target(ctx: Any) -> bool:
+    """Whether the pass context compiles for a GPU target (``packable``'s ``gpu``)."""
+    return getattr(getattr(ctx, "target", None), "family", "") == "gpu"
 
 
 def _pack(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool, vnni: bool) -> Any:
     if qtype in ggml.FORMATS:
-        return subscaled_vnni_packed(ggml.unpack(qtype, raw, shape), qtype)
+        sub = ggml.unpack(qtype, raw, shape)
+        return subscaled_vnni_packed(sub, qtype) if vnni else subscaled_packed(sub, qtype)
     return packed_from_blocks(qtype, raw, shape, words8, vnni)
 
 
@@ -101,12 +110,13 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     # Under int8 activations each weight goes to the VNNI layout right away: the unpacked codes
     # (twice the blocks' size) are dropped before the next weight, not kept for rewrite_linears.
     vnni = current_activations() == "int8"
+    gpu = gpu_target(ctx)
 
     def qtype_of(n: str) -> str:
         return weights[n].qtype if is_lazy(weights[n]) else tables[n][0] if n in tables else ""
 
     # others stay float (a lazy one dequantizes where it is read as an array)
-    names = [n for n in sorted(quant) if packable(qtype_of(n), vnni)]
+    names = [n for n in sorted(quant) if packable(qtype_of(n), vnni, gpu)]
     show = bool(getattr(ctx.options, "progress", False)) and len(names) >= 32
     packed = {}
     from perfx_compiler.progress import console

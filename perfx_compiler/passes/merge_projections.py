@@ -97,10 +97,10 @@ def _block_types(ctx: Any) -> dict[str, str]:
     if getattr(getattr(ctx, "options", None), "quantization", None) != "gguf" or desc is None:
         return {}
     from perfx_compiler.passes._quantized_linears import current_activations
-    from perfx_compiler.passes.gguf_passthrough import packable, relax_name
+    from perfx_compiler.passes.gguf_passthrough import gpu_target, packable, relax_name
 
-    vnni = current_activations() == "int8"
-    return {relax_name(n): v[0] for n, v in (desc.quantized or {}).items() if packable(v[0], vnni)}
+    vnni, gpu = current_activations() == "int8", gpu_target(ctx)
+    return {relax_name(n): v[0] for n, v in (desc.quantized or {}).items() if packable(v[0], vnni, gpu)}
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
