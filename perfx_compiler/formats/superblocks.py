@@ -2,8 +2,9 @@
 the float-activation CPU layouts of ``formats/int4.py`` and ``formats/int8.py``, values moved as they
 are (never requantized); ``.vnni`` gives the same weight in the VNNI layout (``formats/vnni.py``).
 
-* Q4_K, Q2_K (``vnni.NIBBLE_TYPES``): the int4 interleaved codes, min variant with superblock scales.
-* Q6_K, Q3_K, IQ4_XS: int8 signed codes, superblock scales: w = code * (sc * d).
+* Q4_K, Q2_K, Q3_K (``vnni.NIBBLE_TYPES``; Q3_K's signed codes + 4, the zero as a min): the int4
+  interleaved codes, min variant with superblock scales.
+* Q6_K, IQ4_XS: int8 signed codes, superblock scales: w = code * (sc * d).
 * Q5_K: int8 offset variant (uint8 codes and a min), superblock scales: w = code * (sc * d) - (m * dmin).
 * Q5_1 (one level, sc = m = 1): int8 offset variant with float16 group tables scale = d, min = -dmin.
 * IQ4_NL (one level, sc = 1): the classic int8 format (float16 scale = d: GGUF Q8_0's layout).
@@ -46,15 +47,22 @@ def subscaled_packed(sub: Any, qtype: str) -> Any:
     from perfx_compiler.formats import Packed
     from perfx_compiler.formats.int4 import Int4Format, int4_matmul_compute, pack_int4
     from perfx_compiler.formats.int8 import int8_matmul_compute, int8_packed
-    from perfx_compiler.formats.vnni import NIBBLE_TYPES, subscaled_vnni_packed
+    from perfx_compiler.formats.vnni import (
+        NIBBLE_TYPES,
+        SIGNED_NIBBLE_TYPES,
+        signed_nibbles_with_min,
+        subscaled_vnni_packed,
+    )
 
+    def vnni() -> Any:
+        return subscaled_vnni_packed(sub, qtype)
+
+    if qtype in SIGNED_NIBBLE_TYPES:
+        sub = signed_nibbles_with_min(sub, SIGNED_NIBBLE_TYPES[qtype])
     n, k = sub.codes.shape
     g, offset = int(sub.group), sub.mins is not None
     sb = 0 if int(sub.sb) == g else int(sub.sb)
     ng = k // g
-
-    def vnni() -> Any:
-        return subscaled_vnni_packed(sub, qtype)
 
     if not sb and not offset:  # IQ4_NL: w = code * d, the classic int8 layout
         pk = int8_packed(np.asarray(sub.codes, dtype=np.int8), np.asarray(sub.d, dtype=np.float16), g)

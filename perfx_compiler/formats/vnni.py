@@ -191,6 +191,14 @@ def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
 # GGUF types whose codes take the int4 row-pair layout, the 6-bit row-quad layout (the others take bytes)
 NIBBLE_TYPES = ("Q4_K", "Q2_K", "Q3_K")
 SIGNED_NIBBLE_TYPES = {"Q3_K": 4}  # signed nibble types: their zero point
+
+
+def signed_nibbles_with_min(sub: Any, zero: int) -> Any:
+    """Signed codes (Q3_K: -4..3) as nibbles code + zero with the zero as a min, exactly:
+    (d*sc)*(c + z) - d*(z*sc) (z*sc fits int8); an int8 + 128 form would cancel 128 * sum(x)
+    against the small dot products of small codes."""
+    return type(sub)(**{**vars(sub), "codes": (np.asarray(sub.codes, np.int16) + zero).astype(np.uint8),
+                        "mins": (np.asarray(sub.scales, np.int16) * zero).astype(np.int8), "dmin": sub.d})
 SIXBIT_TYPES = ("Q6_K",)
 ROWS_PER_UNIT = {4: 2, 6: 4, 8: 1}  # rows one code row holds
 
@@ -207,12 +215,7 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     g, offset = int(sub.group), sub.mins is not None
     sb = 0 if int(sub.sb) == g else int(sub.sb)
     if qtype in SIGNED_NIBBLE_TYPES:
-        # signed codes -4..3 as nibbles 0..7 with the zero as a min: (d*sc)*(c+4) - d*(4*sc), exact
-        # (4*sc fits int8); the +128 byte form would cancel 128*sum(x) against small dot products
-        zero = SIGNED_NIBBLE_TYPES[qtype]
-        sub = type(sub)(**{**vars(sub), "codes": (np.asarray(sub.codes, np.int16) + zero).astype(np.uint8),
-                           "mins": (np.asarray(sub.scales, np.int16) * zero).astype(np.int8), "dmin": sub.d})
-        offset = True
+        sub, offset = signed_nibbles_with_min(sub, SIGNED_NIBBLE_TYPES[qtype]), True
     bits = 4 if qtype in NIBBLE_TYPES else 6 if qtype in SIXBIT_TYPES and not offset else 8
     n2 = -(-n // ROWS_PER_UNIT[bits]) * ROWS_PER_UNIT[bits]
     if bits == 4:

@@ -11,7 +11,7 @@ from test_vnni_superblocks import TYPES, fake_subscaled
 
 from perfx_compiler.formats import read_quant_info
 from perfx_compiler.formats.superblocks import subscaled_packed
-from perfx_compiler.formats.vnni import NIBBLE_TYPES
+from perfx_compiler.formats.vnni import NIBBLE_TYPES, SIGNED_NIBBLE_TYPES
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
 
@@ -55,7 +55,7 @@ def test_layout_and_facts(qtype):
     info = read_quant_info(pk.compute("matmul", (1, 1)))
     g, sb, _, _, mmax = TYPES[qtype]
     assert info.get("sb") == (sb if sb > g else None)
-    assert bool(info.get("offset")) == (mmax is not None)
+    assert bool(info.get("offset")) == (mmax is not None or qtype in SIGNED_NIBBLE_TYPES)  # Q3_K: zero as a min
     if sb > g:  # int8 [N, K/G + 2 K/sb]: group values, then d's float16 bytes
         scale = dict(pk.arrays)[f"_{pk.family}_scale"]
         assert scale.dtype == np.int8 and scale.shape == (8, 512 // g + 2 * 512 // sb)
