@@ -6,7 +6,9 @@ ending it. Modes:
 
 * ``default``: llama.cpp as it runs the file (int8 activations in its own blocks, fp16 KV cache);
 * ``f32-weights``: an F32 copy of the file that llama.cpp dequantized itself, F32 KV cache, no flash
-  attention: no step of its forward pass rounds below float32.
+  attention: no step of its forward pass rounds below float32;
+* ``f32-kv``: the file as it is with an F32 KV cache: against ``default``, how far llama.cpp's own two
+  settings agree (the ceiling of any other engine's agreement with it).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-MODES = ("default", "f32-weights")
+MODES = ("default", "f32-weights", "f32-kv")
 _F32 = 0  # GGML_TYPE_F32
 
 
@@ -51,6 +53,8 @@ def _eval(path: str, ids_file: str, out_file: str, mode: str) -> None:
         if llama_cpp.llama_model_quantize(path.encode(), f32_copy.encode(), ctypes.byref(p)) != 0:
             raise SystemExit("llama.cpp could not write an F32 copy")
         path, kw = f32_copy, {"type_k": _F32, "type_v": _F32, "flash_attn": False}
+    elif mode == "f32-kv":
+        kw = {"type_k": _F32, "type_v": _F32}
     try:
         ids = np.load(ids_file).tolist()
         n = max(512, len(ids))
