@@ -50,7 +50,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules._vnni_kernels import plan, quantize_group_macro, transpose_tile
+from schedules._vnni_kernels import ROWS_PER_UNIT, plan, quantize_group_macro, transpose_tile
 from schedules.gemv_int4_cpu import _like, quant_info, static_rows_of
 
 GEMV_MAX_ROWS = 8
@@ -61,7 +61,7 @@ def _info(func: Any) -> dict[str, Any] | None:
     info = quant_info(func)
     if info is None:
         return None
-    ok = info.get("layout") == "vnni" and info.get("bits") in (4, 8) and info.get("kind", "matmul") == "matmul"
+    ok = info.get("layout") == "vnni" and info.get("bits") in (4, 6, 8) and info.get("kind", "matmul") == "matmul"
     return info if ok else None
 
 
@@ -89,14 +89,16 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     NT = N // 16  # column tiles
     NB = -(-NT // nr)  # blocks
     BPT = -(-NB // tasks)
-    N2 = N + N % 2 if pair else N
-    QW = N2 // 2 if pair else N
+    RPU = ROWS_PER_UNIT[bits]  # rows per code row: int4 pairs, 6-bit quads, int8 rows
+    N2 = -(-N // RPU) * RPU
+    QW = N2 // RPU
+    QKW = 3 * KP if bits == 6 else KP  # bytes of a code row
     ST = "int8" if sb else "float16"  # scale / min element type
     ZT = ST if offset else "uint8"
     SW = NGP + (2 * (K // sb) if sb else 0)  # scale row: groups, then (sb) the superblocks' float16 d bytes
     NSB = K // sb if sb else 0
     GPS = sb // G if sb else 0  # groups per superblock
-    zconst = 8 if bits == 4 else 128
+    zconst = {4: 8, 6: 32, 8: 128}[bits]
     asym = pair and not sym and not offset
     GV = G // 16
     LO, HI = T.uint32(0x0F0F0F0F), T.uint32(0xF0F0F0F0)
@@ -120,6 +122,14 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
         """The min term's factor (w = code * scale + min): the float16 min, or (sb) -(m * dmin)."""
         return -factor(Z, row, g) if sb else factor(Z, row, g)
 
+    def six_bit_codes(Q8: Any, row: Any, col: Any) -> Any:
+        """uint8x64: row ``row``'s codes of columns col..col+63 from the 6-bit row-quad layout."""
+        q, r = row // 4, row % 4
+        lo = T.shift_right(Q8.vload([q, (r // 2) * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 4 * (r % 2)), 64))
+        hb = T.shift_right(Q8.vload([q, 2 * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 2 * r), 64))
+        return (lo & T.Broadcast(T.uint8(15), 64)) | T.shift_left(hb & T.Broadcast(T.uint8(3), 64),
+                                                                  T.Broadcast(T.uint8(4), 64))
+
     def vdot(acc: Any, w: Any, x: Any) -> Any:
         return T.call_llvm_pure_intrin(
             T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"), acc, w, x, dtype="int32x16")
@@ -136,7 +146,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                 SQ[bm * NG + g] = sm[0]
 
     @T.macro
-    def repack(Q32, Sc, Z, PK, SP, ZP, n0):
+    def repack(Q32, Q8, Sc, Z, PK, SP, ZP, n0):
         # 2. this block's weights as panel vectors: word (s, t, c) = 4 codes of column n0+16t+c.
         # Vectorized: rows are loaded whole and a square tile is transposed by shuffles
         # (``transpose_tile``); per-word scalar code costs as much as a third of the GEMM at M=128.
@@ -166,7 +176,11 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
             for sb in T.serial(S // 16):
                 for t in T.unroll(nr):
                     for c in T.unroll(16):
-                        tile[T.Ramp(c * 16, 1, 16)] = Q32.vload([n0 + t * 16 + c, sb * 16], "uint32x16")
+                        if bits == 6:  # the row's 64 codes assembled from its quad's nibble and high-bit rows
+                            tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", six_bit_codes(
+                                Q8, n0 + t * 16 + c, sb * 64))
+                        else:
+                            tile[T.Ramp(c * 16, 1, 16)] = Q32.vload([n0 + t * 16 + c, sb * 16], "uint32x16")
                     for s in T.unroll(16):
                         PK[T.Ramp(((sb * 16 + s) * nr + t) * 16, 1, 16)] = T.Shuffle(
                             transpose_tile([tile[T.Ramp(r * 16, 1, 16)] for r in range(16)]),
@@ -256,14 +270,15 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                         tiles(XQ32, DX, SQ, W, Sc, Z, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
                               (tk * BPT + bb) * (S * nr * 16), (tk * BPT + bb) * (NG * nr * 16))
         else:
-            Q32 = T.decl_buffer((QW, KP // 4), "uint32", data=W.data)
+            Q32 = T.decl_buffer((QW, QKW // 4), "uint32", data=W.data)
+            Q8 = T.decl_buffer((QW, QKW), "uint8", data=W.data)
             for tk in T.parallel(tasks):
                 PK = T.decl_buffer((S * nr * 16,), "uint32")
                 SP = T.decl_buffer((NG * nr * 16,), "float32")
                 ZP = T.decl_buffer((NG * nr * 16,), "int32")
                 for bb in T.serial(BPT):
                     if tk * BPT + bb < NB:
-                        repack(Q32, Sc, Z, PK, SP, ZP, T.min((tk * BPT + bb) * nr, NT - nr) * 16)
+                        repack(Q32, Q8, Sc, Z, PK, SP, ZP, T.min((tk * BPT + bb) * nr, NT - nr) * 16)
                         tiles(XQ32, DX, SQ, PK, SP, ZP, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
                               0, 0)
 
@@ -275,7 +290,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
             S_SHAPE, S_DT = (i64(NB * NG * nr * 16),), "float32"
             Z_SHAPE, Z_DT = S_SHAPE, "int32"
         else:
-            W_SHAPE, W_DT = (i64(QW), i64(KP)), "uint8"
+            W_SHAPE, W_DT = (i64(QW), i64(QKW)), "uint8"
             S_SHAPE, S_DT = (i64(N2), i64(SW)), ST
             Z_SHAPE, Z_DT = S_SHAPE, ZT
 
@@ -299,7 +314,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
         B = T.int64()
         MM = T.int64()
         X = T.match_buffer(x_h, (B, MM, T.int64(K)), "float32")
-        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(KP)), "uint8")
+        Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
         Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
         Y = T.match_buffer(y_h, (B, MM, T.int64(N)), "float32")
         body(X, Q, Sc, Sc, Y, B, MM)

@@ -238,8 +238,7 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
         return vnni_compute(n, k, g, bits, not offset, offset, kind, rows, ids_dtype, sb=sb)
 
-    # the int8 GEMM (prefill) reads int4 and int8 codes; 6-bit ones are dequantized for the float GEMM
-    return Packed(fam, f"{qtype.lower().replace('_', '')}v", n, k, arrays, compute, int8_gemm=bits != 6)
+    return Packed(fam, f"{qtype.lower().replace('_', '')}v", n, k, arrays, compute)
 
 
 def quantize_activations(x: np.ndarray, k: int, group: int) -> np.ndarray:
