@@ -138,35 +138,53 @@ def q4_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return llama_quantize(f32, tmp / "q4_k_m.gguf", "Q4_K_M")
 
 
-def test_q4_k_m_decode_on_pocl_matches_x86(q4_k_m_gguf: Path, tmp_path: Path) -> None:
-    """Every linear of a llama.cpp Q4_K_M file stays blocks on mali (no float32 matrix in the bundle's
-    weights); decode logits through the OpenCL launcher on PoCL = the x86 build of the same file."""
-    from perfx_compiler.model.gguf_header import read_gguf_header
+@pytest.fixture(scope="module")
+def q4_k_m_x86_logits(q4_k_m_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> np.ndarray:
+    """Decode logits of TOKENS from the x86 build of the Q4_K_M file (float activations, as on GPUs)."""
     from perfx_compiler.pipeline import compile_model
     from perfx_compiler.runtime.engine import Engine
+
+    host = compile_model(str(q4_k_m_gguf), "host", tmp_path_factory.mktemp("q4kmx86") / "a", progress=False,
+                         max_context=MAX_CONTEXT, activations="f32")
+    engine = Engine(host)
+    return np.stack([engine.decode(t) for t in TOKENS])
+
+
+@pytest.mark.parametrize("target", ["mali", "vulkan"])
+def test_q4_k_m_decode_matches_x86(target: str, q4_k_m_gguf: Path, q4_k_m_x86_logits: np.ndarray,
+                                   tmp_path: Path) -> None:
+    """Every linear and the embedding of a llama.cpp Q4_K_M file stay blocks (Q4_K int4, Q6_K int8 kernels;
+    no float32 matrix in the bundle's manifest); decode logits through the OpenCL launcher on PoCL (mali)
+    or the WGSL launcher on lavapipe (vulkan: 32-bit words only) = the x86 build of the same file."""
+    from perfx_compiler.model.gguf_header import read_gguf_header
+    from perfx_compiler.pipeline import compile_model
     from perfx_compiler.targets_exec.reference import lowered_module
     from perfx_compiler.targets_exec.relax_exec import run_decode_steps
 
-    launcher = gpu_launcher("mali")
+    launcher = gpu_launcher(target)
     types = {t.tensor_type.name for t in read_gguf_header(q4_k_m_gguf).tensors if len(t.shape) == 2}
     assert {"Q4_K", "Q6_K"} <= types, types
-    state, funcs = lowered_module(str(q4_k_m_gguf), "mali", max_context=MAX_CONTEXT)
+    state, funcs = lowered_module(str(q4_k_m_gguf), target, max_context=MAX_CONTEXT)
     assert state.options.quantization == "gguf"
-    sbs = {json.loads(str(f.attrs["perfx.quant"])).get("bits") for f in funcs.values()
-           if f.attrs is not None and "perfx.quant" in f.attrs and '"sb"' in str(f.attrs["perfx.quant"])}
-    assert sbs == {4, 8}, sorted(funcs)  # Q4_K int4 and Q6_K int8 kernels
-    floats = [n for n, a in state.weights.items()
-              if np.asarray(a).dtype == np.float32 and np.asarray(a).ndim == 2 and not n.startswith("rope_")]
+    quant = {n: json.loads(str(f.attrs["perfx.quant"])) for n, f in funcs.items()
+             if f.attrs is not None and "perfx.quant" in f.attrs}
+    assert {q["bits"] for q in quant.values() if q.get("sb")} == {4, 8}, sorted(funcs)  # Q4_K and Q6_K
+    assert any(q["kind"] == "take" and q.get("sb") for q in quant.values())  # the Q4_K embedding
+    if target == "vulkan":
+        for name in quant:
+            dtypes = {str(p.ty.dtype) for p in funcs[name].params if hasattr(p.ty, "dtype") and hasattr(p.ty, "shape")}
+            assert not dtypes & {"int8", "uint8", "int64", "float16"}, (name, dtypes)
+    out = compile_model(str(q4_k_m_gguf), target, tmp_path / target, progress=False, max_context=MAX_CONTEXT)
+    stored = json.loads((out / "perfx-config.json").read_text())["weights"]
+    floats = [w["name"] for w in stored if w["dtype"] == "float32" and len(w["shape"]) == 2
+              and not w["name"].startswith("rope_")]
     assert not floats, floats
     got = np.stack(run_decode_steps(state, launcher, TOKENS, state.weights))
-    host = compile_model(str(q4_k_m_gguf), "host", tmp_path / "x86", progress=False, max_context=MAX_CONTEXT,
-                         activations="f32")
-    engine = Engine(host)
-    want = np.stack([engine.decode(t) for t in TOKENS])
+    want = q4_k_m_x86_logits
     err = np.abs(got - want).max()
-    assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"mali Q4_K_M: decode logits differ from x86 by {err}"
+    assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"{target} Q4_K_M: decode logits differ from x86 by {err}"
     assert (got.argmax(-1) == want.argmax(-1)).all()
-    print(f"mali Q4_K_M on PoCL: {len(funcs)} kernels, max |logit - x86| = {err:.2e}")
+    print(f"{target} Q4_K_M: {len(quant)} quantized kernels, max |logit - x86| = {err:.2e}")
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_K"])
@@ -192,3 +210,26 @@ def test_cuda_superblock_gemv_no_spills(qtype: str, tmp_path: Path) -> None:
         assert stats, res["log"]
         assert not any(v["spill_stores"] or v["spill_loads"] for v in stats.values()), stats
         print(qtype, kind, {k: v["registers"] for k, v in stats.items()})
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_rocm_superblock_gemv_no_scratch(qtype: str) -> None:
+    """The GEMV and take kernels of the GPU layout for rocm-gfx942: AMDGPU assembly without scratch (spills)."""
+    import os
+
+    from perfx_compiler.device_export import parse_amdgpu_asm, prepare_build_env
+    from perfx_compiler.formats import ggml
+    from perfx_compiler.formats.superblocks import subscaled_packed
+    from perfx_compiler.targets import load_target
+    from perfx_compiler.targets_exec.kernels import compile_primfunc
+
+    prepare_build_env(load_target("rocm-gfx942"))
+    if not os.environ.get("ROCM_PATH"):
+        pytest.skip("no ROCm bitcode / ld.lld-19 (run tests/setup.sh)")
+    raw = random_blocks(qtype, N, K, np.random.default_rng(2))
+    pk = subscaled_packed(ggml.unpack(qtype, raw, (N, K)), qtype, gpu=True)
+    for kind in ("matmul", "take"):
+        gpu, target = scheduled(pk.compute(kind, KINDS[kind]), "rocm-gfx942")
+        stats = parse_amdgpu_asm(compile_primfunc("q", gpu, target.tvm()).runtime_module.inspect_source("asm"))
+        assert stats and not [k for k, v in stats.items() if v["scratch_bytes"]], stats
+        print(qtype, kind, {k: v["vgpr"] for k, v in stats.items()})
