@@ -150,12 +150,13 @@ def q4_k_m_x86_logits(q4_k_m_gguf: Path, tmp_path_factory: pytest.TempPathFactor
     return np.stack([engine.decode(t) for t in TOKENS])
 
 
-@pytest.mark.parametrize("target", ["mali", "vulkan"])
+@pytest.mark.parametrize("target", ["mali", "adreno", "vulkan"])
 def test_q4_k_m_decode_matches_x86(target: str, q4_k_m_gguf: Path, q4_k_m_x86_logits: np.ndarray,
                                    tmp_path: Path) -> None:
     """Every linear and the embedding of a llama.cpp Q4_K_M file stay blocks (Q4_K int4, Q6_K int8 kernels;
     no float32 matrix in the bundle's manifest); decode logits through the OpenCL launcher on PoCL (mali)
-    or the WGSL launcher on lavapipe (vulkan: 32-bit words only) = the x86 build of the same file."""
+    or the WGSL launcher on lavapipe (vulkan: 32-bit words only) = the x86 build of the same file. Adreno's
+    image path (texture_weights) declines superblock weights: they stay buffers, read by the buffer GEMVs."""
     from perfx_compiler.model.gguf_header import read_gguf_header
     from perfx_compiler.pipeline import compile_model
     from perfx_compiler.targets_exec.reference import lowered_module
@@ -170,6 +171,11 @@ def test_q4_k_m_decode_matches_x86(target: str, q4_k_m_gguf: Path, q4_k_m_x86_lo
              if f.attrs is not None and "perfx.quant" in f.attrs}
     assert {q["bits"] for q in quant.values() if q.get("sb")} == {4, 8}, sorted(funcs)  # Q4_K and Q6_K
     assert any(q["kind"] == "take" and q.get("sb") for q in quant.values())  # the Q4_K embedding
+    if target == "adreno":
+        from perfx_compiler.kernels.tir_queries import has_texture_params
+
+        assert not any(has_texture_params(funcs[n]) for n, q in quant.items() if q.get("sb"))
+        assert not any(n.endswith("__tex") for n in state.weights), sorted(state.weights)
     if target == "vulkan":
         for name in quant:
             dtypes = {str(p.ty.dtype) for p in funcs[name].params if hasattr(p.ty, "dtype") and hasattr(p.ty, "shape")}
