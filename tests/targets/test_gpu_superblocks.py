@@ -239,3 +239,23 @@ def test_rocm_superblock_gemv_no_scratch(qtype: str) -> None:
         stats = parse_amdgpu_asm(compile_primfunc("q", gpu, target.tvm()).runtime_module.inspect_source("asm"))
         assert stats and not [k for k, v in stats.items() if v["scratch_bytes"]], stats
         print(qtype, kind, {k: v["vgpr"] for k, v in stats.items()})
+
+
+def test_q4_k_m_cuda_bundle_no_spills(q4_k_m_gguf: Path, tmp_path: Path) -> None:
+    """The whole Q4_K_M model for cuda-sm80: blocks kept (no float32 matrix), every kernel in the nvcc-built
+    cubin, the GEMV / matmul / attention kernels without spills (as test_cuda_rocm_codegen.py)."""
+    from perfx_compiler.device_export import parse_ptxas
+    from perfx_compiler.pipeline import compile_model
+
+    if shutil.which("nvcc") is None and not Path("/usr/local/bin/nvcc").exists():
+        pytest.skip("nvcc not found (CUDA toolkit)")
+    out = compile_model(str(q4_k_m_gguf), "cuda-sm80", tmp_path / "cuda", progress=False, max_context=MAX_CONTEXT)
+    manifest = json.loads((out / "perfx-config.json").read_text())
+    assert not [w["name"] for w in manifest["weights"] if w["dtype"] == "float32" and len(w["shape"]) == 2
+                and not w["name"].startswith("rope_")]
+    facts = manifest["device_code"]["cubin"]
+    assert "error" not in facts, facts
+    stats = parse_ptxas((out / f"kernels.{facts['arch']}.ptxas.txt").read_text())
+    hot = {k: v for k, v in stats.items() if any(h in k for h in ("matmul", "attention", "gemv", "take"))}
+    assert any("q4" in k for k in hot) and any("q8" in k for k in hot), sorted(stats)
+    assert not {k: v for k, v in hot.items() if v["spill_stores"] or v["spill_loads"]}
