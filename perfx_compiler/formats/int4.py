@@ -14,7 +14,9 @@ Packed layout (what ``schedules/gemv_int4_cpu.py`` reads), for W [N, K]:
 * Superblock scales (info ``sb: 256``, GGUF Q4_K / Q2_K as they are, ``formats/superblocks.py``;
   offset only): ``scale`` and ``min`` are int8 [N, NG + 2 * K/256]: the group values (sub-block
   scale ``sc``, min ``m``), then the row's superblock ``d`` (``dmin``) as little-endian float16 bytes;
-  w = code * (sc * d) - (m * dmin), every product exact in float32.
+  w = code * (sc * d) - (m * dmin), every product exact in float32. GPU layout (info ``d_words``):
+  group values int8 [N, NG] (uint32 words on WGSL), each followed by d as float32 bits, uint32 [N, K/256]
+  (``formats.superblocks.subscaled_packed``'s ``gpu``).
 * Zero words (``words``, GPU targets without 8-bit types: WGSL): ``zero`` is uint32 [N, ceil(ng/4)],
   the uint8 zeros' own bytes (4 groups a word, little-endian, the last word zero-padded), as the int8
   codes of ``formats.int8`` are.

@@ -5,13 +5,16 @@ Layout, for W [N, K]: ``q`` int8 [N, K] row-major (a vector load of L bytes = L 
 columns), ``scale`` float16 [N, K/G]; w = q * scale. G must divide K (every GGUF Q8_0 tensor
 qualifies: rows are whole blocks of 32). Bytes per parameter at G = 32: 1 + 2/32 = 1.0625.
 
-Variants for the GGUF superblock types kept as they are (``formats/superblocks.py``), CPU only:
+Variants for the GGUF superblock types kept as they are (``formats/superblocks.py``):
 
 * offset (info ``offset: true``; Q5_K, Q5_1): ``q`` uint8 [N, K] unsigned codes, a third array
   ``min`` after ``scale``; w = q * scale + min.
 * superblock scales (info ``sb: 256``; Q6_K, Q3_K, IQ4_XS, and Q5_K with the offset): ``scale`` (and
   ``min``) int8 [N, K/G + 2 * K/256]: the group values sc (m), then the row's superblock d (dmin) as
   little-endian float16 bytes; w = q * (sc * d), or with the offset q * (sc * d) - (m * dmin).
+* their GPU layout (info ``d_words: true``): ``scale`` (``min``) int8 [N, K/G] group values, each
+  followed by ``scale_d`` (``min_d``) uint32 [N, K/256], d's float32 bits; with ``words`` (WGSL) the
+  codes and group values as uint32 words.
 """
 
 from __future__ import annotations

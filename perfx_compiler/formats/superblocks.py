@@ -12,7 +12,8 @@ are (never requantized); ``.vnni`` gives the same weight in the VNNI layout (``f
 Superblock scale arrays are int8 [N, NG + 2 * K/sb]: the group values (sc, or m), then the row's
 superblock factor (d, or dmin) as little-endian float16 bytes; the kernels read the float16 through a
 view of the same buffer, as the VNNI kernels do. Every product (sc * d, m * dmin, code * (sc * d)) is
-exact in float32, so dequantize and gather reproduce ``ggml.weights`` bit for bit.
+exact in float32, so dequantize and gather reproduce ``ggml.weights`` bit for bit. GPU targets take
+another layout of the same values (:func:`subscaled_packed`'s ``gpu``; docs/decisions/gguf-superblocks.md).
 """
 
 from __future__ import annotations

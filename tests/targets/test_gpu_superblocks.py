@@ -67,7 +67,7 @@ def check_kernel(qtype: str, kind: str, target_name: str, launcher, seed: int | 
     ids_dtype = "int32" if words else "int64"
     func = pk.compute(kind, KINDS[kind], ids_dtype)
     info = json.loads(str(func.attrs["perfx.quant"]))
-    assert info["d_words"] is True and info.get("words", False) == words
+    assert info.get("d_words", False) == bool(info.get("sb")) and info.get("words", False) == words
     gpu, target = scheduled(func, target_name)
     cf = compile_primfunc("q", gpu, target.tvm())
     assert cf.launches
@@ -111,6 +111,14 @@ def test_q4k_q6k_kernels(target: str, qtype: str, kind: str) -> None:
 @pytest.mark.parametrize("target", ["adreno", "intel-igpu", "vulkan"])
 def test_other_superblock_gemvs(target: str, qtype: str) -> None:
     check_kernel(qtype, "matmul", target, gpu_launcher(target))
+
+
+@pytest.mark.parametrize("kind", ["matmul", "take"])
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "Q5_1"])
+def test_one_level_types_on_lavapipe(qtype: str, kind: str) -> None:
+    """IQ4_NL (the classic int8 layout) and Q5_1 (uint8 codes as words, float16 scale and min) on WGSL.
+    (Not on PoCL: their float16 tables need cl_khr_fp16, as Q4_1 / Q8_0 do.)"""
+    check_kernel(qtype, kind, "vulkan", gpu_launcher("vulkan"))
 
 
 def test_gemv_is_the_dlight_gemv() -> None:
