@@ -14,7 +14,9 @@ Packed layout (what ``schedules/gemv_int4_cpu.py`` reads), for W [N, K]:
 * Superblock scales (info ``sb: 256``, GGUF Q4_K / Q2_K as they are, ``formats/superblocks.py``;
   offset only): ``scale`` and ``min`` are int8 [N, NG + 2 * K/256]: the group values (sub-block
   scale ``sc``, min ``m``), then the row's superblock ``d`` (``dmin``) as little-endian float16 bytes;
-  w = code * (sc * d) - (m * dmin), every product exact in float32.
+  w = code * (sc * d) - (m * dmin), every product exact in float32. GPU layout (info ``d_words``):
+  group values int8 [N, NG] (uint32 words on WGSL), each followed by d as float32 bits, uint32 [N, K/256]
+  (``formats.superblocks.subscaled_packed``'s ``gpu``).
 * Zero words (``words``, GPU targets without 8-bit types: WGSL): ``zero`` is uint32 [N, ceil(ng/4)],
   the uint8 zeros' own bytes (4 groups a word, little-endian, the last word zero-padded), as the int8
   codes of ``formats.int8`` are.
@@ -172,7 +174,7 @@ def int4_packed(
 def int4_matmul_compute(
     n: int, k: int, group: int, lanes: int, symmetric: bool, kind: str = "matmul",
     rows: tuple[int | None, int | None] = (1, None), offset: bool = False, ids_dtype: str = "int64",
-    words: bool = False, sb: int = 0,
+    words: bool = False, sb: int = 0, d_words: bool = False,
 ) -> Any:
     """Reference PrimFunc ``y[0, m, n] = sum_k x[0, m, k] * dequant(W)[n, k]`` (M symbolic), tagged
     with ``perfx.quant`` so the int4 template can replace it with its scheduled kernel. Correct
@@ -181,16 +183,28 @@ def int4_matmul_compute(
     ``rows``: the two leading dims of x (ids), each static or None for symbolic; ``ids_dtype``: the
     graph's index dtype (int32 on targets without 64-bit integers, where shapes are int32 too);
     ``words``: the zeros arrive as uint32 words (:func:`zero_words`) and the info says ``"words": true``;
-    ``sb``: superblock scales (module docstring; offset only, no words)."""
+    ``sb``: superblock scales (module docstring; offset only); ``d_words``: their GPU layout
+    (``formats.superblocks.subscaled_packed``'s ``gpu``: group values int8 [N, NG], or uint32 words with
+    ``words``, and d as float32 bits, uint32 [N, K/sb], after each; info ``"d_words": true``)."""
     from tvm import te, tirx
 
     ng = -(-k // group)
     block = 8 * lanes
-    if sb and (not offset or words or k % sb):
+    if sb and (not offset or (words and not d_words) or k % sb):
         raise PerfXError(f"internal: int4 superblock scales need the min variant and K % {sb} == 0 (K={k})")
     q = te.placeholder((n, k // 8), "uint32", name="q")
-    words = words and not offset
-    if sb:
+    words = words and (not offset or bool(sb and d_words))
+    d_words = bool(sb and d_words)
+    sd = zd = None
+    if d_words:
+        from perfx_compiler.formats.superblocks import te_factor_apart
+
+        cols, dt = (-(-ng // 4), "uint32") if words else (ng, "int8")
+        s = te.placeholder((n, cols), dt, name="scale")
+        sd = te.placeholder((n, k // sb), "uint32", name="scale_d")
+        z = te.placeholder((n, cols), dt, name="min")
+        zd = te.placeholder((n, k // sb), "uint32", name="min_d")
+    elif sb:
         from perfx_compiler.formats.superblocks import te_factor
 
         s = te.placeholder((n, ng + 2 * (k // sb)), "int8", name="scale")
@@ -212,6 +226,9 @@ def int4_matmul_compute(
         word = q[row, (col // block) * lanes + col % lanes]
         code = (word >> ((col % block) // lanes * 4).astype("uint32")) & tirx.const(15, "uint32")
         g = col // group
+        if d_words:  # code * (sc * d) - (m * dmin), sc / m and d / dmin in arrays of their own
+            return (code.astype("float32") * te_factor_apart(s, sd, row, g, group, sb, words)
+                    - te_factor_apart(z, zd, row, g, group, sb, words))
         if sb:  # code * (sc * d) - (m * dmin)
             return code.astype("float32") * te_factor(s, row, g, ng, group, sb) - te_factor(z, row, g, ng, group, sb)
         if offset:
@@ -220,20 +237,23 @@ def int4_matmul_compute(
 
     b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
     m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
+    ws = [q, s, z] if sd is None else [q, s, sd, z, zd]
     if kind == "dequant":
         out = te.compute((n, k), lambda row, col: w(row, col), name="dequant_q4")
-        func = te.create_prim_func([q, s, z, out])
+        func = te.create_prim_func([*ws, out])
     elif kind == "take":
         ids = te.placeholder((b, m), ids_dtype, name="ids")
         out = te.compute((b, m, k), lambda bi, i, c: w(ids[bi, i], c), name="take_q4")
-        func = te.create_prim_func([q, s, z, ids, out])
+        func = te.create_prim_func([*ws, ids, out])
     else:
         x = te.placeholder((b, m, k), "float32", name="x")
         r = te.reduce_axis((0, k), name="k")
         out = te.compute((b, m, n), lambda bi, i, j: te.sum(x[bi, i, r] * w(j, r), axis=r), name="matmul_q4")
-        func = te.create_prim_func([x, q, s, z, out])
+        func = te.create_prim_func([x, *ws, out])
     info = json.loads(quant_info(n, k, group, lanes, symmetric, offset, sb))
     info["kind"] = kind
     if words:
         info["words"] = True
+    if d_words:
+        info["d_words"] = True
     return func.with_attr(QUANT_ATTR, json.dumps(info, sort_keys=True))

@@ -5,13 +5,16 @@ Layout, for W [N, K]: ``q`` int8 [N, K] row-major (a vector load of L bytes = L 
 columns), ``scale`` float16 [N, K/G]; w = q * scale. G must divide K (every GGUF Q8_0 tensor
 qualifies: rows are whole blocks of 32). Bytes per parameter at G = 32: 1 + 2/32 = 1.0625.
 
-Variants for the GGUF superblock types kept as they are (``formats/superblocks.py``), CPU only:
+Variants for the GGUF superblock types kept as they are (``formats/superblocks.py``):
 
 * offset (info ``offset: true``; Q5_K, Q5_1): ``q`` uint8 [N, K] unsigned codes, a third array
   ``min`` after ``scale``; w = q * scale + min.
 * superblock scales (info ``sb: 256``; Q6_K, Q3_K, IQ4_XS, and Q5_K with the offset): ``scale`` (and
   ``min``) int8 [N, K/G + 2 * K/256]: the group values sc (m), then the row's superblock d (dmin) as
   little-endian float16 bytes; w = q * (sc * d), or with the offset q * (sc * d) - (m * dmin).
+* their GPU layout (info ``d_words: true``): ``scale`` (``min``) int8 [N, K/G] group values, each
+  followed by ``scale_d`` (``min_d``) uint32 [N, K/256], d's float32 bits; with ``words`` (WGSL) the
+  codes and group values as uint32 words.
 """
 
 from __future__ import annotations
@@ -60,27 +63,42 @@ def lanes8(k: int, group: int) -> int:
 
 def int8_matmul_compute(
     n: int, k: int, group: int, kind: str = "matmul", rows: tuple[int | None, int | None] = (1, None),
-    ids_dtype: str = "int64", words: bool = False, offset: bool = False, sb: int = 0,
+    ids_dtype: str = "int64", words: bool = False, offset: bool = False, sb: int = 0, d_words: bool = False,
 ) -> Any:
     """Reference PrimFunc of an int8 linear (``kind``: matmul / dequant / take, as in ``formats.int4``),
     tagged ``perfx.quant`` with bits = 8. Correct (slow) on any target as it is. ``words``: the codes
     arrive as uint32 [N, K/4] (4 codes per word, little-endian: the int8 array's own bytes), for
     targets without 8-bit types (WGSL); the info then says ``"words": true``. ``offset`` / ``sb``:
-    the superblock variants of the module docstring (no words)."""
+    the superblock variants of the module docstring; ``d_words``: the superblock arrays' GPU layout
+    (``formats.int4.int4_matmul_compute``; group values and d apart, info ``"d_words": true``). With
+    ``words`` the offset variant's uint8 codes (and the group values) are words too."""
     from tvm import te, tirx
 
     check_group(k, group)
     ng = k // group
     if words and k % 4:
         raise PerfXError(f"q8: K={k} is not a multiple of 4; the codes cannot be read as 32-bit words")
-    if (offset or sb) and (words or (sb and k % sb)):
+    d_words = bool(sb and d_words)
+    if (offset or sb) and ((words and sb and not d_words) or (sb and k % sb)):
         raise PerfXError(f"internal: q8 superblock / min variants take byte codes and K % {sb} == 0 (K={k})")
-    z = None
-    if offset or sb:
+    z = sd = zd = None
+    if d_words:
+        from perfx_compiler.formats.superblocks import te_factor_apart
+
+        cols, dt = (-(-ng // 4), "uint32") if words else (ng, "int8")
+        q = te.placeholder((n, -(-k // 4)) if words else (n, k), "uint32" if words else "uint8" if offset else "int8",
+                           name="q")
+        s = te.placeholder((n, cols), dt, name="scale")
+        sd = te.placeholder((n, k // sb), "uint32", name="scale_d")
+        if offset:
+            z = te.placeholder((n, cols), dt, name="min")
+            zd = te.placeholder((n, k // sb), "uint32", name="min_d")
+    elif offset or sb:
         from perfx_compiler.formats.superblocks import te_factor
 
         width = ng + (2 * (k // sb) if sb else 0)
-        q = te.placeholder((n, k), "uint8" if offset else "int8", name="q")
+        q = te.placeholder((n, -(-k // 4)) if words else (n, k), "uint32" if words else "uint8" if offset else "int8",
+                           name="q")
         s = te.placeholder((n, width), "int8" if sb else "float16", name="scale")
         if offset:
             z = te.placeholder((n, width), "int8" if sb else "float16", name="min")
@@ -92,20 +110,26 @@ def int8_matmul_compute(
         if not words:
             return q[row, col].astype("float32")
         byte = (q[row, col // 4] >> ((col % 4) * 8).astype("uint32")) & tirx.const(255, "uint32")
+        if offset:
+            return byte  # unsigned codes
         return (byte.astype("int32") ^ 128) - 128  # sign-extend without 8-bit types
 
     def w(row: Any, col: Any) -> Any:
+        if d_words:  # code * (sc * d) [- (m * dmin)], sc / m and d / dmin in arrays of their own
+            g = col // group
+            v = code(row, col).astype("float32") * te_factor_apart(s, sd, row, g, group, sb, words)
+            return v - te_factor_apart(z, zd, row, g, group, sb, words) if offset else v
         if offset or sb:
             g = col // group
             sc = te_factor(s, row, g, ng, group, sb) if sb else s[row, g].astype("float32")
             if not offset:
-                return q[row, col].astype("float32") * sc
+                return code(row, col).astype("float32") * sc
             if sb:  # code * (sc * d) - (m * dmin)
-                return q[row, col].astype("float32") * sc - te_factor(z, row, g, ng, group, sb)
-            return q[row, col].astype("float32") * sc + z[row, g].astype("float32")
+                return code(row, col).astype("float32") * sc - te_factor(z, row, g, ng, group, sb)
+            return code(row, col).astype("float32") * sc + z[row, g].astype("float32")
         return code(row, col).astype("float32") * s[row, col // group].astype("float32")
 
-    ws = [q, s] + ([z] if z is not None else [])
+    ws = [q, s] + ([sd] if sd is not None else []) + ([z] if z is not None else []) + ([zd] if zd is not None else [])
     b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
     m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
     if kind == "dequant":
@@ -127,6 +151,8 @@ def int8_matmul_compute(
         info["offset"] = True
     if sb:
         info["sb"] = sb
+    if d_words:
+        info["d_words"] = True
     return func.with_attr(QUANT_ATTR, json.dumps(info, sort_keys=True))
 
 

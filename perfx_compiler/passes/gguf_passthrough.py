@@ -3,7 +3,10 @@ the kernels' layouts, never requantized: Q4_0 / Q4_1 / Q5_0 / Q8_0 on every targ
 (``formats/gguf_blocks.py``), the superblock types (K-quants, IQ4_NL / IQ4_XS, Q5_1:
 ``formats/ggml``) on CPU targets: under int8 activations the VNNI kernels read their sub-block
 scales and superblock d as they are (``formats/vnni.py``), under float activations the int4 / int8
-CPU kernels do (``formats/superblocks.py``); on GPU targets these weights stay float32 for now.
+CPU kernels do (``formats/superblocks.py``); on GPU targets (OpenCL, CUDA, ROCm, WGSL) they take
+``subscaled_packed``'s GPU layout (group values and superblock d in arrays of their own, d as
+float32 bits; on WGSL every 8-bit array as uint32 words) and run through the GPU templates (dlight's
+GEMV for decode). The Adreno image path (``texture_weights``) declines them: they stay buffers.
 
 The loader keeps each such tensor's raw blocks in ``ModelDescription.quantized`` (Q/K rows already
 in Hugging Face order). Merged projections (``merge_projections``: QKV, gate+up) take their
@@ -59,8 +62,9 @@ def block_tables(desc: Any) -> dict[str, tuple[str, np.ndarray, tuple[int, int]]
 
 def packable(qtype: str, vnni: bool, gpu: bool = False) -> bool:
     """Whether this pass keeps a ``qtype`` weight as blocks (under int8 activations when ``vnni``; on a
-    GPU target when ``gpu``, where the superblock types stay float32)."""
-    return qtype in BLOCK_BYTES or (qtype in ggml.FORMATS and (vnni or not gpu))
+    GPU target when ``gpu``): every GGUF block type it reads, on every target (the superblock types in
+    their GPU layout on GPU targets, ``formats.superblocks.subscaled_packed``)."""
+    return qtype in BLOCK_BYTES or qtype in ggml.FORMATS
 
 
 def gpu_target(ctx: Any) -> bool:
@@ -68,14 +72,15 @@ def gpu_target(ctx: Any) -> bool:
     return getattr(getattr(ctx, "target", None), "family", "") == "gpu"
 
 
-def _pack(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool, vnni: bool) -> Any:
+def _pack(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool, vnni: bool, gpu: bool = False) -> Any:
     if qtype in ggml.FORMATS:
         sub = ggml.unpack(qtype, raw, shape)
-        return subscaled_vnni_packed(sub, qtype) if vnni else subscaled_packed(sub, qtype)
+        return subscaled_vnni_packed(sub, qtype) if vnni else subscaled_packed(sub, qtype, gpu=gpu, words=words8)
     return packed_from_blocks(qtype, raw, shape, words8, vnni)
 
 
-def _checked(name: str, weight: Any, table: tuple[str, np.ndarray, tuple[int, int]], words8: bool, vnni: bool) -> Any:
+def _checked(name: str, weight: Any, table: tuple[str, np.ndarray, tuple[int, int]], words8: bool, vnni: bool,
+             gpu: bool = False) -> Any:
     """The Packed of eager blocks, after checking they reproduce the graph's float weight."""
     qtype, raw, shape = table
     w = np.asarray(weight, dtype=np.float32)
@@ -85,7 +90,7 @@ def _checked(name: str, weight: Any, table: tuple[str, np.ndarray, tuple[int, in
     err = float(np.abs(back - w).max())
     if err > 1e-6 * max(float(np.abs(w).max()), 1e-30):
         raise PerfXError(f"internal: GGUF blocks of {name} ({qtype}) do not reproduce its weights (max error {err:g})")
-    return _pack(qtype, raw, shape, words8, vnni)
+    return _pack(qtype, raw, shape, words8, vnni, gpu)
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
@@ -124,10 +129,10 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     for name in tqdm(names, desc="pack GGUF weights", unit="weight", disable=not show, leave=False, file=console()):
         w = weights[name]
         if is_lazy(w):
-            packed[name] = _pack(w.qtype, w.blocks(), w.shape, words8, vnni)
+            packed[name] = _pack(w.qtype, w.blocks(), w.shape, words8, vnni, gpu)
             w.release()  # read once: its file pages need not stay resident
         else:
-            packed[name] = _checked(name, w, tables[name], words8, vnni)
+            packed[name] = _checked(name, w, tables[name], words8, vnni, gpu)
         if not vnni:
             packed[name].vnni = None  # unused under f32 activations; its closure holds the unpacked codes
     return rewrite_linears(mod, weights, packed)
