@@ -122,9 +122,10 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
         """The min term's factor (w = code * scale + min): the float16 min, or (sb) -(m * dmin)."""
         return -factor(Z, row, g) if sb else factor(Z, row, g)
 
-    def six_bit_codes(Q8: Any, row: Any, col: Any) -> Any:
-        """uint8x64: row ``row``'s codes of columns col..col+63 from the 6-bit row-quad layout."""
-        q, r = row // 4, row % 4
+    def six_bit_codes(Q8: Any, q: Any, r: Any, col: Any) -> Any:
+        """uint8x64: the codes of row r (0..3) of row quad q, columns col..col+63, from the 6-bit row-quad
+        layout. ``r`` must fold to a constant once the loops unroll: a shift by a variable count has no
+        byte-vector instruction (it would cost more than the whole GEMM)."""
         lo = T.shift_right(Q8.vload([q, (r // 2) * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 4 * (r % 2)), 64))
         hb = T.shift_right(Q8.vload([q, 2 * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 2 * r), 64))
         return (lo & T.Broadcast(T.uint8(15), 64)) | T.shift_left(hb & T.Broadcast(T.uint8(3), 64),
@@ -178,7 +179,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                     for c in T.unroll(16):
                         if bits == 6:  # the row's 64 codes assembled from its quad's nibble and high-bit rows
                             tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", six_bit_codes(
-                                Q8, n0 + t * 16 + c, sb * 64))
+                                Q8, n0 // 4 + t * 4 + c // 4, c % 4, sb * 64))
                         else:
                             tile[T.Ramp(c * 16, 1, 16)] = Q32.vload([n0 + t * 16 + c, sb * 16], "uint32x16")
                     for s in T.unroll(16):
