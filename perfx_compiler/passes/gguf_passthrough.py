@@ -72,9 +72,11 @@ def gpu_target(ctx: Any) -> bool:
     return getattr(getattr(ctx, "target", None), "family", "") == "gpu"
 
 
-def _pack(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool, vnni: bool, gpu: bool = False) -> Any:
+def _pack(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool, vnni: bool, gpu: bool = False,
+          sub: Any = None) -> Any:
+    """The Packed of one tensor's blocks (``sub``: its superblock arrays, when already unpacked)."""
     if qtype in ggml.FORMATS:
-        sub = ggml.unpack(qtype, raw, shape)
+        sub = sub if sub is not None else ggml.unpack(qtype, raw, shape)
         return subscaled_vnni_packed(sub, qtype) if vnni else subscaled_packed(sub, qtype, gpu=gpu, words=words8)
     return packed_from_blocks(qtype, raw, shape, words8, vnni)
 
@@ -86,11 +88,13 @@ def _checked(name: str, weight: Any, table: tuple[str, np.ndarray, tuple[int, in
     w = np.asarray(weight, dtype=np.float32)
     if tuple(w.shape) != shape:
         raise PerfXError(f"internal: GGUF blocks of {name} have shape {shape}, the graph's weight {w.shape}")
-    back = ggml.dequantize(qtype, raw, shape) if qtype in ggml.FORMATS else dequantize_blocks(qtype, raw, shape)
+    # superblock types are unpacked once: the check and the packing read the same arrays
+    sub = ggml.unpack(qtype, raw, shape) if qtype in ggml.FORMATS else None
+    back = ggml.weights(sub) if sub is not None else dequantize_blocks(qtype, raw, shape)
     err = float(np.abs(back - w).max())
     if err > 1e-6 * max(float(np.abs(w).max()), 1e-30):
         raise PerfXError(f"internal: GGUF blocks of {name} ({qtype}) do not reproduce its weights (max error {err:g})")
-    return _pack(qtype, raw, shape, words8, vnni, gpu)
+    return _pack(qtype, raw, shape, words8, vnni, gpu, sub)
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
