@@ -32,6 +32,14 @@ compiled f32 baseline within float rounding (perplexity within 0.01% and per-tok
 within 2e-3), and the compiled f32 artifact equal to the reference likewise (on the reference's tokens).
 
     python benchmarks/perplexity.py [--window 512 --stride 384] [--configs f32 gguf q4_g128 ...]
+    python benchmarks/perplexity.py --vs-llamacpp gemma3-270m-q4_k_m,smollm2-q4_k_m [--tokens 640]
+
+``--vs-llamacpp``: per GGUF model (run_peers.py's names; random-weight files are left out, their near-flat
+logits make top-1 agreement noise) the first ``--tokens`` tokens of the text (BOS first) run as one
+``prefill_all`` through PerfX (its default build, int8 activations on AVX-512 VNNI machines, and
+``--activations f32``) and through llama.cpp as it runs the file (fp16 KV cache) and with an f32 KV cache.
+Written to ``agreement.csv``: each run's top-1 agreement with llama.cpp and perplexity; llama.cpp's
+agreement with itself across its two KV settings is the ceiling of any other engine's.
 
 Writes ``benchmarks/results/perplexity.csv``, ``perplexity_checks.csv`` and ``perplexity.png``. Artifacts
 and each config's per-token log-probabilities are cached in ``--work`` (a rerun only measures configs
@@ -171,6 +179,87 @@ def checks(rows: dict[str, dict], logp: dict[str, np.ndarray]) -> list[dict]:
     return out
 
 
+# --- --vs-llamacpp: teacher-forced agreement with llama.cpp on the same GGUF file ------------------------
+def perplexity_of(logits: np.ndarray, ids: list[int]) -> float:
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(-1, keepdims=True)
+    lp = x - np.log(np.exp(x).sum(-1, keepdims=True))
+    return float(np.exp(-lp[np.arange(len(ids) - 1), ids[1:]].mean()))
+
+
+def top1(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean(a.argmax(-1) == b.argmax(-1)))
+
+
+def agreement_rows(name: str, work: Path, tokens: int) -> list[dict]:
+    from run_peers import model_file
+
+    from perfx_compiler.bench.llamacpp_logits import llamacpp_logits
+    from perfx_compiler.model.loader import load_model
+    from perfx_compiler.model.tokenizer import load_tokenizer
+    from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.runtime.engine import Engine, read_manifest
+
+    path = model_file(name, work / "models")
+    desc = load_model(path, max_context=max(1024, tokens))
+    ids = load_tokenizer(desc.tokenizer_json).encode(TEXT.read_text(encoding="utf-8")[: 12 * tokens]).ids
+    if len(ids) < tokens - 1:
+        raise SystemExit(f"{name}: the text gives {len(ids)} tokens, fewer than {tokens}")
+    ids = [desc.config.bos_token_id, *ids[: tokens - 1]]
+    ref = llamacpp_logits(path, ids)
+    runs = {"llama.cpp f32 KV": llamacpp_logits(path, ids, mode="f32-kv")}
+    for act in ("auto", "f32"):
+        art = compile_model(desc, "host", work / f"agree-{name}-{act}", progress=False, activations=act)
+        used = read_manifest(art)["activations"]
+        runs[f"perfx ({used} activations)"] = np.asarray(Engine(art).prefill_all(ids))
+    base = perplexity_of(ref, ids)
+    rows = [{"model": name, "run": "llama.cpp", "tokens": len(ids), "top1_vs_llamacpp": 1.0,
+             "perplexity": round(base, 4), "perplexity_vs_llamacpp": 1.0}]
+    for run, logits in runs.items():
+        ppl = perplexity_of(logits, ids)
+        rows.append({"model": name, "run": run, "tokens": len(ids), "top1_vs_llamacpp": round(top1(logits, ref), 4),
+                     "perplexity": round(ppl, 4), "perplexity_vs_llamacpp": round(ppl / base, 4)})
+    return rows
+
+
+def plot_agreement(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.2), squeeze=False)
+    for ax, m in zip(axes[0], models, strict=True):
+        rs = [r for r in rows if r["model"] == m and r["run"] != "llama.cpp"]
+        ax.barh([r["run"] for r in rs], [100 * r["top1_vs_llamacpp"] for r in rs], color="tab:blue")
+        ax.set_xlim(80, 100)
+        ax.set_xlabel("top-1 agreement with llama.cpp (%)")
+        ax.set_title(m)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def vs_llamacpp(models: str, tokens: int, work: Path, out: Path) -> int:
+    """The ``--vs-llamacpp`` mode: agreement.csv / agreement.png in ``out``."""
+    import csv
+
+    rows: list[dict] = []
+    for name in [m.strip() for m in models.split(",") if m.strip()]:
+        rows += agreement_rows(name, work, tokens)
+        for r in rows[-4:]:
+            print(f"{r['model']:22s} {r['run']:28s} top-1 {100 * r['top1_vs_llamacpp']:5.1f}%  "
+                  f"ppl {r['perplexity']:.3f} ({r['perplexity_vs_llamacpp']:.4f}x llama.cpp)")
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "agreement.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    plot_agreement(rows, out / "agreement.png")
+    print(f"wrote {out / 'agreement.csv'}")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -183,7 +272,15 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens (quick tries)")
     p.add_argument("--work", type=Path, default=Path("/tmp/perfx-perplexity"))
     p.add_argument("--out", type=Path, default=RESULTS / "perplexity.csv")
+    p.add_argument("--vs-llamacpp", metavar="MODELS", default=None,
+                   help="instead: top-1 agreement and perplexity against llama.cpp on these run_peers.py GGUF "
+                        "models (e.g. gemma3-270m-q4_k_m,smollm2-q4_k_m), --tokens teacher-forced tokens; "
+                        "agreement.csv in --agreement-out")
+    p.add_argument("--tokens", type=int, default=640)
+    p.add_argument("--agreement-out", type=Path, default=RESULTS)
     args = p.parse_args()
+    if args.vs_llamacpp:
+        return vs_llamacpp(args.vs_llamacpp, args.tokens, Path("/tmp/perfx-bench"), args.agreement_out)
     if not 0 < args.stride <= args.window:
         p.error("--stride must be in 1..--window")
 
