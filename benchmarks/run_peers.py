@@ -17,6 +17,8 @@ Models (all GGUF; llama.cpp's own quantizer makes the requantized ones):
                      GGUFWriter (pure; 3.6 GiB; PerfX loads it lazily). Not in the default set: run it
                      with --models llama2-7b-q4_0 --peers llama.cpp --prefill-lens 128 (the fp32 ONNX /
                      HF folders other peers need would be 27 GB; prefill 512 takes minutes per round)
+    llama2-7b-q4_k_m the same with random Q4_K / Q6_K blocks in llama.cpp's Q4_K_M mix (3.9 GiB): the
+                     size at which compile memory matters (benchmarks/compile_memory.py)
     gemma3-270m-q4_k_m  the real Gemma 3 270M Q4_K_M (Q5_0 + Q4_K + Q6_K + Q8_0 tensors; five PyPI packages,
                      assembled once; Gemma terms of use, never committed). By name only, --peers llama.cpp
 Every engine reads its form of the same file (see perfx_compiler/bench/models.py).
@@ -39,7 +41,7 @@ MODELS = ("smollm2-q4_1", "smollm2-q4_0", "smollm2-q8_0", "tinyllama-q4_0")
 # by name only, llama.cpp as the only peer (the other peers read no K-quants)
 KQUANT_MODELS = ("tinyllama-q4_k_m", "tinyllama-q5_k_m", "tinyllama-q6_k", "tinyllama-q5_0", "tinyllama-iq4_xs",
                  "smollm2-q4_k_m", "gemma3-270m-q4_k_m")
-EXTRA_MODELS = ("llama2-7b-q4_0", *KQUANT_MODELS)
+EXTRA_MODELS = ("llama2-7b-q4_0", "llama2-7b-q4_k_m", *KQUANT_MODELS)
 
 
 def model_file(name: str, folder: Path) -> Path:
@@ -69,11 +71,12 @@ def model_file(name: str, folder: Path) -> Path:
             print(f"quantizing it to {qtype} with llama.cpp ...")
             models.llama_quantize(f16, out, qtype, pure=pure)
         return out
-    if name == "llama2-7b-q4_0":
-        out = folder / "llama2-7b-random.Q4_0-pure.gguf"
+    if name in ("llama2-7b-q4_0", "llama2-7b-q4_k_m"):
+        mix = name.rsplit("-", 1)[1].upper()
+        out = folder / f"llama2-7b-random.{mix}{'-pure' if mix == 'Q4_0' else ''}.gguf"
         if not out.is_file():
-            print("writing random-weight Llama-2-7B (Q4_0 blocks) with GGUFWriter ...")
-            models.write_random_q4_0(out, models.LLAMA2_7B_DIMS)
+            print(f"writing random-weight Llama-2-7B ({mix} blocks) with GGUFWriter ...")
+            models.write_random_blocks(out, models.LLAMA2_7B_DIMS, mix)
         return out
     if name == "gemma3-270m-q4_k_m":
         from perfx_compiler.model.loader import known_model_path

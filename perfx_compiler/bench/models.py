@@ -122,19 +122,43 @@ def write_random_tinyllama(path: str | Path, qtype: str = "F16", seed: int = 0) 
     return Path(out)
 
 
-def write_random_q4_0(path: str | Path, dims: dict[str, Any], seed: int = 0, log: Any = print) -> Path:
-    """A "pure" Q4_0 random-weight GGUF (every matrix Q4_0, norms F32) written block by block.
+# Weight magnitude of a random block is d times at most (scale x code); dividing d by this keeps
+# every type's weights at Q4_0's scale, so activations stay finite through 32 layers.
+_RANDOM_RANGE = {"Q4_0": 1.0, "Q4_K": 63 * 15 / 8, "Q6_K": 128 * 32 / 8}
 
-    Random Q4_0 blocks (small f16 scale, uniform codes) go straight to the file one tensor at a
-    time, so a 7B file (3.6 GiB) is written without a float copy (an F16 file + llama.cpp's
-    quantizer would need 13 GB of disk and as much memory to write). Speed does not depend on the
-    weight values; the metadata and vocabulary are the tiny test model's (byte-level BPE)."""
+
+def q4_k_m_type(name: str, layers: int) -> str:
+    """The type llama.cpp's Q4_K_M recipe gives the matrix ``name``: Q6_K for the output head and for
+    attn_v / ffn_down in its "more bits" layers (the first and last eighth, every third between), Q4_K
+    elsewhere."""
+    if name == "lm_head.weight":
+        return "Q6_K"
+    if name.endswith(("v_proj.weight", "down_proj.weight")):
+        i = int(name.split(".")[2])
+        eighth = layers // 8
+        if i < eighth or i >= 7 * eighth or (i - eighth) % 3 == 2:
+            return "Q6_K"
+    return "Q4_K"
+
+
+def write_random_blocks(path: str | Path, dims: dict[str, Any], mix: str = "Q4_0", seed: int = 0,
+                        log: Any = print) -> Path:
+    """A random-weight GGUF of ``dims`` written block by block: ``mix`` "Q4_0" (every matrix Q4_0,
+    "pure") or "Q4_K_M" (llama.cpp's Q4_K / Q6_K mix); norms F32.
+
+    Random blocks (random bytes, small finite f16 scales) go straight to the file one tensor at a
+    time, so a 7B file (3.6-4 GiB) is written without a float copy (an F16 file + llama.cpp's
+    quantizer would need 13 GB of disk and as much memory to write). Speed and compile memory do not
+    depend on the weight values; the metadata and vocabulary are the tiny test model's (byte-level BPE)."""
     import gguf
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    from perfx_compiler.formats.ggml import FORMATS
     from perfx_compiler.model.description import ModelConfig, expected_weight_shapes
     from perfx_compiler.model.testing import _gguf_name, add_tiny_tokenizer, tiny_vocab
 
+    if mix not in ("Q4_0", "Q4_K_M"):
+        raise PerfXError(f"write_random_blocks: unknown mix {mix}; use Q4_0 or Q4_K_M")
     d = dims
     tokens, types, merges = tiny_vocab(d["vocab"])
     cfg = ModelConfig(
@@ -157,32 +181,39 @@ def write_random_q4_0(path: str | Path, dims: dict[str, Any], seed: int = 0, log
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(tokens))
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_0))
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_0 if mix == "Q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M))
     add_tiny_tokenizer(w, tokens, types, merges, "smollm")
-    q4 = GGMLQuantizationType.Q4_0
-    block, size = GGML_QUANT_SIZES[q4]
     shapes = expected_weight_shapes(cfg)
+
+    def qtype_of(name: str) -> str:
+        return "Q4_0" if mix == "Q4_0" else q4_k_m_type(name, cfg.num_layers)
+
     for name, shape in shapes.items():
         if len(shape) == 1:
             w.add_tensor_info(_gguf_name(name), shape, np.dtype(np.float32), 4 * shape[0])
-        else:
-            nbytes = shape[0] * shape[1] // block * size
-            w.add_tensor_info(_gguf_name(name), (shape[0], shape[1] // block * size), np.dtype(np.uint8), nbytes, q4)
+            continue
+        q = GGMLQuantizationType[qtype_of(name)]
+        block, size = GGML_QUANT_SIZES[q]
+        nbytes = shape[0] * shape[1] // block * size
+        w.add_tensor_info(_gguf_name(name), (shape[0], shape[1] // block * size), np.dtype(np.uint8), nbytes, q)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
     from tqdm import tqdm
 
-    for shape in tqdm(shapes.values(), desc="write random Q4_0", unit="tensor", disable=log is None):
+    for name, shape in tqdm(shapes.items(), desc=f"write random {mix}", unit="tensor", disable=log is None):
         if len(shape) == 1:
             w.write_tensor_data((1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
             continue
+        qtype = qtype_of(name)
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
         nb = shape[0] * shape[1] // block
         raw = rng.integers(0, 256, size=(nb, size), dtype=np.uint8)
-        # scale ~ 0.05 / sqrt(K) * N(0,1)-ish: activations stay finite through 32 layers
-        d16 = (rng.random(nb, dtype=np.float32) * (0.2 / np.sqrt(shape[1]))).astype(np.float16)
-        raw[:, :2] = d16.view(np.uint8).reshape(nb, 2)
+        fields = FORMATS[qtype].f16_fields if qtype in FORMATS else (0,)
+        for at in fields:  # d (and dmin): small, finite, positive
+            scale = rng.random(nb, dtype=np.float32) * (0.2 / np.sqrt(shape[1]) / _RANDOM_RANGE[qtype])
+            raw[:, at : at + 2] = scale.astype(np.float16).view(np.uint8).reshape(nb, 2)
         w.write_tensor_data(raw.reshape(shape[0], -1))
         del raw
     w.close()
