@@ -28,8 +28,22 @@ GB/s = packed weight bytes (codes + scales + mins) / seconds; each call takes th
 weight copies (>= 3x the L3 in all), so weights come from DRAM. Writes benchmarks/results/gemv_int4.csv
 and .png.
 
+``ggml``: PerfX's VNNI kernels against llama.cpp's own ggml kernels on the same GGUF blocks (issue #25:
+kernels >= 1.0x ggml), for Q4_K, Q6_K, Q5_K, Q8_0, Q4_0 at TinyLlama-1.1B's shapes (attn 2048x2048, kv
+256x2048, gate_up 5632x2048, down 2048x5632, lm_head 32000x2048; N x K), 1 activation row (decode:
+gemv_qvnni_cpu) and 512 (prefill: gemm_qvnni_cpu, symbolic M), both sides quantizing the f32 activations
+to int8 inside the timed call. ggml: ``ggml_mul_mat`` through ctypes on llama-cpp-python's libggml
+(benchmarks/_ggml.py), 2 threads; for Q4_0 and Q4_K the weights sit in ggml's CPU_REPACK buffer as
+llama.cpp loads them on x86 (``ggml_kernel`` = repack; the plain vec_dot time is ``ggml_plain_ms``).
+Random blocks; both outputs are checked against float64 (gguf-py's dequantize @ x) before timing. Decode
+calls rotate over weight copies (>= 2x the L3 Linux reports, per variant) so weights come from DRAM;
+variants alternate per round; ratio = median over rounds of ggml time / PerfX time (> 1: PerfX faster). Writes
+benchmarks/results/<machine>/kernels_vs_ggml.csv and .png (``intel-xeon``, ``amd-epyc``). Needs an idle
+machine: with more runnable threads than cores, ggml's OpenMP calls stall for milliseconds.
+
     python benchmarks/kernels.py gemm [--trials 8] [--rounds 5] [--ms 16,64,128,512] [--kernels qkv,o_proj]
     python benchmarks/kernels.py gemv [--format Q4_1|Q4_0] [--rounds 5] [--shapes 4096x4096] [--quick]
+    python benchmarks/kernels.py ggml [--types Q4_K,Q8_0] [--shapes kv,down] [--rows 1,512] [--rounds 5] [--quick]
 
 Decode speed of whole models per activation type is an A/B of two builds:
 ``benchmarks/ab.py --compile smollm2-135m "--activations f32" "--activations int8" --labels f32,int8``.
@@ -481,6 +495,86 @@ def _draw(ax: Any, rows: list[dict[str, Any]], bandwidth: float, shapes: list[tu
     ax.set_title(f"int4 ({fmt}) GEMV, 1 row, all cores: VNNI int8 activations vs fp32 kernel vs numpy")
     ax.legend(fontsize=8, ncol=3)
 
+# -- ggml: PerfX's VNNI kernels against llama.cpp's ggml kernels, same GGUF blocks --------------------
+
+TINYLLAMA = {"attn": (2048, 2048), "kv": (256, 2048), "gate_up": (5632, 2048), "down": (2048, 5632),
+             "lm_head": (32000, 2048)}  # TinyLlama-1.1B's linears: name -> (N, K)
+GGML_QTYPES = ("Q4_K", "Q6_K", "Q5_K", "Q8_0", "Q4_0")
+INT8_TOL = 2e-2  # max |y - ref| / max |ref| for int8 activations (measured <= 1e-2); a wrong layout is O(1)
+
+
+def ggml_main(args: argparse.Namespace) -> int:
+    import _ggml
+    import gguf
+
+    from perfx_compiler.tune.records import default_records
+
+    target = load_target("host")
+    threads = configure_threads(target.cores or os.cpu_count() or 1)
+    db = None if args.default_configs else default_records(target.name)
+    rounds, budget = (2, 0.05) if args.quick else (args.rounds, 0.25)
+    rng = np.random.default_rng(0)
+    rows_out: list[dict[str, Any]] = []
+    l3 = max(L3_BYTES, _ggml.l3_bytes())  # decode rotates over 2x this of weight copies per variant
+    for qtype in args.types.split(","):
+        for shape in args.shapes.split(","):
+            n, k = TINYLLAMA[shape]
+            raw = _ggml.random_blocks(qtype, n, k, rng)
+            w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]).astype(np.float64)
+            for m in (int(v) for v in args.rows.split(",")):
+                x = rng.standard_normal((m, k)).astype(np.float32)
+                ref = x.astype(np.float64) @ w.T
+                copies = -(-2 * l3 // raw.nbytes) if m == 1 else 1  # decode: weights from DRAM
+                bw = read_bandwidth(args.threads, 1 << 30, reps=2 if args.quick else 3)
+                pk, rt, label = _ggml.perfx_kernel(qtype, raw, n, k, m, target, db)
+                calls = {"perfx": _ggml.perfx_call(pk, rt, x, n, copies)}
+                mms = {"ggml_plain": _ggml.MulMat(qtype, raw, n, k, m, copies, threads)}
+                if qtype in _ggml.REPACKED and n % 8 == 0:  # what llama.cpp loads these types as
+                    mms["ggml_repack"] = _ggml.MulMat(qtype, raw, n, k, m, copies, threads, repack=True)
+                for name, mm in mms.items():
+                    mm.set_x(x)
+                    calls[name] = (mm, mm.output)
+                err = {}
+                for name, (call, out) in calls.items():
+                    call()
+                    err[name] = float(np.abs(out() - ref).max() / np.abs(ref).max())
+                    if not err[name] <= INT8_TOL:
+                        raise SystemExit(f"{name} {qtype} {n}x{k} rows={m}: max error {err[name]:.2e} of max |y| "
+                                         f"against float64 (tolerance {INT8_TOL})")
+                samples: dict[str, list[float]] = {name: [] for name in calls}
+                for r in range(rounds):
+                    for name in (list(calls) if r % 2 == 0 else list(calls)[::-1]):
+                        samples[name].append(_ggml.burst(calls[name][0], budget))
+                for mm in mms.values():
+                    mm.close()
+                sec = {name: statistics.median(v) for name, v in samples.items()}
+                llama = "ggml_repack" if "ggml_repack" in sec else "ggml_plain"  # the kernel llama.cpp runs
+                row = {"type": qtype, "shape": f"{shape} {n}x{k}", "N": n, "K": k, "rows": m,
+                       "ggml_kernel": llama.removeprefix("ggml_"), "ggml_ms": sec[llama] * 1e3,
+                       "ggml_plain_ms": sec["ggml_plain"] * 1e3, "perfx_ms": sec["perfx"] * 1e3,
+                       "ratio": statistics.median(a / b for a, b in zip(samples[llama], samples["perfx"], strict=True)),
+                       "ggml_GBps": raw.nbytes / sec[llama] / 1e9,
+                       "perfx_GBps": pk.nbytes / sec["perfx"] / 1e9, "read_ceiling_GBps": bw,
+                       "ggml_bytes": raw.nbytes, "perfx_bytes": pk.nbytes, "weight_copies": copies,
+                       "ggml_err": err[llama], "perfx_err": err["perfx"], "perfx_config": label,
+                       "ggml_features": _ggml.features(), "threads": threads, "rounds": rounds,
+                       "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), "load_avg_1m": os.getloadavg()[0]}
+                rows_out.append(row)
+                print(f"{qtype} {shape:>8} {n}x{k} rows={m:<4} ggml ({row['ggml_kernel']}) {row['ggml_ms']:8.3f} ms "
+                      f"{row['ggml_GBps']:5.1f} GB/s | perfx {row['perfx_ms']:8.3f} ms {row['perfx_GBps']:5.1f} GB/s"
+                      f" | {row['ratio']:.2f}x (ceiling {bw:.1f} GB/s, load {row['load_avg_1m']:.1f})", flush=True)
+            del w
+    out = Path(args.out) if args.out else RESULTS / _ggml.machine_name() / "kernels_vs_ggml.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_csv(out, rows_out, floats=".4g")
+    ratios = [r["ratio"] for r in rows_out]
+    print(f"PerfX vs ggml: median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x over {len(ratios)} cases; "
+          f"{sum(r >= 1.0 for r in ratios)} at >= 1.0x")
+    _ggml.plot(rows_out, out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="kind", required=True)
@@ -500,7 +594,18 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--out", default=str(RESULTS / "gemv_int4"))
     v.add_argument("--cold-tuned", action="store_true", help="add vnni_cold (a cold-timed split/hinib/sprefetch grid)")
     v.add_argument("--shapes", default=None, help="comma-separated NxK (default: all)")
+    q = sub.add_parser("ggml", help="PerfX's VNNI GEMV/GEMM vs ggml's mul_mat on the same GGUF blocks")
+    q.add_argument("--types", default=",".join(GGML_QTYPES))
+    q.add_argument("--shapes", default=",".join(TINYLLAMA), help="subset of " + ",".join(TINYLLAMA))
+    q.add_argument("--rows", default="1,512", help="activation rows: 1 = decode GEMV, more = prefill GEMM")
+    q.add_argument("--rounds", type=int, default=5)
+    q.add_argument("--threads", type=int, default=2, help="threads of the bandwidth probe")
+    q.add_argument("--quick", action="store_true", help="2 rounds of short bursts (a development run)")
+    q.add_argument("--default-configs", action="store_true", help="ignore tuning_logs records")
+    q.add_argument("--out", default=None, help="default: results/<machine>/kernels_vs_ggml.csv")
     args = ap.parse_args(argv)
+    if args.kind == "ggml":
+        return ggml_main(args)
     if args.kind == "gemm":
         gemm_main(args)
         return 0
