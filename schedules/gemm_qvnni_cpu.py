@@ -23,6 +23,13 @@ One call (``y = dequant(W) @ xq``, xq = x quantized to int8 per row and weight g
    activations: 16 columns x 4 k per instruction, no horizontal sums); then one int->float
    conversion and one FMA with ``s_w * dx`` (Q4_1 adds ``min * dx * sum(q)``).
 
+Q6_K (6-bit codes, superblock scales, G = 16): x is quantized per 256-column superblock instead (one dx,
+llama.cpp's Q8_K), so per group the int32 sums (from ``-32 sum(q)`` of the group) take one conversion
+and one FMA with ``sc * d`` into float superblock accumulators, and dx one FMA per superblock: 2 float
+ops per accumulator and group instead of 4, which at G = 16 cost about as much as the group's 4
+``vpdpbusd`` (kernel alone, M = 512: 1.2x). The coarser activation scale costs accuracy:
+docs/decisions/gguf-superblocks.md.
+
 G must be a multiple of 16 (activation groups are quantized 16 lanes at a time; a group is a whole
 number of panel steps); with ``sb``, G must divide sb and sb divide K (the layout's own rules): the
 template declines other workloads.
@@ -42,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.formats.vnni import has_avx512_vnni
+from perfx_compiler.kernels import _lanes
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -67,6 +75,12 @@ def _info(func: Any) -> dict[str, Any] | None:
 
 def _static_rows(func: Any) -> int | None:
     return static_rows_of(func.params[0])
+
+
+def activation_group(bits: int, G: int, sb: int) -> int:
+    """Columns per int8 activation scale (dx) in the GEMM: the superblock for 6-bit superblock codes
+    (Q6_K, as llama.cpp's Q8_K), else the weight group (``formats.vnni.quantize_activations``' group)."""
+    return sb if sb and bits == 6 else G
 
 
 def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, nr: int, tasks: int,
@@ -101,6 +115,11 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     zconst = {4: 8, 6: 32, 8: 128}[bits]
     asym = pair and not sym and not offset
     GV = G // 16
+    # Q6_K (superblock scales, no min): activations quantized per superblock (llama.cpp's Q8_K), so a
+    # group's int32 sums take one FMA with its scale into a superblock accumulator and dx comes once per
+    # superblock: 2 float ops a group instead of 4, which at G = 16 cost as much as the 4 vpdpbusd
+    AG = activation_group(bits, G, sb)
+    fold = AG != G
     LO, HI = T.uint32(0x0F0F0F0F), T.uint32(0xF0F0F0F0)
     SWAP = [i ^ 1 for i in range(16)]  # swap the two words of each step
     EVEN_ODD = [i if i % 2 == 0 else 16 + i for i in range(16)]  # even lanes of a, odd lanes of b
@@ -142,9 +161,20 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
             mx = T.decl_buffer((16,), "float32", scope="local")
             sm = T.decl_buffer((16,), "int32", scope="local")
             inv = T.decl_buffer((1,), "float32", scope="local")
-            for g in T.serial(NG):
-                quantize_group(X, XQ, DX, bm * NG + g, bm, g, mx, sm, inv, G, GV, K, KP, MM, g * G)
-                SQ[bm * NG + g] = sm[0]
+            if fold:  # dx per superblock (K % sb == 0, so KP == K); SQ: -zconst * sum(q) per weight group
+                for a in T.serial(NSB):
+                    quantize_group(X, XQ, DX, bm * NSB + a, bm, a, mx, sm, inv, AG, AG // 16, K, KP, MM, a * AG)
+                for g in T.serial(NG):
+                    for ln in T.vectorized(16):
+                        sm[ln] = 0
+                    for c in T.serial(GV):
+                        for ln in T.vectorized(16):
+                            sm[ln] = sm[ln] + T.Cast("int32", XQ[bm * KP + g * G + c * 16 + ln])
+                    SQ[bm * NG + g] = _lanes.lanes_sum(sm, 0, 16, "int32") * T.int32(-zconst)
+            else:
+                for g in T.serial(NG):
+                    quantize_group(X, XQ, DX, bm * NG + g, bm, g, mx, sm, inv, G, GV, K, KP, MM, g * G)
+                    SQ[bm * NG + g] = sm[0]
 
     @T.macro
     def repack(Q32, Q8, Sc, Z, PK, SP, ZP, n0):
@@ -218,6 +248,38 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                                 XQ32[T.min(mt * mr + i, M - 1) * (KP // 4) + (g * G + s * KS) // 4 + h], 16)))
 
     @T.macro
+    def tiles_fold(XQ32, DX, SQ, PKB, SPB, Y, MM, M, n0, wbase, sbase):
+        # 3. (fold) per superblock: per group, int32 sums from -zconst sum(q) (SQ) + G/4 vpdpbusd, one FMA
+        # with the group's sc * d into the superblock's float accumulators; then one FMA with the row's dx
+        acc = T.decl_buffer((mr * nr * 16,), "float32", scope="local")
+        asb = T.decl_buffer((mr * nr * 16,), "float32", scope="local")
+        ia = T.decl_buffer((mr * nr * 16,), "int32", scope="local")
+        for mt in T.serial((M + mr - 1) // mr):
+            for j in T.unroll(mr * nr):
+                acc[T.Ramp(j * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+            for a in T.serial(NSB):
+                for j in T.unroll(mr * nr):
+                    asb[T.Ramp(j * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                for gg in T.serial(GPS):
+                    for i in T.unroll(mr):
+                        for t in T.unroll(nr):
+                            ia[T.Ramp(lane(i, t), 1, 16)] = T.Broadcast(SQ[at(mt, i, M, a * GPS + gg)], 16)
+                    dots(ia, XQ32, PKB, M, mt, wbase, a * GPS + gg, G // KS)
+                    for i in T.unroll(mr):
+                        for t in T.unroll(nr):
+                            asb[T.Ramp(lane(i, t), 1, 16)] = asb.vload([lane(i, t)], "float32x16") + T.Cast(
+                                "float32x16", ia.vload([lane(i, t)], "int32x16")) * SPB.vload(
+                                [sbase + (a * GPS + gg) * nr * 16 + t * 16], "float32x16")
+                for i in T.unroll(mr):
+                    for t in T.unroll(nr):
+                        acc[T.Ramp(lane(i, t), 1, 16)] = acc.vload([lane(i, t)], "float32x16") + asb.vload(
+                            [lane(i, t)], "float32x16") * T.Broadcast(DX[T.min(mt * mr + i, M - 1) * NSB + a], 16)
+            for i in T.unroll(mr):
+                for t in T.unroll(nr):
+                    Y[T.min(mt * mr + i, M - 1) // MM, T.min(mt * mr + i, M - 1) % MM,
+                      T.Ramp(n0 + t * 16, 1, 16)] = acc.vload([lane(i, t)], "float32x16")
+
+    @T.macro
     def tiles(XQ32, DX, SQ, PKB, SPB, ZPB, Y, MM, M, n0, wbase, sbase):
         # 3. mr x nr register tiles over the block's panel: word (s, t, c) at wbase + (s nr + t) 16 + c,
         # scales of group g at sbase + (g nr + t) 16 + c
@@ -280,8 +342,12 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                 for bb in T.serial(BPT):
                     if tk * BPT + bb < NB:
                         repack(Q32, Q8, Sc, Z, PK, SP, ZP, T.min((tk * BPT + bb) * nr, NT - nr) * 16)
-                        tiles(XQ32, DX, SQ, PK, SP, ZP, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
-                              0, 0)
+                        if fold:
+                            tiles_fold(XQ32, DX, SQ, PK, SP, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
+                                       0, 0)
+                        else:
+                            tiles(XQ32, DX, SQ, PK, SP, ZP, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
+                                  0, 0)
 
     if prepacked or pair or offset:
         # (x, weights, scales, zero|min, y): the row layout's arrays, or ``prepack``'s panels

@@ -8,6 +8,7 @@ scale or sub-block order gives order 1). All passes run, the decode GEMVs' fused
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -54,6 +55,11 @@ def test_llamacpp_file_runs_as_blocks(f32_file, ftype, tmp_path):
     packed = sum(w["nbytes"] for w in stored if len(w["shape"]) == 2 and not w["name"].startswith("rope_"))
     file_bytes = sum(int(t.n_bytes) for t in read_gguf_header(gguf).tensors if len(t.shape) == 2)
     print(f"{ftype} {sorted(types)}: artifact matrices {packed / file_bytes:.3f}x the file's")
+    # prefill linears (every N here a multiple of 16) run the int8 GEMM: no block type is dequantized for a
+    # float GEMM (Q6_K's row quads once were: 2.4x slower prefill)
+    so = (art / "model.so").read_bytes()
+    assert re.search(rb"_matmul_\d+_\d+_\w+v_1xn", so) and not re.search(rb"_dequant_\d+_\d+_", so), (
+        types, sorted(set(re.findall(rb"q\d_dequant_\d+_\d+_\w+v", so))))
 
     ref = ReferenceModel(desc)
     eng = Engine(art)

@@ -1,9 +1,9 @@
 """The VNNI int8 GEMM (``schedules/gemm_qvnni_cpu.py``, prefill) on the GGUF superblock layouts of
 ``formats/vnni.py`` (K-quants and IQ4_XS: int8 group values times a float16 d per 256 columns, G = 16
 or 32; Q5_1 / Q5_K: unsigned int8 codes with a min): fresh random weights of each type
-(``test_vnni_superblocks.fake_subscaled``) against x quantized to int8 per group times the float64
-weights. The integer dots are exact; float32 group sums and scale products stay within 2e-5 of
-max |y| (a wrong group, superblock d or min is of order 1e-2 and more)."""
+(``test_vnni_superblocks.fake_subscaled``) against x quantized to int8 per group (Q6_K: per 256-column
+superblock, as llama.cpp's Q8_K) times the float64 weights. The integer dots are exact; float32 group
+sums and scale products stay within 2e-5 of max |y| (a wrong group, superblock d or min is of order 1e-2 and more)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def test_gemm_matches_int8_reference(template, target, qtype, n, k, rows, m):
     dev = tvm.cpu()
     x = rng.standard_normal((1, m, k)).astype(np.float32)
     x[..., :32] *= 20.0  # one loud group: per-group scales must not leak across groups
-    ref = quantize_activations(x, k, sub.group) @ w.astype(np.float64).T
+    # Q6_K: x quantized per superblock (llama.cpp's Q8_K; the GEMM's epilogue per superblock), else per group
+    ref = quantize_activations(x, k, sub.sb if qtype == "Q6_K" else sub.group) @ w.astype(np.float64).T
     for cfg in configs:
         assert template.is_valid(wl, cfg, target), cfg
         rt = build_func(template.apply(func, wl, cfg, target), target)
