@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from sched_helpers import needs_vnni
 
+from perfx_compiler.formats.ggml.iq4_nl import KVALUES
 from perfx_compiler.formats.vnni import quantize_activations, subscaled_vnni_packed
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
@@ -33,6 +34,8 @@ def fake_subscaled(qtype: str, n: int, k: int, rng: np.random.Generator) -> tupl
     g, sb, (c0, c1), (s0, s1), mmax = TYPES[qtype]
     signed = mmax is None
     codes = rng.integers(c0, c1 + 1, (n, k)).astype(np.int8 if signed else np.uint8)
+    if qtype.startswith("IQ4"):  # the codes are the non-linear table's values (stored as its indices)
+        codes = KVALUES[rng.integers(0, 16, (n, k))]
     scales = rng.integers(s0, s1 + 1, (n, k // g)).astype(np.int8)
     d = (rng.random((n, k // sb)) * 0.002 + 1e-4).astype(np.float16)
     mins = dmin = None
