@@ -24,6 +24,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from perfx_compiler.formats.vnni import lut_bytes
 from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
 
 STEP = 64
@@ -558,26 +559,6 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
 
         func = qv_gemv
     return func if (pair and not lut) or offset else _without_zero(func)
-
-
-def lut_bytes(lut: str, nib: Any) -> Any:
-    """uint8x64: ``LUT_U8[lut][nib]`` for 64 indices 0..15 (uint8x64): one ``vpshufb`` of a constant
-    register holding the 16 table bytes in each 128-bit lane (the shuffle indexes within a lane by
-    the low 4 bits; an index's bit 7 would zero the byte, and nibbles never set it)."""
-    from tvm import tirx
-    from tvm.script import tirx as T
-
-    from perfx_compiler.formats.vnni import LUT_U8
-
-    vals = LUT_U8[lut]
-    pos = T.Ramp(T.int32(0), 1, 64) % T.Broadcast(T.int32(16), 64)
-    table = T.Broadcast(T.int8(vals[15] - 256 if vals[15] > 127 else vals[15]), 64)
-    for i in range(14, -1, -1):  # constant after folding: the table register (a constant-pool load)
-        v = vals[i] - 256 if vals[i] > 127 else vals[i]
-        table = tirx.Select(pos == T.Broadcast(T.int32(i), 64), T.Broadcast(T.int8(v), 64), table)
-    out = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx512.pshuf.b.512"), table,
-                                  T.reinterpret("int8x64", nib), dtype="int8x64")
-    return T.reinterpret("uint8x64", out)
 
 
 def _without_zero(func: Any) -> Any:

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from perfx_compiler.formats.vnni import has_avx512_vnni
+from perfx_compiler.formats.vnni import has_avx512_vnni, lut_bytes
 from perfx_compiler.kernels import _lanes
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
@@ -58,7 +58,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules._vnni_kernels import ROWS_PER_UNIT, lut_bytes, plan, quantize_group_macro, transpose_tile
+from schedules._vnni_kernels import ROWS_PER_UNIT, plan, quantize_group_macro, transpose_tile
 from schedules.gemv_int4_cpu import _like, quant_info, static_rows_of
 
 GEMV_MAX_ROWS = 8
@@ -89,7 +89,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     (x, panels, panel_scales[, panel_zero|panel_min], y) over ``prepack``'s arrays. ``sb``: superblock
     scales (int8 [N2, SW] scale / min arrays, see formats/vnni.py); not with ``prepacked``. ``lut``
     (IQ4: int4 row pairs of table indices): the repack maps each row's nibbles to code + 128 with
-    ``vpshufb`` (``_vnni_kernels.lut_bytes``) and the rest is the int8 kernel."""
+    ``vpshufb`` (``formats.vnni.lut_bytes``) and the rest is the int8 kernel."""
     from tvm.script import tirx as T
 
     if (sb or lut) and prepacked:

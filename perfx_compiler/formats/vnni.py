@@ -400,6 +400,24 @@ def table_value(nib: Any, lut: str) -> Any:
     return out
 
 
+def lut_bytes(lut: str, nib: Any) -> Any:
+    """uint8x64: ``LUT_U8[lut][nib]`` for 64 indices 0..15 (uint8x64): one ``vpshufb`` of a constant
+    register holding the 16 table bytes in each 128-bit lane (the shuffle indexes within a lane by
+    the low 4 bits; an index's bit 7 would zero the byte, and nibbles never set it)."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    vals = LUT_U8[lut]
+    pos = T.Ramp(T.int32(0), 1, 64) % T.Broadcast(T.int32(16), 64)
+    table = T.Broadcast(T.int8(vals[15] - 256 if vals[15] > 127 else vals[15]), 64)
+    for i in range(14, -1, -1):  # constant after folding: the table register (a constant-pool load)
+        v = vals[i] - 256 if vals[i] > 127 else vals[i]
+        table = tirx.Select(pos == T.Broadcast(T.int32(i), 64), T.Broadcast(T.int8(v), 64), table)
+    out = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx512.pshuf.b.512"), table,
+                                  T.reinterpret("int8x64", nib), dtype="int8x64")
+    return T.reinterpret("uint8x64", out)
+
+
 def _prologue(prologue: str, b: Any, m: Any, k: int, eps: float) -> tuple[list[Any], Any, list[Any]]:
     """(inputs before the codes, x, outputs before y) of the matmul: x itself, or x made by the fused
     op (``add_rms_norm``: rmsnorm(a + b) * w as ``kernels/rms_norm.rms_norm_kernel`` computes it, the sum
