@@ -140,7 +140,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         unroll = max(4, d["G"] // vk.STEP)
         # two accumulators per row while they fit the registers with the scale vectors
         split = 2 if units * rpu * m * 3 <= MAX_REGS else 1
-        hinib = 1 if d["bits"] == 4 else 0
+        hinib = 1 if d["bits"] == 4 and not workload.info.get("lut") else 0  # (no use on table indices)
         if long_rows and m == 1:  # decode's long rows: hinib alone
             split = 1
         # one activation row (decode): one task per core, each quantizing x for itself after the fork
