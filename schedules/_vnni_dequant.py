@@ -14,8 +14,10 @@ from schedules._vnni_kernels import ROWS_PER_UNIT, _without_zero, plan, transpos
 class _Layout:
     """The array shapes of one VNNI weight (see formats/vnni.py) and its float weight expression."""
 
-    def __init__(self, bits: int, N: int, K: int, G: int, sym: bool, offset: bool, sb: int) -> None:  # noqa: N803
+    def __init__(self, bits: int, N: int, K: int, G: int, sym: bool, offset: bool, sb: int,  # noqa: N803
+                 lut: str = "") -> None:
         p = plan(K, G)
+        self.lut = lut
         self.bits, self.sym, self.offset, self.sb, self.G = bits, sym, offset, sb, G
         self.KP, self.NGP = p["KP"], p["NGP"]
         rpu = ROWS_PER_UNIT[bits]
@@ -25,7 +27,8 @@ class _Layout:
         self.ST = "int8" if sb else "float16"
         self.ZT = self.ST if offset else "uint8"
         self.SW = self.NGP + (2 * (K // sb) if sb else 0)
-        self.has_z = bits == 4 or offset  # int8 codes without a min take no zero/min array
+        # int8 codes without a min, and table indices (IQ4), take no zero/min array
+        self.has_z = (bits == 4 and not lut) or offset
 
     def factor(self, A: Any, Ad: Any, row: Any, g: Any) -> Any:  # noqa: N803
         """Group g's scale (or min factor) as float32: the float16 value, or sc * d (superblocks)."""
@@ -52,8 +55,12 @@ class _Layout:
             if self.offset:  # unsigned codes as they are, then the min
                 return T.Cast("float32", Q[row, col]) * s + mn
             return (T.Cast("float32", Q[row, col]) - T.float32(128)) * s
-        code = T.Cast("float32", T.bitwise_and(T.shift_right(Q[row // 2, col], T.Cast("uint8", (row % 2) * 4)),
-                                               T.uint8(15)))
+        nib = T.bitwise_and(T.shift_right(Q[row // 2, col], T.Cast("uint8", (row % 2) * 4)), T.uint8(15))
+        if self.lut:  # the table's value + 128 by a select chain (16 lanes: a few compares and blends)
+            from perfx_compiler.formats.vnni import table_value
+
+            return (T.Cast("float32", table_value(nib, self.lut)) - T.float32(128)) * s
+        code = T.Cast("float32", nib)
         if self.offset:
             return code * s + mn
         if self.sym:
@@ -62,12 +69,12 @@ class _Layout:
 
 
 def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: int, nb: int = 0,  # noqa: N803
-            sb: int = 0) -> Any:
+            sb: int = 0, lut: str = "") -> Any:
     """W [N, K] in float32 from the VNNI layout (prefill: the float GEMM follows), or with
     ``nb`` as [N / nb, K, nb] panels, the packed GEMM's layout (see weight_layout)."""
     from tvm.script import tirx as T
 
-    L = _Layout(bits, N, K, G, sym, offset, sb)
+    L = _Layout(bits, N, K, G, sym, offset, sb, lut)
     QKW, QW, N2, SW, ST, ZT = L.QKW, L.QW, L.N2, L.SW, L.ST, L.ZT
     NV = K // 16
     PER = -(-N // tasks)
@@ -119,11 +126,12 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
     return qv_dequant if L.has_z else _without_zero(qv_dequant)
 
 
-def take(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, sb: int = 0) -> Any:  # noqa: N803
+def take(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, sb: int = 0,  # noqa: N803
+         lut: str = "") -> Any:
     """Embedding gather out[b, m, :] = W[ids[b, m], :] from the VNNI layout."""
     from tvm.script import tirx as T
 
-    L = _Layout(bits, N, K, G, sym, offset, sb)
+    L = _Layout(bits, N, K, G, sym, offset, sb, lut)
     QKW, QW, N2, SW, ST, ZT = L.QKW, L.QW, L.N2, L.SW, L.ST, L.ZT
     NV = K // 16
 

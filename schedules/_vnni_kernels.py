@@ -24,6 +24,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
+from perfx_compiler.formats.vnni import lut_bytes
 from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
 
 STEP = 64
@@ -99,7 +100,8 @@ GEMV_CONFIG: dict[str, int] = {"units": 1, "tasks": 1, "unroll": 1, "prefetch": 
 
 
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
-         config: Mapping[str, Any], prologue: str = "", eps: float = 0.0, epilogue: str = "", sb: int = 0) -> Any:
+         config: Mapping[str, Any], prologue: str = "", eps: float = 0.0, epilogue: str = "", sb: int = 0,
+         lut: str = "") -> Any:
     """The GEMV PrimFunc (x, q, scale[, zero|min], y) of one shape for one ``config`` (keys of
     :data:`GEMV_CONFIG`): ``units`` per iteration (rows sharing each activation load), ``tasks``
     (parallel chunks of rows), ``unroll`` (64-byte steps per inner loop); ``prefetch``: software
@@ -119,7 +121,9 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     after the other) and ends with ``h = silu(gate) * up`` over its range, read back from its own y
     rows, into a second output h [1, 1, N/2] (see ``passes/fuse_gemv_prologue.py``).
     ``sb``: superblock scales (GGUF K-quants: int8 group values times a float16 d per ``sb`` columns,
-    ``formats/vnni.py``); ``bits == 8`` with ``offset``: unsigned codes and a min (Q5_1, Q5_K)."""
+    ``formats/vnni.py``); ``bits == 8`` with ``offset``: unsigned codes and a min (Q5_1, Q5_K);
+    ``lut`` (int4 pairs of table indices: IQ4): each row's nibbles mapped to code + 128 by ``vpshufb``
+    of the table register (:func:`lut_bytes`), then the int8 path."""
     c = {**GEMV_CONFIG, **{k: int(v) for k, v in config.items() if k in GEMV_CONFIG}}
     units, tasks, unroll, prefetch, split, hinib, sprefetch, nta, ploc, tquant = (
         c[k] for k in ("units", "tasks", "unroll", "prefetch", "split", "hinib", "sprefetch", "nta", "ploc", "tquant"))
@@ -151,11 +155,11 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     GPS = sb // G if sb else 0  # groups per superblock
     QW = N2 // RPU if RPU > 1 else N  # code rows: one per unit
     QKW = 3 * KP if bits == 6 else KP  # bytes of a code row (6-bit: two nibble rows and the high bits)
-    zconst = {8: 128.0, 6: 32.0, 4: 8.0}[bits]
+    zconst = 128.0 if lut else {8: 128.0, 6: 32.0, 4: 8.0}[bits]
     GV = G // 16  # 16-lane vectors per group
     A = split
     quantize_group = quantize_group_macro()
-    hi = pair and hinib
+    hi = pair and hinib and not lut  # (a table index must stay a nibble)
     # before a task quantizes x: its first `prefetch` steps of codes (flat: over row ends, as the row loop's
     # own prefetch runs) and the scale lines of those rows (64 bytes = 32 scales a line)
     PRO = int(prefetch) if tquant else 0
@@ -203,6 +207,9 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             hb = T.shift_right(Q.vload([unit, 2 * KP + s_abs * STEP], "uint8x64"),
                                T.Broadcast(T.Cast("uint8", 2 * h), 64)) & T.Broadcast(T.uint8(3), 64)
             return lo | T.shift_left(hb, T.Broadcast(T.uint8(4), 64))
+        if lut:
+            return lut_bytes(lut, T.shift_right(Q.vload([unit, s_abs * STEP], "uint8x64"),
+                                                T.Broadcast(T.Cast("uint8", 4 * h), 64)) & T.Broadcast(T.uint8(15), 64))
         return T.shift_right(Q.vload([unit, s_abs * STEP], "uint8x64"), T.Broadcast(hshift(h), 64)) & T.Broadcast(
             hmask(h), 64)
 
@@ -551,7 +558,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             body(X, X, X, X, Q, Sc, Z, Y, Y)
 
         func = qv_gemv
-    return func if pair or offset else _without_zero(func)
+    return func if (pair and not lut) or offset else _without_zero(func)
 
 
 def _without_zero(func: Any) -> Any:

@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from perfx_compiler.formats.vnni import has_avx512_vnni
+from perfx_compiler.formats.vnni import has_avx512_vnni, lut_bytes
 from perfx_compiler.kernels import _lanes
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
@@ -84,20 +84,22 @@ def activation_group(bits: int, G: int, sb: int) -> int:
 
 
 def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, nr: int, tasks: int,
-           prepacked: bool = False, sb: int = 0) -> Any:
+           prepacked: bool = False, sb: int = 0, lut: str = "") -> Any:
     """The GEMM PrimFunc (x, q, scale[, zero|min], y) for one configuration; with ``prepacked``
     (x, panels, panel_scales[, panel_zero|panel_min], y) over ``prepack``'s arrays. ``sb``: superblock
-    scales (int8 [N2, SW] scale / min arrays, see formats/vnni.py); not with ``prepacked``."""
+    scales (int8 [N2, SW] scale / min arrays, see formats/vnni.py); not with ``prepacked``. ``lut``
+    (IQ4: int4 row pairs of table indices): the repack maps each row's nibbles to code + 128 with
+    ``vpshufb`` (``formats.vnni.lut_bytes``) and the rest is the int8 kernel."""
     from tvm.script import tirx as T
 
-    if sb and prepacked:
+    if (sb or lut) and prepacked:
         raise ValueError("prepacked VNNI GEMM panels take float16 group scales, not superblock (sb) scales")
 
     quantize_group = quantize_group_macro()
     KP = plan(K, G)["KP"]
     NGP = plan(K, G)["NGP"]
     NG = -(-KP // G)  # groups over the padded row (the last may be short when G > 64)
-    pair = bits == 4
+    pair = bits == 4 and not lut  # int4 panels; table indices become int8 codes in the repack
     KS = 8 if pair else 4  # k per 64-byte panel vector (per tile)
     S = KP // KS  # panel steps per row
     NT = N // 16  # column tiles
@@ -112,7 +114,8 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     SW = NGP + (2 * (K // sb) if sb else 0)  # scale row: groups, then (sb) the superblocks' float16 d bytes
     NSB = K // sb if sb else 0
     GPS = sb // G if sb else 0  # groups per superblock
-    zconst = {4: 8, 6: 32, 8: 128}[bits]
+    zconst = 128 if lut else {4: 8, 6: 32, 8: 128}[bits]
+    table = lut != ""  # (a bool for TVMScript's `if`)
     asym = pair and not sym and not offset
     GV = G // 16
     # Q6_K (superblock scales, no min): activations quantized per superblock (llama.cpp's Q8_K), so a
@@ -210,6 +213,10 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                         if bits == 6:  # the row's 64 codes assembled from its quad's nibble and high-bit rows
                             tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", six_bit_codes(
                                 Q8, n0 // 4 + t * 4 + c // 4, c % 4, sb * 64))
+                        elif table:  # row c's nibbles of its pair row (n0 is even), looked up
+                            tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", lut_bytes(lut, T.shift_right(
+                                Q8.vload([n0 // 2 + t * 8 + c // 2, sb * 64], "uint8x64"),
+                                T.Broadcast(T.uint8(4 * (c % 2)), 64)) & T.Broadcast(T.uint8(15), 64)))
                         else:
                             tile[T.Ramp(c * 16, 1, 16)] = Q32.vload([n0 + t * 16 + c, sb * 16], "uint32x16")
                     for s in T.unroll(16):
@@ -444,7 +451,8 @@ class GemmQVnniCPU(ScheduleTemplate):
         if dims["G"] % 16 or (sb and (sb % dims["G"] or dims["K"] % sb)):
             return None  # see the module docstring: whole 16-lane groups, whole groups per superblock
         return make_workload(self.name, func, target, dims, symbolic=None if rows else "M",
-                             info={"sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "sb": sb},
+                             info={"sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "sb": sb,
+                                   **({"lut": str(info["lut"])} if info.get("lut") else {})},
                              version=self.version)
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
@@ -478,7 +486,7 @@ class GemmQVnniCPU(ScheduleTemplate):
             raise ScheduleConfigError(f"invalid VNNI GEMM config {config} for {workload.dims}: {why}")
         d, info = workload.dims, workload.info
         k = kernel(d["bits"], d["N"], d["K"], d["G"], info["sym"], info["offset"], int(config["mr"]),
-                   int(config["nr"]), int(config["tasks"]), sb=int(info.get("sb", 0)))
+                   int(config["nr"]), int(config["tasks"]), sb=int(info.get("sb", 0)), lut=str(info.get("lut", "")))
         return _like(k, func)
 
 

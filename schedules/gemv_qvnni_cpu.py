@@ -52,17 +52,17 @@ def _info(func: Any) -> dict[str, Any] | None:
 def _plain_gemv(info: dict[str, Any], rows: tuple[int, int] | None) -> Any:
     """The unfused GEMV of a fused one's shape, as the passes emit it (the function a record's key hashes)."""
     return _plain_gemv_of(int(info["N"]), int(info["K"]), int(info["group"]), int(info["bits"]), bool(info.get("sym")),
-                          bool(info.get("offset")), rows or (1, 1), int(info.get("sb", 0)))
+                          bool(info.get("offset")), rows or (1, 1), int(info.get("sb", 0)), str(info.get("lut", "")))
 
 
 @functools.lru_cache(maxsize=64)
 def _plain_gemv_of(n: int, k: int, group: int, bits: int, sym: bool, offset: bool, rows: tuple[int, int],
-                   sb: int = 0) -> Any:
+                   sb: int = 0, lut: str = "") -> Any:
     # cached: a model has a handful of fused shapes, each matched once per layer and again per tuning task
     from perfx_compiler.formats.vnni import vnni_compute
     from perfx_compiler.kernels.tir_queries import OPAQUE
 
-    return vnni_compute(n, k, group, bits, sym, offset, "matmul", rows, sb=sb).with_attr("op_pattern", OPAQUE)
+    return vnni_compute(n, k, group, bits, sym, offset, "matmul", rows, sb=sb, lut=lut).with_attr("op_pattern", OPAQUE)
 
 
 def _rows(func: Any, kind: str) -> tuple[int, int] | None:
@@ -96,7 +96,9 @@ class GemvQVnniCPU(ScheduleTemplate):
             self.name, keyed, target, dims, symbolic=None if rows or kind != "matmul" else "M",
             info={"kind": kind, "sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "nb": panel_of(func),
                   "sb": int(info.get("sb", 0)),
-                  "prologue": prologue, "eps": float(info.get("eps", 0.0)), "epilogue": epilogue},
+                  "prologue": prologue, "eps": float(info.get("eps", 0.0)), "epilogue": epilogue,
+                  # only when set: the other layouts' workload keys stay as they were
+                  **({"lut": str(info["lut"])} if info.get("lut") else {})},
             version=self.version,
         )
 
@@ -117,7 +119,7 @@ class GemvQVnniCPU(ScheduleTemplate):
             "unroll": [1, 2, 4, 8],
             "prefetch": [0, 16, 64, 128, 256],  # software prefetch of the codes, in 64-byte steps ahead (0: off)
             "split": [1, 2],
-            "hinib": [0, 1] if d["bits"] == 4 else [0],
+            "hinib": [0, 1] if d["bits"] == 4 and not workload.info.get("lut") else [0],
             "sprefetch": [0, 1],  # scales (and zero/min) prefetched as far ahead as the codes
             # nta, ploc and tquant are default-config knobs, not searched: their gain shows in the whole
             # decode step, not in one kernel's timing (docs/decisions/gemv-qvnni-cpu.md)
@@ -138,7 +140,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         unroll = max(4, d["G"] // vk.STEP)
         # two accumulators per row while they fit the registers with the scale vectors
         split = 2 if units * rpu * m * 3 <= MAX_REGS else 1
-        hinib = 1 if d["bits"] == 4 else 0
+        hinib = 1 if d["bits"] == 4 and not workload.info.get("lut") else 0  # (no use on table indices)
         if long_rows and m == 1:  # decode's long rows: hinib alone
             split = 1
         # one activation row (decode): one task per core, each quantizing x for itself after the fork
@@ -197,18 +199,19 @@ class GemvQVnniCPU(ScheduleTemplate):
             raise ScheduleConfigError(f"invalid VNNI config {config} for {workload.dims}: {why}")
         d, info = workload.dims, workload.info
         args = (d["bits"], d["N"], d["K"], d["G"], info["sym"], info["offset"])
-        kind = info.get("kind")
+        kind, lut = info.get("kind"), str(info.get("lut", ""))
         if kind == "take":
-            kernel = _vnni_dequant.take(*args, sb=int(info.get("sb", 0)))
+            kernel = _vnni_dequant.take(*args, sb=int(info.get("sb", 0)), lut=lut)
         elif kind == "dequant":
-            kernel = _vnni_dequant.dequant(*args, int(config["tasks"]), int(info.get("nb", 0)), sb=int(info.get("sb", 0)))
+            kernel = _vnni_dequant.dequant(*args, int(config["tasks"]), int(info.get("nb", 0)), sb=int(info.get("sb", 0)),
+                                           lut=lut)
         else:
             # a record tuned before `ploc` existed (or one that does not search it) gets the target's
             # default: the locality is the machine's, not the shape's
             if "ploc" not in config:
                 config = {**config, "ploc": self.default_config(workload, target).get("ploc", 3)}
             kernel = vk.gemv(*args, (d["B"], d["MM"]), config, str(info.get("prologue", "")),
-                             float(info.get("eps", 0.0)), str(info.get("epilogue", "")), int(info.get("sb", 0)))
+                             float(info.get("eps", 0.0)), str(info.get("epilogue", "")), int(info.get("sb", 0)), lut)
         return _like(kernel, func)
 
 

@@ -21,6 +21,11 @@ Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
   int4 pair rows of the codes' low nibbles (rows 4q, 4q+1, then 4q+2, 4q+3, as ``q4v``), then one row
   whose byte k holds the four rows' high 2 bits of column k (row 4q+r in bits 2r..2r+1): 6 bits a
   weight, where int8 codes would take 8. Codes are unsigned (zero point 32).
+* int4 table indices (``lut: iq4nl``: GGUF IQ4_XS / IQ4_NL): the row-pair nibbles of ``q4v`` hold
+  4-bit indices into ggml's 16-value non-linear table (``kvalues_iq4nl``, -127..113); the kernels
+  map them with one ``vpshufb`` of a register holding the table + 128 (``LUT_U8``) into the int8
+  layout's unsigned code + 128, so everything after the lookup is the int8 path (no zero array).
+  4.3125 / 4.5 bits a weight (file: 4.25 / 4.5), where int8 codes took 8.3 / 8.5.
 * int8 with a min (``bits 8, offset``: GGUF Q5_1 / Q5_K): codes uint8 [N, KP] are the unsigned
   codes themselves (no +128); w = code * scale + min.
 * superblock scales (info ``sb: 256``: GGUF K-quants and IQ4_XS, ``formats/ggml``): the group
@@ -116,12 +121,14 @@ def pad_groups(a: np.ndarray, k: int, group: int, rows: int) -> np.ndarray:
 
 
 def vnni_info(n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str,
-              prologue: str = "", eps: float = 0.0, epilogue: str = "", sb: int = 0) -> str:
+              prologue: str = "", eps: float = 0.0, epilogue: str = "", sb: int = 0, lut: str = "") -> str:
     ng, ngp = groups_padded(k, group)
     info = {"bits": bits, "N": n, "K": k, "KP": padded_k(k), "group": group, "NGP": ngp,
             "sym": symmetric, "offset": offset, "kind": kind, "layout": "vnni", "act": "int8"}
     if sb:  # only then: the classic formats' facts (and so their tuning keys) stay as they were
         info["sb"] = sb
+    if lut:  # likewise only then (the other layouts' tuning keys stay as they were)
+        info["lut"] = lut
     if prologue:
         info.update(prologue=prologue, eps=eps)
     if epilogue:
@@ -190,6 +197,20 @@ def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
 
 # GGUF types whose codes take the int4 row-pair layout, the 6-bit row-quad layout (the others take bytes)
 NIBBLE_TYPES = ("Q4_K", "Q2_K", "Q3_K")
+# GGUF types whose codes are indices into a fixed table (int4 row pairs of the indices, see above)
+LUT_TYPES = {"IQ4_XS": "iq4nl", "IQ4_NL": "iq4nl"}
+# kvalues_iq4nl (ggml-common.h) + 128: what vpdpbusd's unsigned operand takes for the int8 path
+KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+LUT_U8 = {"iq4nl": tuple(v + 128 for v in KVALUES_IQ4NL)}
+
+
+def table_indices(codes: np.ndarray, lut: str) -> np.ndarray:
+    """The table values ``codes`` (int8) as uint8 indices into table ``lut`` (every code must be in it)."""
+    table = np.asarray(LUT_U8[lut], dtype=np.int16) - 128
+    idx = np.searchsorted(table, np.asarray(codes, dtype=np.int16))
+    if idx.max(initial=0) > 15 or not np.array_equal(table[np.minimum(idx, 15)], codes):
+        raise PerfXError(f"internal: codes outside the {lut} table")
+    return idx.astype(np.uint8)
 SIGNED_NIBBLE_TYPES = {"Q3_K": 4}  # signed nibble types: their zero point
 
 
@@ -206,7 +227,7 @@ ROWS_PER_UNIT = {4: 2, 6: 4, 8: 1}  # rows one code row holds
 def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor unpacked by ``formats.ggml``
     (``SubScaled``) in the VNNI layout: codes as int4 row pairs (Q4_K, Q2_K, Q3_K), 6-bit row quads
-    (Q6_K), uint8 with a min (Q5_K, Q5_1) or int8 + 128 (IQ4_XS, IQ4_NL); superblock scales as
+    (Q6_K), uint8 with a min (Q5_K, Q5_1) or int4 table indices (IQ4_XS, IQ4_NL); superblock scales as
     described above, or for one-level types (sb == group: Q5_1, IQ4_NL, whose sub-scale is 1) float16
     group tables."""
     from perfx_compiler.formats import Packed
@@ -216,9 +237,12 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     sb = 0 if int(sub.sb) == g else int(sub.sb)
     if qtype in SIGNED_NIBBLE_TYPES:
         sub, offset = signed_nibbles_with_min(sub, SIGNED_NIBBLE_TYPES[qtype]), True
-    bits = 4 if qtype in NIBBLE_TYPES else 6 if qtype in SIXBIT_TYPES and not offset else 8
+    lut = LUT_TYPES.get(qtype, "")
+    bits = 4 if qtype in NIBBLE_TYPES or lut else 6 if qtype in SIXBIT_TYPES and not offset else 8
     n2 = -(-n // ROWS_PER_UNIT[bits]) * ROWS_PER_UNIT[bits]
-    if bits == 4:
+    if lut:
+        codes = pack_q4_pairs(table_indices(sub.codes, lut))
+    elif bits == 4:
         codes = pack_q4_pairs(sub.codes)
     elif bits == 6:  # signed codes -32..31 -> unsigned, zero point 32
         codes = pack_q6_quads((np.asarray(sub.codes, dtype=np.int16) + 32).astype(np.uint8))
@@ -236,7 +260,7 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     arrays = [(f"_{fam}", codes), (f"_{fam}_scale", scale)] + ([(f"_{fam}_min", third)] if offset else [])
 
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
-        return vnni_compute(n, k, g, bits, not offset, offset, kind, rows, ids_dtype, sb=sb)
+        return vnni_compute(n, k, g, bits, not offset, offset, kind, rows, ids_dtype, sb=sb, lut=lut)
 
     return Packed(fam, f"{qtype.lower().replace('_', '')}v", n, k, arrays, compute)
 
@@ -283,7 +307,7 @@ def _int8_activations(x: Any, b: Any, m: Any, k: int, group: int) -> Any:
 def vnni_compute(
     n: int, k: int, group: int, bits: int, symmetric: bool, offset: bool, kind: str = "matmul",
     rows: tuple[int | None, int | None] = (1, None), ids_dtype: str = "int64", prologue: str = "", eps: float = 0.0,
-    epilogue: str = "", sb: int = 0,
+    epilogue: str = "", sb: int = 0, lut: str = "",
 ) -> Any:
     """Reference PrimFunc over the VNNI layouts, tagged ``perfx.quant`` with ``layout: vnni``. The
     matmul multiplies with x quantized to int8 per group exactly as the kernel does
@@ -302,7 +326,7 @@ def vnni_compute(
     sw = scale_width(k, group, sb)
     s = te.placeholder((nu * rpu, sw), "int8" if sb else "float16", name="scale")
     z = None
-    if bits == 4 or offset:
+    if (bits == 4 and not lut) or offset:
         z = te.placeholder(s.shape, ("int8" if sb else "float16") if offset else "uint8",
                            name="min" if offset else "zero")
 
@@ -327,7 +351,10 @@ def vnni_compute(
                 return q[row, col].astype("float32") * sc + mn
             return (q[row, col].astype("float32") - tirx.const(128.0, "float32")) * sc
         byte = q[row // 2, col]
-        code = ((byte >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")).astype("float32")
+        nib = (byte >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")
+        if lut:
+            return (table_value(nib, lut).astype("float32") - tirx.const(128.0, "float32")) * sc
+        code = nib.astype("float32")
         if offset:
             return code * sc + (-factor(z, row, g) if sb else factor(z, row, g))
         return (code - z[row, g].astype("float32")) * sc
@@ -357,7 +384,38 @@ def vnni_compute(
             after = [te.compute((1, 1, f), lambda bi, i, c: out[bi, i, c] * tirx.sigmoid(out[bi, i, c])
                                 * out[bi, i, c + f], name="swiglu")]
         func = te.create_prim_func([*head, *ins, *tail, out, *after])
-    return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind, prologue, eps, epilogue, sb))
+    return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind, prologue, eps, epilogue, sb,
+                                                   lut))
+
+
+def table_value(nib: Any, lut: str) -> Any:
+    """uint8 ``LUT_U8[lut][nib]`` of a uint8 index expression (scalar or vector) as a select chain
+    (the references, dequantize and gather; the GEMV / GEMM use ``vpshufb``)."""
+    from tvm import tirx
+
+    vals = LUT_U8[lut]
+    out = tirx.const(vals[15], "uint8")
+    for i in range(14, -1, -1):
+        out = tirx.Select(nib == tirx.const(i, "uint8"), tirx.const(vals[i], "uint8"), out)
+    return out
+
+
+def lut_bytes(lut: str, nib: Any) -> Any:
+    """uint8x64: ``LUT_U8[lut][nib]`` for 64 indices 0..15 (uint8x64): one ``vpshufb`` of a constant
+    register holding the 16 table bytes in each 128-bit lane (the shuffle indexes within a lane by
+    the low 4 bits; an index's bit 7 would zero the byte, and nibbles never set it)."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    vals = LUT_U8[lut]
+    pos = T.Ramp(T.int32(0), 1, 64) % T.Broadcast(T.int32(16), 64)
+    table = T.Broadcast(T.int8(vals[15] - 256 if vals[15] > 127 else vals[15]), 64)
+    for i in range(14, -1, -1):  # constant after folding: the table register (a constant-pool load)
+        v = vals[i] - 256 if vals[i] > 127 else vals[i]
+        table = tirx.Select(pos == T.Broadcast(T.int32(i), 64), T.Broadcast(T.int8(v), 64), table)
+    out = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx512.pshuf.b.512"), table,
+                                  T.reinterpret("int8x64", nib), dtype="int8x64")
+    return T.reinterpret("uint8x64", out)
 
 
 def _prologue(prologue: str, b: Any, m: Any, k: int, eps: float) -> tuple[list[Any], Any, list[Any]]:

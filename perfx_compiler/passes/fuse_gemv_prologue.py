@@ -110,7 +110,8 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
             if name not in kernels:
                 kernels[name] = vnni_compute(int(q["N"]), int(q["K"]), int(q["group"]), int(q["bits"]), bool(q["sym"]),
                                              bool(q["offset"]), "matmul", (1, 1), prologue=m["op"], eps=m["eps"],
-                                             epilogue="swiglu" if tail else "", sb=int(q.get("sb", 0)))
+                                             epilogue="swiglu" if tail else "", sb=int(q.get("sb", 0)),
+                                             lut=str(q.get("lut", "")))
             found.append({**m, "gemv": var, "name": name, "tail": tail})
         matches[fn] = found
     if not kernels:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from sched_helpers import needs_vnni
 
+from perfx_compiler.formats.ggml.iq4_nl import KVALUES
 from perfx_compiler.formats.vnni import quantize_activations, subscaled_vnni_packed
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
@@ -33,6 +34,8 @@ def fake_subscaled(qtype: str, n: int, k: int, rng: np.random.Generator) -> tupl
     g, sb, (c0, c1), (s0, s1), mmax = TYPES[qtype]
     signed = mmax is None
     codes = rng.integers(c0, c1 + 1, (n, k)).astype(np.int8 if signed else np.uint8)
+    if qtype.startswith("IQ4"):  # the codes are the non-linear table's values (stored as its indices)
+        codes = KVALUES[rng.integers(0, 16, (n, k))]
     scales = rng.integers(s0, s1 + 1, (n, k // g)).astype(np.int8)
     d = (rng.random((n, k // sb)) * 0.002 + 1e-4).astype(np.float16)
     mins = dmin = None
@@ -107,3 +110,51 @@ def test_gemv_matches_int8_reference(template, target, qtype, n, k, rows):
         rt = build_func(template.apply(func, wl, cfg, target), target)
         rt["main"](tvm.runtime.tensor(x, dev), *[tvm.runtime.tensor(a, dev) for _, a in pk.arrays], y)
         assert np.abs(y.numpy() - ref).max() <= 2e-5 * np.abs(ref).max(), (qtype, cfg)
+
+
+def random_iq4_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Fresh random IQ4_XS / IQ4_NL file bytes [N, K/bw * bb]: random bytes, the f16 d finite."""
+    from perfx_compiler.formats import ggml
+
+    fmt = ggml.FORMATS[qtype]
+    b = rng.integers(0, 256, (n, k // fmt.block_weights, fmt.block_bytes), dtype=np.uint8)
+    d = (10.0 ** rng.uniform(-4, -2, b.shape[:2]) * rng.choice([-1.0, 1.0], b.shape[:2])).astype(np.float16)
+    b[:, :, 0:2] = d[..., None].view(np.uint8)
+    return b.reshape(n, -1)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ4_NL"])
+def test_iq4_table_indices_match_gguf(template, target, qtype):
+    """IQ4 as 4-bit table indices (the kernels' vpshufb / select lookup): dequantize and gather equal
+    gguf-py's dequantization of fresh random blocks bit for bit, the GEMV and the prefill GEMM follow it
+    up to the int8 activations, and the artifact holds at most 1.03x the file's bytes."""
+    import tvm
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from perfx_compiler.formats import ggml
+    from schedules.gemm_qvnni_cpu import TEMPLATE as GEMM
+
+    rng = np.random.default_rng()
+    n, k = 96, 2048
+    raw = random_iq4_blocks(qtype, n, k, rng)
+    w = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k).astype(np.float32)
+    sub = ggml.FORMATS[qtype].unpack(raw, (n, k))
+    pk = subscaled_vnni_packed(sub, qtype)
+    assert sum(a.nbytes for _, a in pk.arrays) <= 1.03 * raw.nbytes
+    dev = tvm.cpu()
+    arrays = [tvm.runtime.tensor(a, dev) for _, a in pk.arrays]
+    out = tvm.runtime.tensor(np.zeros((n, k), np.float32), dev)
+    _build(template, target, pk.compute("dequant", (None, None)))["main"](*arrays, out)
+    np.testing.assert_array_equal(out.numpy(), w)
+    ids = rng.integers(0, n, (1, 4)).astype(np.int64)
+    got = tvm.runtime.tensor(np.zeros((1, 4, k), np.float32), dev)
+    _build(template, target, pk.compute("take", (None, None)))["main"](*arrays, tvm.runtime.tensor(ids, dev), got)
+    np.testing.assert_array_equal(got.numpy(), w[ids])
+    for tmpl, rows in ((template, (1, 1)), (GEMM, (1, 40))):
+        x = rng.standard_normal((*rows, k)).astype(np.float32)
+        ref = quantize_activations(x, k, 32) @ w.astype(np.float64).T
+        y = tvm.runtime.tensor(np.zeros((*rows, n), np.float32), dev)
+        _build(tmpl, target, pk.compute("matmul", rows))["main"](tvm.runtime.tensor(x, dev), *arrays, y)
+        assert np.abs(y.numpy() - ref).max() <= 2e-5 * np.abs(ref).max(), (qtype, rows)
