@@ -22,7 +22,7 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
     from schedules.gemv_int4_cpu import Scales
 
     F = Scales(N, K, G, offset, sb)
-    NG, SW, ST, ZT, SB = F.NG, F.SW, F.ST, F.ZT, bool(sb)
+    NG, SW, ST, ZT = F.NG, F.SW, F.ST, F.ZT
     VPG = G // L
     NV = K // L
     NB = K // (8 * L)
@@ -147,7 +147,7 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
         chunk = dispatch(rows, chunk)
 
     @T.macro
-    def body(X, Q, S, Z, Sd, Zd, Y, b, m):
+    def body(S, Z, Sd, Zd, X, Q, Y, b, m):
         xr = T.decl_buffer((b * m * NG * G,), "float32")
         xs = T.decl_buffer((b * m * NG * L if batch else 1,), "float32")
         for bm in T.serial(b * m):
@@ -167,6 +167,8 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
                 else:
                     block(Q, S, Z, Sd, Zd, Y, xr, acc, w, sc, t, nj, c, m, MB)
 
+    views = F.views()
+
     @T.prim_func(private=True)
     def q4_gemv_once(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
@@ -177,11 +179,6 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-        if SB:  # the superblock d / dmin: float16 views of the scale / min buffers
-            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-            Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
-            body(X, Q, S, Z, Sd, Zd, Y, b, m)
-        else:
-            body(X, Q, S, Z, S, Z, Y, b, m)
+        views(body, S, Z, X, Q, Y, b, m)  # Sd / Zd: the superblock d / dmin (Scales.views)
 
     return q4_gemv_once

@@ -561,12 +561,13 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     return func if (pair and not lut) or offset else _without_zero(func)
 
 
-def _without_zero(func: Any) -> Any:
+def _without_zero(func: Any, scales: str = "Sc") -> Any:
     """``func`` without its zero/min parameter (buffer ``Z``; int8 codes have none), bound to the
-    scales (``PrimFunc.specialize``): the body's only reference to it, a flat view it declares, is
-    never read through."""
+    scales (the buffer named ``scales``; ``PrimFunc.specialize``): the body's only reference to it, a
+    flat view it declares, is never read through. One builder then serves both signatures (this
+    file's GEMV, ``_vnni_dequant``, the int8 kernels of ``gemv_int8_cpu``)."""
     z = next(p for p in func.params if p.name == "Z")
-    sc = next(p for p in func.params if p.name == "Sc")
+    sc = next(p for p in func.params if p.name == scales)
     return func.specialize({z: sc})
 
 

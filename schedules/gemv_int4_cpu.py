@@ -70,13 +70,13 @@ class Scales:
     """How a kernel reads a weight's scale and zero / min tables: float16 [N, NG] (uint8 zeros or
     float16 mins), or with ``sb`` (superblock scales, ``formats/superblocks.py``) int8 [N, SW],
     SW = NG + 2 K/sb, whose row tail holds the superblocks' float16 d (dmin), read through a
-    float16 view (``Ad``: ``decl_buffer((N * SW // 2,), "float16", data=A.data)``) of the same buffer,
-    as ``schedules/_vnni_dequant._Layout.factor`` does. Without ``sb`` the expressions are the
-    classic kernels' own (their generated code does not change)."""
+    float16 view (``Ad``: ``decl_buffer((N * SW // 2,), "float16", data=A.data)``, :meth:`views`) of the
+    same buffer, as ``schedules/_vnni_dequant._Layout.factor`` does. Without ``sb`` the expressions are
+    the classic kernels' own (their generated code does not change)."""
 
     def __init__(self, N: int, K: int, G: int, offset: bool, sb: int = 0) -> None:  # noqa: N803
         self.NG = -(-K // G)
-        self.G, self.sb = G, sb
+        self.G, self.sb, self.offset = G, sb, bool(offset)
         self.SW = self.NG + 2 * (K // sb) if sb else self.NG
         self.ST = "int8" if sb else "float16"
         self.ZT = "int8" if sb else ("float16" if offset else "uint8")
@@ -99,6 +99,29 @@ class Scales:
             return T.Cast("float32", Z[row, g])
         return -self.scale(Z, Zd, row, g)
 
+    def views(self) -> Any:
+        """The macro ``views(body, S, Z, *rest)`` every kernel's PrimFunc ends with: it calls
+        ``body(S, Z, Sd, Zd, *rest)``, Sd / Zd the float16 views of the scale / min buffers (the
+        superblock d / dmin) with ``sb``, else S / Z themselves: no view is declared that the
+        kernel does not read (the classic kernels' TIR as it was; no Zd without a min)."""
+        from tvm.script import tirx as T
+
+        SB, OFF, VIEW = bool(self.sb), self.offset, self.VIEW
+
+        @T.macro
+        def views(body, S, Z, *rest):
+            if SB and OFF:
+                Sd = T.decl_buffer((VIEW,), "float16", data=S.data)
+                Zd = T.decl_buffer((VIEW,), "float16", data=Z.data)
+                body(S, Z, Sd, Zd, *rest)
+            elif SB:
+                Sd = T.decl_buffer((VIEW,), "float16", data=S.data)
+                body(S, Z, Sd, Z, *rest)
+            else:
+                body(S, Z, S, Z, *rest)
+
+        return views
+
 
 def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool = False, batch: bool = False,
           sb: int = 0) -> Any:
@@ -108,7 +131,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
     from tvm.script import tirx as T
 
     F = Scales(N, K, G, offset, sb)
-    NG, SW, ST, ZT, SB = F.NG, F.SW, F.ST, F.ZT, bool(sb)  # offset (GGUF Q4_1): w = code * s + min
+    NG, SW, ST, ZT = F.NG, F.SW, F.ST, F.ZT  # offset (GGUF Q4_1): w = code * s + min
     VPG = G // L  # vectors per full group
     NV = K // L
     NB = K // (8 * L)  # packed blocks per row
@@ -174,7 +197,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
             Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 
     @T.macro
-    def batch_body(X, Q, S, Z, Sd, Zd, Y, b, m):
+    def batch_body(S, Z, Sd, Zd, X, Q, Y, b, m):
         # every row's padded x and group sums first (one workspace for the call), so the rows
         # can be the innermost loop below
         xs = T.decl_buffer((b * m * NG * L,), "float32")
@@ -190,7 +213,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
                 row_block(Q, S, Z, Sd, Zd, Y, xr, xs, bm * NG * G, bm * NG * L, acc, accg, t, nj, bm, m)
 
     @T.macro
-    def rows_body(X, Q, S, Z, Sd, Zd, Y, b, m):
+    def rows_body(S, Z, Sd, Zd, X, Q, Y, b, m):
         xs = T.decl_buffer((NG * L,), "float32")
         xr = T.decl_buffer((NG * G,), "float32")
         for bm in T.serial(b * m):
@@ -202,6 +225,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
                     row_block(Q, S, Z, Sd, Zd, Y, xr, xs, 0, 0, acc, accg, t, nj, bm, m)
 
     body = batch_body if batch else rows_body
+    views = F.views()
 
     @T.prim_func(private=True)
     def q4_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
@@ -213,12 +237,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-        if SB:  # the superblock d / dmin: float16 views of the scale / min buffers
-            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-            Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
-            body(X, Q, S, Z, Sd, Zd, Y, b, m)
-        else:
-            body(X, Q, S, Z, S, Z, Y, b, m)
+        views(body, S, Z, X, Q, Y, b, m)
 
     return q4_gemv
 
@@ -227,12 +246,13 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
     from tvm.script import tirx as T
 
     F = Scales(N, K, G, offset, sb)
-    SW, ST, ZT, SB = F.SW, F.ST, F.ZT, bool(sb)
+    SW, ST, ZT = F.SW, F.ST, F.ZT
+    views = F.views()
     NV = K // L
     PER = N // tasks
 
     @T.macro
-    def body(Q, S, Z, Sd, Zd, Out):
+    def body(S, Z, Sd, Zd, Q, Out):
         for t in T.parallel(tasks):
             for nj in T.serial(PER):
                 for v in T.serial(NV):
@@ -271,12 +291,7 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
-        if SB:
-            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-            Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
-            body(Q, S, Z, Sd, Zd, Out)
-        else:
-            body(Q, S, Z, S, Z, Out)
+        views(body, S, Z, Q, Out)
 
     return q4_dequant
 
@@ -290,7 +305,8 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
     from schedules._vnni_kernels import transpose_tile
 
     F = Scales(N, K, G, offset, sb)
-    SW, ST, ZT, SB = F.SW, F.ST, F.ZT, bool(sb)
+    SW, ST, ZT = F.SW, F.ST, F.ZT
+    views = F.views()
     TR = L
     if nb % L or L & (L - 1):
         raise ScheduleConfigError(f"panel width {nb} is not a multiple of the {L}-lane tile")
@@ -304,7 +320,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
         return (q - T.Cast("float32", Z[row, col // G])) * T.Cast("float32", S[row, col // G])
 
     @T.macro
-    def body(Q, S, Z, Sd, Zd, Out):
+    def body(S, Z, Sd, Zd, Q, Out):
         for p in T.parallel(N // nb):
             for v in T.serial(K // L):
                 for jb in T.serial(nb // TR):
@@ -323,12 +339,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
-        if SB:
-            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-            Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
-            body(Q, S, Z, Sd, Zd, Out)
-        else:
-            body(Q, S, Z, S, Z, Out)
+        views(body, S, Z, Q, Out)
 
     return q4_dequant_panels
 
@@ -337,11 +348,12 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> 
     from tvm.script import tirx as T
 
     F = Scales(N, K, G, offset, sb)
-    SW, ST, ZT, SB = F.SW, F.ST, F.ZT, bool(sb)
+    SW, ST, ZT = F.SW, F.ST, F.ZT
+    views = F.views()
     NV = K // L
 
     @T.macro
-    def body(Q, S, Z, Sd, Zd, ID, Out, b, m):
+    def body(S, Z, Sd, Zd, Q, ID, Out, b, m):
         for bm in T.serial(b * m):
             for v in T.serial(NV):
                 if offset:
@@ -376,12 +388,7 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> 
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         ID = T.match_buffer(i_h, (b, m), "int64")
         Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
-        if SB:
-            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-            Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
-            body(Q, S, Z, Sd, Zd, ID, Out, b, m)
-        else:
-            body(Q, S, Z, S, Z, ID, Out, b, m)
+        views(body, S, Z, Q, ID, Out, b, m)
 
     return q4_take
 

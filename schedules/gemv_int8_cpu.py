@@ -14,6 +14,9 @@ on the classic format): unsigned codes with a min (Q5_K, Q5_1: one more weight a
 ``min_g * sum_g(x)``, the group's x summed beside the codes) and superblock scales (Q6_K, Q3_K,
 IQ4_XS, Q5_K: int8 sc times the row's float16 d read through a float16 view of the scale buffer,
 ``gemv_int4_cpu.Scales``). Every kernel above reads them.
+
+Each kernel has one builder: its PrimFunc takes the min array ``Z``; signed codes (no min) take the
+same function without it (``_vnni_kernels._without_zero``: ``Z`` bound to the scales, never read).
 """
 
 from __future__ import annotations
@@ -22,12 +25,14 @@ from typing import Any
 
 from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.schedule_template import ScheduleConfigError, ScheduleTemplate, Workload
+from schedules._vnni_kernels import _without_zero
 from schedules.gemv_int4_cpu import GemvInt4CPU, Scales
 
 
-def _views(offset: bool, sb: int) -> tuple[bool, bool]:
-    """(SB, OFF): Python-level switches of the kernels' signatures (superblock views, a min array)."""
-    return bool(sb), bool(offset)
+def _signature(func: Any, offset: bool) -> Any:
+    """A kernel as built (codes, scales, mins, ...) for the min variant, else without its min
+    parameter: signed int8 codes have no min array."""
+    return func if offset else _without_zero(func, scales="S")
 
 
 def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = False, offset: bool = False,
@@ -40,8 +45,8 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
 
     F = Scales(N, K, G, offset, sb)
     SW, ST, ZT = F.SW, F.ST, F.ZT
-    SB, OFF = _views(offset, sb)
     QT = "uint8" if offset else "int8"
+    views = F.views()
     NG = K // G
     VPG = G // L
     PER = N // tasks
@@ -84,7 +89,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
             Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 
     @T.macro
-    def batch_body(X, Q, S, Z, Sd, Zd, Y, b, m):
+    def batch_body(S, Z, Sd, Zd, X, Q, Y, b, m):
         for t in T.parallel(tasks):
             acc = T.decl_buffer((R * L,), "float32", scope="local")
             accg = T.decl_buffer((R * L,), "float32", scope="local")
@@ -97,7 +102,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
                     row_block(X, Q, S, Z, Sd, Zd, Y, acc, accg, acc, t, nj, bm, m)
 
     @T.macro
-    def rows_body(X, Q, S, Z, Sd, Zd, Y, b, m):
+    def rows_body(S, Z, Sd, Zd, X, Q, Y, b, m):
         for bm in T.serial(b * m):
             for t in T.parallel(tasks):
                 acc = T.decl_buffer((R * L,), "float32", scope="local")
@@ -112,43 +117,19 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
 
     body = batch_body if batch else rows_body
 
-    if OFF:  # unsigned codes and a min: one more weight array
-
-        @T.prim_func(private=True)
-        def q8_gemv_min(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            b = T.int64()
-            m = T.int64()
-            X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
-            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
-            S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
-            Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
-            Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-            if SB:
-                Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-                Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
-                body(X, Q, S, Z, Sd, Zd, Y, b, m)
-            else:
-                body(X, Q, S, Z, S, Z, Y, b, m)
-
-        return q8_gemv_min
-
     @T.prim_func(private=True)
-    def q8_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, y_h: T.handle):
+    def q8_gemv(x_h: T.handle, q_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         b = T.int64()
         m = T.int64()
         X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
-        if SB:  # the superblock d: a float16 view of the scale buffer
-            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-            body(X, Q, S, S, Sd, S, Y, b, m)
-        else:
-            body(X, Q, S, S, S, S, Y, b, m)
+        views(body, S, Z, X, Q, Y, b, m)
 
-    return q8_gemv
+    return _signature(q8_gemv, offset)
 
 
 def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, sb: int = 0) -> Any:
@@ -156,13 +137,13 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
 
     F = Scales(N, K, G, offset, sb)
     SW, ST, ZT = F.SW, F.ST, F.ZT
-    SB, OFF = _views(offset, sb)
     QT = "uint8" if offset else "int8"
+    views = F.views()
     NV = K // L
     PER = N // tasks
 
     @T.macro
-    def body(Q, S, Z, Sd, Zd, Out):
+    def body(S, Z, Sd, Zd, Q, Out):
         for t in T.parallel(tasks):
             for nj in T.serial(PER):
                 for v in T.serial(NV):
@@ -176,37 +157,16 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
                                 S, Sd, t * PER + nj, v * L // G
                             )
 
-    if OFF:  # unsigned codes and a min: one more weight array
-
-        @T.prim_func(private=True)
-        def q8_dequant_min(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
-            S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
-            Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
-            Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
-            if SB:
-                Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-                Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
-                body(Q, S, Z, Sd, Zd, Out)
-            else:
-                body(Q, S, Z, S, Z, Out)
-
-        return q8_dequant_min
-
     @T.prim_func(private=True)
-    def q8_dequant(q_h: T.handle, s_h: T.handle, o_h: T.handle):
+    def q8_dequant(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
-        if SB:
-            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-            body(Q, S, S, Sd, S, Out)
-        else:
-            body(Q, S, S, S, S, Out)
+        views(body, S, Z, Q, Out)
 
-    return q8_dequant
+    return _signature(q8_dequant, offset)
 
 
 def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = False, sb: int = 0) -> Any:
@@ -218,8 +178,8 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
 
     F = Scales(N, K, G, offset, sb)
     SW, ST, ZT = F.SW, F.ST, F.ZT
-    SB, OFF = _views(offset, sb)
     QT = "uint8" if offset else "int8"
+    views = F.views()
     if nb % L or L & (L - 1) or K % L:
         raise ScheduleConfigError(f"panel width {nb} / K={K} is not a multiple of the {L}-lane tile")
 
@@ -229,7 +189,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
         return T.Cast("float32", Q[row, col]) * F.scale(S, Sd, row, col // G)
 
     @T.macro
-    def body(Q, S, Z, Sd, Zd, Out):
+    def body(S, Z, Sd, Zd, Q, Out):
         for p in T.parallel(N // nb):
             for v in T.serial(K // L):
                 for jb in T.serial(nb // L):
@@ -241,37 +201,16 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
                         Out[p, v * L + c, T.Ramp(jb * L, 1, L)] = T.Shuffle(
                             transpose_tile([tile[T.Ramp(r * L, 1, L)] for r in range(L)]), [c * L + r for r in range(L)])
 
-    if OFF:  # unsigned codes and a min: one more weight array
-
-        @T.prim_func(private=True)
-        def q8_dequant_panels_min(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
-            S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
-            Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
-            Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
-            if SB:
-                Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-                Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
-                body(Q, S, Z, Sd, Zd, Out)
-            else:
-                body(Q, S, Z, S, Z, Out)
-
-        return q8_dequant_panels_min
-
     @T.prim_func(private=True)
-    def q8_dequant_panels(q_h: T.handle, s_h: T.handle, o_h: T.handle):
+    def q8_dequant_panels(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
-        if SB:
-            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-            body(Q, S, S, Sd, S, Out)
-        else:
-            body(Q, S, S, S, S, Out)
+        views(body, S, Z, Q, Out)
 
-    return q8_dequant_panels
+    return _signature(q8_dequant_panels, offset)
 
 
 def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> Any:
@@ -279,12 +218,12 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> 
 
     F = Scales(N, K, G, offset, sb)
     SW, ST, ZT = F.SW, F.ST, F.ZT
-    SB, OFF = _views(offset, sb)
     QT = "uint8" if offset else "int8"
+    views = F.views()
     NV = K // L
 
     @T.macro
-    def body(Q, S, Z, Sd, Zd, ID, Out, b, m):
+    def body(S, Z, Sd, Zd, Q, ID, Out, b, m):
         for bm in T.serial(b * m):
             for v in T.serial(NV):
                 if offset:
@@ -297,43 +236,19 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> 
                             S, Sd, ID[bm // m, bm % m], v * L // G
                         )
 
-    if OFF:  # unsigned codes and a min: one more weight array
-
-        @T.prim_func(private=True)
-        def q8_take_min(q_h: T.handle, s_h: T.handle, z_h: T.handle, i_h: T.handle, o_h: T.handle):
-            T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-            b = T.int64()
-            m = T.int64()
-            Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
-            S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
-            Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
-            ID = T.match_buffer(i_h, (b, m), "int64")
-            Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
-            if SB:
-                Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-                Zd = T.decl_buffer((F.VIEW,), "float16", data=Z.data)
-                body(Q, S, Z, Sd, Zd, ID, Out, b, m)
-            else:
-                body(Q, S, Z, S, Z, ID, Out, b, m)
-
-        return q8_take_min
-
     @T.prim_func(private=True)
-    def q8_take(q_h: T.handle, s_h: T.handle, i_h: T.handle, o_h: T.handle):
+    def q8_take(q_h: T.handle, s_h: T.handle, z_h: T.handle, i_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         b = T.int64()
         m = T.int64()
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), "int8")
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         ID = T.match_buffer(i_h, (b, m), "int64")
         Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
-        if SB:
-            Sd = T.decl_buffer((F.VIEW,), "float16", data=S.data)
-            body(Q, S, S, Sd, S, ID, Out, b, m)
-        else:
-            body(Q, S, S, S, S, ID, Out, b, m)
+        views(body, S, Z, Q, ID, Out, b, m)
 
-    return q8_take
+    return _signature(q8_take, offset)
 
 
 class GemvInt8CPU(GemvInt4CPU):

@@ -27,7 +27,7 @@ NAME = "quantize_int4"
 
 # Schemes other passes implement (gguf_passthrough, quantize_int8, awq, quantize_kquant): not int4 RTN, but valid names.
 OTHER = ("f32", "f16", "bf16", "gguf", "onnx", "q8", "q8_g32", "q8_g64", "q8_g128", "q4_awq_g128", "q4_awq_g64", "q4_awq_g32",
-         "q4_k")
+         "q4_k", "q6_k")
 NOT_YET: tuple[str, ...] = ()  # planned schemes: refuse rather than silently compile f32
 KNOWN = OTHER
 __all__ = ["GEMV_MAX_ROWS", "parse", "quantize_linears", "apply"]
@@ -45,7 +45,7 @@ def parse(quantization: str) -> Int4Format | None:
         raise PerfXError(f"quantization '{quantization}' is not implemented yet; use f32, gguf, q8 or q4_g128/g64/g32")
     raise PerfXError(
         f"unknown quantization '{quantization}'; use one of auto, f32, f16, bf16, gguf, onnx, q8, q8_g64, q8_g128, q4_g128, "
-        "q4_g64, q4_g32, q4_sym_g128, q4_sym_g64, q4_sym_g32, q4_awq_g128, q4_awq_g64, q4_awq_g32, q4_k"
+        "q4_g64, q4_g32, q4_sym_g128, q4_sym_g64, q4_sym_g32, q4_awq_g128, q4_awq_g64, q4_awq_g32, q4_k, q6_k"
     )
 
 

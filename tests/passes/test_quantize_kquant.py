@@ -1,12 +1,16 @@
-"""quantization ``q4_k`` (passes/quantize_kquant.py): float weights quantized to GGUF Q4_K blocks at
-compile time (K % 256 == 0; the others int8 groups of 32) and run on the VNNI kernels.
+"""quantizations ``q4_k`` / ``q6_k`` (passes/quantize_kquant.py): float weights quantized to GGUF Q4_K /
+Q6_K blocks at compile time (K % 256 == 0; the others int8 groups of 32), run on the VNNI kernels under
+int8 activations and on the float-activation kernels elsewhere (a CPU target without VNNI).
 
-The model check compares with the float64 reference run on the weights the artifact holds (each
-linear's Q4_K / int8 blocks dequantized), so the only difference left is the int8 activations.
-Bound 5e-2 of max |logit|, between test_activations_int8.py's 3e-2 (int8 vs float activations at
-hidden 64) and test_prefill_int8_gemm.py's 6e-2: at hidden 256 seven random models gave 0.8e-2 to
-2.2e-2 (prefill and 4 decode steps), the same model's q8 build 3.0e-2 against its float weights. The
-reference on the original (not dequantized) weights is 0.2 away, and a broken kernel order 1."""
+The model checks compare with the float64 reference run on the weights the artifact holds (each
+linear's Q4_K / Q6_K / int8 blocks dequantized), so the only difference left is the activations.
+int8 activations: bound 5e-2 of max |logit|, between test_activations_int8.py's 3e-2 (int8 vs float
+activations at hidden 64) and test_prefill_int8_gemm.py's 6e-2: at hidden 256 seven random models gave
+0.8e-2 to 2.2e-2 (prefill and 4 decode steps), the same model's q8 build 3.0e-2 against its float
+weights. Float activations: 1e-3 (test_gemv_superblocks_f32.py's Q4_K_M model bound; float32 sums
+only). The reference on the original (not dequantized) weights is 0.2 away (checked below for the
+float build: the bound would catch weights left unquantized or quantized another way), and a broken
+kernel order 1."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import pytest
 
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.formats import ggml
-from perfx_compiler.formats.ggml import q4_k
+from perfx_compiler.formats.ggml import q4_k, q6_k
 from perfx_compiler.formats.int8 import quantize_int8
 from perfx_compiler.model.description import ModelDescription
 from tests._cpu import needs_vnni
@@ -28,15 +32,18 @@ PASSES = [*ALL_PASSES, "quantize_kquant", "quantize_int8"]
 HIDDEN, FFN = 256, 320  # down_proj's K = 320 is no multiple of 256: the int8 fallback
 
 
-def dequantized(desc: ModelDescription) -> ModelDescription:
-    """The model with every linear weight replaced by what q4_k stores for it, dequantized."""
+QUANTIZE = {"Q4_K": q4_k.quantize, "Q6_K": q6_k.quantize}
+
+
+def dequantized(desc: ModelDescription, qtype: str = "Q4_K") -> ModelDescription:
+    """The model with every linear weight replaced by what q4_k / q6_k stores for it, dequantized."""
     weights = dict(desc.weights)
     linear = [n for n, a in weights.items() if np.ndim(a) == 2 and (n != "model.embed_tokens.weight"
                                                                     or desc.config.tie_word_embeddings)]
     for name in linear:
         w = np.asarray(weights[name], dtype=np.float32)
         if w.shape[1] % 256 == 0:
-            weights[name] = ggml.dequantize("Q4_K", q4_k.quantize(w), w.shape)
+            weights[name] = ggml.dequantize(qtype, QUANTIZE[qtype](w), w.shape)
         else:
             codes, scale = quantize_int8(w, 32)
             g = codes.reshape(w.shape[0], -1, 32).astype(np.float32) * scale.astype(np.float32)[:, :, None]
@@ -44,18 +51,58 @@ def dequantized(desc: ModelDescription) -> ModelDescription:
     return ModelDescription(config=desc.config, weights=weights, source=desc.source)
 
 
+def rel(a: np.ndarray, r: np.ndarray) -> float:
+    return float(np.abs(np.asarray(a).reshape(-1) - r).max() / np.abs(r).max())
+
+
+def logit_errors(art, ref, vocab: int) -> list[float]:
+    """Relative logit errors of the artifact against ``ref``: a 12-token prefill, then 4 decode steps."""
+    from perfx_compiler.runtime.engine import Engine
+
+    eng = Engine(art)
+    ids = np.random.default_rng().integers(0, vocab, size=12).tolist()
+    errs = [rel(eng.prefill(ids), ref.forward(ids)[-1])]
+    for tok in ids[:4]:
+        errs.append(rel(eng.decode(tok), ref.forward([tok])[-1]))
+    return errs
+
+
+def compiled(tmp_path, quantization: str, target: str, activations: str):
+    """(A random tiny llama, its artifact compiled with ``quantization``, the artifact's manifest)."""
+    from perfx_compiler.pipeline import compile_model
+
+    desc = tiny_desc(hidden=HIDDEN, ffn=FFN, tied=True, seed=int(np.random.default_rng().integers(1 << 30)))
+    art = tmp_path / quantization
+    compile_model(desc, target, art, **compile_options(progress=False, passes=PASSES, quantization=quantization,
+                                                       activations=activations))
+    manifest = json.loads((art / "perfx-config.json").read_text())
+    assert manifest["quantization"] == quantization
+    return desc, art, manifest
+
+
+def check_stored(manifest: dict, desc: ModelDescription, family: str, codes: str, group: int) -> None:
+    """The artifact holds superblock codes (``family``: _q4 int4 or _q8 int8 codes, dtype ``codes``) with
+    int8 sub-scales + f16 d, and int8 codes for down_proj (K = 320), no float matrices."""
+    stored = {w["name"]: w for w in manifest["weights"]}
+    floats = [n for n, w in stored.items() if w["dtype"] == "float32" and len(w["shape"]) == 2
+              and not n.startswith("rope_")]  # the RoPE tables are no weights
+    assert not floats, floats
+    sb = [n for n in stored if n.endswith(family) and "down_proj" not in n]
+    assert len(sb) >= 1 + 3 * desc.config.num_layers, sb  # lm-head/embedding, qkv, o, gate|up per layer
+    for n in sb:
+        assert stored[n]["dtype"] == codes and stored[f"{n}_scale"]["dtype"] == "int8", stored[n]
+        # int8 [N, K/G + 2 K/256]: the group values, then the superblock d's float16 bytes
+        assert stored[f"{n}_scale"]["shape"][1] == HIDDEN // group + 2 * HIDDEN // 256, stored[f"{n}_scale"]
+    down = [n for n in stored if "down_proj" in n and n.endswith("_q8")]
+    assert len(down) == desc.config.num_layers, down
+
+
 @needs_vnni
 def test_tiny_q4_k_model_matches_reference_on_dequantized_weights(tmp_path) -> None:
     from perfx_compiler.model.reference import ReferenceModel
-    from perfx_compiler.pipeline import compile_model
-    from perfx_compiler.runtime.engine import Engine
 
-    desc = tiny_desc(hidden=HIDDEN, ffn=FFN, tied=True, seed=int(np.random.default_rng().integers(1 << 30)))
-    art = tmp_path / "q4_k"
-    compile_model(desc, "host", art, **compile_options(progress=False, passes=PASSES, quantization="q4_k",
-                                                       activations="int8"))
-    manifest = json.loads((art / "perfx-config.json").read_text())
-    assert manifest["activations"] == "int8" and manifest["quantization"] == "q4_k"
+    desc, art, manifest = compiled(tmp_path, "q4_k", "host", "int8")
+    assert manifest["activations"] == "int8"
 
     # the artifact holds Q4_K blocks (int4 row pairs, int8 sub-scales / mins + f16 d) and int8 codes, not floats
     stored = {w["name"]: w for w in manifest["weights"]}
@@ -74,35 +121,64 @@ def test_tiny_q4_k_model_matches_reference_on_dequantized_weights(tmp_path) -> N
     q4_weights = sum(stored[n]["shape"][0] * 2 * stored[n]["shape"][1] for n in q4)
     assert 8 * q4_bytes / q4_weights < 5.5, 8 * q4_bytes / q4_weights  # ~4.6 bits a weight, not 32
 
-    ref = ReferenceModel(dequantized(desc))
-    eng = Engine(art)
-    ids = np.random.default_rng().integers(0, desc.config.vocab_size, size=12).tolist()
-    errs = []
-
-    def rel(a, r) -> float:
-        return float(np.abs(np.asarray(a).reshape(-1) - r).max() / np.abs(r).max())
-
-    errs.append(rel(eng.prefill(ids), ref.forward(ids)[-1]))
-    for tok in ids[:4]:
-        errs.append(rel(eng.decode(tok), ref.forward([tok])[-1]))
+    errs = logit_errors(art, ReferenceModel(dequantized(desc)), desc.config.vocab_size)
     print(f"q4_k: max rel logit error vs the float64 reference on the dequantized weights: {max(errs):.2e}")
     assert max(errs) < 5e-2, errs
 
 
-def test_q4_k_needs_int8_activations() -> None:
+@needs_vnni
+def test_tiny_q6_k_model_int8_activations(tmp_path) -> None:
+    """q6_k on the VNNI kernels: 6-bit row quads (uint8 [N/4, 3K]), int8 sub-scales + f16 d."""
+    from perfx_compiler.model.reference import ReferenceModel
+
+    desc, art, manifest = compiled(tmp_path, "q6_k", "host", "int8")
+    assert manifest["activations"] == "int8"
+    stored = {w["name"]: w for w in manifest["weights"]}
+    q6 = [n for n in stored if n.endswith("_q6")]
+    assert len(q6) >= 1 + 3 * desc.config.num_layers, q6  # lm-head/embedding, qkv, o, gate|up per layer
+    assert all(stored[n]["dtype"] == "uint8" and stored[n]["shape"][1] == 3 * HIDDEN for n in q6), q6
+    errs = logit_errors(art, ReferenceModel(dequantized(desc, "Q6_K")), desc.config.vocab_size)
+    print(f"q6_k (int8 activations): max rel logit error vs the float64 reference: {max(errs):.2e}")
+    assert max(errs) < 5e-2, errs
+
+
+@pytest.mark.parametrize("quantization", ["q4_k", "q6_k"])
+def test_tiny_kquant_model_float_activations(tmp_path, quantization: str) -> None:
+    """A CPU target without VNNI (x86-avx2, runnable here): activations resolve to f32 and the
+    float-activation kernels read the blocks (formats/superblocks.py: Q4_K int4 interleaved codes with
+    mins, Q6_K int8 codes); logits within float32 rounding of the reference on the dequantized weights."""
+    from perfx_compiler.model.reference import ReferenceModel
+
+    qtype = quantization.upper()
+    desc, art, manifest = compiled(tmp_path, quantization, "x86-avx2", "auto")
+    assert manifest["activations"] == "f32"
+    if qtype == "Q4_K":
+        check_stored(manifest, desc, "_q4", "uint32", 32)  # 8 codes a word
+    else:
+        check_stored(manifest, desc, "_q8", "int8", 16)  # codes - 32, as they are
+    errs = logit_errors(art, ReferenceModel(dequantized(desc, qtype)), desc.config.vocab_size)
+    far = logit_errors(art, ReferenceModel(desc), desc.config.vocab_size)  # the unquantized weights
+    print(f"{quantization} (f32 activations): max rel logit error {max(errs):.2e} on the dequantized weights, "
+          f"{max(far):.2e} on the float weights")
+    assert max(errs) < 1e-3, errs
+    assert max(far) > 10 * max(errs), (far, errs)  # the bound tells these weights from the float ones
+
+
+def test_kquant_refuses_gpu_targets() -> None:
     from perfx_compiler import pipeline
     from perfx_compiler.targets import load_target
 
-    opts = pipeline.CompileOptions(**compile_options(target="host", passes=PASSES, quantization="q4_k",
-                                                     progress=False, activations="f32"))
-    state = pipeline.CompileState(desc=tiny_desc(hidden=HIDDEN, ffn=FFN), target=load_target("host"), options=opts)
+    opts = pipeline.CompileOptions(**compile_options(target="vulkan", passes=PASSES, quantization="q6_k",
+                                                     progress=False))
+    state = pipeline.CompileState(desc=tiny_desc(hidden=HIDDEN, ffn=FFN), target=load_target("vulkan"), options=opts)
     pipeline.phase_import(state)
-    with pytest.raises(PerfXError, match=r"^quantization q4_k runs on x86 CPUs with AVX-512 VNNI") as e:
+    with pytest.raises(PerfXError, match=r"^quantization q6_k runs on CPU targets") as e:
         pipeline.phase_passes(state)
     assert "\n" not in str(e.value)
 
 
-def test_q4_k_is_a_known_name() -> None:
+@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+def test_kquant_is_a_known_name(name: str) -> None:
     from perfx_compiler.passes.quantize_int4 import parse
 
-    assert parse("q4_k") is None  # valid, and not int4 RTN
+    assert parse(name) is None  # valid, and not int4 RTN

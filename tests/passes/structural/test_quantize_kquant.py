@@ -7,13 +7,15 @@ the Relax functions as written here, the arrays to ``subscaled_vnni_packed`` of 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import tvm
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
 from perfx_compiler.formats import ggml
-from perfx_compiler.formats.ggml import q4_k
+from perfx_compiler.formats.ggml import q4_k, q6_k
+from perfx_compiler.formats.superblocks import subscaled_packed
 from perfx_compiler.formats.vnni import subscaled_vnni_packed, vnni_compute
 from perfx_compiler.passes import quantize_kquant
 from perfx_compiler.passes._quantized_linears import use_activations
@@ -93,3 +95,27 @@ def test_linears_read_q4_k_blocks() -> None:
     assert list(weights) == ["w_q4", "w_q4_scale", "w_q4_min"]
     for suffix, arr in want.arrays:
         np.testing.assert_array_equal(weights[f"w{suffix}"], arr)
+
+
+@pytest.mark.parametrize("quantization,activations,suffixes", [
+    ("q4_k", "f32", ["_q4", "_q4_scale", "_q4_min"]),  # int4 interleaved codes (formats/superblocks.py)
+    ("q6_k", "f32", ["_q8", "_q8_scale"]),  # int8 codes
+    ("q6_k", "int8", ["_q6", "_q6_scale"]),  # 6-bit row quads (formats/vnni.py)
+])
+def test_arrays_are_the_quantizer_blocks(quantization: str, activations: str, suffixes: list[str]) -> None:
+    """Each layout's arrays equal the packing of llama.cpp's quantizer port's blocks (the blocks themselves
+    are compared with llama.cpp's in tests/formats/test_ggml_quantize.py), and every linear reads them."""
+    qtype = quantization.upper()
+    with use_activations(activations):
+        after, weights = run_pass(quantize_kquant, Before, WEIGHTS, context(quantization=quantization))
+    w = np.asarray(WEIGHTS["w"], dtype=np.float32)
+    sub = ggml.unpack(qtype, {"Q4_K": q4_k, "Q6_K": q6_k}[qtype].quantize(w), w.shape)
+    want = subscaled_vnni_packed(sub, qtype) if activations == "int8" else subscaled_packed(sub, qtype)
+    assert list(weights) == [f"w{s}" for s in suffixes] == [f"w{s}" for s, _ in want.arrays]
+    for suffix, arr in want.arrays:
+        np.testing.assert_array_equal(weights[f"w{suffix}"], arr)
+    for name in ("decode", "prefill"):
+        params = [p.name for p in after[name].params]
+        assert params == ["x", *[f"w{s}" for s in suffixes]], params
+    kernels = sorted(gv.name_hint for gv, f in after.functions.items() if isinstance(f, tvm.tirx.PrimFunc))
+    assert kernels and all(f"{qtype.lower().replace('_', '')}" in k for k in kernels), kernels
