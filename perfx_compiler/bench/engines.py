@@ -172,7 +172,8 @@ def gguf_types(path: str | Path) -> str:
 class LlamaCppEngine(BenchEngine):
     name = "llama.cpp"
 
-    def __init__(self, gguf_path: str | Path, threads: int, n_ctx: int = 1024, n_batch: int = 512):
+    def __init__(self, gguf_path: str | Path, threads: int, n_ctx: int = 1024, n_batch: int = 512,
+                 flash_attn: bool = True):
         import llama_cpp
 
         kwargs: dict[str, Any] = dict(
@@ -185,10 +186,8 @@ class LlamaCppEngine(BenchEngine):
             logits_all=False,
             verbose=False,
         )
-        try:
-            self.llm = llama_cpp.Llama(**kwargs, flash_attn=True)
-        except TypeError:  # newer bindings renamed the option
-            self.llm = llama_cpp.Llama(**kwargs)
+        self.llm = llama_cpp.Llama(**kwargs, flash_attn=flash_attn)
+        self.flash_attn = flash_attn
         self.path = Path(gguf_path)
         self.version = getattr(llama_cpp, "__version__", "")
         self._lc = llama_cpp
@@ -232,7 +231,7 @@ class LlamaCppEngine(BenchEngine):
 
     def info(self) -> dict[str, Any]:
         return {"quantization": gguf_types(self.path), "weight_format": gguf_types(self.path), "version": self.version,
-                "decode_loop": decode_loop()}
+                "decode_loop": decode_loop(), "flash_attn": self.flash_attn}
 
 
 # ----------------------------------------------------------------------------------------- onnx helpers

@@ -117,7 +117,9 @@ def write_random_tinyllama(path: str | Path, qtype: str = "F16", seed: int = 0) 
         qtype=qtype,
         tied=d["tied"],
         seed=seed,
-        context_length=2048,
+        # TinyLlama's own is 2048; the metadata only bounds --max-context, and benchmarks/long_context.py
+        # prompts up to 8k tokens
+        context_length=16384,
     )
     return Path(out)
 
