@@ -40,7 +40,7 @@ from perfx_compiler.bench.llama_server import free_port, llama_server
 SUBJECTS = ["the ocean", "a small town", "mountains", "a robot", "the moon", "coffee", "trains", "a library",
             "winter", "a garden", "music", "the desert", "a city at night", "rivers", "a lighthouse", "bread"]
 COLUMNS = ["server", "concurrency", "slots", "agg_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-           "completion_tokens", "errors", "same_as_alone", "streams", "rounds", "vs_llama_server"]
+           "completion_tokens", "errors", "first_error", "same_as_alone", "streams", "rounds", "vs_llama_server"]
 
 
 def prompt(i: int) -> str:
@@ -48,12 +48,12 @@ def prompt(i: int) -> str:
 
 
 @contextmanager
-def perfx_server(artifact: Path, slots: int, queue: int, log: Path) -> Iterator[str]:
+def perfx_server(artifact: Path, slots: int, queue: int, prefill_chunk: int, log: Path) -> Iterator[str]:
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-m", "perfx_compiler.cli.serve", str(artifact), "--port", str(port),
-           "--max-batch", str(slots), "--queue-size", str(queue), "--no-verify", "--log-level", "warning"]
+           "--max-batch", str(slots), "--queue-size", str(queue), "--prefill-chunk", str(prefill_chunk), "--no-verify", "--log-level", "warning"]
     with open(log, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -115,11 +115,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 def summarize(server: str, c: int, runs: list[tuple[list[dict[str, Any]], float]], alone: dict[int, str],
               slots: int) -> dict[str, Any]:
-    agg, ttft, itl, same, errors, tokens = [], [], [], 0, 0, 0
+    agg, ttft, itl, same, errors, tokens, first_error = [], [], [], 0, 0, 0, ""
     for streams, wall in runs:
         agg.append(sum(s["tokens"] for s in streams) / wall)
         for i, s in enumerate(streams):
             errors += bool(s["error"])
+            first_error = first_error or s["error"]
             tokens += s["tokens"]
             same += s["text"] == alone.get(i)
             if s["times"]:
@@ -127,7 +128,7 @@ def summarize(server: str, c: int, runs: list[tuple[list[dict[str, Any]], float]
                 itl += list(np.diff(s["times"]) * 1e3)
     return {"server": server, "concurrency": c, "slots": slots, "agg_tok_s": statistics.median(agg),
             "ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99), "itl_p50_ms": _pct(itl, 50),
-            "itl_p99_ms": _pct(itl, 99), "completion_tokens": tokens, "errors": errors, "same_as_alone": same,
+            "itl_p99_ms": _pct(itl, 99), "completion_tokens": tokens, "errors": errors, "first_error": first_error, "same_as_alone": same,
             "streams": sum(len(r[0]) for r in runs), "rounds": len(runs)}
 
 
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-context", type=int, default=512, help="per sequence (PerfX artifact, llama-server slot)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prefill-chunk", type=int, default=256, help="perfx-serve --prefill-chunk")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "perfx-bench"))
     p.add_argument("--out", default=str(RESULTS / "intel-xeon"))
@@ -171,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         compile_model(str(gguf), "host", artifact, progress=False, batching=True, max_context=args.max_context)
     queue = max(args.concurrency)
     with ExitStack() as stack:
-        urls = {"perfx": stack.enter_context(perfx_server(artifact, args.slots, queue, work / "serve-perfx.log")),
+        urls = {"perfx": stack.enter_context(perfx_server(artifact, args.slots, queue, args.prefill_chunk,
+                                                              work / "serve-perfx.log")),
                 "llama-server": stack.enter_context(llama_server(gguf, slots=args.slots,
                                                                  context_per_slot=args.max_context,
                                                                  threads=args.threads, log=work / "serve-llama.log"))}
@@ -185,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs.setdefault((server, c), []).append(run(urls[server], c, args.max_tokens))
                     s = summarize(server, c, runs[(server, c)][-1:], alone[server], args.slots)
                     print(f"round {r} {server:12s} c={c:3d}: {s['agg_tok_s']:7.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:7.0f} ms, "
-                          f"ITL p50/p99 {s['itl_p50_ms']:5.0f}/{s['itl_p99_ms']:5.0f} ms, errors {s['errors']}, "
+                          f"ITL p50/p99 {s['itl_p50_ms']:5.0f}/{s['itl_p99_ms']:5.0f} ms, errors {s['errors']} {s['first_error'][:80]}, "
                           f"same as alone {s['same_as_alone']}/{c}", flush=True)
     rows = [summarize(server, c, rs, alone[server], args.slots) for (server, c), rs in sorted(runs.items(), key=lambda kv: kv[0][1])]
     for row in rows:
