@@ -33,7 +33,7 @@ kernels >= 1.0x ggml), for Q4_K, Q6_K, Q5_K, Q8_0, Q4_0 at TinyLlama-1.1B's shap
 256x2048, gate_up 5632x2048, down 2048x5632, lm_head 32000x2048; N x K), 1 activation row (decode:
 gemv_qvnni_cpu) and 512 (prefill: gemm_qvnni_cpu, symbolic M), both sides quantizing the f32 activations
 to int8 inside the timed call. ggml: ``ggml_mul_mat`` through ctypes on llama-cpp-python's libggml
-(benchmarks/_ggml.py), 2 threads; for Q4_0 and Q4_K the weights sit in ggml's CPU_REPACK buffer as
+(perfx_compiler/bench/ggml_mul_mat.py), 2 threads; for Q4_0 and Q4_K the weights sit in ggml's CPU_REPACK buffer as
 llama.cpp loads them on x86 (``ggml_kernel`` = repack; the plain vec_dot time is ``ggml_plain_ms``).
 Random blocks; both outputs are checked against float64 (gguf-py's dequantize @ x) before timing. Decode
 calls rotate over weight copies (>= 2x the L3 Linux reports, per variant) so weights come from DRAM;
@@ -504,9 +504,9 @@ INT8_TOL = 2e-2  # max |y - ref| / max |ref| for int8 activations (measured <= 1
 
 
 def ggml_main(args: argparse.Namespace) -> int:
-    import _ggml
     import gguf
 
+    from perfx_compiler.bench import ggml_mul_mat as _ggml
     from perfx_compiler.tune.records import default_records
 
     target = load_target("host")
@@ -570,7 +570,7 @@ def ggml_main(args: argparse.Namespace) -> int:
     ratios = [r["ratio"] for r in rows_out]
     print(f"PerfX vs ggml: median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x over {len(ratios)} cases; "
           f"{sum(r >= 1.0 for r in ratios)} at >= 1.0x")
-    _ggml.plot(rows_out, out.with_suffix(".png"))
+    plot_ggml(rows_out, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 
@@ -610,6 +610,33 @@ def main(argv: list[str] | None = None) -> int:
         gemm_main(args)
         return 0
     return gemv_main(args)
+
+
+
+def plot_ggml(rows: list[dict[str, Any]], path: Path) -> None:
+    with figure(path, 2, 1, figsize=(max(10, len(rows) * 0.35), 8)) as (_fig, (ax1, ax2)):
+        dec = [r for r in rows if r["rows"] == 1]
+        x = np.arange(len(dec))
+        ax1.bar(x - 0.2, [r["ggml_GBps"] for r in dec], 0.4, label="ggml (llama.cpp's kernel for the type)")
+        ax1.bar(x + 0.2, [r["perfx_GBps"] for r in dec], 0.4, label="PerfX gemv_qvnni_cpu")
+        if dec:
+            ceil = statistics.median(r["read_ceiling_GBps"] for r in dec)
+            ax1.axhline(ceil, color="k", ls="--", lw=1, label=f"read bandwidth {ceil:.1f} GB/s")
+        ax1.set_xticks(x)
+        ax1.set_xticklabels([f"{r['type']}\n{r['shape'].split()[0]}" for r in dec], fontsize=7)
+        ax1.set_ylabel("GB/s of weights (decode, 1 row)")
+        ax1.legend(fontsize=8)
+        ax1.set_title("TinyLlama-1.1B linears on GGUF blocks: PerfX VNNI kernels vs ggml mul_mat (2 threads)")
+        x = np.arange(len(rows))
+        for m, color in ((1, "C0"), (0, "C2")):  # bars from 1.0 to the ratio: up where PerfX is faster
+            sel = [i for i, r in enumerate(rows) if (r["rows"] == 1) == (m == 1)]
+            ax2.bar(x[sel], [rows[i]["ratio"] - 1 for i in sel], 0.6, bottom=1, color=color,
+                    label="decode (1 row)" if m else "prefill (512 rows)")
+        ax2.axhline(1.0, color="k", lw=0.8)
+        ax2.legend(fontsize=8)
+        ax2.set_xticks(x)
+        ax2.set_xticklabels([f"{r['type']}\n{r['shape'].split()[0]}\nM={r['rows']}" for r in rows], fontsize=6)
+        ax2.set_ylabel("ggml time / PerfX time (>1: PerfX faster)")
 
 
 if __name__ == "__main__":

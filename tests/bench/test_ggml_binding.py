@@ -1,20 +1,16 @@
-"""benchmarks/_ggml.py (``kernels.py ggml``): ggml's mul_mat through ctypes on llama-cpp-python's libggml
+"""perfx_compiler/bench/ggml_mul_mat.py (``benchmarks/kernels.py ggml``): ggml's mul_mat through ctypes on llama-cpp-python's libggml
 (plain and CPU_REPACK weights) and PerfX's VNNI kernels built from the same GGUF blocks, each against
 float64 (gguf-py's dequantize of the blocks @ x). A wrong struct layout, type id or row order is off by
 O(1) of max |y|; int8 activations stay under 1e-2."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from perfx_compiler.bench import ggml_mul_mat as _ggml
 from tests._cpu import needs_vnni
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-_ggml = pytest.importorskip("_ggml")
 gguf = pytest.importorskip("gguf")
 TOL = 2e-2
 

@@ -1,6 +1,8 @@
-"""The two sides of ``kernels.py ggml`` on the same GGUF blocks, and its plot. ggml's CPU mul_mat through ctypes: the ``libggml-base`` / ``libggml-cpu``
-shared libraries that llama-cpp-python ships (``<site-packages>/llama_cpp/lib``), public C API only
-(ggml.h, ggml-cpu.h, ggml-backend.h, ggml-alloc.h of llama-cpp-python 0.3.36's vendored llama.cpp).
+"""The two sides of ``benchmarks/kernels.py ggml`` on the same GGUF blocks.
+
+ggml's CPU mul_mat through ctypes: the ``libggml-base`` / ``libggml-cpu`` shared libraries that
+llama-cpp-python ships (``<site-packages>/llama_cpp/lib``), public C API only (ggml.h, ggml-cpu.h,
+ggml-backend.h, ggml-alloc.h of llama-cpp-python 0.3.36's vendored llama.cpp).
 
 One :class:`MulMat` is ``y[m, n] = x[m, k] @ W[n, k].T`` with W raw GGUF blocks: ``ggml_init`` with
 its own memory, ``ggml_new_tensor_2d(type, k, n)`` holding the block bytes, an f32 activation
@@ -28,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
-import statistics
 import time
 from ctypes import POINTER, c_bool, c_char_p, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
@@ -254,31 +255,3 @@ def machine_name() -> str:
         if family in words:
             return f"{vendor}-{family}"
     return "-".join(words[:2]) or "unknown"
-
-
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    from _common import figure
-
-    with figure(path, 2, 1, figsize=(max(10, len(rows) * 0.35), 8)) as (_fig, (ax1, ax2)):
-        dec = [r for r in rows if r["rows"] == 1]
-        x = np.arange(len(dec))
-        ax1.bar(x - 0.2, [r["ggml_GBps"] for r in dec], 0.4, label="ggml (llama.cpp's kernel for the type)")
-        ax1.bar(x + 0.2, [r["perfx_GBps"] for r in dec], 0.4, label="PerfX gemv_qvnni_cpu")
-        if dec:
-            ceil = statistics.median(r["read_ceiling_GBps"] for r in dec)
-            ax1.axhline(ceil, color="k", ls="--", lw=1, label=f"read bandwidth {ceil:.1f} GB/s")
-        ax1.set_xticks(x)
-        ax1.set_xticklabels([f"{r['type']}\n{r['shape'].split()[0]}" for r in dec], fontsize=7)
-        ax1.set_ylabel("GB/s of weights (decode, 1 row)")
-        ax1.legend(fontsize=8)
-        ax1.set_title("TinyLlama-1.1B linears on GGUF blocks: PerfX VNNI kernels vs ggml mul_mat (2 threads)")
-        x = np.arange(len(rows))
-        for m, color in ((1, "C0"), (0, "C2")):  # bars from 1.0 to the ratio: up where PerfX is faster
-            sel = [i for i, r in enumerate(rows) if (r["rows"] == 1) == (m == 1)]
-            ax2.bar(x[sel], [rows[i]["ratio"] - 1 for i in sel], 0.6, bottom=1, color=color,
-                    label="decode (1 row)" if m else "prefill (512 rows)")
-        ax2.axhline(1.0, color="k", lw=0.8)
-        ax2.legend(fontsize=8)
-        ax2.set_xticks(x)
-        ax2.set_xticklabels([f"{r['type']}\n{r['shape'].split()[0]}\nM={r['rows']}" for r in rows], fontsize=6)
-        ax2.set_ylabel("ggml time / PerfX time (>1: PerfX faster)")
