@@ -19,8 +19,17 @@ loopback clients for that long; server RSS and KV pages in use are sampled every
 benchmarks/results/soak_serving.csv (+ .png). Passes when the RSS at the end is within 5% (+20 MB) of
 the RSS after the first minute, no request failed and 0 pages are in use once idle.
 
+``--vs-llama-server``: instead, perfx-serve and llama.cpp's own ``llama-server`` (built with CMake from the
+sdist's llama.cpp on first use, ``perfx_compiler/bench/llama_server.py``) as processes side by side on the
+same GGUF, 2 threads each, ``--slots`` sequences decoded together (PerfX's ``--max-batch``, llama-server's
+parallel slots with continuous batching; more clients queue in the server), driven through the OpenAI client
+(``perfx_compiler/bench/openai_load.py``), servers alternated per round. Per concurrency: aggregate tok/s,
+p50/p99 TTFT and inter-token latency, errors, and ``same_as_alone``: streams whose greedy text equals the
+prompt's text sent alone. Writes benchmarks/results/<machine>/serving_peers.csv (+ .png).
+
     python benchmarks/serving.py [--artifact DIR] [--concurrency 1 4 16] [--max-tokens 64]
     python benchmarks/serving.py --soak 10 [--artifact DIR] [--clients 4]
+    python benchmarks/serving.py --vs-llama-server [--concurrency 1 4 16 64] [--slots 16] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -29,31 +38,33 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from _common import write_csv
+from _common import RESULTS as RESULTS_DIR
+from _common import alternated, figure, write_csv
+
+from perfx_compiler.bench.llama_server import free_port, llama_server
+from perfx_compiler.bench.openai_load import concurrent_streams, one_stream, story_prompt, summarize_streams
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 DEFAULT_ARTIFACT = REPO / "build" / "bench-serving" / "smollm2-135m-host"
 RESULTS = REPO / "benchmarks" / "results" / "serving.csv"
 SOAK_RESULTS = RESULTS.with_name("soak_serving.csv")
-TOPICS = ["the ocean", "a small town", "mountains", "a robot", "the moon", "coffee", "trains", "a library",
-          "winter", "a garden", "music", "the desert", "a city at night", "rivers", "a lighthouse", "bread"]  # fmt: skip
-
-
-def prompt(i: int) -> str:
-    return f"Write a short story about {TOPICS[i % len(TOPICS)]} (variant {i}). Once upon a time,"
+PEERS_RESULTS = RESULTS_DIR / "intel-xeon" / "serving_peers.csv"
+PEERS_COLUMNS = ["server", "concurrency", "slots", "agg_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+                 "itl_p99_ms", "completion_tokens", "errors", "first_error", "same_as_alone", "streams", "rounds",
+                 "vs_llama_server"]
 
 
 def _batched_decode_works(artifact: Path) -> bool:
@@ -132,7 +143,7 @@ def run_scheduler(sched: Any, tokenizer: Any, c: int, max_tokens: int) -> dict[s
         return on_event
 
     t0 = time.perf_counter()
-    handles = [sched.submit(tokenizer.encode(prompt(i)), params, on_event=recorder(i)) for i in range(c)]
+    handles = [sched.submit(tokenizer.encode(story_prompt(i)), params, on_event=recorder(i)) for i in range(c)]
     for h in handles:
         h.result(timeout=600)
     wall = time.perf_counter() - t0
@@ -149,7 +160,7 @@ def run_http(url: str, model: str, c: int, max_tokens: int) -> dict[str, Any]:
     def one(i: int) -> dict[str, float]:
         body = {
             "model": model,
-            "prompt": prompt(i),
+            "prompt": story_prompt(i),
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -180,12 +191,6 @@ def run_http(url: str, model: str, c: int, max_tokens: int) -> dict[str, Any]:
     with ThreadPoolExecutor(c) as pool:
         streams = list(pool.map(one, range(c)))
     return summarize("http", c, streams, time.perf_counter() - t0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(base: str, name: str) -> float:
@@ -277,18 +282,119 @@ def soak(artifact: Path, args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+@contextmanager
+def perfx_server(artifact: Path, slots: int, queue: int, prefill_chunk: int, log: Path) -> Iterator[str]:
+    """perfx-serve (its CLI) in a subprocess on loopback; yields its URL."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "perfx_compiler.cli.serve", str(artifact), "--port", str(port), "--max-batch",
+           str(slots), "--queue-size", str(queue), "--prefill-chunk", str(prefill_chunk), "--no-verify",
+           "--log-level", "warning"]
+    with open(log, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"perfx-serve exited with {proc.returncode}; see {log}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"perfx-serve did not become healthy; see {log}")
+                time.sleep(0.5)
+            yield url
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def plot_peers(rows: list[dict[str, Any]], path: Path) -> None:
+    with figure(path, 1, 2, figsize=(11, 4)) as (fig, (ax_tok, ax_itl)):
+        for server in sorted({r["server"] for r in rows}):
+            rs = [r for r in rows if r["server"] == server]
+            xs = [r["concurrency"] for r in rs]
+            ax_tok.plot(xs, [r["agg_tok_s"] for r in rs], marker="o", label=server)
+            ax_itl.plot(xs, [r["itl_p99_ms"] for r in rs], marker="o", label=f"{server} p99")
+            ax_itl.plot(xs, [r["itl_p50_ms"] for r in rs], marker=".", ls="--", label=f"{server} p50")
+        for ax, title in ((ax_tok, "aggregate tok/s"), (ax_itl, "inter-token latency (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent clients")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.suptitle("serving: PerfX vs llama-server, same GGUF, 2 threads")
+
+
+def vs_llama_server(args: argparse.Namespace) -> int:
+    """The ``--vs-llama-server`` run (see the module doc)."""
+    from perfx_compiler.bench import models
+    from perfx_compiler.pipeline import compile_model
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    gguf = models.resolve_model(args.model)
+    artifact = work / f"perfx-serve-{models.model_key(gguf)}-ctx{args.max_context}"
+    if not (artifact / "perfx-config.json").is_file():
+        print(f"compiling {gguf.name} with batching ...", flush=True)
+        compile_model(str(gguf), "host", artifact, progress=False, batching=True, max_context=args.max_context)
+    clients = max(args.concurrency)
+    runs: dict[tuple[str, int], list[Any]] = {}
+    with ExitStack() as stack:
+        urls = {"perfx": stack.enter_context(perfx_server(artifact, args.slots, clients, args.prefill_chunk,
+                                                          work / "serve-perfx.log")),
+                "llama-server": stack.enter_context(llama_server(gguf, slots=args.slots,
+                                                                 context_per_slot=args.max_context,
+                                                                 threads=args.threads, log=work / "serve-llama.log"))}
+        alone = {server: {i: one_stream(url, i, args.max_tokens)["text"] for i in range(clients)}
+                 for server, url in urls.items()}  # also the warm-up
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                for server in alternated(list(urls), r):
+                    runs.setdefault((server, c), []).append(concurrent_streams(urls[server], c, args.max_tokens))
+                    s = summarize_streams(runs[(server, c)][-1:], alone[server])
+                    print(f"round {r} {server:12s} c={c:3d}: {s['agg_tok_s']:7.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:6.0f} ms, "
+                          f"ITL p50/p99 {s['itl_p50_ms']:4.0f}/{s['itl_p99_ms']:4.0f} ms, errors {s['errors']} "
+                          f"{s['first_error'][:60]}, same as alone {s['same_as_alone']}/{c}", flush=True)
+    rows = [{"server": server, "concurrency": c, "slots": args.slots, **summarize_streams(rs, alone[server])}
+            for (server, c), rs in sorted(runs.items(), key=lambda kv: kv[0][1])]
+    for row in rows:
+        peer = next(x for x in rows if x["server"] == "llama-server" and x["concurrency"] == row["concurrency"])
+        row["vs_llama_server"] = row["agg_tok_s"] / peer["agg_tok_s"]
+    out = Path(args.out or PEERS_RESULTS)
+    write_csv(out, rows, PEERS_COLUMNS, floats=".4g")
+    plot_peers(rows, out.with_suffix(".png"))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifact", type=Path, default=None, help="a compiled artifact with batched functions")
     p.add_argument("--model", default="smollm2-135m", help="model to compile when --artifact is not given")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--concurrency", type=int, nargs="+", default=None,
+                   help="concurrent clients (default 1 4 16; --vs-llama-server: 1 4 16 64)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--modes", nargs="+", choices=["http", "scheduler"], default=["scheduler", "http"])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--soak", type=float, default=0.0, metavar="MINUTES", help="run the soak test instead")
     p.add_argument("--clients", type=int, default=4, help="--soak: concurrent clients")
+    p.add_argument("--vs-llama-server", action="store_true", help="PerfX's server vs llama-server instead")
+    p.add_argument("--slots", type=int, default=16, help="--vs-llama-server: sequences decoded together")
+    p.add_argument("--rounds", type=int, default=2, help="--vs-llama-server: alternated rounds")
+    p.add_argument("--max-context", type=int, default=512, help="--vs-llama-server: tokens per sequence")
+    p.add_argument("--threads", type=int, default=2, help="--vs-llama-server: llama-server threads")
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "perfx-bench"))
     args = p.parse_args(argv)
+    if args.vs_llama_server:
+        args.concurrency = args.concurrency or [1, 4, 16, 64]
+        return vs_llama_server(args)
+    args.concurrency = args.concurrency or [1, 4, 16]
 
     artifact, passes = ensure_artifact(args.artifact, args.model)
     if args.soak:
