@@ -26,14 +26,28 @@ from perfx_compiler.kernels._attention_common import (
     tile_softcap,
     tile_softmax,
 )
+from perfx_compiler.kernels._attention_tiled import tiled_attention_body
 
 KEY_TILE = 32  # keys per online-softmax step
+# prompt chunks (seq > 1) take the tiled body; its configuration as the contiguous kernel's tuned prefill
+# records mostly pick it (tuning_logs/x86-avx512: 16 queries and all of a kv head's query heads per task)
+PREFILL_TILES = {"q_tile": 16, "k_tile": 64, "key_block": 4}
 
 
 def _kb(ctx: Any, j: Any) -> Any:
     """Flat offset of key j's row in a [pages, PS, KVH, D] pool: ctx = (page table, b, kh, PS, KVH, D)."""
     pt, b, kh, ps, kvh, d = ctx
     return ((T.Cast("int64", pt[b, j // ps]) * ps + j % ps) * kvh + kh) * d
+
+
+def _key_row(ctx: Any, b: Any, kh: Any, j: Any) -> Any:
+    """The tiled body's view of :func:`_kb`: ctx = (page table, positions, PS, KVH, D)."""
+    pt, _, ps, kvh, d = ctx
+    return _kb((pt, b, kh, ps, kvh, d), j)
+
+
+def _past(ctx: Any, b: Any) -> Any:
+    return T.Cast("int64", ctx[1][b])
 
 
 def paged_attention_func(
@@ -97,9 +111,11 @@ def paged_attention_kernel(
     at the window's first key); ``softcap`` > 0: scores become softcap * tanh(s / softcap). Both 0:
     the plain causal kernel, text for text.
 
-    One task per (sequence, kv head, query): its rows are the query heads sharing the kv head (each
-    key/value row is read once for all of them), keys in tiles with an online softmax; the task's
-    buffers are allocated once per task, none is max_context long."""
+    Decode (one new token per sequence): one task per (sequence, kv head), its rows the query heads
+    sharing the kv head (each key/value row is read once for all of them), keys in tiles with an online
+    softmax. Prompt chunks (seq > 1): the tiled body (``_attention_tiled.py``), tiles of queries per
+    task, so each key row is read once per tile rather than once per query. No buffer is
+    max_context long."""
     H, KVH, D, MAXC, PS = num_heads, num_kv_heads, head_dim, max_context, page_size
     G = H // KVH
     HALF = D // 2
@@ -114,6 +130,9 @@ def paged_attention_kernel(
     def lo_key(p: Any) -> Any:
         return first_key(p, WIN)  # a Python 0 without a window: the terms below fold away
 
+    tiled = tiled_attention_body(heads=H, kv_heads=KVH, head_dim=D, max_context=MAXC, config=PREFILL_TILES, lanes=L,
+                                 window=WIN, softcap=CAP, exp=exp, key_row=_key_row, past_of=_past)
+
     @T.macro
     def body(Q, K, V, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, pages):
         KF = T.decl_buffer((pages * T.int64(PS * KVH * D),), dtype, data=KP.data)
@@ -127,29 +146,32 @@ def paged_attention_kernel(
             base = ((T.Cast("int64", PT[b, p // PS]) * PS + p % PS) * KVH + kh) * D
             rope_store(KF, base, 1, K, b, s, kh * D, COS, SIN, p, HALF, T.float32(1))
             copy_row(VF, base, V, b, s, kh * D, D)
-        # 2) attention for every (sequence, kv head, query), the kv head's query heads together
-        for bks in T.parallel(batch * KVH * seq):
-            b = bks // (KVH * seq)
-            kh = bks // seq % KVH
-            s = bks % seq
-            p = T.Cast("int64", POS[b]) + s
-            qr = T.decl_buffer((G * D,), "float32", scope="local")
-            sc = T.decl_buffer((G * KT,), "float32", scope="local")
-            acc = T.decl_buffer((G * D,), "float32", scope="local")
-            st = T.decl_buffer((3 * G,), "float32", scope="local")  # running max | sum | rescale
-            for g in T.serial(G):
-                rope_store(qr, g * D, 1, Q, b, s, (kh * G + g) * D, COS, SIN, p, HALF, T.float32(scale))
-            softmax_init(st, acc, G, D)
-            for kt in T.serial((p - lo_key(p)) // KT + 1):
-                tile_scores(sc, qr, KF, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
-                            T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L, 0, 0)
-                if CAP > 0:
-                    tile_softcap(sc, G, KT, CAP)
-                tile_softmax(sc, st, T.min(KT, p + 1 - lo_key(p) - kt * KT), G, KT, exp)
-                tile_pv(acc, sc, st, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
-                        T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L)
-            for g in T.serial(G):
-                for d in T.vectorized(D):
-                    OUT[b, s, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
+        # 2) attention: prompt chunks tiled over queries; decode steps one task per (sequence, kv head)
+        if seq > 1:
+            tiled(Q, KF, VF, COS, SIN, OUT, batch, seq, (PT, POS, T.int64(PS), T.int64(KVH), T.int64(D)))
+        else:
+            for bks in T.parallel(batch * KVH * seq):
+                b = bks // (KVH * seq)
+                kh = bks // seq % KVH
+                s = bks % seq
+                p = T.Cast("int64", POS[b]) + s
+                qr = T.decl_buffer((G * D,), "float32", scope="local")
+                sc = T.decl_buffer((G * KT,), "float32", scope="local")
+                acc = T.decl_buffer((G * D,), "float32", scope="local")
+                st = T.decl_buffer((3 * G,), "float32", scope="local")  # running max | sum | rescale
+                for g in T.serial(G):
+                    rope_store(qr, g * D, 1, Q, b, s, (kh * G + g) * D, COS, SIN, p, HALF, T.float32(scale))
+                softmax_init(st, acc, G, D)
+                for kt in T.serial((p - lo_key(p)) // KT + 1):
+                    tile_scores(sc, qr, KF, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
+                                T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L, 0, 0)
+                    if CAP > 0:
+                        tile_softcap(sc, G, KT, CAP)
+                    tile_softmax(sc, st, T.min(KT, p + 1 - lo_key(p) - kt * KT), G, KT, exp)
+                    tile_pv(acc, sc, st, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
+                            T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L)
+                for g in T.serial(G):
+                    for d in T.vectorized(D):
+                        OUT[b, s, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
 
     return paged_attention_func(H, KVH, D, MAXC, PS, dtype, index_dtype, body)

@@ -282,7 +282,7 @@ def test_paged_kernel_matches_numpy_per_sequence(cpu_target) -> None:
     rng = np.random.default_rng()
     cos, sin = rope_tables(maxc, D)
     dev = tvm.cpu()
-    for seq, positions in ((1, [37, 200]), (3, [0, 90])):
+    for seq, positions in ((1, [37, 200]), (3, [0, 90]), (37, [0, 150])):  # 37: tiled, past page and key tiles
         pages = 2 * npp + 3
         table = rng.permutation(pages)[: 2 * npp].reshape(2, npp).astype(np.int64)
         kp = rng.standard_normal((pages, ps, KVH, D)).astype(np.float32)
