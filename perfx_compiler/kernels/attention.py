@@ -42,13 +42,13 @@ from perfx_compiler.kernels._attention_common import (
     lanes_for,
     prefetch_kv_row,
     rope_store,
-    soft_cap,
     softmax_init,
     tile_pv,
     tile_scores,
     tile_softcap,
     tile_softmax,
 )
+from perfx_compiler.kernels._attention_tiled import _zigzag, tiled_attention_body
 
 ATTR = "perfx.attention"  # JSON facts on the untuned kernels, read by the template
 
@@ -56,12 +56,6 @@ ATTR = "perfx.attention"  # JSON facts on the untuned kernels, read by the templ
 def _kb(ctx: Any, j: Any) -> Any:
     """Flat offset of key j's row in a [KVH, MAXC, D] cache: ctx = (kh * MAXC, D)."""
     return (ctx[0] + j) * ctx[1]
-
-
-def _zigzag(i: Any, n: Any) -> Any:
-    """0, n-1, 1, n-2, ...: causal rows get dearer with their index, and the thread pool hands
-    each thread a contiguous range of tasks; in this order every range costs about the same."""
-    return T.if_then_else(i % 2 == 0, i // 2, n - 1 - i // 2)
 
 
 def cached_attention_kernel(
@@ -152,110 +146,15 @@ def cached_attention_kernel(
                     OUT[0, s, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
 
     if body == "tiled":
-        QT = int(cfg.get("q_tile", 8))
-        HPT = int(cfg.get("heads_per_task", G))
-        if G % HPT or QT < 1:
-            raise ValueError(f"attention: heads_per_task {HPT} must divide {G}")
-        HG = G // HPT
-        R = HPT * QT  # rows of a task: query r // HPT of the tile, head r % HPT of the group
-        RP = -(-R // L) * L
-        RV = RP // L
-        JB = int(cfg.get("key_block", 4))  # keys per register block of the score loop
-        RB = next(b for b in (4, 3, 2, 1) if R % b == 0 and b * D // L <= 16)  # rows per block of p @ V
-        if JB < 1 or KT % JB:
-            raise ValueError(f"attention: key_block {JB} must divide k_tile {KT}")
-
-        def capped(x: Any) -> Any:
-            return soft_cap(x, CAP) if CAP > 0 else x
+        if G % int(cfg.get("heads_per_task", G)) or int(cfg.get("q_tile", 8)) < 1:
+            raise ValueError(f"attention: heads_per_task {cfg.get('heads_per_task')} must divide {G}")
+        tiled = tiled_attention_body(heads=H, kv_heads=KVH, head_dim=D, max_context=MAXC, config={**cfg, "k_tile": KT},
+                                     lanes=L, window=WIN, softcap=CAP, exp=exp,
+                                     key_row=lambda ctx, b, kh, j: (kh * MAXC + j) * D, past_of=lambda ctx, b: ctx[0])
 
         @T.macro
         def main_body(Q, KF, VF, COS, SIN, OUT, past, seq):
-            nq = (seq + QT - 1) // QT
-            for t in T.parallel(KVH * HG * nq):
-                kh = t % (KVH * HG) // HG
-                h0 = kh * G + t % HG * HPT
-                q0 = _zigzag(t // (KVH * HG), nq) * QT
-                last = T.min(past + T.min(q0 + QT, seq) - 1, MAXC - 1)  # position of the tile's last query
-                qt_ = T.decl_buffer((D * RP,), "float32", scope="local")  # rotated q, transposed
-                st_ = T.decl_buffer((KT * RP,), "float32", scope="local")  # scores, then weights
-                acc = T.decl_buffer((R * D,), "float32", scope="local")
-                ar = T.decl_buffer((RB * D,), "float32", scope="local")
-                sacc = T.decl_buffer((JB * RP,), "float32", scope="local")
-                mx = T.decl_buffer((RP,), "float32", scope="local")
-                rs = T.decl_buffer((3 * RP,), "float32", scope="local")  # running max | sum | rescale
-                lim = T.decl_buffer((RP,), "int64", scope="local")  # each row's query position
-                for r in T.serial(RP):
-                    rope_store(qt_, r, RP, Q, 0, T.min(q0 + r // HPT, seq - 1), (h0 + r % HPT) * D, COS, SIN,
-                               T.min(past + T.min(q0 + r // HPT, seq - 1), MAXC - 1), HALF, T.float32(scale))
-                    lim[r] = T.min(past + T.min(q0 + r // HPT, seq - 1), MAXC - 1)
-                    rs[r] = T.float32(NEG)
-                    rs[RP + r] = T.float32(0)
-                for i in T.vectorized(R * D):
-                    acc[i] = T.float32(0)
-                # key tiles from the one holding the first row's first key (0 without a window) to ``last``
-                for kt in T.serial(lo_key(T.min(past + q0, MAXC - 1)) // KT, last // KT + 1):
-                    # scores of the tile's keys (only keys <= last: causal skip), masked per row
-                    # JB keys at a time share each load of the transposed queries (register block);
-                    # key rows past ``last`` are read clamped and masked
-                    for jb in T.serial((T.min(KT, last + 1 - kt * KT) + JB - 1) // JB):
-                        for u in T.unroll(JB):
-                            for rv in T.unroll(RV):
-                                for lane in T.vectorized(L):
-                                    sacc[(u * RV + rv) * L + lane] = T.float32(0)
-                        for d in T.serial(D):
-                            for u in T.unroll(JB):
-                                for rv in T.unroll(RV):
-                                    for lane in T.vectorized(L):
-                                        sacc[(u * RV + rv) * L + lane] = sacc[(u * RV + rv) * L + lane] + qt_[
-                                            d * RP + rv * L + lane
-                                        ] * KF[(kh * MAXC + T.min(kt * KT + jb * JB + u, last)) * D + d]
-                        for u in T.unroll(JB):
-                            for rv in T.unroll(RV):
-                                for lane in T.vectorized(L):
-                                    st_[(jb * JB + u) * RP + rv * L + lane] = T.if_then_else(
-                                        visible(kt * KT + jb * JB + u, lim[rv * L + lane]),
-                                        capped(sacc[(u * RV + rv) * L + lane]),
-                                        T.float32(NEG),
-                                    )
-                    # online softmax, vectorised over rows
-                    for rv in T.serial(RV):
-                        for lane in T.vectorized(L):
-                            mx[rv * L + lane] = rs[rv * L + lane]
-                        for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
-                            for lane in T.vectorized(L):
-                                mx[rv * L + lane] = T.max(mx[rv * L + lane], st_[jj * RP + rv * L + lane])
-                        for lane in T.vectorized(L):
-                            rs[2 * RP + rv * L + lane] = exp(rs[rv * L + lane] - mx[rv * L + lane])
-                            rs[RP + rv * L + lane] = rs[RP + rv * L + lane] * rs[2 * RP + rv * L + lane]
-                            rs[rv * L + lane] = mx[rv * L + lane]
-                        for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
-                            for lane in T.vectorized(L):
-                                st_[jj * RP + rv * L + lane] = T.if_then_else(
-                                    visible(kt * KT + jj, lim[rv * L + lane]),
-                                    exp(st_[jj * RP + rv * L + lane] - mx[rv * L + lane]),
-                                    T.float32(0),
-                                )
-                                rs[RP + rv * L + lane] = rs[RP + rv * L + lane] + st_[jj * RP + rv * L + lane]
-                    # output rows, RB at a time: rescale, add p @ V (each v row loaded once per block;
-                    # the block's rows stay in registers over the tile)
-                    for rb in T.serial(R // RB):
-                        for u in T.unroll(RB):
-                            for d in T.vectorized(D):
-                                ar[u * D + d] = acc[(rb * RB + u) * D + d] * rs[2 * RP + rb * RB + u]
-                        for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
-                            for c in T.unroll(D // L):
-                                for u in T.unroll(RB):
-                                    for lane in T.vectorized(L):
-                                        ar[u * D + c * L + lane] = ar[u * D + c * L + lane] + st_[
-                                            jj * RP + rb * RB + u
-                                        ] * VF[(kh * MAXC + kt * KT + jj) * D + c * L + lane]
-                        for u in T.unroll(RB):
-                            for d in T.vectorized(D):
-                                acc[(rb * RB + u) * D + d] = ar[u * D + d]
-                for r in T.serial(R):
-                    if q0 + r // HPT < seq:
-                        for d in T.vectorized(D):
-                            OUT[0, q0 + r // HPT, (h0 + r % HPT) * D + d] = acc[r * D + d] / rs[RP + r]
+            tiled(Q, KF, VF, COS, SIN, OUT, T.int64(1), seq, (past,))
 
     elif body == "split":
         SPL = int(cfg.get("splits", 2))
