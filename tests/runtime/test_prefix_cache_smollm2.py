@@ -167,3 +167,27 @@ def test_scheduler_text_hot_equals_cold(eng: BatchEngine) -> None:
     assert common >= 3 * PS
     assert eng.pool.hit_tokens - before >= 3 * (common // PS * PS)  # all 3 started on the system prompt
     assert_no_leak(eng)
+
+
+@pytest.fixture(scope="module")
+def int8_artifact(smol_desc: object, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from perfx_compiler.pipeline import compile_model
+    from tests._cpu import has_vnni
+
+    if not has_vnni():
+        pytest.skip("int8 activations need AVX-512 VNNI")
+    out = tmp_path_factory.mktemp("smol-int8-batch") / "artifact"
+    return Path(compile_model(smol_desc, "host", out, progress=False, activations="int8", batching=True))
+
+
+def test_int8_activations_hot_equals_cold(int8_artifact: Path) -> None:
+    # The default activations on VNNI CPUs: chunks of >= 2 tokens still give each row the same bits whatever
+    # the chunk (a 1-token chunk's logits differ by up to ~0.5 here, which is why those never make a hit).
+    e = BatchEngine(int8_artifact, verify=False, max_batch=2)
+    for n in (57, 48, 49):
+        p = prompt_ids(n, 20 + n)
+        ref = cold(e, p)
+        hot = greedy(e, p)
+        assert hot[0] == (n - 2) // PS * PS > 0
+        assert_same(hot, ref)
+    assert_no_leak(e)
