@@ -480,7 +480,10 @@ def create_app(
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, int]:
-        freed = await asyncio.to_thread(srv.scheduler.clear_prefix_cache)
+        try:
+            freed = await asyncio.to_thread(srv.scheduler.clear_prefix_cache)
+        except SchedulerClosed as e:
+            raise P.RequestError(str(e), status=503, type="server_error", code="shutting_down") from None
         return {"freed_pages": freed}
 
     # Pure ASGI middleware (streaming passes through untouched); the last added runs first.

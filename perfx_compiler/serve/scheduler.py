@@ -223,6 +223,8 @@ class Scheduler:
             leftovers = [*self._waiting, *self._running]
             self._waiting.clear()
             self._running = []
+            for done, _ in self._clears:  # clear_prefix_cache calls still waiting: they raise
+                done.set()
         for s in leftovers:
             self._finish(s, "abort", error="the server is shutting down")
 
@@ -237,6 +239,8 @@ class Scheduler:
             self._cv.notify_all()
         if not done.wait(timeout):
             raise TimeoutError(f"the prefix cache was not cleared within {timeout} s")
+        if not freed:
+            raise SchedulerClosed("the scheduler shut down before clearing the prefix cache")
         return freed[0]
 
     def stats(self) -> SchedulerStats:

@@ -245,3 +245,16 @@ def test_disconnect_mid_stream_drops_shared_page_refcounts(serve: Any) -> None:
     eng.pool.check()  # every refcount back to zero, no page lost
     assert eng.free_pages() == eng.num_pages and eng.cached_pages() > 0
     assert metric(srv, "perfx_sequences_finished_total", '{reason="abort"}') == 1
+
+
+def test_clear_prefix_cache_needs_a_running_scheduler(make_engine: Any, tokenizer: Any) -> None:
+    from perfx_compiler.serve.scheduler import SchedulerClosed
+
+    s = Scheduler(make_engine(), tokenizer)
+    with pytest.raises(SchedulerClosed):
+        s.clear_prefix_cache()
+    s.start()
+    assert s.clear_prefix_cache() == 0
+    s.shutdown()
+    with pytest.raises(SchedulerClosed):
+        s.clear_prefix_cache()
