@@ -52,45 +52,45 @@ class BatchEngine:
         self._tail = [*self._pools, *self._base._weights]
         self._prefill = self._base.vm[self.manifest["functions"]["paged_prefill"]]
         self._decode = self._base.vm[self.manifest["functions"]["paged_decode"]]
-        self.pool = PagePool(self.num_pages, self.page_size, self.max_context, prefix_cache=prefix_cache)
+        self.page_pool = PagePool(self.num_pages, self.page_size, self.max_context, prefix_cache=prefix_cache)
         self.prefilled_tokens = 0  # tokens run through paged_prefill (a prefix-cache hit skips its tokens)
 
     # -- bookkeeping (see PagePool) ---------------------------------------------------------------
     def free_pages(self) -> int:
         """Pages a new token can take, counting cached pages no sequence holds (evicted on demand)."""
-        return self.pool.free_pages()
+        return self.page_pool.free_pages()
 
     def pages_in_use(self) -> int:
-        return self.pool.pages_in_use()
+        return self.page_pool.pages_in_use()
 
     def cached_pages(self) -> int:
-        return self.pool.cached_pages()
+        return self.page_pool.cached_pages()
 
     def pages_needed(self, num_tokens: int) -> int:
-        return self.pool.pages_needed(num_tokens)
+        return self.page_pool.pages_needed(num_tokens)
 
     def match_prefix(self, prompt: Sequence[int]) -> PrefixHit:
-        return self.pool.match(prompt)
+        return self.page_pool.match(prompt)
 
     def add_sequence(self, prompt: Sequence[int] | None = None) -> int:
         """A new sequence. With its ``prompt``, it starts on the prompt's cached prefix: ``length(seq_id)``
         tokens are already there, and ``prefill(seq_id, prompt[length:])`` computes the rest."""
-        return self.pool.add_sequence(prompt)
+        return self.page_pool.add_sequence(prompt)
 
     def remove_sequence(self, seq_id: int) -> None:
-        self.pool.remove_sequence(seq_id)
+        self.page_pool.remove_sequence(seq_id)
 
     def length(self, seq_id: int) -> int:
-        return self.pool.length(seq_id)
+        return self.page_pool.length(seq_id)
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached prefix (the next requests start cold); returns the cached pages freed."""
-        return self.pool.clear()
+        return self.page_pool.clear()
 
     def _table(self, seq_ids: Sequence[int]) -> np.ndarray:
         table = np.zeros((len(seq_ids), self.pages_per_sequence), dtype=self.index_dtype)
         for row, sid in enumerate(seq_ids):
-            pages = self.pool.pages(sid)
+            pages = self.page_pool.pages(sid)
             table[row, : len(pages)] = pages
         return table
 
@@ -100,14 +100,14 @@ class BatchEngine:
         ids = np.asarray(token_ids, dtype=self.index_dtype).reshape(1, -1)
         if ids.size == 0:
             raise ValueError("no tokens to run")
-        self.pool.reserve(seq_id, ids.shape[1])
+        self.page_pool.reserve(seq_id, ids.shape[1])
         dev = self._base.device
-        pos = np.array([self.pool.length(seq_id)], dtype=self.index_dtype)
+        pos = np.array([self.page_pool.length(seq_id)], dtype=self.index_dtype)
         out = self._prefill(
             tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(pos, dev),
             tvm.runtime.tensor(self._table([seq_id]), dev), *self._tail,
         )
-        self.pool.commit(seq_id, ids[0].tolist(), prefill=True)
+        self.page_pool.commit(seq_id, ids[0].tolist(), prefill=True)
         self.prefilled_tokens += ids.shape[1]
         return out[0].numpy()[0, -1]
 
@@ -118,14 +118,14 @@ class BatchEngine:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("a sequence may appear once per decode step")
         for sid in seq_ids:
-            self.pool.reserve(sid, 1)
+            self.page_pool.reserve(sid, 1)
         dev = self._base.device
         ids = np.asarray(token_ids, dtype=self.index_dtype).reshape(-1, 1)
-        pos = np.array([self.pool.length(s) for s in seq_ids], dtype=self.index_dtype)
+        pos = np.array([self.page_pool.length(s) for s in seq_ids], dtype=self.index_dtype)
         out = self._decode(
             tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(pos, dev),
             tvm.runtime.tensor(self._table(seq_ids), dev), *self._tail,
         )
         for sid, tok in zip(seq_ids, token_ids, strict=True):
-            self.pool.commit(sid, [tok], prefill=False)
+            self.page_pool.commit(sid, [tok], prefill=False)
         return out[0].numpy()[:, 0]

@@ -63,12 +63,12 @@ def assert_same(hot: tuple[int, int, np.ndarray, list[int]], ref: tuple[np.ndarr
 
 
 def assert_no_leak(e: BatchEngine) -> None:
-    e.pool.check()
+    e.page_pool.check()
     assert e.pages_in_use() == 0
     assert e.free_pages() == e.num_pages  # cached pages count as free (evicted on demand)
     e.clear_prefix_cache()
-    assert e.cached_pages() == 0 and e.pool.free_pages() == e.num_pages
-    e.pool.check()
+    assert e.cached_pages() == 0 and e.page_pool.free_pages() == e.num_pages
+    e.page_pool.check()
 
 
 def test_same_prompt_twice(eng: BatchEngine) -> None:
@@ -115,7 +115,7 @@ def test_concurrent_sequences_share_pages(eng: BatchEngine) -> None:
     eng.prefill(a, p)  # registers pages 0 and 1 while a holds them
     b = eng.add_sequence(p)
     assert eng.length(b) == 2 * PS
-    assert eng.pool.pages(b)[:2] == eng.pool.pages(a)[:2]
+    assert eng.page_pool.pages(b)[:2] == eng.page_pool.pages(a)[:2]
     assert eng.pages_in_use() == 3  # a's 3 pages; b shares 2 and has not allocated its own yet
     logits = eng.prefill(b, p[2 * PS :])
     assert np.array_equal(logits, ref[0][0])
@@ -159,13 +159,13 @@ def test_scheduler_text_hot_equals_cold(eng: BatchEngine) -> None:
         for i in ids:
             sched.clear_prefix_cache()
             coldrun.append(sched.submit(i, params, prepared=True).result(timeout=300)[0].token_ids)
-        before = eng.pool.hit_tokens
+        before = eng.page_pool.hit_tokens
         hot = [h.result(timeout=300)[0].token_ids for h in [sched.submit(i, params, prepared=True) for i in ids]]
     finally:
         sched.shutdown()
     assert hot == coldrun
     assert common >= 3 * PS
-    assert eng.pool.hit_tokens - before >= 3 * (common // PS * PS)  # all 3 started on the system prompt
+    assert eng.page_pool.hit_tokens - before >= 3 * (common // PS * PS)  # all 3 started on the system prompt
     assert_no_leak(eng)
 
 

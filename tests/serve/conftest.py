@@ -76,7 +76,7 @@ class FakeBatchEngine:
         printable = np.zeros(vocab_size, dtype=bool)
         printable[32:127] = True
         self.table[:, ~printable] = -50.0  # EOS (and BOS, control bytes, merges) never win by chance
-        self.pool = PagePool(self.num_pages, page_size, max_context, prefix_cache=prefix_cache)
+        self.page_pool = PagePool(self.num_pages, page_size, max_context, prefix_cache=prefix_cache)
         self._tokens: dict[int, list[int]] = {}
         self._prompt_len: dict[int, int] = {}
         self.decode_batch_sizes: list[int] = []
@@ -84,37 +84,37 @@ class FakeBatchEngine:
         self.lock = threading.Lock()  # asserts the engine is never used from two threads at once
 
     def free_pages(self) -> int:
-        return self.pool.free_pages()
+        return self.page_pool.free_pages()
 
     def pages_in_use(self) -> int:
-        return self.pool.pages_in_use()
+        return self.page_pool.pages_in_use()
 
     def cached_pages(self) -> int:
-        return self.pool.cached_pages()
+        return self.page_pool.cached_pages()
 
     def pages_needed(self, num_tokens: int) -> int:
-        return self.pool.pages_needed(num_tokens)
+        return self.page_pool.pages_needed(num_tokens)
 
     def match_prefix(self, prompt: Sequence[int]) -> PrefixHit:
-        return self.pool.match(prompt)
+        return self.page_pool.match(prompt)
 
     def add_sequence(self, prompt: Sequence[int] | None = None) -> int:
-        sid = self.pool.add_sequence(prompt)
-        self._tokens[sid] = [int(t) for t in (prompt or [])[: self.pool.length(sid)]]  # the cached prefix
+        sid = self.page_pool.add_sequence(prompt)
+        self._tokens[sid] = [int(t) for t in (prompt or [])[: self.page_pool.length(sid)]]  # the cached prefix
         if prompt is not None:
             self._prompt_len[sid] = len(prompt)
         return sid
 
     def remove_sequence(self, seq_id: int) -> None:
-        self.pool.remove_sequence(seq_id)
+        self.page_pool.remove_sequence(seq_id)
         self._tokens.pop(seq_id, None)
         self._prompt_len.pop(seq_id, None)
 
     def clear_prefix_cache(self) -> int:
-        return self.pool.clear()
+        return self.page_pool.clear()
 
     def length(self, seq_id: int) -> int:
-        assert self.pool.length(seq_id) == len(self._tokens[seq_id])
+        assert self.page_pool.length(seq_id) == len(self._tokens[seq_id])
         return len(self._tokens[seq_id])
 
     def _logits(self, sid: int) -> np.ndarray:
@@ -133,11 +133,11 @@ class FakeBatchEngine:
         with self.lock:
             if not token_ids:
                 raise ValueError("no tokens")
-            self.pool.reserve(seq_id, len(token_ids))
+            self.page_pool.reserve(seq_id, len(token_ids))
             if not self._tokens[seq_id]:
                 self._prompt_len.setdefault(seq_id, len(token_ids))
             self._tokens[seq_id].extend(int(t) for t in token_ids)
-            self.pool.commit(seq_id, token_ids, prefill=True)
+            self.page_pool.commit(seq_id, token_ids, prefill=True)
             self.prefill_chunks.append(len(token_ids))
             if self.step_delay:
                 time.sleep(self.step_delay)
@@ -149,10 +149,10 @@ class FakeBatchEngine:
             if self.decode_gate is not None and not self.decode_gate.wait(60):
                 raise TimeoutError("the test never opened the decode gate")
             for sid in seq_ids:
-                self.pool.reserve(sid, 1)
+                self.page_pool.reserve(sid, 1)
             for sid, t in zip(seq_ids, token_ids, strict=True):
                 self._tokens[sid].append(int(t))
-                self.pool.commit(sid, [t], prefill=False)
+                self.page_pool.commit(sid, [t], prefill=False)
             self.decode_batch_sizes.append(len(seq_ids))
             if self.step_delay:
                 time.sleep(self.step_delay)

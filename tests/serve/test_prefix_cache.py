@@ -158,7 +158,7 @@ def test_second_request_prefills_only_its_uncached_part(sched: Any, tokenizer: A
     assert s.clear_prefix_cache() == cached > 0 and eng.cached_pages() == 0
     s.submit(system + ids(tokenizer, "Hi?"), params).result(timeout=10)
     assert obs.hit == 2 * 44  # cold again
-    eng.pool.check()
+    eng.page_pool.check()
 
 
 def test_admission_counts_shared_pages(sched: Any, tokenizer: Any) -> None:
@@ -179,7 +179,7 @@ def test_admission_counts_shared_pages(sched: Any, tokenizer: Any) -> None:
         gate.set()
         assert len({tuple(h.result(timeout=10)[0].token_ids) for h in hs}) == 1
         assert max(s.engine.decode_batch_sizes) == together
-        s.engine.pool.check()
+        s.engine.page_pool.check()
         assert s.engine.pages_in_use() == 0 and s.engine.free_pages() == 10
 
 
@@ -205,7 +205,7 @@ def test_preemption_with_cached_pages_loses_nothing(sched: Any, make_engine: Any
     for p, h in zip(prompts, hs, strict=True):
         assert h.result(timeout=30)[0].token_ids == reference(make_engine, tokenizer, p, params).token_ids
     assert s.stats().preemptions > 0 and s.observer.hit > 0
-    s.engine.pool.check()
+    s.engine.page_pool.check()
     assert s.engine.pages_in_use() == 0 and s.engine.free_pages() == 14
 
 
@@ -242,7 +242,7 @@ def test_disconnect_mid_stream_drops_shared_page_refcounts(serve: Any) -> None:
         assert metric(srv, "perfx_prefix_cache_hits_total") > 0  # the stream runs on shared pages
         assert metric(srv, "perfx_kv_pages_used") > 0
     assert wait_for(lambda: metric(srv, "perfx_running_sequences") == 0 and eng.pages_in_use() == 0, 30)
-    eng.pool.check()  # every refcount back to zero, no page lost
+    eng.page_pool.check()  # every refcount back to zero, no page lost
     assert eng.free_pages() == eng.num_pages and eng.cached_pages() > 0
     assert metric(srv, "perfx_sequences_finished_total", '{reason="abort"}') == 1
 
