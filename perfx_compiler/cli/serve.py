@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue-size", type=int, default=64, help="waiting requests before answering 503 (default 64)")
     p.add_argument("--num-pages", type=int, default=None, help="KV cache pages (default: max-batch full contexts)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens prefilled per step (default 256)")
+    p.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="do not keep full prompt pages for later requests with the same prefix (default: keep them)",
+    )
     # --model-name: this option's earlier spelling, kept so existing command lines still work
     p.add_argument(
         "--served-model-name",
@@ -103,7 +109,13 @@ def _run(args: argparse.Namespace) -> int:
             f"{PROG}: warning: serving on {args.host} without --api-key; anyone who can reach it may use it",
             file=sys.stderr,
         )
-    engine = BatchEngine(args.artifact, verify=not args.no_verify, num_pages=args.num_pages, max_batch=args.max_batch)
+    engine = BatchEngine(
+        args.artifact,
+        verify=not args.no_verify,
+        num_pages=args.num_pages,
+        max_batch=args.max_batch,
+        prefix_cache=args.prefix_cache,
+    )
     app = create_app(
         engine,
         model_name=served_model_name(args),

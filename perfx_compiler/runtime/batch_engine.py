@@ -1,8 +1,11 @@
 """Many sequences over one paged KV pool, decoded together in one batched step.
 
 The pool (one K and one V tensor per layer, [pages, page_size, kv_heads,
-head_dim]) is allocated once; sequences own lists of pages handed out from a
-free list and returned the moment a sequence ends. ``decode`` runs every
+head_dim]) is allocated once; sequences hold lists of pages handed out from a
+free list and given back the moment a sequence ends. With ``prefix_cache`` (the
+default) full prompt pages stay cached after their sequence ends, and a new
+sequence added with its prompt starts on the cached pages of that prompt's
+longest cached prefix (``runtime/prefix_cache.py``). ``decode`` runs every
 listed sequence's next token in a single call of the compiled ``paged_decode``
 function, so the linear layers run as small-M GEMMs instead of B GEMVs.
 """
@@ -14,14 +17,21 @@ from pathlib import Path
 
 import numpy as np
 
-from perfx_compiler.errors import ArtifactError, ContextLengthError, KVCacheFullError
+from perfx_compiler.errors import ArtifactError
 from perfx_compiler.runtime.engine import Engine, tvm
+from perfx_compiler.runtime.prefix_cache import PagePool, PrefixHit
 
 
 class BatchEngine:
     def __init__(
-        self, artifact_dir: str | Path, *, verify: bool = True, num_pages: int | None = None, max_batch: int = 16
-    ):
+        self,
+        artifact_dir: str | Path,
+        *,
+        verify: bool = True,
+        num_pages: int | None = None,
+        max_batch: int = 16,
+        prefix_cache: bool = True,
+    ) -> None:
         # Reuse the single-sequence loader for module, weights and manifest checks.
         self._base = Engine(artifact_dir, verify=verify, kv_cache=False)
         self.manifest = self._base.manifest
@@ -42,52 +52,45 @@ class BatchEngine:
         self._tail = [*self._pools, *self._base._weights]
         self._prefill = self._base.vm[self.manifest["functions"]["paged_prefill"]]
         self._decode = self._base.vm[self.manifest["functions"]["paged_decode"]]
-        self._free = list(range(self.num_pages - 1, -1, -1))
-        self._pages: dict[int, list[int]] = {}
-        self._length: dict[int, int] = {}
-        self._next_id = 0
+        self.page_pool = PagePool(self.num_pages, self.page_size, self.max_context, prefix_cache=prefix_cache)
+        self.prefilled_tokens = 0  # tokens run through paged_prefill (a prefix-cache hit skips its tokens)
 
-    # -- bookkeeping -------------------------------------------------------------------------
+    # -- bookkeeping (see PagePool) ---------------------------------------------------------------
     def free_pages(self) -> int:
-        return len(self._free)
+        """Pages a new token can take, counting cached pages no sequence holds (evicted on demand)."""
+        return self.page_pool.free_pages()
 
     def pages_in_use(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.page_pool.pages_in_use()
+
+    def cached_pages(self) -> int:
+        return self.page_pool.cached_pages()
 
     def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return self.page_pool.pages_needed(num_tokens)
 
-    def add_sequence(self) -> int:
-        seq_id = self._next_id
-        self._next_id += 1
-        self._pages[seq_id] = []
-        self._length[seq_id] = 0
-        return seq_id
+    def match_prefix(self, prompt: Sequence[int]) -> PrefixHit:
+        return self.page_pool.match(prompt)
+
+    def add_sequence(self, prompt: Sequence[int] | None = None) -> int:
+        """A new sequence. With its ``prompt``, it starts on the prompt's cached prefix: ``length(seq_id)``
+        tokens are already there, and ``prefill(seq_id, prompt[length:])`` computes the rest."""
+        return self.page_pool.add_sequence(prompt)
 
     def remove_sequence(self, seq_id: int) -> None:
-        self._free.extend(reversed(self._pages.pop(seq_id, [])))
-        self._length.pop(seq_id, None)
+        self.page_pool.remove_sequence(seq_id)
 
     def length(self, seq_id: int) -> int:
-        return self._length[seq_id]
+        return self.page_pool.length(seq_id)
 
-    def _reserve(self, seq_id: int, new_tokens: int) -> None:
-        total = self._length[seq_id] + new_tokens
-        if total > self.max_context:
-            raise ContextLengthError(
-                f"{total} tokens do not fit the context of {self.max_context}; shorten the prompt or max_tokens"
-            )
-        pages = self._pages[seq_id]
-        need = self.pages_needed(total) - len(pages)
-        if need > len(self._free):
-            raise KVCacheFullError(f"KV cache full: {need} more pages needed, {len(self._free)} free")
-        for _ in range(need):
-            pages.append(self._free.pop())
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix (the next requests start cold); returns the cached pages freed."""
+        return self.page_pool.clear()
 
     def _table(self, seq_ids: Sequence[int]) -> np.ndarray:
         table = np.zeros((len(seq_ids), self.pages_per_sequence), dtype=self.index_dtype)
         for row, sid in enumerate(seq_ids):
-            pages = self._pages[sid]
+            pages = self.page_pool.pages(sid)
             table[row, : len(pages)] = pages
         return table
 
@@ -97,14 +100,15 @@ class BatchEngine:
         ids = np.asarray(token_ids, dtype=self.index_dtype).reshape(1, -1)
         if ids.size == 0:
             raise ValueError("no tokens to run")
-        self._reserve(seq_id, ids.shape[1])
+        self.page_pool.reserve(seq_id, ids.shape[1])
         dev = self._base.device
-        pos = np.array([self._length[seq_id]], dtype=self.index_dtype)
+        pos = np.array([self.page_pool.length(seq_id)], dtype=self.index_dtype)
         out = self._prefill(
             tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(pos, dev),
             tvm.runtime.tensor(self._table([seq_id]), dev), *self._tail,
         )
-        self._length[seq_id] += ids.shape[1]
+        self.page_pool.commit(seq_id, ids[0].tolist(), prefill=True)
+        self.prefilled_tokens += ids.shape[1]
         return out[0].numpy()[0, -1]
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
@@ -114,14 +118,14 @@ class BatchEngine:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("a sequence may appear once per decode step")
         for sid in seq_ids:
-            self._reserve(sid, 1)
+            self.page_pool.reserve(sid, 1)
         dev = self._base.device
         ids = np.asarray(token_ids, dtype=self.index_dtype).reshape(-1, 1)
-        pos = np.array([self._length[s] for s in seq_ids], dtype=self.index_dtype)
+        pos = np.array([self.page_pool.length(s) for s in seq_ids], dtype=self.index_dtype)
         out = self._decode(
             tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(pos, dev),
             tvm.runtime.tensor(self._table(seq_ids), dev), *self._tail,
         )
-        for sid in seq_ids:
-            self._length[sid] += 1
+        for sid, tok in zip(seq_ids, token_ids, strict=True):
+            self.page_pool.commit(sid, [tok], prefill=False)
         return out[0].numpy()[:, 0]

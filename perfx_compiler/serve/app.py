@@ -5,7 +5,8 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
 ``stream: true`` as server-sent events ending in ``data: [DONE]``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics`` (Prometheus). Every error is OpenAI-shaped JSON
+``GET /health``, ``GET /metrics`` (Prometheus), ``POST /reset_prefix_cache`` (as vLLM's: the
+next requests start with a cold prefix cache). Every error is OpenAI-shaped JSON
 ``{"error": {"message", "type", "param", "code"}}``; a full queue answers 503 with
 ``Retry-After``. A client that disconnects (streaming or not) has its sequences
 cancelled, which frees their KV pages at the scheduler's next step.
@@ -43,7 +44,7 @@ __all__ = ["create_app"]
 log = logging.getLogger("perfx.serve")
 _DISCONNECT_POLL_S = 0.25
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
-_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+_ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/reset_prefix_cache"}
 
 
 def _error(e: P.RequestError) -> JSONResponse:
@@ -476,6 +477,14 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(srv.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, int]:
+        try:
+            freed = await asyncio.to_thread(srv.scheduler.clear_prefix_cache)
+        except SchedulerClosed as e:
+            raise P.RequestError(str(e), status=503, type="server_error", code="shutting_down") from None
+        return {"freed_pages": freed}
 
     # Pure ASGI middleware (streaming passes through untouched); the last added runs first.
     if api_key:

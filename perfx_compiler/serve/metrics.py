@@ -43,6 +43,17 @@ class ServingMetrics:
         )
         self.prompt_tokens = Counter("perfx_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
         self.generated_tokens = Counter("perfx_generation_tokens", "Generated tokens", registry=r)
+        # Per admitted sequence (a preempted one is looked up again when it comes back), as vLLM counts.
+        self.prefix_queries = Counter(
+            "perfx_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter("perfx_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self._queried = self._hit = 0
+        Gauge(
+            "perfx_prefix_cache_hit_rate",
+            "Prefix-cache hit tokens / prompt tokens looked up (0 before any)",
+            registry=r,
+        ).set_function(lambda: self._hit / self._queried if self._queried else 0.0)
         self.ttft = Histogram(
             "perfx_time_to_first_token_seconds", "Request arrival to first token", buckets=_TTFT_BUCKETS, registry=r
         )
@@ -56,7 +67,14 @@ class ServingMetrics:
         Gauge("perfx_running_sequences", "Sequences in the batch (holding KV pages)", registry=r).set_function(
             lambda: stats().running
         )
-        Gauge("perfx_kv_pages_used", "KV cache pages in use", registry=r).set_function(lambda: stats().kv_pages_used)
+        Gauge("perfx_kv_pages_used", "KV cache pages held by sequences", registry=r).set_function(
+            lambda: stats().kv_pages_used
+        )
+        Gauge(
+            "perfx_kv_pages_cached",
+            "KV cache pages held by no sequence, kept for their prefix (free to take)",
+            registry=r,
+        ).set_function(lambda: stats().kv_pages_cached)
         Gauge("perfx_kv_pages_total", "KV cache pages in the pool", registry=r).set_function(
             lambda: stats().kv_pages_total
         )
@@ -69,6 +87,12 @@ class ServingMetrics:
     # -- scheduler Observer ---------------------------------------------------------------------
     def on_prompt_tokens(self, n: int) -> None:
         self.prompt_tokens.inc(n)
+
+    def on_prefix_cache(self, queried: int, hit: int) -> None:
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hit)
+        self._queried += queried
+        self._hit += hit
 
     def on_generated_tokens(self, n: int) -> None:
         self.generated_tokens.inc(n)

@@ -10,9 +10,12 @@ Every step of the worker:
 1. drops cancelled requests (their sequences' KV pages are freed at once);
 2. admits waiting sequences, first come first served, while the batch has room and
    their prompt (plus one token) fits the free KV pages not already promised to
-   sequences still prefilling or about to grow;
+   sequences still prefilling or about to grow; a sequence starts on the cached
+   pages of its prompt's longest cached prefix (prefix caching, in the engine) and
+   only prefills the rest;
 3. runs at most ``prefill_chunk`` prompt tokens of prefill (chunked prefill), so a
-   long prompt does not stall the running sequences for more than one chunk;
+   long prompt does not stall the running sequences for more than one chunk
+   (never a 1-token chunk unless the prompt is 1 token: see runtime/prefix_cache.py);
 4. runs ONE batched ``decode`` for every sequence that has a sampled token pending.
 
 When a decode step needs more pages than are free, the most recently admitted
@@ -37,8 +40,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from perfx_compiler.errors import ContextLengthError, KVCacheFullError, PerfXError
+from perfx_compiler.errors import ContextLengthError, KVCacheFullError
 from perfx_compiler.runtime.generate import IncrementalDetokenizer, StopChecker, model_info, prepare_prompt
+from perfx_compiler.runtime.prefix_cache import PrefixHit
 from perfx_compiler.runtime.sampling import (
     Logprob,
     SamplingParams,
@@ -47,6 +51,7 @@ from perfx_compiler.runtime.sampling import (
     sample,
     token_logprobs,
 )
+from perfx_compiler.serve.records import QueueFull, SchedulerClosed, SchedulerStats, SequenceResult, StreamEvent
 
 __all__ = [
     "QueueFull",
@@ -61,18 +66,6 @@ __all__ = [
 log = logging.getLogger("perfx.serve")
 
 
-class QueueFull(PerfXError):
-    """The waiting queue is full; retry after ``retry_after`` seconds."""
-
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class SchedulerClosed(PerfXError):
-    """The scheduler is shut down (or not started) and takes no requests."""
-
-
 class BatchEngineLike(Protocol):
     manifest: dict
     max_context: int
@@ -80,8 +73,12 @@ class BatchEngineLike(Protocol):
     max_batch: int
 
     def free_pages(self) -> int: ...
+    def pages_in_use(self) -> int: ...
+    def cached_pages(self) -> int: ...
     def pages_needed(self, num_tokens: int) -> int: ...
-    def add_sequence(self) -> int: ...
+    def match_prefix(self, prompt: Sequence[int]) -> PrefixHit: ...
+    def add_sequence(self, prompt: Sequence[int] | None = None) -> int: ...
+    def clear_prefix_cache(self) -> int: ...
     def remove_sequence(self, seq_id: int) -> None: ...
     def prefill(self, seq_id: int, token_ids: Sequence[int]) -> np.ndarray: ...
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray: ...
@@ -92,47 +89,11 @@ class Observer(Protocol):
     """What the scheduler reports to metrics (see ``serve/metrics.py``)."""
 
     def on_prompt_tokens(self, n: int) -> None: ...
+    def on_prefix_cache(self, queried: int, hit: int) -> None: ...
     def on_generated_tokens(self, n: int) -> None: ...
     def on_first_token(self, seconds: float) -> None: ...
     def on_inter_token(self, seconds: float) -> None: ...
     def on_sequence_finished(self, reason: str) -> None: ...
-
-
-@dataclass
-class StreamEvent:
-    """New output of one sequence of a request (delivered from the worker thread)."""
-
-    request_id: str
-    index: int  # which of the request's n sequences
-    text: str  # text completed by this step ('' while held back or mid-character)
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" on a sequence's last event
-    stop_reason: int | str | None = None
-    error: str | None = None
-    request_finished: bool = False  # every sequence of the request is done
-
-
-@dataclass
-class SequenceResult:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stop_reason: int | str | None = None
-    cumulative_logprob: float | None = None
-    logprobs: list[dict[int, Logprob]] | None = None
-    error: str | None = None
-
-
-@dataclass
-class SchedulerStats:
-    queue_depth: int = 0  # requests with a sequence waiting for admission
-    running: int = 0  # sequences holding KV pages
-    kv_pages_used: int = 0
-    kv_pages_total: int = 0
-    steps: int = 0
-    preemptions: int = 0
 
 
 class RequestHandle:
@@ -236,6 +197,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._closed = False
+        self._clears: list[tuple[threading.Event, list[int]]] = []  # clear_prefix_cache calls for the worker
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -261,8 +223,25 @@ class Scheduler:
             leftovers = [*self._waiting, *self._running]
             self._waiting.clear()
             self._running = []
+            for done, _ in self._clears:  # clear_prefix_cache calls still waiting: they raise
+                done.set()
         for s in leftovers:
             self._finish(s, "abort", error="the server is shutting down")
+
+    def clear_prefix_cache(self, timeout: float = 60.0) -> int:
+        """Drop the engine's cached prefixes (the next requests start cold), on the worker thread between
+        two steps; returns how many cached pages were freed."""
+        done, freed = threading.Event(), []
+        with self._cv:
+            if self._closed or self._thread is None:
+                raise SchedulerClosed("the scheduler is not running")
+            self._clears.append((done, freed))
+            self._cv.notify_all()
+        if not done.wait(timeout):
+            raise TimeoutError(f"the prefix cache was not cleared within {timeout} s")
+        if not freed:
+            raise SchedulerClosed("the scheduler shut down before clearing the prefix cache")
+        return freed[0]
 
     def stats(self) -> SchedulerStats:
         with self._cv:
@@ -353,7 +332,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._stopping and not self._waiting and not self._running:
+                while not self._stopping and not self._waiting and not self._running and not self._clears:
                     self._cv.wait()
                 if self._stopping:
                     return
@@ -366,14 +345,19 @@ class Scheduler:
             self._publish()
 
     def _publish(self) -> None:
-        used = int(self.engine.num_pages) - int(self.engine.free_pages())
+        used, cached = int(self.engine.pages_in_use()), int(self.engine.cached_pages())
         with self._cv:
             st = self._stats
             st.queue_depth = len({id(s.req) for s in self._waiting})
             st.running = len(self._running)
-            st.kv_pages_used = used
+            st.kv_pages_used, st.kv_pages_cached = used, cached
 
     def _step(self) -> None:
+        with self._cv:
+            clears, self._clears = self._clears, []
+        for done, freed in clears:
+            freed.append(int(self.engine.clear_prefix_cache()))
+            done.set()
         self._drop_cancelled()
         decoding = [s for s in self._running if s.computed >= len(s.feed)]  # a sampled token is pending
         self._admit(decoding)
@@ -408,27 +392,41 @@ class Scheduler:
 
     def _admit(self, decoding: list[_Seq]) -> None:
         eng = self.engine
+        looked_up: list[tuple[int, int]] = []  # (prompt tokens, cached tokens) per admitted sequence
         with self._cv:
             if not self._waiting or len(self._running) >= self.max_batch:
                 return
             available = eng.free_pages() - self._promised() - self._growth(decoding)
             while self._waiting and len(self._running) < self.max_batch:
                 s = self._waiting[0]
-                need = eng.pages_needed(len(s.feed) + 1)
+                hit = eng.match_prefix(s.feed)
+                # Cached pages are shared, not allocated; those nobody holds now stop counting as free.
+                need = eng.pages_needed(len(s.feed) + 1) - len(hit.pages) + hit.idle
                 if need > available:
                     break  # first come first served: later requests wait behind the head
                 self._waiting.popleft()
-                s.seq_id = eng.add_sequence()
-                s.computed = 0
+                s.seq_id = eng.add_sequence(s.feed)
+                s.computed = eng.length(s.seq_id)  # the cached prefix is not prefilled again
                 self._running.append(s)
                 available -= need
+                looked_up.append((len(s.feed), s.computed))
+        if self.observer is not None:
+            for queried, hit_tokens in looked_up:
+                self.observer.on_prefix_cache(queried, hit_tokens)
 
     def _prefill(self) -> None:
         budget = self.prefill_chunk
         for s in [s for s in self._running if s.computed < len(s.feed)]:
             if budget <= 0:
                 break
-            take = min(budget, len(s.feed) - s.computed)
+            rest = len(s.feed) - s.computed
+            take = min(budget, rest)
+            # No 1-token chunks: they take other kernels than longer chunks (last bits differ; the KV they
+            # write is never cached), so a prompt's logits would depend on how it was chunked.
+            if rest - take == 1:
+                take = rest  # one token over the budget
+            elif take == 1 < rest and self.prefill_chunk > 1:
+                break  # next step, with a whole budget
             try:
                 logits = self.engine.prefill(s.seq_id, s.feed[s.computed : s.computed + take])
             except KVCacheFullError as e:

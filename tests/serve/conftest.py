@@ -2,7 +2,8 @@
 
 The fake's logits depend on the sequence's whole history (a rolling hash) as well as
 its last token, so a scheduler that mixed up sequences, positions or pages would
-change the text. Only printable ASCII can win, so greedy outputs are readable.
+change the text. Only printable ASCII can win, so greedy outputs are readable. Its
+pages (and prefix cache) are the real engine's bookkeeping, ``PagePool``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from perfx_compiler.errors import ContextLengthError, KVCacheFullError
+from perfx_compiler.runtime.prefix_cache import PagePool, PrefixHit
 from tests.runtime.conftest import BOS, EOS, build_tokenizer
 
 CHAT_TEMPLATE = (
@@ -46,6 +47,7 @@ class FakeBatchEngine:
         decode_gate: threading.Event | None = None,
         chat_template: str | None = CHAT_TEMPLATE,
         seed: int = 0,
+        prefix_cache: bool = True,
     ) -> None:
         self.manifest: dict[str, Any] = {
             "model": {
@@ -62,7 +64,7 @@ class FakeBatchEngine:
         self.max_context = max_context
         self.page_size = page_size
         self.max_batch = max_batch
-        self.num_pages = num_pages or max_batch * self.pages_needed(max_context)
+        self.num_pages = num_pages or max_batch * -(-max_context // page_size)
         self.vocab_size = vocab_size
         self.eos = eos_token_id
         self.eos_after = eos_after  # force EOS after this many generated tokens
@@ -74,44 +76,46 @@ class FakeBatchEngine:
         printable = np.zeros(vocab_size, dtype=bool)
         printable[32:127] = True
         self.table[:, ~printable] = -50.0  # EOS (and BOS, control bytes, merges) never win by chance
-        self._free = list(range(self.num_pages))
-        self._pages: dict[int, list[int]] = {}
+        self.page_pool = PagePool(self.num_pages, page_size, max_context, prefix_cache=prefix_cache)
         self._tokens: dict[int, list[int]] = {}
         self._prompt_len: dict[int, int] = {}
-        self._next_id = 0
         self.decode_batch_sizes: list[int] = []
         self.prefill_chunks: list[int] = []
         self.lock = threading.Lock()  # asserts the engine is never used from two threads at once
 
     def free_pages(self) -> int:
-        return len(self._free)
+        return self.page_pool.free_pages()
+
+    def pages_in_use(self) -> int:
+        return self.page_pool.pages_in_use()
+
+    def cached_pages(self) -> int:
+        return self.page_pool.cached_pages()
 
     def pages_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return self.page_pool.pages_needed(num_tokens)
 
-    def add_sequence(self) -> int:
-        sid = self._next_id
-        self._next_id += 1
-        self._pages[sid], self._tokens[sid] = [], []
+    def match_prefix(self, prompt: Sequence[int]) -> PrefixHit:
+        return self.page_pool.match(prompt)
+
+    def add_sequence(self, prompt: Sequence[int] | None = None) -> int:
+        sid = self.page_pool.add_sequence(prompt)
+        self._tokens[sid] = [int(t) for t in (prompt or [])[: self.page_pool.length(sid)]]  # the cached prefix
+        if prompt is not None:
+            self._prompt_len[sid] = len(prompt)
         return sid
 
     def remove_sequence(self, seq_id: int) -> None:
-        self._free.extend(self._pages.pop(seq_id, []))
+        self.page_pool.remove_sequence(seq_id)
         self._tokens.pop(seq_id, None)
         self._prompt_len.pop(seq_id, None)
 
-    def length(self, seq_id: int) -> int:
-        return len(self._tokens[seq_id])
+    def clear_prefix_cache(self) -> int:
+        return self.page_pool.clear()
 
-    def _reserve(self, sid: int, n: int) -> None:
-        total = len(self._tokens[sid]) + n
-        if total > self.max_context:
-            raise ContextLengthError(f"{total} tokens exceed the context of {self.max_context}")
-        need = self.pages_needed(total) - len(self._pages[sid])
-        if need > len(self._free):
-            raise KVCacheFullError(f"KV cache full: {need} pages needed, {len(self._free)} free")
-        for _ in range(need):
-            self._pages[sid].append(self._free.pop())
+    def length(self, seq_id: int) -> int:
+        assert self.page_pool.length(seq_id) == len(self._tokens[seq_id])
+        return len(self._tokens[seq_id])
 
     def _logits(self, sid: int) -> np.ndarray:
         toks = self._tokens[sid]
@@ -129,10 +133,11 @@ class FakeBatchEngine:
         with self.lock:
             if not token_ids:
                 raise ValueError("no tokens")
-            self._reserve(seq_id, len(token_ids))
+            self.page_pool.reserve(seq_id, len(token_ids))
             if not self._tokens[seq_id]:
-                self._prompt_len[seq_id] = len(token_ids)
+                self._prompt_len.setdefault(seq_id, len(token_ids))
             self._tokens[seq_id].extend(int(t) for t in token_ids)
+            self.page_pool.commit(seq_id, token_ids, prefill=True)
             self.prefill_chunks.append(len(token_ids))
             if self.step_delay:
                 time.sleep(self.step_delay)
@@ -144,9 +149,10 @@ class FakeBatchEngine:
             if self.decode_gate is not None and not self.decode_gate.wait(60):
                 raise TimeoutError("the test never opened the decode gate")
             for sid in seq_ids:
-                self._reserve(sid, 1)
+                self.page_pool.reserve(sid, 1)
             for sid, t in zip(seq_ids, token_ids, strict=True):
                 self._tokens[sid].append(int(t))
+                self.page_pool.commit(sid, [t], prefill=False)
             self.decode_batch_sizes.append(len(seq_ids))
             if self.step_delay:
                 time.sleep(self.step_delay)

@@ -208,10 +208,12 @@ def test_disconnect_while_waiting_non_streaming_cancels(serve: Any) -> None:
 
 def test_pool_exhausted_queues_and_queue_full_is_503(serve: Any) -> None:
     # 10 pages of 4 tokens: a request needs 6 to start (BOS + 20 prompt tokens + 1) and 9 at its end,
-    # so one runs at a time and the others wait for pages.
-    # Decode is held shut until the 503 is seen, so the first request cannot finish early on a slow machine.
+    # so one runs at a time and the others wait for pages (without the prefix cache: with it, the same
+    # prompt shares its full pages, test_prefix_cache.py). Decode is held shut until the 503 is seen, so
+    # the first request cannot finish early on a slow machine.
     gate = threading.Event()
-    srv = serve(engine_kw={"num_pages": 10, "decode_gate": gate}, max_queue=2, retry_after=3)
+    engine_kw = {"num_pages": 10, "decode_gate": gate, "prefix_cache": False}
+    srv = serve(engine_kw=engine_kw, max_queue=2, retry_after=3)
     body = {"prompt": "abcdefghijklmnopqrst", "max_tokens": 15, "temperature": 0}
     with ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(httpx.post, f"{srv.url}/v1/completions", json=body, timeout=90) for _ in range(3)]

@@ -36,3 +36,25 @@ def test_served_model_name_is_what_the_user_typed(tmp_path: Path, capsys: Any) -
     (tmp_path / "perfx-config.json").write_text("{}")
     assert main([str(tmp_path), "--served-model-name", " "]) == 2
     assert "--served-model-name must not be empty" in capsys.readouterr().err
+
+
+def test_no_prefix_cache_reaches_the_engine(tmp_path: Path, monkeypatch: Any) -> None:
+    import uvicorn
+
+    import perfx_compiler.runtime.batch_engine as be
+    import perfx_compiler.serve.app as app
+    from perfx_compiler.cli.serve import main
+
+    made: list[dict[str, Any]] = []
+
+    def fake_engine(artifact: str, **kw: Any) -> object:
+        made.append(kw)
+        return object()
+
+    monkeypatch.setattr(be, "BatchEngine", fake_engine)
+    monkeypatch.setattr(app, "create_app", lambda engine, **kw: None)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **kw: None)
+    (tmp_path / "perfx-config.json").write_text("{}")
+    assert main([str(tmp_path)]) == 0
+    assert main([str(tmp_path), "--no-prefix-cache"]) == 0
+    assert [kw["prefix_cache"] for kw in made] == [True, False]

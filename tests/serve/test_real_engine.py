@@ -57,6 +57,10 @@ def test_batched_serving_matches_offline_llm(tiny_artifact: Path) -> None:
     assert engine.free_pages() == engine.num_pages
 
 
+def metric_value(text: str, name: str = "perfx_prefix_cache_hits_total") -> float:
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
 def test_perfx_serve_cli_end_to_end(tiny_artifact: Path) -> None:
     openai = pytest.importorskip("openai")
     port = free_port()
@@ -89,6 +93,20 @@ def test_perfx_serve_cli_end_to_end(tiny_artifact: Path) -> None:
         assert [ch.choices[0].finish_reason for ch in chunks][-1] in ("stop", "length")
         metrics = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer k1"}, timeout=5).text
         assert "perfx_kv_pages_total" in metrics
+        # Prefix caching: the same 60-token prompt again starts on its cached pages, with the same text;
+        # after POST /reset_prefix_cache it runs cold, with the same text again.
+        auth = {"Authorization": "Bearer k1"}
+        long_prompt = list(range(3, 63))
+        texts = []
+        for reset in (False, False, True):
+            if reset:
+                assert httpx.post(f"{url}/reset_prefix_cache", headers=auth, timeout=30).json()["freed_pages"] > 0
+            hits = metric_value(httpx.get(f"{url}/metrics", headers=auth, timeout=5).text)
+            r = c.completions.create(model=model, prompt=long_prompt, max_tokens=8, temperature=0,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+            texts.append((r.choices[0].text, metric_value(httpx.get(f"{url}/metrics", headers=auth).text) - hits))
+        assert texts[0][0] == texts[1][0] == texts[2][0]
+        assert [t[1] for t in texts] == [0, 48, 0]  # 3 full pages of 16 reused the second time
     finally:
         proc.terminate()
         try:
