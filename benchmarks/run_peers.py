@@ -22,20 +22,44 @@ Models (all GGUF; llama.cpp's own quantizer makes the requantized ones):
     gemma3-270m-q4_k_m  the real Gemma 3 270M Q4_K_M (Q5_0 + Q4_K + Q6_K + Q8_0 tensors; five PyPI packages,
                      assembled once; Gemma terms of use, never committed). By name only, --peers llama.cpp
 Every engine reads its form of the same file (see perfx_compiler/bench/models.py).
+
+``--long-context 128,1024,4096,8192``: instead, decode and prefill at long context, PerfX against llama.cpp
+with flash attention on and off (``llama.cpp-fa``), same GGUF. For each prompt length L (capped at the
+model's context less the decode tokens) each engine prefills L tokens (prefill tok/s = L / time to the
+first token), then decodes ``--decode-tokens`` greedy tokens. A decode step reads the weights and the KV
+cache written so far, so the achieved GB/s counts both (weights + KV bytes at the decode's mean context;
+each engine's own cache type: PerfX's from its manifest, llama.cpp's f16); the read bandwidth probed at the
+start of each round is the ceiling. Engines alternate per round, lengths run in increasing order, each
+engine in its own worker process; its peak RSS after each length of the first round is reported beside the
+weights + full KV cache it holds. Writes <out>/long_context_<model>.csv (medians; ``*_vs_best_llamacpp``
+against the faster llama.cpp setting), ``_rounds.csv`` and a plot. A model may also be a GGUF path.
+
+    python benchmarks/run_peers.py --long-context 128,1024,4096,8192 --models smollm2-q4_1,tinyllama-q4_0 \
+        --rounds 3 --out benchmarks/results/intel-xeon
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _common import alternated, figure, write_csv  # noqa: E402
+
+from perfx_compiler.bench import machine as mach  # noqa: E402
 from perfx_compiler.bench import models  # noqa: E402
+from perfx_compiler.cli.bench import Worker  # noqa: E402
 from perfx_compiler.cli.bench import main as bench_main  # noqa: E402
+from perfx_compiler.model.gguf_header import read_gguf_header  # noqa: E402
 
 MODELS = ("smollm2-q4_1", "smollm2-q4_0", "smollm2-q8_0", "tinyllama-q4_0")
 # by name only, llama.cpp as the only peer (the other peers read no K-quants)
@@ -85,6 +109,123 @@ def model_file(name: str, folder: Path) -> Path:
     raise SystemExit(f"unknown model {name}; known: {', '.join(MODELS + EXTRA_MODELS)}")
 
 
+# label -> (worker engine, llama.cpp flash attention)
+LONG_ENGINES = {"perfx": ("perfx", None), "llama.cpp": ("llama.cpp", False), "llama.cpp-fa": ("llama.cpp", True)}
+LONG_COLUMNS = ["model", "engine", "prompt_tokens", "decode_tok_s", "prefill_tok_s", "weight_mb_per_token",
+           "kv_mb_per_token", "achieved_gbs", "bw_ceiling_gbs", "bw_fraction", "peak_rss_mb", "weights_kv_mb",
+           "decode_vs_best_llamacpp", "prefill_vs_best_llamacpp", "rounds"]
+
+
+def trained_context(gguf: Path) -> int:
+    fields = read_gguf_header(gguf).fields
+    key = f"{fields.get('general.architecture', 'llama')}.context_length"
+    if key not in fields:
+        raise SystemExit(f"{gguf}: no {key} in its metadata")
+    return int(fields[key])
+
+
+def perfx_kv_bytes_per_position(manifest: dict[str, Any]) -> int:
+    """Bytes one cached position takes over all layers (K and V, scales included where the cache has them):
+    each cache array holds ``max_context`` positions."""
+    kv, positions = manifest["kv_cache"], int(manifest["model"]["max_context"])
+    per = int(kv["count"]) * int(np.prod(kv["shape"])) * np.dtype(kv["dtype"]).itemsize
+    scales = kv.get("scales")
+    if scales:
+        per += int(kv["count"]) * int(np.prod(scales["shape"])) * np.dtype(scales["dtype"]).itemsize
+    return per // positions
+
+
+def llamacpp_kv_bytes_per_position(manifest: dict[str, Any]) -> int:
+    """llama.cpp's default cache: K and V in f16 for every layer."""
+    m = manifest["model"]
+    return int(m["num_layers"]) * 2 * int(m["num_kv_heads"]) * int(m["head_dim"]) * 2
+
+
+def long_context_model(name: str, args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    work = Path(args.work)
+    gguf = Path(name) if Path(name).is_file() else model_file(name, work / "models")
+    name = gguf.stem if Path(name).is_file() else name
+    n = args.decode_tokens
+    limit = trained_context(gguf) - n - 1
+    lengths = sorted({min(int(x), limit) for x in args.contexts.split(",")})
+    max_context = lengths[-1] + n + 1
+    art, _ = models.compile_perfx(gguf, work, max_context=max_context)
+    manifest = json.loads((art / "perfx-config.json").read_text())
+    kv_per_pos = {"perfx": perfx_kv_bytes_per_position(manifest)}
+    for label in LONG_ENGINES:
+        kv_per_pos.setdefault(label, llamacpp_kv_bytes_per_position(manifest))
+    prompt = np.random.default_rng(0).integers(3, int(manifest["model"]["vocab_size"]), lengths[-1]).tolist()
+
+    workers: dict[str, Worker] = {}
+    raw: list[dict[str, Any]] = []
+    peaks: dict[tuple[str, int], float] = {}
+    try:
+        for label, (kind, flash) in LONG_ENGINES.items():
+            opts = {} if kind == "perfx" else {"n_ctx": max_context, "n_batch": 512, "flash_attn": flash}
+            workers[label] = Worker(kind, art if kind == "perfx" else gguf, args.threads,
+                                    work / f"worker-long-{name}-{label}.log", opts)
+        weight_bytes = {label: int(w.ask("info")["weight_bytes"]) for label, w in workers.items()}
+        with mach.BandwidthProbe(args.threads, args.bw_size_mb << 20) as probe:
+            for r in range(args.rounds):
+                ceiling = probe.measure(3)
+                for length in lengths:
+                    for label in alternated(list(LONG_ENGINES), r + lengths.index(length)):
+                        d = workers[label].ask("decode", prompt=prompt[:length], n=n)
+                        mean_ctx = length + (n + 1) / 2
+                        kv_bytes = kv_per_pos[label] * mean_ctx
+                        tok_s = n / d["decode_s"]
+                        gbs = (weight_bytes[label] + kv_bytes) * tok_s / 1e9
+                        raw.append({"model": name, "engine": label, "round": r, "prompt_tokens": length,
+                                    "decode_tok_s": tok_s, "prefill_tok_s": length / d["ttft_s"],
+                                    "weight_mb_per_token": weight_bytes[label] / 1e6, "kv_mb_per_token": kv_bytes / 1e6,
+                                    "achieved_gbs": gbs, "bw_ceiling_gbs": ceiling, "bw_fraction": gbs / ceiling})
+                        if r == 0:
+                            peaks[(label, length)] = float(workers[label].ask("peak")["peak_rss_mb"])
+                        print(f"round {r} {label:13s} L={length:5d}: decode {tok_s:6.1f} tok/s ({gbs:5.1f} GB/s, "
+                              f"{gbs / ceiling:4.0%}), prefill {length / d['ttft_s']:7.1f} tok/s", flush=True)
+    finally:
+        for w in workers.values():
+            w.close()
+
+    summary = []
+    full_kv_mb = {label: kv_per_pos[label] * max_context / 1e6 for label in LONG_ENGINES}
+    for length in lengths:
+        for label in LONG_ENGINES:
+            rows = [x for x in raw if x["engine"] == label and x["prompt_tokens"] == length]
+            med = {k: statistics.median(x[k] for x in rows) for k in
+                   ("decode_tok_s", "prefill_tok_s", "achieved_gbs", "bw_ceiling_gbs", "bw_fraction")}
+            summary.append({"model": name, "engine": label, "prompt_tokens": length, **med,
+                            "weight_mb_per_token": weight_bytes[label] / 1e6, "kv_mb_per_token": rows[0]["kv_mb_per_token"],
+                            "peak_rss_mb": peaks[(label, length)],
+                            "weights_kv_mb": weight_bytes[label] / 1e6 + full_kv_mb[label], "rounds": len(rows)})
+        best = {k: max(s[k] for s in summary if s["prompt_tokens"] == length and s["engine"] != "perfx")
+                for k in ("decode_tok_s", "prefill_tok_s")}
+        for s in summary:
+            if s["prompt_tokens"] == length:
+                s["decode_vs_best_llamacpp"] = s["decode_tok_s"] / best["decode_tok_s"]
+                s["prefill_vs_best_llamacpp"] = s["prefill_tok_s"] / best["prefill_tok_s"]
+    return raw, summary
+
+
+def plot_long_context(summary: list[dict[str, Any]], path: Path, name: str) -> None:
+    with figure(path, 1, 3, figsize=(15, 4.2)) as (fig, (ax_dec, ax_bw, ax_pre)):
+        for label in LONG_ENGINES:
+            rows = [s for s in summary if s["engine"] == label]
+            xs = [s["prompt_tokens"] for s in rows]
+            ax_dec.plot(xs, [s["decode_tok_s"] for s in rows], marker="o", label=label)
+            ax_bw.plot(xs, [s["bw_fraction"] for s in rows], marker="o", label=label)
+            ax_pre.plot(xs, [s["prefill_tok_s"] for s in rows], marker="o", label=label)
+        for ax, title in ((ax_dec, "decode tok/s"), (ax_bw, "decode: (weights + KV) GB/s / read bandwidth"),
+                          (ax_pre, "prefill tok/s")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt tokens")
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+        ax_bw.axhline(0.85, color="gray", ls="--", lw=1)
+        ax_dec.legend()
+        fig.suptitle(f"{name}: long context, 2 threads")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS))
@@ -96,7 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-lens", default=None, help="perfx-bench --prefill-lens (e.g. 128 for llama2-7b-q4_0)")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "perfx-bench"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--long-context", default=None, metavar="LENGTHS", help="decode/prefill after these prompt lengths instead")
+    p.add_argument("--decode-tokens", type=int, default=32, help="--long-context: greedy tokens decoded")
+    p.add_argument("--bw-size-mb", type=int, default=1024, help="--long-context: bandwidth probe buffer")
     args = p.parse_args(argv)
+    if args.long_context:
+        args.contexts = args.long_context
+        for spec in [m.strip() for m in args.models.split(",") if m.strip()]:
+            raw, summary = long_context_model(spec, args)
+            name, out = summary[0]["model"], Path(args.out)
+            write_csv(out / f"long_context_{name}_rounds.csv", raw, floats=".5g")
+            write_csv(out / f"long_context_{name}.csv", summary, LONG_COLUMNS, floats=".5g")
+            plot_long_context(summary, out / f"long_context_{name}.png", name)
+            print(f"wrote {out / f'long_context_{name}.csv'}")
+        return 0
     rc = 0
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         path = model_file(name, Path(args.work) / "models")

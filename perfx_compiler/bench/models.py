@@ -117,7 +117,7 @@ def write_random_tinyllama(path: str | Path, qtype: str = "F16", seed: int = 0) 
         qtype=qtype,
         tied=d["tied"],
         seed=seed,
-        # TinyLlama's own is 2048; the metadata only bounds --max-context, and benchmarks/long_context.py
+        # TinyLlama's own is 2048; the metadata only bounds --max-context, and benchmarks/run_peers.py --long-context
         # prompts up to 8k tokens
         context_length=16384,
     )
