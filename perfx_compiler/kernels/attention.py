@@ -328,6 +328,7 @@ def untuned_attention_kernel(
     index_dtype: str = "int64",
     window: int = 0,
     softcap: float = 0.0,
+    kv_cache: str = "float32",
 ) -> Any:
     """The kernel the import phase emits: the default (rows) body, not marked scheduled and
     tagged ``perfx.attention`` so ``schedules/attention_cpu.py`` rebuilds it for a tuned
@@ -337,13 +338,15 @@ def untuned_attention_kernel(
     import json
 
     func = cached_attention_kernel(num_heads, num_kv_heads, head_dim, max_context, dtype, index_dtype,
-                                   window=window, softcap=softcap)
+                                   window=window, softcap=softcap, kv_cache=kv_cache)
     info = {"kind": kind, "heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim,
             "max_context": max_context, "dtype": str(dtype), "index_dtype": str(index_dtype)}
     if window:
         info["window"] = int(window)
     if softcap:
         info["softcap"] = float(softcap)
+    if kv_dtype(kv_cache) != "float32":  # a float32 cache's tag (and tuning records) are unchanged
+        info["kv_cache"] = kv_dtype(kv_cache)
     func = func.without_attr("tirx.is_scheduled").with_attr(ATTR, json.dumps(info, sort_keys=True))
     if kind == "decode":  # the tuner times decode over a half-full cache, not a random few tokens
         func = func.with_attr("perfx.tune_inputs", json.dumps({"PAST": max_context // 2}))

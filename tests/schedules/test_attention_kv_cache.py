@@ -151,3 +151,28 @@ def test_tiled_body_refuses_narrow_caches() -> None:
 
     with pytest.raises(ValueError, match="float32 caches only"):
         cached_attention_kernel(H, KVH, D, MAXC, config={"body": "tiled"}, kv_cache="int8")
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_template_keeps_narrow_caches_on_their_bodies(cpu_target, kind) -> None:
+    """The attention_cpu template tags, searches and rebuilds a narrow-cache kernel as one: its workload
+    differs from the float32 one (own tuning records), prefill's space holds the rows body only, and
+    every configuration of the space (default first) builds a kernel that matches the reference."""
+    from perfx_compiler.kernels.attention import untuned_attention_kernel
+    from perfx_compiler.schedule_template import template_by_name
+
+    template = template_by_name("attention_cpu")
+    func = untuned_attention_kernel(kind, H, KVH, D, MAXC, kv_cache="int8")
+    wl = template.match(func, cpu_target)
+    plain = template.match(untuned_attention_kernel(kind, H, KVH, D, MAXC), cpu_target)
+    assert wl.info["kv_cache"] == "int8" and "kv_cache" not in plain.info and wl.key != plain.key
+    space = template.space(wl, cpu_target)
+    if kind == "prefill":
+        assert space["q_tile"] == [1]
+        assert not template.is_valid(wl, {**template.builtin_default(wl, cpu_target), "q_tile": 16}, cpu_target)
+    configs = [template.builtin_default(wl, cpu_target), {k: v[-1] for k, v in space.items()}]
+    rng = np.random.default_rng()
+    for cfg in configs:
+        lib = build(template.apply(func, wl, cfg, cpu_target), cpu_target)
+        for seq, past in ([(9, 0), (5, 30)] if kind == "prefill" else [(1, 0), (1, 40)]):
+            run(lib, "int8", seq, past, 0, rng)
