@@ -47,8 +47,10 @@ def _fmt_rate(x: float | None) -> str:
 
 def kv_cache_bytes(manifest: dict[str, Any]) -> dict[str, Any]:
     """The contiguous KV cache's element type, bytes one token takes in it (k and v, every layer; an int8 row
-    holds its float32 scale too) and bytes allocated for it (max_context tokens)."""
-    kv = manifest["kv_cache"]
+    holds its float32 scale too) and bytes allocated for it (max_context tokens); none for a manifest without one."""
+    kv = manifest.get("kv_cache")
+    if not kv:
+        return {}
     _, heads, positions, row = kv["shape"]
     itemsize = {"float32": 4, "float16": 2, "int8": 1}[kv["dtype"]]
     per_token = int(kv["count"]) * heads * row * itemsize
