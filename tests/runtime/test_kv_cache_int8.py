@@ -142,3 +142,15 @@ def test_gpu_targets_refuse_narrow_caches(smol_desc) -> None:
 
     with pytest.raises(PerfXError, match="CPU targets"):
         compile_model("no-such-model-is-read", "cuda-sm80", None, progress=False, kv_cache="int8")
+
+
+def test_cli_kv_cache_flag(tmp_path, capsys) -> None:
+    """perfx-compile --kv-cache reaches the compiler: on a GPU target, exit 2 with one line."""
+    from perfx_compiler.cli.compile import build_parser, main
+
+    assert build_parser().parse_args(["m", "--kv-cache", "int8"]).kv_cache == "int8"
+    assert build_parser().parse_args(["m"]).kv_cache == "f32"
+    assert main(["no-such-model-is-read", "--target", "cuda-sm80", "-o", str(tmp_path / "a"), "--quiet",
+                 "--kv-cache", "f16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kv-cache f16 is for CPU targets" in err[0], err
