@@ -154,3 +154,25 @@ def test_cli_kv_cache_flag(tmp_path, capsys) -> None:
                  "--kv-cache", "f16"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--kv-cache f16 is for CPU targets" in err[0], err
+
+
+def test_int8_cache_with_batched_functions(tmp_path) -> None:
+    """A default build (batched functions on) with an int8 cache: the paged pool stays float32, and the
+    contiguous functions follow a float64 reference of a tiny GQA model (loose: the cache is int8)."""
+    from perfx_compiler.model.gguf import load_gguf
+    from perfx_compiler.model.reference import ReferenceModel
+    from perfx_compiler.model.testing import write_tiny_gguf
+    from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.runtime.engine import Engine
+
+    path, _ = write_tiny_gguf(tmp_path / "m.gguf", context_length=96, arch="llama", heads=4, kv_heads=2, tied=True)
+    desc = load_gguf(path)
+    art = compile_model(desc, "host", tmp_path / "art", progress=False, activations="f32", kv_cache="int8")
+    eng = Engine(art)
+    assert eng.manifest["kv_cache"]["dtype"] == "int8" and eng.manifest["paged_kv"]["dtype"] == "float32"
+    assert "paged_decode" in eng.manifest["functions"]
+    ids = np.random.default_rng().integers(0, desc.config.vocab_size, size=7 + 16).tolist()
+    ref = ReferenceModel(desc).forward(ids)
+    got = [eng.prefill(ids[:7])[0]] + [np.asarray(eng.decode(t)).copy() for t in ids[7:]]
+    err = float(np.abs(np.stack(got) - ref[6:]).max() / np.abs(ref[6:]).max())
+    assert err < 0.05, err
