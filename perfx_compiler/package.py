@@ -88,7 +88,7 @@ def _write_into(state: Any, functions: list[str], tmp: Path, out: Path) -> Path:
         "functions": {name: name for name in functions},
         # element type of input_ids / past_len / positions / page_table (int32 on targets without i64)
         "index_dtype": index_dtype_of(target),
-        "kv_cache": {"shape": cache_shape(cfg), "dtype": "float32", "count": 2 * cfg.num_layers},
+        "kv_cache": _kv_cache_entry(cfg, getattr(state.options, "kv_cache", "f32")),
         "paged_kv": {
             "page_size": PAGE_SIZE,
             "pages_per_sequence": pages_per_sequence(cfg),
@@ -116,6 +116,14 @@ def _write_into(state: Any, functions: list[str], tmp: Path, out: Path) -> Path:
         shutil.rmtree(out)
     tmp.rename(out)  # the artifact appears whole or not at all
     return out
+
+
+def _kv_cache_entry(cfg: Any, kv_cache: str) -> dict[str, Any]:
+    """The contiguous caches (--kv-cache): shape (an int8 row is head_dim values + its float32 scale), element
+    type, how many. An f32 cache's entry is the one earlier versions wrote."""
+    from perfx_compiler.kernels._kv_cache import kv_dtype
+
+    return {"shape": cache_shape(cfg, kv_cache), "dtype": kv_dtype(kv_cache), "count": 2 * cfg.num_layers}
 
 
 def _compile_options(state: Any) -> dict[str, Any]:

@@ -83,6 +83,7 @@ class CompileOptions:
     batching: bool = True  # also export the paged, batched functions used for serving
     activations: str = "auto"  # quantized linears' inputs: auto | f32 | int8 (resolve_activations)
     precision: str = "f32"  # matmul inputs: f32 | bf16 | f16 | fp8 (passes/precision.py; checked per target)
+    kv_cache: str = "f32"  # contiguous KV cache storage: f32 | f16 | int8 (CPU targets; kernels/_kv_cache.py)
     best_effort: bool = False  # build kernels no template could schedule unscheduled (warning) instead of failing
     # --knob TEMPLATE.KEY=VALUE (knobs.py): ["t.key=value", ...] or {"t.key": value}; normalized to the dict
     knobs: dict[str, Any] | list[str] = field(default_factory=dict)
@@ -120,7 +121,8 @@ def phase_import(state: CompileState) -> None:
         spec = FUNCTIONS[name]
         # inputs before the weights: ids, past_len | (positions, page_table), then the KV tensors
         n_in = (3 if spec.get("kv") == "paged" else 2) + 2 * layers
-        graph = emit_onnx(state.desc, weights="inputs", index_dtype=index_dtype, **spec)
+        kv_cache = {} if spec.get("kv") == "paged" else {"kv_cache": state.options.kv_cache}  # the pool stays f32
+        graph = emit_onnx(state.desc, weights="inputs", index_dtype=index_dtype, **kv_cache, **spec)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the importer warns about every sanitized name
             mod = import_onnx(graph, keep_params_in_input=True, extra_converters=PERFX_CONVERTERS)
@@ -149,6 +151,14 @@ def resolve_quantization(
         # ONNX MatMulNBits int4 tables: their own passthrough (passes/onnx_int4_passthrough.py)
         return "onnx" if all(v[0] == "MatMulNBits" for v in quantized.values()) else "gguf"
     return str(quantization)
+
+
+def check_kv_cache(kv_cache: str, target: TargetDescription) -> None:
+    """Refuse an unknown ``--kv-cache``, and f16/int8 on GPU targets (their attention kernels read f32 caches)."""
+    if kv_cache not in ("f32", "f16", "int8"):
+        raise PerfXError(f"unknown kv cache '{kv_cache}'; use f32, f16 or int8")
+    if kv_cache != "f32" and target.family != "cpu":
+        raise PerfXError(f"--kv-cache {kv_cache} is for CPU targets; {target.name}'s attention reads f32 caches")
 
 
 def resolve_activations(activations: str | None, quantization: str, target: TargetDescription) -> str:
@@ -430,6 +440,7 @@ def compile_model(
 
     # before loading the model: a bad --precision for the target is refused without reading the weights
     opts.precision, opts.quantization = resolve_precision(opts.precision, opts.quantization, tdesc)
+    check_kv_cache(opts.kv_cache, tdesc)
     if isinstance(model, ModelDescription):
         desc = model
         spec = desc.source or desc.config.name or "model"

@@ -48,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
              "RoPE and accumulations stay f32 (default f32)",
     )
     p.add_argument(
+        "--kv-cache", default="f32", choices=["f32", "f16", "int8"],
+        help="KV cache storage (CPU targets): f16, or int8 rows with one float32 scale each (~3.8x smaller than "
+             "f32 at head_dim 64); attention computes in f32. The batched functions' paged pool stays f32 "
+             "(default f32)",
+    )
+    p.add_argument(
         "--activations", default="auto", choices=["auto", "f32", "int8"],
         help="inputs of quantized linears: int8 (quantized per group, integer dot products; x86 AVX-512 VNNI), "
              "f32, or auto (int8 where the target has VNNI and the weights are quantized)",
@@ -122,6 +128,7 @@ def _run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         activations=args.activations,
         precision=args.precision,
+        kv_cache=args.kv_cache,
         best_effort=args.best_effort,
         knobs=args.knob,
         cubin=args.cubin,

@@ -45,6 +45,18 @@ def _fmt_rate(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1f} tok/s"
 
 
+def kv_cache_bytes(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The contiguous KV cache's element type, bytes one token takes in it (k and v, every layer; an int8 row
+    holds its float32 scale too) and bytes allocated for it (max_context tokens); none for a manifest without one."""
+    kv = manifest.get("kv_cache")
+    if not kv:
+        return {}
+    _, heads, positions, row = kv["shape"]
+    itemsize = {"float32": 4, "float16": 2, "int8": 1}[kv["dtype"]]
+    per_token = int(kv["count"]) * heads * row * itemsize
+    return {"kv_cache_dtype": kv["dtype"], "kv_bytes_per_token": per_token, "kv_cache_bytes": per_token * positions}
+
+
 def _run(args: argparse.Namespace) -> int:
     # Imported here so `perfx-run --help` stays instant.
     from perfx_compiler.llm import LLM
@@ -82,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
             "time_to_first_token_s": m.time_to_first_token,
             "finish_reason": out.finish_reason,
             "stop_reason": out.stop_reason,
+            **kv_cache_bytes(llm.manifest),
         }
         print(json.dumps(doc, ensure_ascii=False))
     else:

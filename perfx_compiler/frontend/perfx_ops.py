@@ -38,7 +38,8 @@ def kernel_global_var(name: str, builder, *args, **features) -> relax.GlobalVar:
     features = {k: v for k, v in features.items() if v}
     key = (name, *args, *sorted(features.items()))
     if key not in _KERNELS:
-        suffix = "_".join([str(a) for a in args] + [f"{k}{v:g}" for k, v in sorted(features.items())])
+        suffix = "_".join([str(a) for a in args]
+                          + [f"{k}{v:g}" if isinstance(v, (int, float)) else f"{k}{v}" for k, v in sorted(features.items())])
         func = builder(*args, **features)
         # A throwaway BlockBuilder gives the GlobalVar its function type.
         gv = relax.BlockBuilder().add_func(func, f"{name}_{suffix}")
@@ -88,9 +89,14 @@ class CachedAttention(OnnxOpConverter):
     @classmethod
     def _impl_v1(cls, bb: relax.BlockBuilder, inputs, attr, params):
         q, k, v, kc, vc, past, cos, sin = inputs
-        _, kvh, maxc, d = (_static(x) for x in kc.ty.shape)
+        _, kvh, maxc, _row = (_static(x) for x in kc.ty.shape)
+        d = 2 * _static(cos.ty.shape[1])  # an int8 cache's row is d + 4 (its scale): the head size is the table's
         heads = _static(q.ty.shape[2]) // d
         idx = _index_args(past)
+        kv_cache = str(kc.ty.dtype)
+        if kv_cache != "float32" and TARGET_FAMILY == "gpu":
+            raise ValueError(f"a {kv_cache} KV cache is a CPU-target feature (the GPU attention reads float32 caches)")
+        narrow = {"kv_cache": kv_cache} if kv_cache != "float32" else {}  # a float32 kernel keeps its name
         if TARGET_FAMILY == "gpu":
             gv = kernel_global_var(
                 "cached_attention_gpu", cached_attention_kernel_gpu, heads, kvh, d, maxc, q.ty.dtype, *idx,
@@ -100,11 +106,11 @@ class CachedAttention(OnnxOpConverter):
             # the decode function (one token): its own kernel, so the template gives it decode knobs
             gv = kernel_global_var(
                 "cached_attention_decode", attention_decode_kernel, heads, kvh, d, maxc, q.ty.dtype, *idx,
-                **_features(attr),
+                **_features(attr), **narrow,
             )
         else:
             gv = kernel_global_var("cached_attention", attention_prefill_kernel, heads, kvh, d, maxc, q.ty.dtype, *idx,
-                                   **_features(attr))
+                                   **_features(attr), **narrow)
         out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kc.ty, vc.ty]
         call = relax.call_tir_inplace(gv, [q, k, v, kc, vc, past, cos, sin], [-1, 3, 4], out_ty)
         return bb.emit(call)

@@ -49,6 +49,7 @@ from perfx_compiler.kernels._attention_common import (
     tile_softmax,
 )
 from perfx_compiler.kernels._attention_tiled import _zigzag, tiled_attention_body
+from perfx_compiler.kernels._kv_cache import append_row, kv_dtype, row_stride, tile_pv_kv, tile_scores_kv
 
 ATTR = "perfx.attention"  # JSON facts on the untuned kernels, read by the template
 
@@ -68,6 +69,7 @@ def cached_attention_kernel(
     config: dict[str, Any] | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    kv_cache: str = "float32",
 ) -> Any:
     """Build the PrimFunc for one attention configuration (shape constants baked in).
 
@@ -79,7 +81,11 @@ def cached_attention_kernel(
     ``index_dtype`` is the element type of ``past_len`` (the graph's integer inputs).
     ``config``: ``{"body": "rows" | "tiled", "k_tile", "q_tile", "heads_per_task", "key_block", "lanes"}`` for
     any ``seq``, or ``{"body": "split", "k_tile", "splits", "lanes"}`` (seq == 1 takes the split
-    body, other lengths the rows body). None: the rows body with defaults."""
+    body, other lengths the rows body). None: the rows body with defaults.
+
+    ``kv_cache``: the caches' element type, "float32" | "float16" | "int8" (kernels/_kv_cache.py: int8 rows
+    are D int8 + a float32 scale, the cache [1, KVH, MAXC, D + 4]); the narrow ones take the rows and
+    split bodies (no decode prefetch) and compute in float32."""
     cfg = dict(config or {})
     H, KVH, D, MAXC = num_heads, num_kv_heads, head_dim, max_context
     G = H // KVH
@@ -91,6 +97,11 @@ def cached_attention_kernel(
     if H % KVH or D % 2 or D % L or KT < 1:
         raise ValueError(f"attention: bad shape/config H={H} KVH={KVH} D={D} {cfg}")
     exp = fast_exp
+    KVD = kv_dtype(kv_cache)
+    KV32 = KVD == "float32"  # the float32 kernel is built from the original pieces, text for text
+    RS = row_stride(D, KVD)  # cache elements per (kv head, position) row
+    if not KV32 and body == "tiled":
+        raise ValueError(f"attention: the tiled body reads float32 caches only (kv cache {KVD})")
     WIN, CAP = int(window), float(softcap)
     if WIN < 0 or CAP < 0:
         raise ValueError(f"attention: window {window} and softcap {softcap} must be >= 0")
@@ -103,24 +114,31 @@ def cached_attention_kernel(
         return T.And(j <= pos, pos - j < WIN) if WIN > 0 else j <= pos
 
     @T.macro
-    def append_kv(Q, K, V, KF, VF, COS, SIN, past, seq):
+    def append_kv(Q, K, V, KF, VF, KS, VS, COS, SIN, past, seq):
         if seq == 1:
             # decode: one row per KV head, far less work than a parallel launch's fork/join costs
             for kh in T.serial(KVH):
                 if past < MAXC:
-                    rope_store(KF, (kh * MAXC + past) * D, 1, K, 0, 0, kh * D, COS, SIN, past, HALF, T.float32(1))
-                    copy_row(VF, (kh * MAXC + past) * D, V, 0, 0, kh * D, D)
+                    if not KV32:
+                        append_row(KF, KS, VF, VS, (kh * MAXC + past) * RS, K, V, 0, 0, kh * D, COS, SIN, past, D, KVD)
+                    else:
+                        rope_store(KF, (kh * MAXC + past) * D, 1, K, 0, 0, kh * D, COS, SIN, past, HALF, T.float32(1))
+                        copy_row(VF, (kh * MAXC + past) * D, V, 0, 0, kh * D, D)
         else:
             for t in T.parallel(KVH * seq):
                 kh = t // seq
                 s = t % seq
                 if past + s < MAXC:  # a chunk past the cache's end writes nothing (memory-safe for any input)
-                    rope_store(KF, (kh * MAXC + past + s) * D, 1, K, 0, s, kh * D, COS, SIN, past + s, HALF,
-                               T.float32(1))
-                    copy_row(VF, (kh * MAXC + past + s) * D, V, 0, s, kh * D, D)
+                    if not KV32:
+                        append_row(KF, KS, VF, VS, (kh * MAXC + past + s) * RS, K, V, 0, s, kh * D, COS, SIN, past + s,
+                                   D, KVD)
+                    else:
+                        rope_store(KF, (kh * MAXC + past + s) * D, 1, K, 0, s, kh * D, COS, SIN, past + s, HALF,
+                                   T.float32(1))
+                        copy_row(VF, (kh * MAXC + past + s) * D, V, 0, s, kh * D, D)
 
     @T.macro
-    def rows_body(Q, KF, VF, COS, SIN, OUT, past, seq):
+    def rows_body(Q, KF, VF, KS, VS, COS, SIN, OUT, past, seq):
         for t in T.parallel(KVH * seq):
             kh = t % KVH
             s = _zigzag(t // KVH, seq)
@@ -134,13 +152,21 @@ def cached_attention_kernel(
             softmax_init(st, acc, G, D)
             # keys lo_key(pos) .. pos in tiles (lo_key is 0 without a window: the terms fold away)
             for kt in T.serial((pos - lo_key(pos)) // KT + 1):
-                tile_scores(sc, qr, KF, VF, _kb, (kh * MAXC, D), lo_key(pos) + kt * KT,
-                            T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, D, KT, L, 0, 0)
+                if not KV32:
+                    tile_scores_kv(sc, qr, KF, KS, _kb, (kh * MAXC, RS), lo_key(pos) + kt * KT,
+                                   T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, D, KT, L, KVD)
+                else:
+                    tile_scores(sc, qr, KF, VF, _kb, (kh * MAXC, D), lo_key(pos) + kt * KT,
+                                T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, D, KT, L, 0, 0)
                 if CAP > 0:
                     tile_softcap(sc, G, KT, CAP)
                 tile_softmax(sc, st, T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, KT, exp)
-                tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo_key(pos) + kt * KT,
-                        T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, D, KT, L)
+                if not KV32:
+                    tile_pv_kv(acc, sc, st, VF, VS, _kb, (kh * MAXC, RS), lo_key(pos) + kt * KT,
+                               T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, D, KT, L, KVD)
+                else:
+                    tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo_key(pos) + kt * KT,
+                            T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, D, KT, L)
             for g in T.serial(G):
                 for d in T.vectorized(D):
                     OUT[0, s, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
@@ -153,18 +179,19 @@ def cached_attention_kernel(
                                      key_row=lambda ctx, b, kh, j: (kh * MAXC + j) * D, past_of=lambda ctx, b: ctx[0])
 
         @T.macro
-        def main_body(Q, KF, VF, COS, SIN, OUT, past, seq):
+        def main_body(Q, KF, VF, KS, VS, COS, SIN, OUT, past, seq):
             tiled(Q, KF, VF, COS, SIN, OUT, T.int64(1), seq, (past,))
 
     elif body == "split":
         SPL = int(cfg.get("splits", 2))
-        PF = int(cfg.get("prefetch", 0))  # keys ahead whose cached rows are prefetched (0: none)
+        # keys ahead whose cached rows are prefetched (0: none; the narrow caches' rows are not prefetched)
+        PF = int(cfg.get("prefetch", 0)) if KV32 else 0
         if SPL < 1 or PF < 0:
             raise ValueError(f"attention: splits {SPL} must be >= 1")
         W = D + 2  # one partial: output row, max, sum
 
         @T.macro
-        def split_task(Q, K, V, KF, VF, COS, SIN, OUT, ws, past, ch, t):
+        def split_task(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, ws, past, ch, t):
             # Task t: chunk t % SPL of kv head t // SPL. The chunk holding `past` first appends the new
             # k/v row of its kv head (no other task reads that row), so the step's new rows are written
             # where they are read, not on the launching thread before the fork.
@@ -172,8 +199,11 @@ def cached_attention_kernel(
             lo = lo_key(past) + t % SPL * ch  # the chunks cover lo_key(past) .. past
             hi = T.min(past + 1, lo + ch)
             if lo <= past and past < lo + ch:
-                rope_store(KF, (kh * MAXC + past) * D, 1, K, 0, 0, kh * D, COS, SIN, past, HALF, T.float32(1))
-                copy_row(VF, (kh * MAXC + past) * D, V, 0, 0, kh * D, D)
+                if not KV32:
+                    append_row(KF, KS, VF, VS, (kh * MAXC + past) * RS, K, V, 0, 0, kh * D, COS, SIN, past, D, KVD)
+                else:
+                    rope_store(KF, (kh * MAXC + past) * D, 1, K, 0, 0, kh * D, COS, SIN, past, HALF, T.float32(1))
+                    copy_row(VF, (kh * MAXC + past) * D, V, 0, 0, kh * D, D)
             qr = T.decl_buffer((G * D,), "float32", scope="local")
             sc = T.decl_buffer((G * KT,), "float32", scope="local")
             acc = T.decl_buffer((G * D,), "float32", scope="local")
@@ -185,13 +215,21 @@ def cached_attention_kernel(
                 for j in T.serial(T.min(PF, T.max(hi - lo, 0))):
                     prefetch_kv_row(KF, VF, _kb((kh * MAXC, D), lo + j), D)
             for kt in T.serial((T.max(hi - lo, 0) + KT - 1) // KT):
-                tile_scores(sc, qr, KF, VF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
-                            G, D, KT, L, PF, hi)
+                if not KV32:
+                    tile_scores_kv(sc, qr, KF, KS, _kb, (kh * MAXC, RS), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
+                                   G, D, KT, L, KVD)
+                else:
+                    tile_scores(sc, qr, KF, VF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
+                                G, D, KT, L, PF, hi)
                 if CAP > 0:
                     tile_softcap(sc, G, KT, CAP)
                 tile_softmax(sc, st, T.min(KT, hi - lo - kt * KT), G, KT, exp)
-                tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
-                        T.min(KT, hi - lo - kt * KT), G, D, KT, L)
+                if not KV32:
+                    tile_pv_kv(acc, sc, st, VF, VS, _kb, (kh * MAXC, RS), lo + kt * KT,
+                               T.min(KT, hi - lo - kt * KT), G, D, KT, L, KVD)
+                else:
+                    tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
+                            T.min(KT, hi - lo - kt * KT), G, D, KT, L)
             if SPL == 1:  # one chunk per kv head: the task's heads are final, no partials to merge
                 for g in T.serial(G):
                     for d in T.vectorized(D):
@@ -224,21 +262,21 @@ def cached_attention_kernel(
                     OUT[0, 0, h * D + d] = ao[d] / cm[1]
 
         @T.macro
-        def step_body(Q, K, V, KF, VF, COS, SIN, OUT, past, seq):
+        def step_body(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, past, seq):
             if seq == 1 and past < MAXC:
                 # chunk: ceil(ctx / SPL) in whole tiles, ctx = the keys the query sees (past + 1 without a window)
                 ch = ((past - lo_key(past) + SPL) // SPL + KT - 1) // KT * KT
                 if SPL == 1:
                     for t in T.parallel(KVH):  # no partials: OUT stands in for the unused ws
-                        split_task(Q, K, V, KF, VF, COS, SIN, OUT, OUT, past, ch, t)
+                        split_task(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, OUT, past, ch, t)
                 else:
                     ws = T.decl_buffer((KVH * SPL * G * W,), "float32")
                     for t in T.parallel(KVH * SPL):
-                        split_task(Q, K, V, KF, VF, COS, SIN, OUT, ws, past, ch, t)
+                        split_task(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, ws, past, ch, t)
                     merge_chunks(ws, OUT)
             else:
-                append_kv(Q, K, V, KF, VF, COS, SIN, past, seq)
-                rows_body(Q, KF, VF, COS, SIN, OUT, past, seq)
+                append_kv(Q, K, V, KF, VF, KS, VS, COS, SIN, past, seq)
+                rows_body(Q, KF, VF, KS, VS, COS, SIN, OUT, past, seq)
 
     elif body == "rows":
         main_body = rows_body
@@ -247,9 +285,9 @@ def cached_attention_kernel(
     if body != "split":
 
         @T.macro
-        def step_body(Q, K, V, KF, VF, COS, SIN, OUT, past, seq):
-            append_kv(Q, K, V, KF, VF, COS, SIN, past, seq)
-            main_body(Q, KF, VF, COS, SIN, OUT, past, seq)
+        def step_body(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, past, seq):
+            append_kv(Q, K, V, KF, VF, KS, VS, COS, SIN, past, seq)
+            main_body(Q, KF, VF, KS, VS, COS, SIN, OUT, past, seq)
 
     @T.prim_func(private=True)
     def cached_attention(
@@ -261,16 +299,21 @@ def cached_attention_kernel(
         Q = T.match_buffer(q_h, (T.int64(1), seq, T.int64(H * D)), dtype)
         K = T.match_buffer(k_h, (T.int64(1), seq, T.int64(KVH * D)), dtype)
         V = T.match_buffer(v_h, (T.int64(1), seq, T.int64(KVH * D)), dtype)
-        KC = T.match_buffer(kc_h, (T.int64(1), T.int64(KVH), T.int64(MAXC), T.int64(D)), dtype)
-        VC = T.match_buffer(vc_h, (T.int64(1), T.int64(KVH), T.int64(MAXC), T.int64(D)), dtype)
+        KC = T.match_buffer(kc_h, (T.int64(1), T.int64(KVH), T.int64(MAXC), T.int64(RS)), KVD)
+        VC = T.match_buffer(vc_h, (T.int64(1), T.int64(KVH), T.int64(MAXC), T.int64(RS)), KVD)
         PAST = T.match_buffer(past_h, (T.int64(1),), index_dtype)
         COS = T.match_buffer(cos_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         SIN = T.match_buffer(sin_h, (T.int64(MAXC), T.int64(HALF)), dtype)
         OUT = T.match_buffer(out_h, (T.int64(1), seq, T.int64(H * D)), dtype)
-        KF = T.decl_buffer((T.int64(KVH * MAXC * D),), dtype, data=KC.data)
-        VF = T.decl_buffer((T.int64(KVH * MAXC * D),), dtype, data=VC.data)
+        KF = T.decl_buffer((T.int64(KVH * MAXC * RS),), KVD, data=KC.data)
+        VF = T.decl_buffer((T.int64(KVH * MAXC * RS),), KVD, data=VC.data)
         past: T.int64 = T.Cast("int64", PAST[0])  # the runtime keeps past + seq <= MAXC; reads clamp anyway
-        step_body(Q, K, V, KF, VF, COS, SIN, OUT, past, seq)
+        if KVD == "int8":  # the rows' float32 scales, read and written through a float32 view of the cache
+            KS = T.decl_buffer((T.int64(KVH * MAXC * RS // 4),), "float32", data=KC.data)
+            VS = T.decl_buffer((T.int64(KVH * MAXC * RS // 4),), "float32", data=VC.data)
+            step_body(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, past, seq)
+        else:
+            step_body(Q, K, V, KF, VF, KF, VF, COS, SIN, OUT, past, seq)
 
     return cached_attention
 
@@ -285,6 +328,7 @@ def untuned_attention_kernel(
     index_dtype: str = "int64",
     window: int = 0,
     softcap: float = 0.0,
+    kv_cache: str = "float32",
 ) -> Any:
     """The kernel the import phase emits: the default (rows) body, not marked scheduled and
     tagged ``perfx.attention`` so ``schedules/attention_cpu.py`` rebuilds it for a tuned
@@ -294,13 +338,15 @@ def untuned_attention_kernel(
     import json
 
     func = cached_attention_kernel(num_heads, num_kv_heads, head_dim, max_context, dtype, index_dtype,
-                                   window=window, softcap=softcap)
+                                   window=window, softcap=softcap, kv_cache=kv_cache)
     info = {"kind": kind, "heads": num_heads, "kv_heads": num_kv_heads, "head_dim": head_dim,
             "max_context": max_context, "dtype": str(dtype), "index_dtype": str(index_dtype)}
     if window:
         info["window"] = int(window)
     if softcap:
         info["softcap"] = float(softcap)
+    if kv_dtype(kv_cache) != "float32":  # a float32 cache's tag (and tuning records) are unchanged
+        info["kv_cache"] = kv_dtype(kv_cache)
     func = func.without_attr("tirx.is_scheduled").with_attr(ATTR, json.dumps(info, sort_keys=True))
     if kind == "decode":  # the tuner times decode over a half-full cache, not a random few tokens
         func = func.with_attr("perfx.tune_inputs", json.dumps({"PAST": max_context // 2}))

@@ -57,8 +57,15 @@ def cache_names(num_layers: int) -> list[str]:
     return [n for i in range(num_layers) for n in (f"cache_k.{i}", f"cache_v.{i}")]
 
 
-def cache_shape(config: ModelConfig) -> list[int]:
-    return [1, config.num_kv_heads, config.max_context, config.head_dim]
+def cache_shape(config: ModelConfig, kv_cache: str = "f32") -> list[int]:
+    """[1, KVH, MAXC, row]: row = head_dim, or head_dim + 4 for an int8 cache (the row's float32 scale
+    follows its values: kernels/_kv_cache.py)."""
+    from perfx_compiler.kernels._kv_cache import kv_dtype, row_stride
+
+    return [1, config.num_kv_heads, config.max_context, row_stride(config.head_dim, kv_dtype(kv_cache))]
+
+
+_KV_ONNX = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int8": TensorProto.INT8}
 
 
 class _Graph:
@@ -272,12 +279,16 @@ def emit_onnx(
     num_pages: int | str = "pages",
     page_size: int = PAGE_SIZE,
     index_dtype: Literal["int64", "int32"] = "int64",
+    kv_cache: str = "f32",
 ) -> onnx.ModelProto:
     """Build the decoder graph for ``desc`` (see module docstring for its I/O).
 
     ``kv="paged"`` builds the batched variant: input_ids [batch, seq], positions [batch],
     page_table [batch, pages_per_sequence] and one paged pool per layer for K and V.
     ``index_dtype`` is the element type of the integer inputs (ids, past_len, positions, page_table).
+    ``kv_cache`` ("f32" | "f16" | "int8"): the contiguous caches' storage (the compiler's kernels read
+    it; the graph's ONNX function body, for onnxruntime, reads float32 caches only). The paged pool
+    stays float32.
     """
     if index_dtype not in ("int64", "int32"):
         raise ValueError(f"index_dtype must be 'int64' or 'int32', not {index_dtype!r}")
@@ -372,6 +383,9 @@ def emit_onnx(
         g.nodes.append(helper.make_node("MatMul", [x, g.op("Transpose", head, perm=[1, 0])], ["logits"]))
 
     f32, i64 = TensorProto.FLOAT, (TensorProto.INT64 if index_dtype == "int64" else TensorProto.INT32)
+    from perfx_compiler.kernels._kv_cache import kv_dtype
+
+    kv_type = f32 if kv == "paged" else _KV_ONNX[kv_dtype(kv_cache)]
     if kv == "paged":
         cshape = pool_shape(c, num_pages, page_size)
         inputs = [
@@ -381,15 +395,15 @@ def emit_onnx(
         ] + [helper.make_tensor_value_info(n, f32, cshape) for n in pool_names(c.num_layers)]
         function = _paged_attention_function(c, page_size, index_dtype)
     else:
-        cshape = cache_shape(c)
+        cshape = cache_shape(c, kv_cache)
         inputs = [
             helper.make_tensor_value_info("input_ids", i64, [1, seq_len]),
             helper.make_tensor_value_info("past_len", i64, [1]),
-        ] + [helper.make_tensor_value_info(n, f32, cshape) for n in cache_names(c.num_layers)]
+        ] + [helper.make_tensor_value_info(n, kv_type, cshape) for n in cache_names(c.num_layers)]
         function = _attention_function(c, index_dtype)
     out_seq = 1 if logits == "last" else seq_len
     outputs = [helper.make_tensor_value_info("logits", f32, [batch, out_seq, c.vocab_size])] + [
-        helper.make_tensor_value_info(n, f32, cshape) for n in outputs_cache
+        helper.make_tensor_value_info(n, kv_type, cshape) for n in outputs_cache
     ]
     initializers = []
     for name, arr in weight_arrays.items():
