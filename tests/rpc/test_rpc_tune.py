@@ -115,3 +115,28 @@ def test_bad_tracker_address_is_one_line(capsys):
                           "--rpc-key", "x"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot reach the RPC tracker" in err[0]
+
+
+def test_cli_rpc_records_compile(tmp_path, rpc_farm, capsys):
+    """perfx-tune --rpc-tracker on a tiny GGUF model: measured records in the target's log folder that
+    perfx-compile --tuning-log builds from without measuring anything."""
+    from perfx_compiler.cli import tune as tune_cli
+    from perfx_compiler.model.testing import write_tiny_gguf
+    from perfx_compiler.pipeline import compile_model
+
+    target = _host_target()
+    rpc_farm.server("x86")
+    rpc_farm.server("x86")
+    model, _ = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=128, ffn=256, context_length=64)
+    logs = tmp_path / "logs"
+    args = [str(model), "--target", target.name, "--log-dir", str(logs), "--trials", "2", "--buckets", "16",
+            "--rpc-tracker", f"127.0.0.1:{rpc_farm.port}", "--rpc-key", "x86", "--rpc-parallel", "2", "--quiet"]
+    assert tune_cli.main(args) == 0
+    assert "measured" in capsys.readouterr().out
+    log = next((logs / target.name).glob("*.jsonl"))
+    rows = [r for r in TuningDatabase(log).records() if r.source == "measured"]
+    assert rows and sum(r.ok for r in rows) >= len(rows) // 2
+    assert all(r.versions.get("device") == "rpc:x86" for r in rows if not r.confirmed)
+    size = log.stat().st_size
+    compile_model(str(model), target.name, tmp_path / "artifact", progress=False, tuning_log=logs)
+    assert log.stat().st_size == size and (tmp_path / "artifact" / "model.so").exists()
