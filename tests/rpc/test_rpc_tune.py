@@ -140,3 +140,27 @@ def test_cli_rpc_records_compile(tmp_path, rpc_farm, capsys):
     size = log.stat().st_size
     compile_model(str(model), target.name, tmp_path / "artifact", progress=False, tuning_log=logs)
     assert log.stat().st_size == size and (tmp_path / "artifact" / "model.so").exists()
+
+
+def test_hung_server_costs_only_its_candidate(tmp_path, rpc_farm, caplog):
+    """A server that stops answering (SIGSTOP: alive, connected, silent) is abandoned after the run
+    timeout; its candidate is timed on the other server, the batch completes."""
+    import os
+    import signal
+
+    target = _host_target()
+    victim = rpc_farm.server("x86")
+    rpc_farm.server("x86")
+    db = TuningDatabase(tmp_path / target.name / "m.jsonl")
+    groups = _groups(target)[:1]
+    with RPCMeasurer(target, rpc_farm.addr, "x86", parallel=2, request_timeout_s=5, run_timeout_s=8) as rm:
+        tune_groups(groups, target, db, rm, trials=2, seed=0, show_progress=False)  # both sessions open
+        stopper = threading.Timer(0.5, os.killpg, args=(victim.pid, signal.SIGSTOP))
+        stopper.start()
+        with caplog.at_level(logging.WARNING, logger="perfx_compiler.tune.rpc"):
+            summary = tune_groups(groups, target, db, rm, trials=8, seed=1, show_progress=False)
+        stopper.join()
+    assert "did not answer within 8 s" in caplog.text
+    assert summary.measured == 6 and not summary.failed
+    rows = _measured(TuningDatabase(db.path))
+    assert len(rows) == 8 and sum(r.ok for r in rows) >= 7
