@@ -164,3 +164,38 @@ def test_hung_server_costs_only_its_candidate(tmp_path, rpc_farm, caplog):
     assert summary.measured == 6 and not summary.failed
     rows = _measured(TuningDatabase(db.path))
     assert len(rows) == 8 and sum(r.ok for r in rows) >= 7
+
+
+def test_ctrl_c_leaves_a_log_that_resumes(tmp_path, rpc_farm):
+    """SIGINT mid-run: exit 130, the log reads back, and the same command resumes without measuring
+    any configuration twice."""
+    import signal
+    import subprocess
+    import sys
+
+    from perfx_compiler.model.testing import write_tiny_gguf
+
+    target = _host_target()
+    rpc_farm.server("x86")
+    model, _ = write_tiny_gguf(tmp_path / "tiny.gguf", hidden=128, ffn=256, context_length=64)
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "perfx_compiler.cli.tune", str(model), "--target", target.name, "--log-dir",
+           str(logs), "--trials", "4", "--buckets", "16", "--rpc-tracker", f"127.0.0.1:{rpc_farm.port}",
+           "--rpc-key", "x86", "--quiet"]
+    proc = subprocess.Popen(cmd, env=rpc_farm.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = logs / target.name / "tiny.jsonl"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and log.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    first = len(_measured(TuningDatabase(log, load_dir=False, strict=True)))
+    assert first >= 1
+    done = subprocess.run(cmd, env=rpc_farm.env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = [r for r in TuningDatabase(log, load_dir=False, strict=True).records()
+            if r.source == "measured" and not r.confirmed]
+    keys = [(r.workload_key, r.bucket, config_key(r.config)) for r in rows]
+    assert len(rows) > first and len(keys) == len(set(keys))  # went on from the log, nothing twice
