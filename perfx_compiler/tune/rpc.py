@@ -168,9 +168,10 @@ class RPCMeasurer(LocalMeasurer):
 
     # ------------------------------------------------------------------ dispatch
 
-    def _dispatch(self, jobs: list[_Job], run: Any, fail: Any) -> None:
-        """Run ``jobs`` over the slots; ``run(slot, job)`` does one on a session, ``fail(job, why)``
-        records a job given up. Returns when every job is done or given up."""
+    def _dispatch(self, jobs: list[_Job], run: Any, results: list[MeasureResult]) -> None:
+        """Run ``jobs`` over the slots. ``run(slot, job)`` does one on a session and returns fresh
+        results by index, copied into ``results`` only when the job ends well (an abandoned thread
+        that wakes up later must not touch what was recorded); a job given up fails its indices."""
         revive = free_servers(self.tracker, self.key)
         for slot in self._slots:  # a slot that found no server may find one now
             if slot.dead and revive > 0:
@@ -203,6 +204,8 @@ class RPCMeasurer(LocalMeasurer):
                     box["abandoned"] = True  # the thread drops whatever it gets when it returns
                     self._slots[index] = slot = _Slot(index, dead=stolen)
                 if outcome == "ok":
+                    for i, res in box["value"].items():
+                        results[i] = res
                     continue
                 if outcome in ("no_server", "stolen"):
                     slot.dead = True
@@ -222,7 +225,8 @@ class RPCMeasurer(LocalMeasurer):
                 if job.attempts < 2:
                     pending.append(job)  # another slot (or a fresh session) gets it
                 else:
-                    fail(job, f"{why} (twice)")
+                    for i in job.indices:
+                        results[i].error = f"{why} (twice)"
 
     def _thread(self, slot: _Slot, job: _Job, run: Any, box: dict[str, Any]) -> None:
         try:
@@ -231,7 +235,7 @@ class RPCMeasurer(LocalMeasurer):
                 if box.get("abandoned"):
                     return
                 slot.sess, slot.dev, box["phase"] = sess, dev, "run"
-            run(slot, job)
+            box["value"] = run(slot, job)
             box["outcome"] = "ok"
         except _NoServer as err:
             box.update(outcome="no_server", why=str(err))
@@ -369,13 +373,14 @@ class RPCMeasurer(LocalMeasurer):
         results, paths = self._builds(func, template_name, workload_key, configs)
         traffic = self._traffic(func, template_name, workload_key, m_value)
 
-        def run(slot: _Slot, job: _Job) -> None:
-            res = results[job.indices[0]]
+        def run(slot: _Slot, job: _Job) -> dict[int, MeasureResult]:
+            res = MeasureResult(config=results[job.indices[0]].config, build_s=results[job.indices[0]].build_s)
+            out = {job.indices[0]: res}
             cold = traffic is not None and traffic.cold and not self._prepare_slot(
                 slot, func, workload_key, m_verify, m_value)["scalar"]  # the builtin flush takes tensors only
             mod = self._candidate(slot, res, paths[job.indices[0]], func, workload_key, m_verify, m_value, cold)
             if mod is None:
-                return
+                return out
             cache = slot.cache
             first = float(self._time_remote(slot, mod, cache, 2, cold).min())
             calls = int(min(400, max(self.repeat, self.repeat * self.min_repeat_ms * 1e-3 / max(first, 1e-7))))
@@ -386,11 +391,9 @@ class RPCMeasurer(LocalMeasurer):
             if why is not None:
                 res.extra["implausible_s"] = res.mean_s
                 res.error, res.mean_s, res.std_s = why, float("inf"), 0.0
+            return out
 
-        def fail(job: _Job, why: str) -> None:
-            results[job.indices[0]].error = why
-
-        self._dispatch([_Job("measure", [i]) for i, p in enumerate(paths) if p is not None], run, fail)
+        self._dispatch([_Job("measure", [i]) for i, p in enumerate(paths) if p is not None], run, results)
         return results
 
     def time_rounds(
@@ -409,10 +412,11 @@ class RPCMeasurer(LocalMeasurer):
         traffic = self._traffic(func, template_name, workload_key, m_value)
         live = [i for i, p in enumerate(paths) if p is not None]
 
-        def run(slot: _Slot, job: _Job) -> None:
+        def run(slot: _Slot, job: _Job) -> dict[int, MeasureResult]:
+            out = {i: MeasureResult(config=results[i].config) for i in live}
             cold = traffic is not None and traffic.cold and not self._prepare_slot(
                 slot, func, workload_key, m_verify, m_value)["scalar"]
-            mods = {i: self._candidate(slot, results[i], paths[i], func, workload_key, m_verify, m_value, cold)
+            mods = {i: self._candidate(slot, out[i], paths[i], func, workload_key, m_verify, m_value, cold)
                     for i in live}
             ok = [i for i in live if mods[i] is not None]
             calls: dict[int, int] = {}
@@ -425,17 +429,14 @@ class RPCMeasurer(LocalMeasurer):
                     else:
                         per_round[i].append(float(np.median(samples)))
             for i in ok:
-                res = results[i]
+                res = out[i]
                 res.mean_s, res.std_s = float(np.median(per_round[i])), float(np.std(per_round[i]))
                 res.extra.update(rounds=per_round[i], cold_cache=cold, device=f"rpc:{self.key}")
                 why = implausible(res.mean_s, traffic, self.target, cold)
                 if why is not None:
                     res.error, res.mean_s = why, float("inf")
-
-        def fail(job: _Job, why: str) -> None:
-            for i in job.indices:
-                results[i].error = why
+            return out
 
         if live:
-            self._dispatch([_Job("rounds", live)], run, fail)
+            self._dispatch([_Job("rounds", live)], run, results)
         return results

@@ -90,7 +90,9 @@ def test_killed_server_loses_nothing(tmp_path, rpc_farm, caplog):
     assert [r.to_json() for r in after.records()[:before]] == [r.to_json() for r in db.records()[:before]]
     failed = [r for r in _measured(after) if not r.ok]
     assert all(r.error for r in failed)  # a candidate of the killed server: retried, or failed with a reason
-    assert len(failed) <= 2
+    # one kill: its in-flight candidate is retried on the other server, so none fails for RPC reasons
+    # (failures of the candidates themselves, a build or a wrong result, are recorded as locally)
+    assert not [r.error for r in failed if "RPC" in r.error]
 
 
 def test_no_server_for_key_is_one_line(tmp_path, rpc_farm, capsys):
