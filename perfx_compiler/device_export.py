@@ -189,6 +189,18 @@ def write_deploy_md(state: Any, out_dir: Path, device_facts: dict[str, Any]) -> 
         lines += ["", "## Target notes", "", raw["notes"]]
     lines += [
         "",
+        "## Tune on the device",
+        "",
+        "Register the device with a TVM RPC tracker (TVM's Android RPC app, or `python -m tvm.exec.rpc_server "
+        "--tracker HOST:9190 --key KEY` on a board or GPU box), then on the build machine:",
+        "",
+        f"    perfx-tune MODEL --target {t.name} --rpc-tracker HOST:9190 --rpc-key KEY --rpc-parallel N",
+        "",
+        "and rebuild this bundle: the records go to `tuning_logs/" + t.name + "/` (docs/tuning.md, \"Tuning on "
+        "devices over TVM RPC\").",
+    ]
+    lines += [
+        "",
         "## Run",
         "",
         "```python",

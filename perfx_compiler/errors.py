@@ -41,3 +41,7 @@ class KVCacheFullError(PerfXError):
 
 class MissingDependencyError(PerfXError):
     """An optional package a command needs is not installed (the message names the extra)."""
+
+
+class DeviceUnavailableError(PerfXError):
+    """No device to measure on (no RPC server free for a key): the tuning session stops."""

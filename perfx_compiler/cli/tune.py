@@ -3,6 +3,7 @@
     perfx-tune smollm2-135m --target x86-avx512 --time-budget 900
     perfx-tune smollm2-135m --target arm64-neon --no-measure          # cost-model picks, no timing
     perfx-tune smollm2-135m --target arm64-neon --import-records phone.jsonl
+    perfx-tune smollm2-135m --target arm64-neon --rpc-tracker 127.0.0.1:9190 --rpc-key phone --rpc-parallel 2
 
 Runs the compile pipeline's phases 0-2 (import, passes, lower), extracts the distinct workloads
 (symbolic-M functions once per M bucket), and tunes them with the XGBoost-guided search: builds in
@@ -75,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="parallel build processes (default: min(2, CPUs))")
     p.add_argument("--build-timeout", type=float, default=120.0, metavar="S", help="per-candidate build timeout")
     p.add_argument("--max-context", type=int, default=None, help="KV cache length, as for perfx-compile")
+    p.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
+                   help="time candidates on the devices registered at this TVM RPC tracker (docs/tuning.md)")
+    p.add_argument("--rpc-key", default=None, metavar="KEY", help="device key of the servers to use (with --rpc-tracker)")
+    p.add_argument("--rpc-parallel", type=int, default=1, metavar="N",
+                   help="candidates timed at once, on N servers of the key (default 1)")
+    p.add_argument("--rpc-timeout", type=_positive(float), default=60.0, metavar="S",
+                   help="stop when no server of the key is free for S seconds (default 60)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -97,9 +105,19 @@ def run(args: argparse.Namespace) -> int:
     from perfx_compiler.tune.records import DEFAULT_LOG_ROOT, TuningDatabase
 
     target = load_target(args.target)  # unknown target: UnknownTargetError, before any slow work
-    if not args.no_measure and not args.import_records and not target.runnable_here:
-        raise PerfXError(f"target {target.name} cannot be measured on this machine; "
-                         "use --no-measure (cost-model picks) or --import-records FILE")
+    tracker = None
+    if args.rpc_tracker or args.rpc_key:
+        from perfx_compiler.tune.rpc import check_tracker, parse_tracker
+
+        if not (args.rpc_tracker and args.rpc_key):
+            raise PerfXError("--rpc-tracker and --rpc-key go together (the tracker and the device key to tune on)")
+        if args.rpc_parallel < 1:
+            raise PerfXError(f"--rpc-parallel must be >= 1, not {args.rpc_parallel}")
+        tracker = parse_tracker(args.rpc_tracker)
+        check_tracker(tracker)  # a wrong address: one line now, not after lowering the model
+    if not args.no_measure and not args.import_records and not target.runnable_here and tracker is None:
+        raise PerfXError(f"target {target.name} cannot be measured on this machine; use --rpc-tracker HOST:PORT "
+                         "--rpc-key KEY (a device), --no-measure (cost-model picks) or --import-records FILE")
     root = Path(args.log_dir) if args.log_dir else DEFAULT_LOG_ROOT
     from perfx_compiler.tune.session import log_name
 
@@ -154,7 +172,15 @@ def run(args: argparse.Namespace) -> int:
     from perfx_compiler.tune.measure import LocalMeasurer
     from perfx_compiler.tune.session import tune_groups
 
-    with LocalMeasurer(target, workers=args.workers, build_timeout_s=args.build_timeout) as measurer:
+    if tracker is not None:
+        from perfx_compiler.tune.rpc import RPCMeasurer
+
+        measurer: LocalMeasurer = RPCMeasurer(target, tracker, args.rpc_key, parallel=args.rpc_parallel,
+                                              workers=args.workers, build_timeout_s=args.build_timeout,
+                                              request_timeout_s=args.rpc_timeout)
+    else:
+        measurer = LocalMeasurer(target, workers=args.workers, build_timeout_s=args.build_timeout)
+    with measurer:
         summary = tune_groups(groups, target, db, measurer, trials=args.trials, time_budget_s=args.time_budget,
                               seed=args.seed, show_progress=not args.quiet)
     if not args.quiet:

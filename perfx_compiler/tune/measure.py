@@ -291,7 +291,12 @@ def _worker_build(payload: dict[str, Any]) -> dict[str, Any]:
     try:
         scheduled = template.apply(func, workload, payload["config"], target)
         ex = compile_kernel(scheduled, target)
-        ex.export_library(payload["path"])
+        if target.cross_compiler:  # a cross target (measured over RPC): link with its cross compiler
+            from tvm.support import cc
+
+            ex.export_library(payload["path"], fcompile=cc.cross_compiler(target.cross_compiler))
+        else:
+            ex.export_library(payload["path"])
     except Exception as err:  # noqa: BLE001 - any failure makes the candidate invalid, not the tuner
         return {"error": f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}"}
     return {"error": None, "build_s": time.perf_counter() - start, "script": None}

@@ -155,6 +155,8 @@ def tune_task(
             # Provenance (records.py: a record whose timing method changed is stale): cold = weights
             # flushed before each call (tune/traffic.py); measurers that do not say time warm.
             record.versions["timing"] = "cold" if res.extra.get("cold_cache") else "warm"
+            if res.extra.get("device"):  # measured on a remote device (tune/rpc.py): which one
+                record.versions["device"] = str(res.extra["device"])
             db.add(record)
             result.measured += 1
             if res.ok:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perfx_compiler.errors import TuningLogError
+from perfx_compiler.errors import DeviceUnavailableError, TuningLogError
 from perfx_compiler.schedule_template import target_key
 from perfx_compiler.targets import TargetDescription
 from perfx_compiler.tune.confirm import confirm_task, is_confirmed
@@ -156,6 +156,8 @@ def _guarded(group: TaskGroup, fn: Any) -> Any:
     run, ...) skips that workload instead of ending the session. Candidate failures never get here."""
     try:
         return fn()
+    except DeviceUnavailableError:
+        raise  # no device at all: every workload would fail the same way, stop with its one line
     except Exception as err:  # noqa: BLE001
         log.warning("skipping %s (%s): %s: %s", group.label, group.rep.name, type(err).__name__, str(err)[:300])
         return None
