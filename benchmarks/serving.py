@@ -44,16 +44,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from _common import RESULTS as RESULTS_DIR
 from _common import alternated, figure, write_csv
 
-from perfx_compiler.bench.llama_server import free_port, llama_server
+from perfx_compiler.bench.llama_server import free_port, llama_server, server_process
 from perfx_compiler.bench.openai_load import concurrent_streams, one_stream, story_prompt, summarize_streams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -282,35 +281,13 @@ def soak(artifact: Path, args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-@contextmanager
-def perfx_server(artifact: Path, slots: int, queue: int, prefill_chunk: int, log: Path) -> Iterator[str]:
-    """perfx-serve (its CLI) in a subprocess on loopback; yields its URL."""
-    import httpx
-
+def perfx_server(artifact: Path, slots: int, queue: int, prefill_chunk: int, log: Path) -> Any:
+    """perfx-serve (its CLI) in a subprocess on loopback: a context manager yielding its URL."""
     port = free_port()
     cmd = [sys.executable, "-m", "perfx_compiler.cli.serve", str(artifact), "--port", str(port), "--max-batch",
            str(slots), "--queue-size", str(queue), "--prefill-chunk", str(prefill_chunk), "--no-verify",
            "--log-level", "warning"]
-    with open(log, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    raise SystemExit(f"perfx-serve exited with {proc.returncode}; see {log}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"perfx-serve did not become healthy; see {log}")
-                time.sleep(0.5)
-            yield url
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+    return server_process(cmd, f"http://127.0.0.1:{port}", "perfx-serve", log)
 
 
 def plot_peers(rows: list[dict[str, Any]], path: Path) -> None:

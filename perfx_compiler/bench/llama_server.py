@@ -76,33 +76,27 @@ def free_port() -> int:
 
 
 @contextmanager
-def llama_server(gguf: Path, *, slots: int, context_per_slot: int, threads: int = 2,
-                 extra: Sequence[str] = (), log: Path | None = None, timeout_s: float = 300.0) -> Iterator[str]:
-    """Run llama-server on ``gguf`` with ``slots`` parallel slots (continuous batching, the server's default)
-    of ``context_per_slot`` tokens each; yields its base URL; the process is stopped on exit."""
+def server_process(cmd: Sequence[str], url: str, name: str, log: Path | None = None,
+                   timeout_s: float = 300.0) -> Iterator[str]:
+    """Run an HTTP server command until its ``/health`` answers 200; yield ``url``; stop it on exit. A
+    server that exits or stays unhealthy past ``timeout_s`` is one PerfXError line naming its log."""
     import httpx
 
-    binary = build_llama_server()
-    port = free_port()
-    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
-           "-c", str(slots * context_per_slot), "-t", str(threads), "-tb", str(threads), "--cont-batching",
-           "--no-webui", *extra]
+    where = f"; see {log}" if log else ""
     logf = open(log or os.devnull, "w")
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(list(cmd), stdout=logf, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
             if proc.poll() is not None:
-                raise PerfXError(f"llama-server exited with {proc.returncode} while loading {gguf.name}"
-                                 + (f"; see {log}" if log else ""))
+                raise PerfXError(f"{name} exited with {proc.returncode} while starting{where}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise PerfXError(f"llama-server did not become healthy within {timeout_s:.0f} s")
+                raise PerfXError(f"{name} did not become healthy within {timeout_s:.0f} s{where}")
             time.sleep(0.5)
         yield url
     finally:
@@ -112,3 +106,17 @@ def llama_server(gguf: Path, *, slots: int, context_per_slot: int, threads: int 
         except subprocess.TimeoutExpired:
             proc.kill()
         logf.close()
+
+
+@contextmanager
+def llama_server(gguf: Path, *, slots: int, context_per_slot: int, threads: int = 2,
+                 extra: Sequence[str] = (), log: Path | None = None, timeout_s: float = 300.0) -> Iterator[str]:
+    """Run llama-server on ``gguf`` with ``slots`` parallel slots (continuous batching, the server's default)
+    of ``context_per_slot`` tokens each; yields its base URL; the process is stopped on exit."""
+    binary = build_llama_server()
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+           "-c", str(slots * context_per_slot), "-t", str(threads), "-tb", str(threads), "--cont-batching",
+           "--no-webui", *extra]
+    with server_process(cmd, f"http://127.0.0.1:{port}", "llama-server", log, timeout_s) as url:
+        yield url
