@@ -88,6 +88,9 @@ class _NoServer(Exception):
     pass
 
 
+_TRANSPORT_ERRORS = ("RPCCode", "kShutdown", "Connection reset", "Broken pipe", "Socket")
+
+
 class _Lost(Exception):
     """The session broke (server gone, connection closed): the candidate goes to another slot."""
 
@@ -329,6 +332,10 @@ class RPCMeasurer(LocalMeasurer):
         return mod
 
     def _check_alive(self, slot: _Slot, exc: Exception) -> None:
+        # a server killed mid-call can surface as the call's own error (RPCCode kShutdown) while the
+        # round trip below still answers from the client side: the transport's words mean a lost session
+        if any(word in str(exc) for word in _TRANSPORT_ERRORS):
+            raise _Lost(str(exc)[:200]) from None
         try:
             slot.dev.exist  # noqa: B018 - a round trip: raises when the session is gone
         except Exception:  # noqa: BLE001
