@@ -249,3 +249,22 @@ def serve_shared(tokenizer: Any, tokenizer_file: Path) -> Iterator[LiveServer]:
     with LiveServer(create_app(engine)) as srv:
         srv.engine = engine  # type: ignore[attr-defined]
         yield srv
+
+
+@pytest.fixture
+def sched_factory(make_engine: Any, tokenizer: Any):
+    """Started schedulers over fake engines (``engine_kw``: FakeBatchEngine options; the rest: Scheduler's),
+    shut down after the test."""
+    from perfx_compiler.serve.scheduler import Scheduler
+
+    made: list[Scheduler] = []
+
+    def make(engine_kw: dict[str, Any] | None = None, **kw: Any) -> Scheduler:
+        s = Scheduler(make_engine(**(engine_kw or {})), tokenizer, **kw)
+        s.start()
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.shutdown()

@@ -123,18 +123,9 @@ class Counts:
 
 
 @pytest.fixture
-def sched(make_engine: Any, tokenizer: Any) -> Any:
-    made: list[Scheduler] = []
-
-    def make(engine_kw: dict[str, Any] | None = None, **kw: Any) -> Scheduler:
-        s = Scheduler(make_engine(**(engine_kw or {})), tokenizer, observer=Counts(), **kw)
-        s.start()
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.shutdown()
+def sched(sched_factory: Any) -> Any:
+    """``sched_factory`` with a Counts observer on every scheduler."""
+    return lambda engine_kw=None, **kw: sched_factory(engine_kw, observer=Counts(), **kw)
 
 
 def ids(tokenizer: Any, text: str) -> list[int]:

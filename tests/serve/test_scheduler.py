@@ -12,7 +12,7 @@ import pytest
 
 from perfx_compiler.runtime.generate import generate_sequence
 from perfx_compiler.runtime.sampling import SamplingParams
-from perfx_compiler.serve.scheduler import QueueFull, Scheduler, SchedulerClosed, StreamEvent
+from perfx_compiler.serve.scheduler import QueueFull, SchedulerClosed, StreamEvent
 
 
 class SingleView:
@@ -44,21 +44,6 @@ def reference(make_engine: Any, tokenizer: Any, prompt: str, params: SamplingPar
     view = SingleView(make_engine(**kw))
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     return generate_sequence(view, ids, params, tokenizer=tokenizer)
-
-
-@pytest.fixture
-def sched_factory(make_engine: Any, tokenizer: Any):
-    made: list[Scheduler] = []
-
-    def make(engine_kw: dict[str, Any] | None = None, **kw: Any) -> Scheduler:
-        s = Scheduler(make_engine(**(engine_kw or {})), tokenizer, **kw)
-        s.start()
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.shutdown()
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
