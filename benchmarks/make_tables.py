@@ -292,18 +292,20 @@ def _model_sections(names: list[str], folder: Path, link: str) -> list[str]:
 
 
 def headline_section(results: Path) -> list[str]:
-    """The project README's table: per machine and model, PerfX's decode rate and bandwidth, and its
-    ratios to llama.cpp (decode) and to the fastest peer (prefill of 512 tokens), each row linking its CSV."""
-    out = ["| machine | model | PerfX decode | of the read ceiling | vs llama.cpp | prefill 512 vs fastest peer |",
-           "|---|---|---|---|---|---|"]
+    """The project README's table: per machine (named once) and model, PerfX's decode rate, bandwidth and
+    its ratios to llama.cpp (decode) and to the fastest peer (prefill of 512 tokens), each row linking its CSV."""
+    out: list[str] = []
     for folder in [results, *other_machines(results)]:
         names = _models(folder)
         if not names or folder.name not in HEADLINE_MACHINES:
             continue
         m = folder / f"bench_{names[0]}_machine.json"
         cpu = json.loads(m.read_text()).get("cpu", folder.name) if m.is_file() else folder.name
-        cpu = " ".join(cpu.replace("(R)", "").replace("Processor", "").split()) + ", 2 vCPUs"
+        cpu = " ".join(cpu.replace("(R)", "").replace("Processor", "").split())
         link = "benchmarks/results" + ("" if folder == results else f"/{folder.name}")
+        out += [f"{cpu}, 2 vCPUs:", "",
+                "| model | PerfX decode tok/s, GB/s (of ceiling) | vs llama.cpp | prefill 512 vs fastest peer |",
+                "|---|---|---|---|"]
         for name in names:
             rows = {r["engine"]: r for r in _read(folder / f"bench_{name}.csv")}
             px = rows.get("perfx")
@@ -315,12 +317,13 @@ def headline_section(results: Path) -> list[str]:
             decode = _ratio(px, lc, "decode_tok_s") if lc else None
             prefill = _ratio(px, best, "prefill512_tok_s") if best else None
             prefill = prefill if prefill == prefill else None  # nan: prefill not measured
-            frac = f"{float(px['bw_fraction']) * 100:.0f}%" if px.get("bw_fraction") else "n/a"
+            frac = f" ({float(px['bw_fraction']) * 100:.0f}%)" if px.get("bw_fraction") else ""
             vs_llamacpp = f"{decode:.2f}x" if decode else "n/a"
-            vs_fastest = f"{prefill:.2f}x ({best['engine']})" if prefill and best else "n/a"
-            out.append(f"| {cpu} | [{name}]({link}/bench_{name}.csv) | {_f(px['decode_tok_s'])} tok/s, "
-                       f"{_f(px['achieved_gbs'])} GB/s | {frac} | {vs_llamacpp} | {vs_fastest} |")
-    return [*out, ""]
+            vs_fastest = f"{prefill:.2f}x {best['engine']}" if prefill and best else "n/a"
+            out.append(f"| [{name}]({link}/bench_{name}.csv) | {_f(px['decode_tok_s'])}, "
+                       f"{_f(px['achieved_gbs'])}{frac} | {vs_llamacpp} | {vs_fastest} |")
+        out.append("")
+    return out
 
 
 def generate(results: Path = RESULTS) -> str:
