@@ -8,16 +8,24 @@ every failure, and ``PERFX_TEST_SEED=N`` replays a run.
 Skips: under ``CI=true`` a skipped test fails (a missing tool or package is an install bug:
 tests/setup.sh installs everything), except the tests in ``ALLOWED_SKIPS``, which cannot run on any
 CPU-only machine. ``-rs`` prints every skip at the end of the run.
+
+Workers: pytest-xdist runs the files on two processes (pyproject's addopts; ``-n 0`` runs one). A test
+marked ``alone`` (it times kernels or holds a wall-clock deadline) runs with no other test beside it:
+every test holds a shared lock over the run's workers, an ``alone`` one holds it exclusively.
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import random
 import re
 import sys
+import tempfile
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +39,7 @@ if str(REPO) not in sys.path:  # run from a checkout without an install
 ALLOWED_SKIPS: list[tuple[str, str]] = []
 
 SEED = int(os.environ.get("PERFX_TEST_SEED") or random.SystemRandom().randrange(2**32))
+os.environ["PERFX_TEST_SEED"] = str(SEED)  # xdist's workers start after this: one seed for the whole run
 _unseeded_default_rng = np.random.default_rng
 _current = {"test": "", "draws": itertools.count()}
 
@@ -49,7 +58,12 @@ def _under_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+_config: pytest.Config | None = None
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    global _config
+    _config = config
     if _under_ci():  # a module skipped at collection fails, and the other modules still run
         config.option.continue_on_collection_errors = True
 
@@ -64,6 +78,43 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     test_seed = (SEED ^ zlib.crc32(item.nodeid.encode())) & 0xFFFFFFFF
     np.random.seed(test_seed)
     random.seed(test_seed)
+
+
+class _RunAlone:
+    """A reader-writer lock over the workers of one xdist run (flock on two files; the gate gives a waiting
+    ``alone`` test priority over the shared holders that keep arriving)."""
+
+    def __init__(self, run_id: str) -> None:
+        folder = Path(tempfile.gettempdir()) / f"perfx-pytest-{run_id}"
+        folder.mkdir(exist_ok=True)
+        self.gate = open(folder / "gate", "a+")  # noqa: SIM115 - held for the worker's life
+        self.rw = open(folder / "rw", "a+")  # noqa: SIM115
+
+    @contextmanager
+    def hold(self, alone: bool) -> Iterator[None]:
+        fcntl.flock(self.gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.rw, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.rw, fcntl.LOCK_UN)
+
+
+_RUN_ID = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set in xdist's workers only
+_run_alone = _RunAlone(_RUN_ID) if _RUN_ID else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Setup (session fixtures it builds included), call and teardown under the run's lock."""
+    if _run_alone is None:
+        yield
+        return
+    with _run_alone.hold(item.get_closest_marker("alone") is not None):
+        yield
 
 
 def _skip_allowed(nodeid: str) -> bool:
@@ -140,3 +191,20 @@ def smol_int8_artifact(smol_desc, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("smol-int8") / "artifact"
     return compile_model(smol_desc, "host", out, progress=False, activations="int8", batching=False)
+
+
+_FAMILY_LINES = pytest.StashKey[list]()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "teardown":  # the last report of a test carries all its user_properties
+        lines = _config.stash.setdefault(_FAMILY_LINES, []) if _config else []
+        lines += [value for name, value in report.user_properties if name == "family_report"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    lines = config.stash.get(_FAMILY_LINES, [])
+    if lines:  # tests/families/conftest.py's family_report
+        terminalreporter.section("decoder-family fixtures")
+        for family, check, text in lines:
+            terminalreporter.write_line(f"{family:8s} {check:14s} {text}")

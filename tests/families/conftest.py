@@ -25,8 +25,6 @@ if str(HERE) not in sys.path:
 
 import family_fixtures as ff  # noqa: E402
 
-_RESULTS = pytest.StashKey[list]()
-
 
 def _cache_key() -> str:
     h = hashlib.sha256((HERE / "family_fixtures.py").read_bytes())
@@ -93,15 +91,6 @@ def family_artifacts(tmp_path_factory) -> FamilyArtifacts:
 
 @pytest.fixture
 def family_report(request) -> Callable[..., None]:
-    """``family_report(family, check, text)``: a line of the summary table printed at the end."""
-    results = request.config.stash.setdefault(_RESULTS, [])
-    return lambda family, check, text: results.append((family, check, text))
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
-    results = config.stash.get(_RESULTS, [])
-    if not results:
-        return
-    terminalreporter.section("decoder-family fixtures")
-    for family, check, text in results:
-        terminalreporter.write_line(f"{family:8s} {check:14s} {text}")
+    """``family_report(family, check, text)``: a line of the summary table printed at the end (carried in
+    the test's report, so xdist's workers hand it to the process that prints; tests/conftest.py prints)."""
+    return lambda family, check, text: request.node.user_properties.append(("family_report", (family, check, text)))

@@ -19,6 +19,7 @@ def _text(output: dict) -> str:
     return str(data.get("text/html") or data.get("text/plain") or "")
 
 
+@pytest.mark.alone  # a wall-clock limit
 def test_tuning_sweep_notebook_runs() -> None:
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -11,7 +11,8 @@ from perfx_compiler.targets_exec.qemu import qemu_missing
 from perfx_compiler.tune.records import TuningDatabase
 
 MISSING = qemu_missing("aarch64")
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=f"qemu-aarch64 toolchain: {MISSING}")
+pytestmark = [pytest.mark.skipif(MISSING is not None, reason=f"qemu-aarch64 toolchain: {MISSING}"),
+              pytest.mark.alone]  # records within a time budget
 
 
 def test_qemu_arm64_server_measures_smollm2(tmp_path, rpc_farm, capsys):

@@ -55,6 +55,7 @@ def test_two_servers_share_the_work(tmp_path, rpc_farm):
     assert [r.to_json() for r in again.records()] == [r.to_json() for r in remote_db.records()]
 
 
+@pytest.mark.alone  # two configs' times compared
 def test_remote_best_holds_up_locally(tmp_path, rpc_farm):
     """One server: on this 2-core host two servers' thread pools share the cores, which is not a
     farm's situation (one device per server) and skews multi-threaded configs (seen in CI: a 2x pick)."""

@@ -116,6 +116,7 @@ def complete(c: Any, model: str, prompt: str, stream: bool) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # per-stream and whole-run deadlines
 def test_32_concurrent_clients_get_their_text_alone(smol_server: Server, smol_artifact: Any) -> None:
     c = openai.OpenAI(base_url=f"{smol_server.url}/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S)
     model = Path(smol_artifact).name  # served under the artifact folder's name
