@@ -21,6 +21,5 @@ VARIABLES: dict[str, str] = {
     "PERFX_TARGETS_CACHE": "where cross toolchains are cached",
     "PERFX_TEST_CACHE": "where tests/setup.sh unpacks the llama.cpp sources (llama-server for benchmarks is built there)",
     "PERFX_API_KEY": "perfx-serve's bearer token",
-    "PERFX_BENCH_DECODE_LOOP": "perfx-bench: which decode loop times the artifact",
     "PERFX_NUM_TASK": "RISC-V kernel harness: threads when running under qemu",
 }

@@ -129,15 +129,7 @@ class PerfXEngine(BenchEngine):
     def info(self) -> dict[str, Any]:
         m = self.engine.manifest
         return {"quantization": m.get("quantization", ""), "weight_format": weight_format(m),
-                "thread_pool": self.engine.thread_pool, "decode_path": self.engine.decode_path,
-                "decode_loop": decode_loop()}
-
-
-def decode_loop() -> str:
-    """How the bench worker runs a decode of n tokens on an engine that has ``decode_many`` (PerfX,
-    llama.cpp): "engine" (one call) or "python" (a ``decode`` call per token;
-    ``PERFX_BENCH_DECODE_LOOP=python``, for A/B runs)."""
-    return "python" if os.environ.get("PERFX_BENCH_DECODE_LOOP", "").lower() == "python" else "engine"
+                "thread_pool": self.engine.thread_pool, "decode_path": self.engine.decode_path}
 
 
 # ----------------------------------------------------------------------------------------- llama.cpp
@@ -231,7 +223,7 @@ class LlamaCppEngine(BenchEngine):
 
     def info(self) -> dict[str, Any]:
         return {"quantization": gguf_types(self.path), "weight_format": gguf_types(self.path), "version": self.version,
-                "decode_loop": decode_loop(), "flash_attn": self.flash_attn}
+                "flash_attn": self.flash_attn}
 
 
 # ----------------------------------------------------------------------------------------- onnx helpers

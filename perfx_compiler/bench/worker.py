@@ -49,7 +49,7 @@ def serve(spec: dict[str, Any], out: Any) -> None:
     """Create the engine described by ``spec`` and answer requests from stdin until ``quit``."""
     threads = int(spec.get("threads", 2))
     os.environ["OMP_NUM_THREADS"] = str(threads)
-    from perfx_compiler.bench.engines import create_engine, decode_loop
+    from perfx_compiler.bench.engines import create_engine
 
     t0 = time.perf_counter()
     engine = create_engine(spec["engine"], spec["path"], threads, **spec.get("options", {}))
@@ -78,8 +78,8 @@ def serve(spec: dict[str, Any], out: Any) -> None:
                 t = time.perf_counter()
                 tok = engine.prefill(req["prompt"])
                 ttft = time.perf_counter() - t
-                # an engine's own many-step greedy loop; PERFX_BENCH_DECODE_LOOP=python: a call per token (A/B)
-                many = getattr(engine, "decode_many", None) if decode_loop() == "engine" else None
+                # an engine's own many-step greedy loop (PerfX, llama.cpp), else a call per token
+                many = getattr(engine, "decode_many", None)
                 t = time.perf_counter()
                 if many is not None:
                     tok = many(tok, int(req["n"]))
