@@ -27,9 +27,14 @@ parallel slots with continuous batching; more clients queue in the server), driv
 p50/p99 TTFT and inter-token latency, errors, and ``same_as_alone``: streams whose greedy text equals the
 prompt's text sent alone. Writes benchmarks/results/<machine>/serving_peers.csv (+ .png).
 
+``--prefix-cache``: instead, time to first token of ``--users`` users sharing a ``--system-tokens`` system
+prompt, prefix cache on vs cold, alternated per round, in-process (``perfx_compiler/bench/prefix_load.py``);
+every user's greedy tokens must equal the cold run's. Writes benchmarks/results/<machine>/prefix_cache.csv.
+
     python benchmarks/serving.py [--artifact DIR] [--concurrency 1 4 16] [--max-tokens 64]
     python benchmarks/serving.py --soak 10 [--artifact DIR] [--clients 4]
     python benchmarks/serving.py --vs-llama-server [--concurrency 1 4 16 64] [--slots 16] [--rounds 2]
+    python benchmarks/serving.py --prefix-cache [--system-tokens 1024] [--users 32] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ DEFAULT_ARTIFACT = REPO / "build" / "bench-serving" / "smollm2-135m-host"
 RESULTS = REPO / "benchmarks" / "results" / "serving.csv"
 SOAK_RESULTS = RESULTS.with_name("soak_serving.csv")
 PEERS_RESULTS = RESULTS_DIR / "intel-xeon" / "serving_peers.csv"
+PREFIX_RESULTS = RESULTS_DIR / "intel-xeon" / "prefix_cache.csv"
 PEERS_COLUMNS = ["server", "concurrency", "slots", "agg_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                  "itl_p99_ms", "completion_tokens", "errors", "first_error", "same_as_alone", "streams", "rounds",
                  "vs_llama_server"]
@@ -349,6 +355,54 @@ def vs_llama_server(args: argparse.Namespace) -> int:
     return 0
 
 
+def prefix_cache(args: argparse.Namespace) -> int:
+    import perfx_compiler.pipeline  # noqa: F401  (before the runtime: TVM's import order)
+    from perfx_compiler.bench import prefix_load as pl
+    from perfx_compiler.runtime.api import Tokenizer
+    from perfx_compiler.runtime.batch_engine import BatchEngine
+    from perfx_compiler.runtime.engine import read_manifest
+    from perfx_compiler.runtime.generate import model_info
+    from perfx_compiler.serve.scheduler import Scheduler
+
+    art = args.artifact or DEFAULT_ARTIFACT.with_name(f"{DEFAULT_ARTIFACT.name}-ctx2048")
+    if not (art / "perfx-config.json").is_file():
+        from perfx_compiler.pipeline import compile_model
+
+        print(f"compiling {args.model} (host, batching, max_context 2048) ...", file=sys.stderr, flush=True)
+        compile_model(args.model, "host", art, progress=False, batching=True, max_context=2048)
+    page_size = int(read_manifest(art, verify=False)["paged_kv"]["page_size"])
+    # room for the running request and the cached system prompt (and a question's pages) at once
+    pages = 3 * -(-(args.system_tokens + 64 + args.max_tokens) // page_size)
+    eng = BatchEngine(art, verify=False, max_batch=1, num_pages=pages)
+    tok = Tokenizer.from_file(eng.tokenizer_path, model_info(eng))
+    ids = pl.shared_prefix_prompts(tok, args.system_tokens, args.users)
+    if max(len(p) for p in ids) + 1 + args.max_tokens > eng.max_context:  # + BOS
+        raise SystemExit(f"a prompt and its tokens do not fit the artifact's context of {eng.max_context}")
+    hits = pl.HitCounter()
+    # a whole prompt in one chunk: the TTFT is one prefill
+    sched = Scheduler(eng, tok, max_batch=1, prefill_chunk=args.system_tokens + 64, observer=hits)
+    sched.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        for rnd in range(args.rounds):
+            got = {m: pl.run_users(sched, hits, m, ids, args.max_tokens) for m in alternated(["on", "cold"], rnd)}
+            for m in ("on", "cold"):
+                for r, c in zip(got[m], got["cold"], strict=True):
+                    rows.append({"round": rnd, "mode": m, **{k: v for k, v in r.items() if k != "tokens"},
+                                 "same_as_cold": r["tokens"] == c["tokens"]})  # fmt: skip
+    finally:
+        sched.shutdown()
+    summary, med = pl.summarize_users(rows)
+    for r in rows + summary:
+        r.update(system_tokens=args.system_tokens, max_tokens=args.max_tokens)
+    out = args.out or PREFIX_RESULTS
+    write_csv(out, rows + summary, pl.COLUMNS, floats=".2f")
+    same = all(r["same_as_cold"] for r in rows)
+    print(f"TTFT median (users 2..{args.users}): on {med['on']:.1f} ms, cold {med['cold']:.1f} ms "
+          f"({med['cold'] / med['on']:.1f}x); greedy tokens equal to cold: {same}; wrote {out}")  # fmt: skip
+    return 0 if same else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifact", type=Path, default=None, help="a compiled artifact with batched functions")
@@ -367,7 +421,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-context", type=int, default=512, help="--vs-llama-server: tokens per sequence")
     p.add_argument("--threads", type=int, default=2, help="--vs-llama-server: llama-server threads")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "perfx-bench"))
+    p.add_argument("--prefix-cache", action="store_true", help="shared-prefix TTFT, cache on vs cold, instead")
+    p.add_argument("--system-tokens", type=int, default=1024, help="--prefix-cache: shared prompt tokens")
+    p.add_argument("--users", type=int, default=32, help="--prefix-cache: users, one after the other")
     args = p.parse_args(argv)
+    if args.prefix_cache:
+        if args.max_tokens == 64:
+            args.max_tokens = 4
+        return prefix_cache(args)
     if args.vs_llama_server:
         args.concurrency = args.concurrency or [1, 4, 16, 64]
         return vs_llama_server(args)
