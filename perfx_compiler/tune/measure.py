@@ -139,10 +139,10 @@ def random_inputs(func: Any, m_value: int, seed: int = 0) -> list[np.ndarray]:
             arrays.append(np.zeros(shape, dtype=dtype))
         elif name in pinned:
             arrays.append(np.full(shape, pinned[name], dtype=dtype))
-        elif dtype.startswith(("int", "uint")):
-            arrays.append(rng.integers(0, 16, size=shape).astype(dtype))  # valid gather indices
+        elif dtype.startswith(("int", "uint")):  # valid gather indices, drawn in the input's own type
+            arrays.append(rng.integers(0, 16, size=shape, dtype=dtype))  # (int64 first: 8x a GB-sized input)
         else:
-            arrays.append(rng.standard_normal(shape).astype(dtype))
+            arrays.append(rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False))
     return arrays
 
 

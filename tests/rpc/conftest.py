@@ -24,6 +24,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def matmul_groups(target, dims=((64, 96), (128, 64))):
+    """Two small matmul workloads (K, N) at M=16: the kernels a model's projections give."""
+    import tvm
+
+    from perfx_compiler.tune.session import group_tasks
+    from perfx_compiler.tune.workloads import extract_tasks, linear_module, matmul_func
+
+    mod = tvm.IRModule()
+    for i, (k, n) in enumerate(dims):
+        mod[f"mm{i}"] = matmul_func(linear_module(None, k, n, None, True)).with_attr("global_symbol", f"mm{i}")
+    return group_tasks(extract_tasks(mod, target, buckets=(16,)))
+
+
 class Farm:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp

@@ -15,23 +15,13 @@ from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import LocalMeasurer
 from perfx_compiler.tune.records import TuningDatabase, config_key
 from perfx_compiler.tune.rpc import RPCMeasurer, parse_tracker
-from perfx_compiler.tune.session import group_tasks, tune_groups
-from perfx_compiler.tune.workloads import extract_tasks, linear_module, matmul_func
+from perfx_compiler.tune.session import tune_groups
+from tests.rpc.conftest import matmul_groups
 
 
 def _host_target():
     with open("/proc/cpuinfo") as f:
         return load_target("x86-avx512" if " avx512f" in f.read() else "x86-avx2")
-
-
-def _groups(target, dims=((64, 96), (128, 64))):
-    """Two small matmul workloads (K, N) at M=16: the kernels a model's projections give."""
-    import tvm
-
-    mod = tvm.IRModule()
-    for i, (k, n) in enumerate(dims):
-        mod[f"mm{i}"] = matmul_func(linear_module(None, k, n, None, True)).with_attr("global_symbol", f"mm{i}")
-    return group_tasks(extract_tasks(mod, target, buckets=(16,)))
 
 
 def _measured(db):
@@ -44,7 +34,7 @@ def test_two_servers_share_the_work(tmp_path, rpc_farm):
     rpc_farm.server("x86")
     remote_db = TuningDatabase(tmp_path / target.name / "m.jsonl")
     with RPCMeasurer(target, rpc_farm.addr, "x86", parallel=2, request_timeout_s=30) as rm:
-        summary = tune_groups(_groups(target), target, remote_db, rm, trials=6, seed=0, show_progress=False)
+        summary = tune_groups(matmul_groups(target), target, remote_db, rm, trials=6, seed=0, show_progress=False)
     rows = _measured(remote_db)
     assert summary.measured == len(rows) >= 8 and not summary.failed
     assert all(r.versions.get("device") == "rpc:x86" for r in rows)
@@ -63,11 +53,11 @@ def test_remote_best_holds_up_locally(tmp_path, rpc_farm):
     rpc_farm.server("x86")
     remote_db = TuningDatabase(tmp_path / "remote" / target.name / "m.jsonl")
     with RPCMeasurer(target, rpc_farm.addr, "x86", parallel=1, request_timeout_s=30) as rm:
-        tune_groups(_groups(target), target, remote_db, rm, trials=6, seed=0, show_progress=False)
+        tune_groups(matmul_groups(target), target, remote_db, rm, trials=6, seed=0, show_progress=False)
     local_db = TuningDatabase(tmp_path / "local" / target.name / "m.jsonl")
     with LocalMeasurer(target) as lm:
-        tune_groups(_groups(target), target, local_db, lm, trials=6, seed=0, show_progress=False)
-        for g in _groups(target):
+        tune_groups(matmul_groups(target), target, local_db, lm, trials=6, seed=0, show_progress=False)
+        for g in matmul_groups(target):
             wl, t = g.rep.workload, g.rep
             rb, lb = remote_db.best(wl.key, wl.target_key, t.bucket), local_db.best(wl.key, wl.target_key, t.bucket)
             assert rb is not None and lb is not None
@@ -84,7 +74,7 @@ def test_killed_server_loses_nothing(tmp_path, rpc_farm, caplog):
     victim = rpc_farm.server("x86")
     rpc_farm.server("x86")
     db = TuningDatabase(tmp_path / target.name / "m.jsonl")
-    groups = _groups(target)
+    groups = matmul_groups(target)
     with RPCMeasurer(target, rpc_farm.addr, "x86", parallel=2, request_timeout_s=10) as rm:
         tune_groups(groups[:1], target, db, rm, trials=3, seed=0, show_progress=False)
         before = len(db)
@@ -113,7 +103,7 @@ def test_no_server_for_key_is_one_line(tmp_path, rpc_farm, capsys):
     start = time.monotonic()
     with RPCMeasurer(target, rpc_farm.addr, "nobody", parallel=2, request_timeout_s=3) as rm:
         with pytest.raises(DeviceUnavailableError, match="no RPC server with key 'nobody'") as err:
-            tune_groups(_groups(target)[:1], target, db, rm, trials=2, show_progress=False)
+            tune_groups(matmul_groups(target)[:1], target, db, rm, trials=2, show_progress=False)
     assert time.monotonic() - start < 60 and "\n" not in str(err.value)
     assert len(db) == 0
 
@@ -166,7 +156,7 @@ def test_hung_server_costs_only_its_candidate(tmp_path, rpc_farm, caplog):
     victim = rpc_farm.server("x86")
     rpc_farm.server("x86")
     db = TuningDatabase(tmp_path / target.name / "m.jsonl")
-    groups = _groups(target)[:1]
+    groups = matmul_groups(target)[:1]
     with RPCMeasurer(target, rpc_farm.addr, "x86", parallel=2, request_timeout_s=5, run_timeout_s=8) as rm:
         tune_groups(groups, target, db, rm, trials=2, seed=0, show_progress=False)  # both sessions open
         stopper = threading.Timer(0.5, os.killpg, args=(victim.pid, signal.SIGSTOP))

@@ -96,6 +96,7 @@ def test_measurer_times_gemvs_cold_and_records_impossible_times_as_errors(target
 
 
 @needs_vnni
+@pytest.mark.alone  # cold vs warm timings compared, over a GB of weights
 def test_cold_gemv_streams_from_dram(target, template):
     """A GEMV over weights larger than the LLC, timed cold, is no faster than 3x the target
     file's DRAM bandwidth; a 0.5 MB one (L2-resident when warm) is clearly slower cold."""
