@@ -24,12 +24,12 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from perfx_compiler.formats.vnni import lut_bytes
+from perfx_compiler.formats.vnni import code_row_bytes, five_bit_codes, lut_bytes
 from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
 
 STEP = 64
 CHUNK = 16
-ROWS_PER_UNIT = {4: 2, 6: 4, 8: 1}  # rows whose codes one code row holds (formats/vnni.py)
+ROWS_PER_UNIT = {4: 2, 5: 8, 6: 4, 8: 1}  # rows whose codes one code row holds (formats/vnni.py)
 
 
 def plan(K: int, G: int) -> dict[str, int]:
@@ -121,7 +121,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     after the other) and ends with ``h = silu(gate) * up`` over its range, read back from its own y
     rows, into a second output h [1, 1, N/2] (see ``passes/fuse_gemv_prologue.py``).
     ``sb``: superblock scales (GGUF K-quants: int8 group values times a float16 d per ``sb`` columns,
-    ``formats/vnni.py``); ``bits == 8`` with ``offset``: unsigned codes and a min (Q5_1, Q5_K);
+    ``formats/vnni.py``); ``bits == 8`` with ``offset``: unsigned codes and a min; ``bits == 5``: 5-bit
+    row octets (:func:`five_bit_codes`; Q5_K / Q5_1 with a min, Q5_0 with zero point 16);
     ``lut`` (int4 pairs of table indices: IQ4): each row's nibbles mapped to code + 128 by ``vpshufb``
     of the table register (:func:`lut_bytes`), then the int8 path."""
     c = {**GEMV_CONFIG, **{k: int(v) for k, v in config.items() if k in GEMV_CONFIG}}
@@ -154,8 +155,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     NSB = K // sb if sb else 0
     GPS = sb // G if sb else 0  # groups per superblock
     QW = N2 // RPU if RPU > 1 else N  # code rows: one per unit
-    QKW = 3 * KP if bits == 6 else KP  # bytes of a code row (6-bit: two nibble rows and the high bits)
-    zconst = 128.0 if lut else {8: 128.0, 6: 32.0, 4: 8.0}[bits]
+    QKW = code_row_bytes(bits, KP)  # bytes of a code row (6-bit / 5-bit: 2 / 4 nibble rows, the high bits)
+    zconst = 128.0 if lut else {8: 128.0, 6: 32.0, 5: 16.0, 4: 8.0}[bits]
     GV = G // 16  # 16-lane vectors per group
     A = split
     quantize_group = quantize_group_macro()
@@ -200,7 +201,10 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
 
     def codes(Q: Any, unit: Any, s_abs: Any, h: Any) -> Any:
         """uint8x64: the 64 codes of row h of ``unit`` in step ``s_abs`` (int4: its nibble of the pair's
-        bytes; 6-bit: the nibble of its pair row, with bits 2h..2h+1 of the high-bits row above it)."""
+        bytes; 6-bit: the nibble of its pair row, with bits 2h..2h+1 of the high-bits row above it;
+        5-bit: likewise with bit h of the octet's high-bits row)."""
+        if bits == 5:
+            return five_bit_codes(Q, unit, s_abs * STEP, h, KP)
         if bits == 6:
             lo = T.shift_right(Q.vload([unit, (h // 2) * KP + s_abs * STEP], "uint8x64"),
                                T.Broadcast(T.Cast("uint8", 4 * (h % 2)), 64)) & T.Broadcast(T.uint8(15), 64)
