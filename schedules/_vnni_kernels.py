@@ -105,7 +105,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     """The GEMV PrimFunc (x, q, scale[, zero|min], y) of one shape for one ``config`` (keys of
     :data:`GEMV_CONFIG`): ``units`` per iteration (rows sharing each activation load), ``tasks``
     (parallel chunks of rows), ``unroll`` (64-byte steps per inner loop); ``prefetch``: software
-    prefetch of each unit's codes that many 64-byte steps ahead (0: none); ``split``: float
+    prefetch of each unit's codes that many 64-byte steps ahead (0: none; 5-bit: each of its 5 streams); ``split``: float
     accumulators per row, taken by turns over the steps (each step's FMA waits only for the one
     ``split`` steps back, not for the previous one); ``hinib`` (int4): the odd row's codes are used as
     ``q & 0xF0`` = 16 x code, the 1/16 folded into its scale vector (exact: a power of two), which
@@ -201,8 +201,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
 
     def codes(Q: Any, unit: Any, s_abs: Any, h: Any) -> Any:
         """uint8x64: the 64 codes of row h of ``unit`` in step ``s_abs`` (int4: its nibble of the pair's
-        bytes; 6-bit: the nibble of its pair row, with bits 2h..2h+1 of the high-bits row above it;
-        5-bit: likewise with bit h of the octet's high-bits row)."""
+        bytes; 6-bit: the nibble of its pair row, with bits 2h..2h+1 of the high-bits row; 5-bit: bit h)."""
         if bits == 5:
             return five_bit_codes(Q, unit, s_abs * STEP, h, KP)
         if bits == 6:
@@ -395,7 +394,13 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                         for so in T.serial(SPC // unroll):
                             for si in T.unroll(unroll):
                                 for u in T.unroll(units):
-                                    if prefetch > 0:
+                                    if prefetch > 0 and bits == 5:  # each of the octet's 5 code streams
+                                        for j in T.unroll(5):
+                                            T.evaluate(prefetch_at(T.address_of(Qf[T.min(
+                                                (ubase(t, it) + u + (c * SPC + so * unroll + si + prefetch) // S) * QKW
+                                                + j * KP + ((c * SPC + so * unroll + si + prefetch) % S) * STEP,
+                                                QW * QKW - STEP)]), PF_LOC))
+                                    elif prefetch > 0:
                                         T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * QKW
                                                                   + (c * SPC + so * unroll + si + prefetch) * STEP,
                                                                   QW * QKW - STEP)]), PF_LOC))
