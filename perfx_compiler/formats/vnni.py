@@ -227,7 +227,7 @@ def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
     return out
 
 
-# GGUF types whose codes take the int4 row-pair layout, the 6-bit row-quad layout (the others take bytes)
+# GGUF types whose codes take the int4 row-pair layout (SIXBIT_TYPES, FIVEBIT_TYPES below: row quads, octets)
 NIBBLE_TYPES = ("Q4_K", "Q2_K", "Q3_K")
 # GGUF types whose codes are indices into a fixed table (int4 row pairs of the indices, see above)
 LUT_TYPES = {"IQ4_XS": "iq4nl", "IQ4_NL": "iq4nl"}
