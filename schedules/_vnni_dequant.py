@@ -1,5 +1,5 @@
 """The VNNI layouts' other readers (``formats/vnni.py``: int4 row pairs, int8 + 128, unsigned
-int8 with a min, superblock scales), used by the ``gemv_qvnni_cpu`` template beside the GEMV of
+int8 with a min, 6-bit row quads, 5-bit row octets, superblock scales), used by the ``gemv_qvnni_cpu`` template beside the GEMV of
 ``_vnni_kernels``: ``dequant`` (prefill: W in float32, row-major or as the packed GEMM's panels)
 and ``take`` (the embedding gather).
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfx_compiler.formats.vnni import code_row_bytes
 from schedules._vnni_kernels import ROWS_PER_UNIT, _without_zero, plan, transpose_tile
 
 
@@ -23,7 +24,7 @@ class _Layout:
         rpu = ROWS_PER_UNIT[bits]
         self.N2 = -(-N // rpu) * rpu
         self.QW = self.N2 // rpu
-        self.QKW = 3 * self.KP if bits == 6 else self.KP  # bytes of a code row
+        self.QKW = code_row_bytes(bits, self.KP)  # bytes of a code row
         self.ST = "int8" if sb else "float16"
         self.ZT = self.ST if offset else "uint8"
         self.SW = self.NGP + (2 * (K // sb) if sb else 0)
@@ -51,6 +52,12 @@ class _Layout:
                                T.uint8(15))
             hb = T.bitwise_and(T.shift_right(Q[row // 4, 2 * self.KP + col], T.Cast("uint8", (row % 4) * 2)), T.uint8(3))
             return (T.Cast("float32", T.bitwise_or(lo, T.shift_left(hb, T.uint8(4)))) - T.float32(32)) * s
+        if self.bits == 5:  # the row's nibble in its pair row, its fifth bit in the octet's last row
+            lo = T.bitwise_and(T.shift_right(Q[row // 8, (row % 8) // 2 * self.KP + col], T.Cast("uint8", (row % 2) * 4)),
+                               T.uint8(15))
+            hb = T.bitwise_and(T.shift_right(Q[row // 8, 4 * self.KP + col], T.Cast("uint8", row % 8)), T.uint8(1))
+            code = T.Cast("float32", T.bitwise_or(lo, T.shift_left(hb, T.uint8(4))))
+            return code * s + mn if self.offset else (code - T.float32(16)) * s
         if self.bits == 8:
             if self.offset:  # unsigned codes as they are, then the min
                 return T.Cast("float32", Q[row, col]) * s + mn

@@ -9,7 +9,9 @@ ggml blocks hold 32 consecutive weights of a row:
 * Q8_0 (34 bytes): d (f16), 32 int8; w = q * d. -> int8, groups of 32: scale d.
 * Q5_0 (22 bytes): d (f16), qh (32 high bits, little-endian), 16 bytes of low nibbles as Q4_0;
   w = (q - 16) * d with q = nibble | high bit << 4. -> int8 codes q - 16 in -16..15, scale d: Q8_0's
-  table and kernels, exactly (5.5 bits a weight in the file, 8.5 in the int8 table).
+  table and kernels, exactly (5.5 bits a weight in the file, 8.5 in the int8 table); under int8
+  activations (``vnni``) the 5-bit row octets of ``formats/vnni.py`` with zero point 16 and the
+  float16 d table instead (5.5 bits a weight, as the file).
 
 Every value (code, scale, min) is copied bit for bit, so the kernels compute with exactly the
 weights the GGUF file describes.
@@ -93,6 +95,13 @@ def packed_from_blocks(
     """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor (``words8``: Q8_0 codes and Q4_0 zeros as uint32 words, for WGSL;
     ``vnni``: its int8-activation variant directly, the same arrays ``Packed.vnni()`` would give)."""
     parts = unpack_blocks(qtype, raw, shape)
+    if qtype == "Q5_0" and vnni:
+        from perfx_compiler.formats.ggml._format import SubScaled
+        from perfx_compiler.formats.vnni import subscaled_vnni_packed
+
+        ones = np.ones(parts[1].shape, dtype=np.int8)  # one level: sub-scale 1, d the block's scale
+        sub = SubScaled(codes=parts[0], scales=ones, mins=None, d=parts[1], dmin=None, group=BLOCK, sb=BLOCK)
+        return subscaled_vnni_packed(sub, qtype)
     if qtype in INT8_TYPES:
         if vnni:
             from perfx_compiler.formats.vnni import q8_vnni_packed

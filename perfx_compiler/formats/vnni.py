@@ -21,13 +21,18 @@ Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
   int4 pair rows of the codes' low nibbles (rows 4q, 4q+1, then 4q+2, 4q+3, as ``q4v``), then one row
   whose byte k holds the four rows' high 2 bits of column k (row 4q+r in bits 2r..2r+1): 6 bits a
   weight, where int8 codes would take 8. Codes are unsigned (zero point 32).
+* 5-bit (``q5v``, GGUF Q5_K / Q5_1 with their min, Q5_0 with zero point 16): codes uint8
+  [ceil(N/8), 5 * KP], one code row per octet of rows: four int4 pair rows of the codes' low nibbles
+  (rows 8o, 8o+1, then 8o+2, 8o+3, ... as ``q4v``), then one row whose byte k holds the eight rows'
+  fifth bits of column k (row 8o+r in bit r): 5 bits a weight, where uint8 codes took 8. Row r's
+  codes: ``nibble | ((hb >> r) & 1) << 4``. Codes are unsigned 0..31.
 * int4 table indices (``lut: iq4nl``: GGUF IQ4_XS / IQ4_NL): the row-pair nibbles of ``q4v`` hold
   4-bit indices into ggml's 16-value non-linear table (``kvalues_iq4nl``, -127..113); the kernels
   map them with one ``vpshufb`` of a register holding the table + 128 (``LUT_U8``) into the int8
   layout's unsigned code + 128, so everything after the lookup is the int8 path (no zero array).
   4.3125 / 4.5 bits a weight (file: 4.25 / 4.5), where int8 codes took 8.3 / 8.5.
-* int8 with a min (``bits 8, offset``: GGUF Q5_1 / Q5_K): codes uint8 [N, KP] are the unsigned
-  codes themselves (no +128); w = code * scale + min.
+* int8 with a min (``bits 8, offset``): codes uint8 [N, KP] are the unsigned codes themselves
+  (no +128); w = code * scale + min. (GGUF Q5_1 / Q5_K took it before the 5-bit layout.)
 * superblock scales (info ``sb: 256``: GGUF K-quants and IQ4_XS, ``formats/ggml``): the group
   (sub-block, G = 16 or 32) scale is an int8 ``sc`` times a float16 ``d`` per 256 columns, and the
   min likewise ``m`` times ``dmin``: w = (d * sc) * code - dmin * m, every product exact in float32.
@@ -186,6 +191,33 @@ def unpack_q6_quads(packed: np.ndarray, n: int, k: int) -> np.ndarray:
     return np.ascontiguousarray((lo | (hi << np.uint8(4)))[:n, :k])
 
 
+def pack_q5_octets(codes: np.ndarray) -> np.ndarray:
+    """Unsigned 5-bit codes [N, K] (0..31) -> uint8 [ceil(N/8), 5 * KP] (see the module docstring)."""
+    n, k = codes.shape
+    kp, n8 = padded_k(k), -(-n // 8) * 8
+    c = np.zeros((n8, kp), dtype=np.uint8)
+    c[:n, :k] = codes
+    lo = pack_q4_pairs(c & np.uint8(15)).reshape(n8 // 8, 4 * kp)
+    hi = (c >> np.uint8(4)) & np.uint8(1)
+    high = np.zeros((n8 // 8, kp), dtype=np.uint8)
+    for r in range(8):
+        high |= hi[r::8] << np.uint8(r)
+    return np.ascontiguousarray(np.concatenate([lo, high], axis=1))
+
+
+def unpack_q5_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    kp = packed.shape[1] // 5
+    lo = unpack_q4_pairs(packed[:, : 4 * kp].reshape(-1, kp), packed.shape[0] * 8, kp)
+    high = packed[:, 4 * kp :]
+    hi = np.stack([(high >> np.uint8(r)) & np.uint8(1) for r in range(8)], axis=1).reshape(-1, kp)
+    return np.ascontiguousarray((lo | (hi << np.uint8(4)))[:n, :k])
+
+
+def code_row_bytes(bits: int, kp: int) -> int:
+    """Bytes of one code row (int4 pair, 6-bit quad, 5-bit octet, int8 row) of a KP-column layout."""
+    return {5: 5 * kp, 6: 3 * kp}.get(bits, kp)
+
+
 def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
     """Unsigned codes [N, K] (int8 with a min: Q5_1 / Q5_K) -> uint8 [N, KP] as they are (padding 0:
     the padded activations are 0, and so is their share of the min term)."""
@@ -195,7 +227,7 @@ def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
     return out
 
 
-# GGUF types whose codes take the int4 row-pair layout, the 6-bit row-quad layout (the others take bytes)
+# GGUF types whose codes take the int4 row-pair layout (SIXBIT_TYPES, FIVEBIT_TYPES below: row quads, octets)
 NIBBLE_TYPES = ("Q4_K", "Q2_K", "Q3_K")
 # GGUF types whose codes are indices into a fixed table (int4 row pairs of the indices, see above)
 LUT_TYPES = {"IQ4_XS": "iq4nl", "IQ4_NL": "iq4nl"}
@@ -221,15 +253,17 @@ def signed_nibbles_with_min(sub: Any, zero: int) -> Any:
     return type(sub)(**{**vars(sub), "codes": (np.asarray(sub.codes, np.int16) + zero).astype(np.uint8),
                         "mins": (np.asarray(sub.scales, np.int16) * zero).astype(np.int8), "dmin": sub.d})
 SIXBIT_TYPES = ("Q6_K",)
-ROWS_PER_UNIT = {4: 2, 6: 4, 8: 1}  # rows one code row holds
+# 5-bit row octets: with their min (Q5_K, Q5_1), or signed with zero point 16 (Q5_0, formats/gguf_blocks.py)
+FIVEBIT_TYPES = ("Q5_K", "Q5_1", "Q5_0")
+ROWS_PER_UNIT = {4: 2, 5: 8, 6: 4, 8: 1}  # rows one code row holds
 
 
 def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor unpacked by ``formats.ggml``
     (``SubScaled``) in the VNNI layout: codes as int4 row pairs (Q4_K, Q2_K, Q3_K), 6-bit row quads
-    (Q6_K), uint8 with a min (Q5_K, Q5_1) or int4 table indices (IQ4_XS, IQ4_NL); superblock scales as
-    described above, or for one-level types (sb == group: Q5_1, IQ4_NL, whose sub-scale is 1) float16
-    group tables."""
+    (Q6_K), 5-bit row octets (Q5_K, Q5_1 with a min; Q5_0 with zero point 16) or int4 table indices
+    (IQ4_XS, IQ4_NL); superblock scales as described above, or for one-level types (sb == group: Q5_1,
+    Q5_0, IQ4_NL, whose sub-scale is 1) float16 group tables."""
     from perfx_compiler.formats import Packed
 
     n, k = sub.codes.shape
@@ -238,7 +272,8 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     if qtype in SIGNED_NIBBLE_TYPES:
         sub, offset = signed_nibbles_with_min(sub, SIGNED_NIBBLE_TYPES[qtype]), True
     lut = LUT_TYPES.get(qtype, "")
-    bits = 4 if qtype in NIBBLE_TYPES or lut else 6 if qtype in SIXBIT_TYPES and not offset else 8
+    bits = (4 if qtype in NIBBLE_TYPES or lut else 6 if qtype in SIXBIT_TYPES and not offset
+            else 5 if qtype in FIVEBIT_TYPES else 8)
     n2 = -(-n // ROWS_PER_UNIT[bits]) * ROWS_PER_UNIT[bits]
     if lut:
         codes = pack_q4_pairs(table_indices(sub.codes, lut))
@@ -246,6 +281,8 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
         codes = pack_q4_pairs(sub.codes)
     elif bits == 6:  # signed codes -32..31 -> unsigned, zero point 32
         codes = pack_q6_quads((np.asarray(sub.codes, dtype=np.int16) + 32).astype(np.uint8))
+    elif bits == 5:  # unsigned with a min as they are; signed (Q5_0: -16..15) -> zero point 16
+        codes = pack_q5_octets(sub.codes if offset else (np.asarray(sub.codes, dtype=np.int16) + 16).astype(np.uint8))
     elif offset:
         codes = pack_q8_raw(sub.codes)
     else:
@@ -256,7 +293,7 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     else:  # one level: scale d, min -dmin (both exact float16)
         scale = pad_groups(np.asarray(sub.d, dtype=np.float16), k, g, n2)
         third = pad_groups(-np.asarray(sub.dmin, dtype=np.float16), k, g, n2) if offset else None
-    fam = {4: "q4", 6: "q6", 8: "q8"}[bits]
+    fam = {4: "q4", 5: "q5", 6: "q6", 8: "q8"}[bits]
     arrays = [(f"_{fam}", codes), (f"_{fam}_scale", scale)] + ([(f"_{fam}_min", third)] if offset else [])
 
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
@@ -322,7 +359,7 @@ def vnni_compute(
     _, ngp = groups_padded(k, group)
     rpu = ROWS_PER_UNIT[bits]
     nu = -(-n // rpu)
-    q = te.placeholder((nu, 3 * kp if bits == 6 else kp), "uint8", name="q")
+    q = te.placeholder((nu, code_row_bytes(bits, kp)), "uint8", name="q")
     sw = scale_width(k, group, sb)
     s = te.placeholder((nu * rpu, sw), "int8" if sb else "float16", name="scale")
     z = None
@@ -345,6 +382,13 @@ def vnni_compute(
             lo = (q[row // 4, (row % 4) // 2 * kp + col] >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")
             hi = (q[row // 4, 2 * kp + col] >> ((row % 4) * 2).astype("uint8")) & tirx.const(3, "uint8")
             return ((lo | (hi << tirx.const(4, "uint8"))).astype("float32") - tirx.const(32.0, "float32")) * sc
+        if bits == 5:
+            lo = (q[row // 8, (row % 8) // 2 * kp + col] >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")
+            hi = (q[row // 8, 4 * kp + col] >> (row % 8).astype("uint8")) & tirx.const(1, "uint8")
+            code = (lo | (hi << tirx.const(4, "uint8"))).astype("float32")
+            if offset:
+                return code * sc + (-factor(z, row, g) if sb else factor(z, row, g))
+            return (code - tirx.const(16.0, "float32")) * sc
         if bits == 8:
             if offset:  # unsigned codes as they are, then the min
                 mn = -factor(z, row, g) if sb else factor(z, row, g)
@@ -416,6 +460,18 @@ def lut_bytes(lut: str, nib: Any) -> Any:
     out = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx512.pshuf.b.512"), table,
                                   T.reinterpret("int8x64", nib), dtype="int8x64")
     return T.reinterpret("uint8x64", out)
+
+
+def five_bit_codes(Q8: Any, octet: Any, col: Any, r: Any, KP: int) -> Any:  # noqa: N803
+    """uint8x64: the codes of row r (0..7) of row octet ``octet``, columns col..col+63, from the 5-bit
+    layout (see the module docstring): the row's nibble of its pair row, and bit r of the high-bits row as bit 4.
+    ``r`` must fold to a constant once the loops unroll (no byte-vector shift by a variable count)."""
+    from tvm.script import tirx as T
+
+    lo = T.shift_right(Q8.vload([octet, (r // 2) * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 4 * (r % 2)), 64))
+    hb = T.shift_right(Q8.vload([octet, 4 * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", r), 64))
+    return (lo & T.Broadcast(T.uint8(15), 64)) | T.shift_left(hb & T.Broadcast(T.uint8(1), 64),
+                                                              T.Broadcast(T.uint8(4), 64))
 
 
 def _prologue(prologue: str, b: Any, m: Any, k: int, eps: float) -> tuple[list[Any], Any, list[Any]]:

@@ -1,4 +1,4 @@
-"""GGUF files as llama.cpp's own quantizer makes them (K-quant mixes, IQ4, Q5_1) compiled with int8
+"""GGUF files as llama.cpp's own quantizer makes them (K-quant mixes, IQ4, Q5_1, Q5_0) compiled with int8
 activations: every block type stays blocks (``formats/ggml`` unpacked, ``formats/vnni`` packed, no
 float32 matrix in the artifact) and the logits follow the float64 reference on the same file's weights
 (gguf-py's dequantization) up to the int8 activations: bound 5e-2 of max |logit|, as
@@ -18,7 +18,7 @@ from tests._cpu import needs_vnni
 from .conftest import compile_options
 
 # llama.cpp ftypes: each a different mix (Q4_K_M: Q4_K + Q6_K; Q3_K_M: Q3_K + Q4_K + Q5_K; Q2_K: Q2_K + Q3_K/Q4_K ...)
-FTYPES = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "Q5_1"]
+FTYPES = ["Q4_K_M", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL", "Q5_1", "Q5_0"]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """The VNNI kernels (GEMV, dequantize, gather) on the GGUF superblock layouts of ``formats/vnni.py``
-(K-quants, IQ4, Q5_1): fresh random codes, group scales and mins and superblock d / dmin in each
+(K-quants, IQ4, Q5_1, Q5_0): fresh random codes, group scales and mins and superblock d / dmin in each
 type's own value ranges, checked against the float64 weights of the documented formula
 w = (d * sc) * code - dmin * m (exact in float32, so the dequantize and gather must match bit for bit)."""
 
@@ -12,7 +12,7 @@ import pytest
 from sched_helpers import needs_vnni
 
 from perfx_compiler.formats.ggml.iq4_nl import KVALUES
-from perfx_compiler.formats.vnni import quantize_activations, subscaled_vnni_packed
+from perfx_compiler.formats.vnni import pack_q5_octets, quantize_activations, subscaled_vnni_packed, unpack_q5_octets
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
 
@@ -26,6 +26,7 @@ TYPES = {
     "IQ4_XS": (32, 256, (-127, 113), (-32, 31), None),
     "IQ4_NL": (32, 32, (-127, 113), (1, 1), None),
     "Q5_1": (32, 32, (0, 31), (1, 1), 1),
+    "Q5_0": (32, 32, (-16, 15), (1, 1), None),  # (formats/gguf_blocks.py makes it, one level, zero point 16)
 }
 
 
@@ -112,36 +113,64 @@ def test_gemv_matches_int8_reference(template, target, qtype, n, k, rows):
         assert np.abs(y.numpy() - ref).max() <= 2e-5 * np.abs(ref).max(), (qtype, cfg)
 
 
-def random_iq4_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Fresh random IQ4_XS / IQ4_NL file bytes [N, K/bw * bb]: random bytes, the f16 d finite."""
-    from perfx_compiler.formats import ggml
+@pytest.mark.parametrize("n,k", [(1, 5), (8, 64), (13, 100), (37, 2304)])
+def test_q5_octets_round_trip(n, k):
+    """pack_q5_octets: per 8 rows, four nibble pair rows and a row of the rows' fifth bits (row r in
+    bit r), checked by that formula per row, and unpacked back to the codes (N not a multiple of 8)."""
+    rng = np.random.default_rng()
+    codes = rng.integers(0, 32, (n, k)).astype(np.uint8)
+    packed = pack_q5_octets(codes)
+    kp = -(-k // 64) * 64
+    assert packed.shape == (-(-n // 8), 5 * kp) and packed.dtype == np.uint8
+    for row in range(n):
+        o, r = divmod(row, 8)
+        lo = (packed[o, (r // 2) * kp : (r // 2) * kp + k] >> (4 * (r % 2))) & 15
+        hb = (packed[o, 4 * kp : 4 * kp + k] >> r) & 1
+        np.testing.assert_array_equal(lo | (hb << 4), codes[row])
+    np.testing.assert_array_equal(unpack_q5_octets(packed, n, k), codes)
+    assert not packed[:, k:kp].any() and not packed[:, 4 * kp + k :].any()  # padding columns hold 0
 
-    fmt = ggml.FORMATS[qtype]
-    b = rng.integers(0, 256, (n, k // fmt.block_weights, fmt.block_bytes), dtype=np.uint8)
-    d = (10.0 ** rng.uniform(-4, -2, b.shape[:2]) * rng.choice([-1.0, 1.0], b.shape[:2])).astype(np.float16)
-    b[:, :, 0:2] = d[..., None].view(np.uint8)
+
+def random_file_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Fresh random GGUF file bytes [N, K/bw * bb] of ``qtype``: random bytes, the f16 fields finite."""
+    from perfx_compiler.formats import ggml
+    from perfx_compiler.formats.gguf_blocks import BLOCK_BYTES
+
+    if qtype in ggml.FORMATS:
+        fmt = ggml.FORMATS[qtype]
+        bw, bb, fields = fmt.block_weights, fmt.block_bytes, fmt.f16_fields
+    else:
+        bw, bb, fields = 32, BLOCK_BYTES[qtype], (0,)
+    b = rng.integers(0, 256, (n, k // bw, bb), dtype=np.uint8)
+    for at in fields:
+        d = (10.0 ** rng.uniform(-4, -2, b.shape[:2]) * rng.choice([-1.0, 1.0], b.shape[:2])).astype(np.float16)
+        b[:, :, at : at + 2] = d[..., None].view(np.uint8)
     return b.reshape(n, -1)
 
 
 @needs_vnni
-@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ4_NL"])
-def test_iq4_table_indices_match_gguf(template, target, qtype):
-    """IQ4 as 4-bit table indices (the kernels' vpshufb / select lookup): dequantize and gather equal
-    gguf-py's dequantization of fresh random blocks bit for bit, the GEMV and the prefill GEMM follow it
-    up to the int8 activations, and the artifact holds at most 1.03x the file's bytes."""
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ4_NL", "Q5_K", "Q5_1", "Q5_0"])
+def test_file_blocks_match_gguf(template, target, qtype):
+    """IQ4 as 4-bit table indices (the kernels' vpshufb / select lookup) and the Q5 types as 5-bit row
+    octets: dequantize and gather equal gguf-py's dequantization of fresh random blocks bit for bit, the
+    GEMV and the prefill GEMM follow it up to the int8 activations, and the artifact holds at most 1.03x
+    the file's bytes."""
     import tvm
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
     from perfx_compiler.formats import ggml
+    from perfx_compiler.formats.gguf_blocks import packed_from_blocks
     from schedules.gemm_qvnni_cpu import TEMPLATE as GEMM
 
     rng = np.random.default_rng()
     n, k = 96, 2048
-    raw = random_iq4_blocks(qtype, n, k, rng)
+    raw = random_file_blocks(qtype, n, k, rng)
     w = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k).astype(np.float32)
-    sub = ggml.FORMATS[qtype].unpack(raw, (n, k))
-    pk = subscaled_vnni_packed(sub, qtype)
+    if qtype in ggml.FORMATS:
+        pk = subscaled_vnni_packed(ggml.FORMATS[qtype].unpack(raw, (n, k)), qtype)
+    else:
+        pk = packed_from_blocks(qtype, raw, (n, k), vnni=True)
     assert sum(a.nbytes for _, a in pk.arrays) <= 1.03 * raw.nbytes
     dev = tvm.cpu()
     arrays = [tvm.runtime.tensor(a, dev) for _, a in pk.arrays]
