@@ -20,6 +20,10 @@ from typing import Any
 # this allows stays far below it (a few buffers per kernel, none nested in a recursion).
 MAX_STACK_BYTES = 8192
 ANNOTATION = "disable_lower_builtin"
+# A PrimFunc attribute: names of scratch buffers that stay in the workspace pool. As allocas, LLVM's SROA
+# splits the attention rows/split bodies' accumulators (read as 16-lane vectors, written as 192-lane ones)
+# into scalars rebuilt with vinsertps: SmolLM2's decode attention ran 5x slower (docs/decisions/attention-cpu.md).
+POOL_SCRATCH_ATTR = "perfx.pool_scratch"
 PIPELINE_NAME = "perfx_cpu"
 
 
@@ -47,20 +51,26 @@ def stack_small_allocs_pass() -> Any:
 
     from perfx_compiler.narrow_index import _map  # structural_map with no exception crossing C++
 
+    pooled: set[str] = set()  # the function being rewritten's POOL_SCRATCH_ATTR
+
     def rewrite(stmt: Any) -> Any:
         ann = dict(stmt.annotations) if stmt.annotations is not None else {}
-        if ANNOTATION in ann or not _stack_scope(stmt.buffer):
+        if ANNOTATION in ann or not _stack_scope(stmt.buffer) or str(stmt.buffer.name) in pooled:
             return stmt
         size = _static_bytes(stmt.buffer)
         if size is None or size <= 0 or size > MAX_STACK_BYTES:
             return stmt
         ann[ANNOTATION] = tirx.IntImm("bool", 1)  # the C++ side reads a Bool (IntImm), not an ffi bool
-        return tirx.AllocBuffer(stmt.buffer, ann, stmt.span)
+        span = stmt.span if isinstance(stmt.span, tvm.ir.Span) else None  # parsed functions carry other spans
+        return tirx.AllocBuffer(stmt.buffer, ann, span)
 
     def transform(func: Any, _mod: Any, _ctx: Any) -> Any:
         target = func.attrs.get("target") if func.attrs is not None else None
         if target is not None and target.get_target_device_type() != 1:  # host (kDLCPU) code only
             return func
+        names = func.attrs.get(POOL_SCRATCH_ATTR, None) if func.attrs is not None else None
+        pooled.clear()
+        pooled.update(str(n) for n in (names or []))
         return func.with_body(_map(func.body, [(tirx.AllocBuffer, rewrite)]))
 
     return tvm.tirx.transform.prim_func_pass(transform, opt_level=0, name="perfx.StackSmallAllocs")

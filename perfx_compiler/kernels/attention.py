@@ -36,6 +36,7 @@ from tvm.script import tirx as T
 
 from perfx_compiler.kernels._attention_common import (
     NEG,
+    ROWS_SCRATCH,
     copy_row,
     fast_exp,
     first_key,
@@ -145,11 +146,11 @@ def cached_attention_kernel(
             pos = T.min(past + s, MAXC - 1)
             qr = T.decl_buffer((G * D,), "float32", scope="local")
             sc = T.decl_buffer((G * KT,), "float32", scope="local")
-            acc = T.decl_buffer((G * D,), "float32", scope="local")
+            racc = T.decl_buffer((G * D,), "float32", scope="local")
             st = T.decl_buffer((3 * G,), "float32", scope="local")  # running max | sum | rescale
             for g in T.serial(G):
                 rope_store(qr, g * D, 1, Q, 0, s, (kh * G + g) * D, COS, SIN, pos, HALF, T.float32(scale))
-            softmax_init(st, acc, G, D)
+            softmax_init(st, racc, G, D)
             # keys lo_key(pos) .. pos in tiles (lo_key is 0 without a window: the terms fold away)
             for kt in T.serial((pos - lo_key(pos)) // KT + 1):
                 if not KV32:
@@ -162,14 +163,14 @@ def cached_attention_kernel(
                     tile_softcap(sc, G, KT, CAP)
                 tile_softmax(sc, st, T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, KT, exp)
                 if not KV32:
-                    tile_pv_kv(acc, sc, st, VF, VS, _kb, (kh * MAXC, RS), lo_key(pos) + kt * KT,
+                    tile_pv_kv(racc, sc, st, VF, VS, _kb, (kh * MAXC, RS), lo_key(pos) + kt * KT,
                                T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, D, KT, L, KVD)
                 else:
-                    tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo_key(pos) + kt * KT,
+                    tile_pv(racc, sc, st, VF, _kb, (kh * MAXC, D), lo_key(pos) + kt * KT,
                             T.min(KT, pos + 1 - lo_key(pos) - kt * KT), G, D, KT, L)
             for g in T.serial(G):
                 for d in T.vectorized(D):
-                    OUT[0, s, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
+                    OUT[0, s, (kh * G + g) * D + d] = racc[g * D + d] / st[G + g]
 
     if body == "tiled":
         if G % int(cfg.get("heads_per_task", G)) or int(cfg.get("q_tile", 8)) < 1:
@@ -206,11 +207,11 @@ def cached_attention_kernel(
                     copy_row(VF, (kh * MAXC + past) * D, V, 0, 0, kh * D, D)
             qr = T.decl_buffer((G * D,), "float32", scope="local")
             sc = T.decl_buffer((G * KT,), "float32", scope="local")
-            acc = T.decl_buffer((G * D,), "float32", scope="local")
+            racc = T.decl_buffer((G * D,), "float32", scope="local")
             st = T.decl_buffer((3 * G,), "float32", scope="local")
             for g in T.serial(G):
                 rope_store(qr, g * D, 1, Q, 0, 0, (kh * G + g) * D, COS, SIN, past, HALF, T.float32(scale))
-            softmax_init(st, acc, G, D)
+            softmax_init(st, racc, G, D)
             if PF > 0:  # the first PF rows; the score loop requests each later row PF keys ahead
                 for j in T.serial(T.min(PF, T.max(hi - lo, 0))):
                     prefetch_kv_row(KF, VF, _kb((kh * MAXC, D), lo + j), D)
@@ -225,19 +226,19 @@ def cached_attention_kernel(
                     tile_softcap(sc, G, KT, CAP)
                 tile_softmax(sc, st, T.min(KT, hi - lo - kt * KT), G, KT, exp)
                 if not KV32:
-                    tile_pv_kv(acc, sc, st, VF, VS, _kb, (kh * MAXC, RS), lo + kt * KT,
+                    tile_pv_kv(racc, sc, st, VF, VS, _kb, (kh * MAXC, RS), lo + kt * KT,
                                T.min(KT, hi - lo - kt * KT), G, D, KT, L, KVD)
                 else:
-                    tile_pv(acc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
+                    tile_pv(racc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
                             T.min(KT, hi - lo - kt * KT), G, D, KT, L)
             if SPL == 1:  # one chunk per kv head: the task's heads are final, no partials to merge
                 for g in T.serial(G):
                     for d in T.vectorized(D):
-                        OUT[0, 0, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
+                        OUT[0, 0, (kh * G + g) * D + d] = racc[g * D + d] / st[G + g]
             else:
                 for g in T.serial(G):
                     for d in T.vectorized(D):
-                        ws[(t * G + g) * W + d] = acc[g * D + d]
+                        ws[(t * G + g) * W + d] = racc[g * D + d]
                     ws[(t * G + g) * W + D] = st[g]
                     ws[(t * G + g) * W + D + 1] = st[G + g]
 
@@ -315,7 +316,11 @@ def cached_attention_kernel(
         else:
             step_body(Q, K, V, KF, VF, KF, VF, COS, SIN, OUT, past, seq)
 
-    return cached_attention
+    if body == "tiled":
+        return cached_attention
+    from perfx_compiler.stack_alloca import POOL_SCRATCH_ATTR
+
+    return cached_attention.with_attr(POOL_SCRATCH_ATTR, list(ROWS_SCRATCH))
 
 
 def untuned_attention_kernel(
@@ -347,7 +352,11 @@ def untuned_attention_kernel(
         info["softcap"] = float(softcap)
     if kv_dtype(kv_cache) != "float32":  # a float32 cache's tag (and tuning records) are unchanged
         info["kv_cache"] = kv_dtype(kv_cache)
-    func = func.without_attr("tirx.is_scheduled").with_attr(ATTR, json.dumps(info, sort_keys=True))
+    from perfx_compiler.stack_alloca import POOL_SCRATCH_ATTR
+
+    # without the scratch attribute: the workload key (a structural hash) stays what the records were tuned for
+    func = func.without_attr("tirx.is_scheduled").without_attr(POOL_SCRATCH_ATTR)
+    func = func.with_attr(ATTR, json.dumps(info, sort_keys=True))
     if kind == "decode":  # the tuner times decode over a half-full cache, not a random few tokens
         func = func.with_attr("perfx.tune_inputs", json.dumps({"PAST": max_context // 2}))
     return func

@@ -15,6 +15,7 @@ from typing import Any
 from tvm.script import tirx as T
 
 from perfx_compiler.kernels._attention_common import (
+    ROWS_SCRATCH,
     copy_row,
     fast_exp,
     first_key,
@@ -157,21 +158,23 @@ def paged_attention_kernel(
                 p = T.Cast("int64", POS[b]) + s
                 qr = T.decl_buffer((G * D,), "float32", scope="local")
                 sc = T.decl_buffer((G * KT,), "float32", scope="local")
-                acc = T.decl_buffer((G * D,), "float32", scope="local")
+                racc = T.decl_buffer((G * D,), "float32", scope="local")
                 st = T.decl_buffer((3 * G,), "float32", scope="local")  # running max | sum | rescale
                 for g in T.serial(G):
                     rope_store(qr, g * D, 1, Q, b, s, (kh * G + g) * D, COS, SIN, p, HALF, T.float32(scale))
-                softmax_init(st, acc, G, D)
+                softmax_init(st, racc, G, D)
                 for kt in T.serial((p - lo_key(p)) // KT + 1):
                     tile_scores(sc, qr, KF, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
                                 T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L, 0, 0)
                     if CAP > 0:
                         tile_softcap(sc, G, KT, CAP)
                     tile_softmax(sc, st, T.min(KT, p + 1 - lo_key(p) - kt * KT), G, KT, exp)
-                    tile_pv(acc, sc, st, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
+                    tile_pv(racc, sc, st, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
                             T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L)
                 for g in T.serial(G):
                     for d in T.vectorized(D):
-                        OUT[b, s, (kh * G + g) * D + d] = acc[g * D + d] / st[G + g]
+                        OUT[b, s, (kh * G + g) * D + d] = racc[g * D + d] / st[G + g]
 
-    return paged_attention_func(H, KVH, D, MAXC, PS, dtype, index_dtype, body)
+    from perfx_compiler.stack_alloca import POOL_SCRATCH_ATTR
+
+    return paged_attention_func(H, KVH, D, MAXC, PS, dtype, index_dtype, body).with_attr(POOL_SCRATCH_ATTR, list(ROWS_SCRATCH))

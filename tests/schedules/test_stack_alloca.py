@@ -75,3 +75,35 @@ def test_tuner_and_sweeps_build_with_the_artifact_pipeline() -> None:
     assert want["perfx_cpu"] < want["default"], want
     for build in (build_func, _compile):
         assert build(_kernel, target).inspect_source("ll").count("TVMBackendAllocWorkspace") == want["perfx_cpu"]
+
+
+@pytest.mark.parametrize("body", ["split", "rows", "tiled"])
+def test_attention_scratch_where_it_is_fast(body: str) -> None:
+    """The rows and split attention bodies keep their vector scratch in the workspace pool (as allocas
+    LLVM scalarized their accumulators: the decode body ran 5x slower); their scalars and the tiled
+    body's scratch go on the stack, where they are faster."""
+    from tvm import tirx
+
+    from perfx_compiler.kernels._attention_common import ROWS_SCRATCH
+    from perfx_compiler.kernels.attention import cached_attention_kernel
+    from perfx_compiler.narrow_index import _map
+    from perfx_compiler.stack_alloca import ANNOTATION, stack_small_allocs_pass
+
+    cfg = {"split": {"body": "split", "k_tile": 64, "splits": 2, "lanes": 16},
+           "rows": {"body": "rows", "k_tile": 64, "lanes": 16},
+           "tiled": {"body": "tiled", "k_tile": 32, "q_tile": 16, "heads_per_task": 3, "key_block": 2, "lanes": 16}}[body]
+    mod = tvm.IRModule({"main": cached_attention_kernel(9, 3, 64, 256, config=cfg)})
+    placed: dict[str, set[bool]] = {}
+
+    def seen(stmt):
+        stacked = stmt.annotations is not None and ANNOTATION in stmt.annotations
+        placed.setdefault(str(stmt.buffer.name), set()).add(stacked)
+        return stmt
+
+    _map(stack_small_allocs_pass()(mod)["main"].body, [(tirx.AllocBuffer, seen)])
+    pooled = {n for n, s in placed.items() if s == {False}}
+    if body == "tiled":
+        assert not pooled & set(ROWS_SCRATCH) and len(pooled) < len(placed) // 2, placed
+    else:
+        assert {"qr", "sc", "racc", "st"} <= pooled <= set(ROWS_SCRATCH), placed
+        assert placed["kh"] == {True}  # a scalar: on the stack
