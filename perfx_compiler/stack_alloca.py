@@ -16,14 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfx_compiler.kernels import POOL_SCRATCH_ATTR
+
 # Per buffer. Worker threads of TVM's pool have the default 8 MiB stack; the largest kernel frame
 # this allows stays far below it (a few buffers per kernel, none nested in a recursion).
 MAX_STACK_BYTES = 8192
 ANNOTATION = "disable_lower_builtin"
-# A PrimFunc attribute: names of scratch buffers that stay in the workspace pool. As allocas, LLVM's SROA
-# splits the attention rows/split bodies' accumulators (read as 16-lane vectors, written as 192-lane ones)
-# into scalars rebuilt with vinsertps: SmolLM2's decode attention ran 5x slower (docs/decisions/attention-cpu.md).
-POOL_SCRATCH_ATTR = "perfx.pool_scratch"
 PIPELINE_NAME = "perfx_cpu"
 
 

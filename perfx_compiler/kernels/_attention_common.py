@@ -22,7 +22,7 @@ from perfx_compiler.kernels._lanes import add, fold_lanes, vector_type
 
 NEG = -3.0e38  # "minus infinity" of the running max: finite, so exp(NEG - m) is 0, never NaN
 # The rows and split bodies' scratch buffers, kept in TVM's workspace pool rather than on the stack
-# (stack_alloca.POOL_SCRATCH_ATTR: as allocas LLVM scalarizes them; the decode body ran 5x slower).
+# (kernels.POOL_SCRATCH_ATTR: as allocas LLVM scalarizes them; the decode body ran 5x slower).
 ROWS_SCRATCH = ("qr", "sc", "racc", "st", "ws", "cm", "ao")
 
 

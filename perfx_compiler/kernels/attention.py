@@ -318,7 +318,7 @@ def cached_attention_kernel(
 
     if body == "tiled":
         return cached_attention
-    from perfx_compiler.stack_alloca import POOL_SCRATCH_ATTR
+    from perfx_compiler.kernels import POOL_SCRATCH_ATTR
 
     return cached_attention.with_attr(POOL_SCRATCH_ATTR, list(ROWS_SCRATCH))
 
@@ -352,7 +352,7 @@ def untuned_attention_kernel(
         info["softcap"] = float(softcap)
     if kv_dtype(kv_cache) != "float32":  # a float32 cache's tag (and tuning records) are unchanged
         info["kv_cache"] = kv_dtype(kv_cache)
-    from perfx_compiler.stack_alloca import POOL_SCRATCH_ATTR
+    from perfx_compiler.kernels import POOL_SCRATCH_ATTR
 
     # without the scratch attribute: the workload key (a structural hash) stays what the records were tuned for
     func = func.without_attr("tirx.is_scheduled").without_attr(POOL_SCRATCH_ATTR)

@@ -175,6 +175,6 @@ def paged_attention_kernel(
                     for d in T.vectorized(D):
                         OUT[b, s, (kh * G + g) * D + d] = racc[g * D + d] / st[G + g]
 
-    from perfx_compiler.stack_alloca import POOL_SCRATCH_ATTR
+    from perfx_compiler.kernels import POOL_SCRATCH_ATTR
 
     return paged_attention_func(H, KVH, D, MAXC, PS, dtype, index_dtype, body).with_attr(POOL_SCRATCH_ATTR, list(ROWS_SCRATCH))
