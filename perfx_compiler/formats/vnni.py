@@ -214,8 +214,8 @@ def unpack_q5_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
 
 
 def code_row_bytes(bits: int, kp: int) -> int:
-    """Bytes of one code row (int4 pair, 6-bit quad, 5-bit octet, int8 row) of a KP-column layout."""
-    return {5: 5 * kp, 6: 3 * kp}.get(bits, kp)
+    """Bytes of one code row (int4 pair, 2-bit / 6-bit quad, 3-bit / 5-bit octet, int8 row) of a KP-column layout."""
+    return {3: 3 * kp, 5: 5 * kp, 6: 3 * kp}.get(bits, kp)
 
 
 def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
@@ -255,7 +255,9 @@ def signed_nibbles_with_min(sub: Any, zero: int) -> Any:
 SIXBIT_TYPES = ("Q6_K",)
 # 5-bit row octets: with their min (Q5_K, Q5_1), or signed with zero point 16 (Q5_0, formats/gguf_blocks.py)
 FIVEBIT_TYPES = ("Q5_K", "Q5_1", "Q5_0")
-ROWS_PER_UNIT = {4: 2, 5: 8, 6: 4, 8: 1}  # rows one code row holds
+# 2-bit row quads (Q2_K, with its min) and 3-bit row octets (Q3_K's code + 4, zero point 4): formats/vnni_lowbit.py
+LOWBIT_TYPES = {"Q2_K": 2, "Q3_K": 3}
+ROWS_PER_UNIT = {2: 4, 3: 8, 4: 2, 5: 8, 6: 4, 8: 1}  # rows one code row holds
 
 
 def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
@@ -265,17 +267,20 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     (IQ4_XS, IQ4_NL); superblock scales as described above, or for one-level types (sb == group: Q5_1,
     Q5_0, IQ4_NL, whose sub-scale is 1) float16 group tables."""
     from perfx_compiler.formats import Packed
+    from perfx_compiler.formats.vnni_lowbit import pack_q2_quads, pack_q3_octets
 
     n, k = sub.codes.shape
     g, offset = int(sub.group), sub.mins is not None
     sb = 0 if int(sub.sb) == g else int(sub.sb)
-    if qtype in SIGNED_NIBBLE_TYPES:
-        sub, offset = signed_nibbles_with_min(sub, SIGNED_NIBBLE_TYPES[qtype]), True
     lut = LUT_TYPES.get(qtype, "")
-    bits = (4 if qtype in NIBBLE_TYPES or lut else 6 if qtype in SIXBIT_TYPES and not offset
-            else 5 if qtype in FIVEBIT_TYPES else 8)
+    bits = LOWBIT_TYPES.get(qtype) or (4 if qtype in NIBBLE_TYPES or lut else 6 if qtype in SIXBIT_TYPES and not offset
+                                       else 5 if qtype in FIVEBIT_TYPES else 8)
     n2 = -(-n // ROWS_PER_UNIT[bits]) * ROWS_PER_UNIT[bits]
-    if lut:
+    if bits == 2:  # unsigned 0..3 with the min
+        codes = pack_q2_quads(sub.codes)
+    elif bits == 3:  # signed -4..3 -> unsigned, zero point 4 (the same correction as a min d * (4 sc), exactly)
+        codes = pack_q3_octets((np.asarray(sub.codes, dtype=np.int16) + 4).astype(np.uint8))
+    elif lut:
         codes = pack_q4_pairs(table_indices(sub.codes, lut))
     elif bits == 4:
         codes = pack_q4_pairs(sub.codes)
@@ -293,7 +298,7 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     else:  # one level: scale d, min -dmin (both exact float16)
         scale = pad_groups(np.asarray(sub.d, dtype=np.float16), k, g, n2)
         third = pad_groups(-np.asarray(sub.dmin, dtype=np.float16), k, g, n2) if offset else None
-    fam = {4: "q4", 5: "q5", 6: "q6", 8: "q8"}[bits]
+    fam = f"q{bits}"
     arrays = [(f"_{fam}", codes), (f"_{fam}_scale", scale)] + ([(f"_{fam}_min", third)] if offset else [])
 
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
@@ -382,13 +387,13 @@ def vnni_compute(
             lo = (q[row // 4, (row % 4) // 2 * kp + col] >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")
             hi = (q[row // 4, 2 * kp + col] >> ((row % 4) * 2).astype("uint8")) & tirx.const(3, "uint8")
             return ((lo | (hi << tirx.const(4, "uint8"))).astype("float32") - tirx.const(32.0, "float32")) * sc
-        if bits == 5:
-            lo = (q[row // 8, (row % 8) // 2 * kp + col] >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")
-            hi = (q[row // 8, 4 * kp + col] >> (row % 8).astype("uint8")) & tirx.const(1, "uint8")
-            code = (lo | (hi << tirx.const(4, "uint8"))).astype("float32")
+        if bits in (2, 3, 5):
+            from perfx_compiler.formats.vnni_lowbit import scalar_code
+
+            code = scalar_code(bits, lambda u, at: q[u, at], row, col, kp).astype("float32")
             if offset:
                 return code * sc + (-factor(z, row, g) if sb else factor(z, row, g))
-            return (code - tirx.const(16.0, "float32")) * sc
+            return (code - tirx.const({3: 4.0, 5: 16.0}[bits], "float32")) * sc
         if bits == 8:
             if offset:  # unsigned codes as they are, then the min
                 mn = -factor(z, row, g) if sb else factor(z, row, g)
@@ -460,18 +465,6 @@ def lut_bytes(lut: str, nib: Any) -> Any:
     out = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx512.pshuf.b.512"), table,
                                   T.reinterpret("int8x64", nib), dtype="int8x64")
     return T.reinterpret("uint8x64", out)
-
-
-def five_bit_codes(Q8: Any, octet: Any, col: Any, r: Any, KP: int) -> Any:  # noqa: N803
-    """uint8x64: the codes of row r (0..7) of row octet ``octet``, columns col..col+63, from the 5-bit
-    layout (see the module docstring): the row's nibble of its pair row, and bit r of the high-bits row as bit 4.
-    ``r`` must fold to a constant once the loops unroll (no byte-vector shift by a variable count)."""
-    from tvm.script import tirx as T
-
-    lo = T.shift_right(Q8.vload([octet, (r // 2) * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 4 * (r % 2)), 64))
-    hb = T.shift_right(Q8.vload([octet, 4 * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", r), 64))
-    return (lo & T.Broadcast(T.uint8(15), 64)) | T.shift_left(hb & T.Broadcast(T.uint8(1), 64),
-                                                              T.Broadcast(T.uint8(4), 64))
 
 
 def _prologue(prologue: str, b: Any, m: Any, k: int, eps: float) -> tuple[list[Any], Any, list[Any]]:

@@ -1,0 +1,96 @@
+"""The 2- and 3-bit code layouts of the VNNI kernels (``formats/vnni.py``; GGUF Q2_K and Q3_K), and the
+per-row code unpacking the kernels share for the bit-plane layouts (2-, 3- and 5-bit).
+
+* 2-bit (``q2v``, GGUF Q2_K with its min): codes uint8 [ceil(N/4), KP], one code row per quad of rows:
+  byte k holds the four rows' codes of column k (row 4q+r in bits 2r..2r+1): 2 bits a weight.
+* 3-bit (``q3v``, GGUF Q3_K as ``code + 4``, zero point 4): codes uint8 [ceil(N/8), 3 * KP], one code
+  row per octet of rows: two 2-bit quad rows of the codes' low 2 bits (rows 8o..8o+3, then
+  8o+4..8o+7, as ``q2v``), then one row whose byte k holds the eight rows' third bits of column k (row
+  8o+r in bit r): 3 bits a weight. Row r's codes: ``(quad >> 2 (r % 4)) & 3 | ((hb >> r) & 1) << 2``.
+
+Padding rows and columns hold code 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from perfx_compiler.formats.vnni import padded_k
+
+
+def _padded(codes: np.ndarray, rows: int) -> np.ndarray:
+    n, k = codes.shape
+    c = np.zeros((-(-n // rows) * rows, padded_k(k)), dtype=np.uint8)
+    c[:n, :k] = codes
+    return c
+
+
+def pack_q2_quads(codes: np.ndarray) -> np.ndarray:
+    """Unsigned 2-bit codes [N, K] (0..3) -> uint8 [ceil(N/4), KP] (see the module docstring)."""
+    c = _padded(codes, 4)
+    out = np.zeros((c.shape[0] // 4, c.shape[1]), dtype=np.uint8)
+    for r in range(4):
+        out |= (c[r::4] & np.uint8(3)) << np.uint8(2 * r)
+    return out
+
+
+def unpack_q2_quads(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    q = np.stack([(packed >> np.uint8(2 * r)) & np.uint8(3) for r in range(4)], axis=1).reshape(-1, packed.shape[1])
+    return np.ascontiguousarray(q[:n, :k])
+
+
+def pack_q3_octets(codes: np.ndarray) -> np.ndarray:
+    """Unsigned 3-bit codes [N, K] (0..7) -> uint8 [ceil(N/8), 3 * KP] (see the module docstring)."""
+    c = _padded(codes, 8)
+    kp = c.shape[1]
+    lo = pack_q2_quads(c & np.uint8(3)).reshape(-1, 2 * kp)
+    high = np.zeros((c.shape[0] // 8, kp), dtype=np.uint8)
+    for r in range(8):
+        high |= ((c[r::8] >> np.uint8(2)) & np.uint8(1)) << np.uint8(r)
+    return np.ascontiguousarray(np.concatenate([lo, high], axis=1))
+
+
+def unpack_q3_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    kp = packed.shape[1] // 3
+    lo = unpack_q2_quads(packed[:, : 2 * kp].reshape(-1, kp), packed.shape[0] * 8, kp)
+    high = packed[:, 2 * kp :]
+    hi = np.stack([(high >> np.uint8(r)) & np.uint8(1) for r in range(8)], axis=1).reshape(-1, kp)
+    return np.ascontiguousarray((lo | (hi << np.uint8(2)))[:n, :k])
+
+
+def scalar_code(bits: int, q: Any, row: Any, col: Any, kp: int) -> Any:
+    """uint8 code (row, col) of the 2-, 3- or 5-bit layout; ``q(unit, byte)`` loads one code byte (a TE
+    placeholder's or a buffer's)."""
+    from tvm import tirx
+
+    def part(unit: Any, at: Any, shift: Any, mask: int) -> Any:
+        return (q(unit, at) >> shift.astype("uint8")) & tirx.const(mask, "uint8")
+
+    if bits == 2:
+        return part(row // 4, col, (row % 4) * 2, 3)
+    if bits == 3:
+        lo = part(row // 8, (row % 8) // 4 * kp + col, (row % 4) * 2, 3)
+        return lo | (part(row // 8, 2 * kp + col, row % 8, 1) << tirx.const(2, "uint8"))
+    lo = part(row // 8, (row % 8) // 2 * kp + col, (row % 2) * 4, 15)
+    return lo | (part(row // 8, 4 * kp + col, row % 8, 1) << tirx.const(4, "uint8"))
+
+
+def unit_codes(bits: int, Q8: Any, unit: Any, col: Any, r: Any, KP: int) -> Any:  # noqa: N803
+    """uint8x64: the codes of row r of code row ``unit`` (a quad for 2 bits, an octet for 3 and 5),
+    columns col..col+63: the row's bits of its low-bits row (2 / 2 / 4 of them), with (3, 5 bits) bit
+    r of the high-bits row on top. ``r`` must fold to a constant once the loops unroll (no byte-vector
+    shift by a variable count)."""
+    from tvm.script import tirx as T
+
+    def part(at: Any, shift: Any, mask: int) -> Any:
+        return T.shift_right(Q8.vload([unit, at], "uint8x64"), T.Broadcast(T.Cast("uint8", shift), 64)) & T.Broadcast(
+            T.uint8(mask), 64)
+
+    if bits == 2:
+        return part(col, 2 * r, 3)
+    lb = 2 if bits == 3 else 4  # bits of a code in its low-bits row
+    rows = 8 // lb  # rows a low-bits row holds
+    lo = part((r // rows) * KP + col, lb * (r % rows), (1 << lb) - 1)
+    return lo | T.shift_left(part(lb * KP + col, r, 1), T.Broadcast(T.uint8(lb), 64))
