@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from perfx_compiler.formats.vnni import ROWS_PER_UNIT, code_row_bytes, lut_bytes  # (rows one code row holds)
-from perfx_compiler.formats.vnni_lowbit import unit_codes
+from perfx_compiler.formats.vnni_lowbit import code_scale, unit_codes
 from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
 
 STEP = 64
@@ -203,7 +203,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         """uint8x64: the 64 codes of row h of ``unit`` in step ``s_abs`` (int4: its nibble of the pair's
         bytes; 6-bit: the nibble of its pair row, with bits 2h..2h+1 of the high-bits row; 5-bit: bit h)."""
         if bits in (2, 3, 5):
-            return unit_codes(bits, Q, unit, s_abs * STEP, h, KP)
+            return unit_codes(bits, Q, unit, s_abs * STEP, h, KP, scaled=True)
         if bits == 6:
             lo = T.shift_right(Q.vload([unit, (h // 2) * KP + s_abs * STEP], "uint8x64"),
                                T.Broadcast(T.Cast("uint8", 4 * (h % 2)), 64)) & T.Broadcast(T.uint8(15), 64)
@@ -223,7 +223,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         return T.uint8(0) if hi else T.Cast("uint8", 4 * h)
 
     def hscale(h: Any) -> Any:
-        return T.Select(h == 0, T.float32(1), T.float32(1.0 / 16)) if hi else T.float32(1)
+        return code_scale(bits, h) if bits in (2, 3) else T.Select(h == 0, T.float32(1), T.float32(1.0 / 16)) if hi else T.float32(1)
 
     def lane_group(s_local: int, h: int) -> int:
         """Group (relative to the chunk's first) of lane half h in the chunk's s_local-th step."""

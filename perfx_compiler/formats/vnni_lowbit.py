@@ -77,17 +77,41 @@ def scalar_code(bits: int, q: Any, row: Any, col: Any, kp: int) -> Any:
     return lo | (part(row // 8, 4 * kp + col, row % 8, 1) << tirx.const(4, "uint8"))
 
 
-def unit_codes(bits: int, Q8: Any, unit: Any, col: Any, r: Any, KP: int) -> Any:  # noqa: N803
-    """uint8x64: the codes of row r of code row ``unit`` (a quad for 2 bits, an octet for 3 and 5),
-    columns col..col+63: the row's bits of its low-bits row (2 / 2 / 4 of them), with (3, 5 bits) bit
-    r of the high-bits row on top. ``r`` must fold to a constant once the loops unroll (no byte-vector
-    shift by a variable count)."""
+def code_exponent(bits: int, r: Any) -> Any:
+    """e of :func:`unit_codes`' ``scaled`` codes of row r (2, 3 bits): they are code * 2^e (e <= 4)."""
+    from tvm import tirx
+
+    return 2 * (r % 4) - (tirx.Select(r % 4 == 3, 2, 0) if bits == 3 else 0)
+
+
+def code_scale(bits: int, r: Any) -> Any:
+    """float32 2^-e: what the GEMV's row scales take for the ``scaled`` codes of row r (exact)."""
     from tvm.script import tirx as T
 
-    def part(at: Any, shift: Any, mask: int) -> Any:
-        return T.shift_right(Q8.vload([unit, at], "uint8x64"), T.Broadcast(T.Cast("uint8", shift), 64)) & T.Broadcast(
-            T.uint8(mask), 64)
+    return T.float32(1) / T.Cast("float32", T.shift_left(T.int32(1), code_exponent(bits, r)))
 
+
+def unit_codes(bits: int, Q8: Any, unit: Any, col: Any, r: Any, KP: int, scaled: bool = False) -> Any:  # noqa: N803
+    """uint8x64: the codes of row r of code row ``unit`` (a quad for 2 bits, an octet for 3 and 5),
+    columns col..col+63: the row's bits of its low-bits row (2 / 2 / 4 of them), with (3, 5 bits) bit
+    r of the high-bits row on top. ``scaled`` (2, 3 bits): code * 2^e instead (:func:`code_exponent`), the
+    row's 2-bit field masked where it lies (no shift; row 3 of a quad two bits down to leave room for the
+    third bit): one shift fewer a row, the GEMV folds 2^-e into the row's scales (exact). ``r`` must fold
+    to a constant once the loops unroll (no byte-vector shift by a variable count)."""
+    from tvm.script import tirx as T
+
+    def part(at: Any, shift: Any, mask: Any) -> Any:
+        return T.shift_right(Q8.vload([unit, at], "uint8x64"), T.Broadcast(T.Cast("uint8", shift), 64)) & T.Broadcast(
+            T.Cast("uint8", mask), 64)
+
+    if scaled and bits in (2, 3):
+        e = code_exponent(bits, r)
+        lo = part(col if bits == 2 else (r // 4) * KP + col, 2 * (r % 4) - e, T.shift_left(T.int32(3), e))
+        if bits == 2:
+            return lo
+        hb = T.shift_left(T.shift_right(Q8.vload([unit, 2 * KP + col], "uint8x64"), T.Broadcast(
+            T.Cast("uint8", T.max(r - e - 2, 0)), 64)), T.Broadcast(T.Cast("uint8", T.max(e + 2 - r, 0)), 64))
+        return lo | (hb & T.Broadcast(T.Cast("uint8", T.shift_left(T.int32(4), e)), 64))
     if bits == 2:
         return part(col, 2 * r, 3)
     lb = 2 if bits == 3 else 4  # bits of a code in its low-bits row
