@@ -26,6 +26,8 @@ Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
   (rows 8o, 8o+1, then 8o+2, 8o+3, ... as ``q4v``), then one row whose byte k holds the eight rows'
   fifth bits of column k (row 8o+r in bit r): 5 bits a weight, where uint8 codes took 8. Row r's
   codes: ``nibble | ((hb >> r) & 1) << 4``. Codes are unsigned 0..31.
+* 2-bit (``q2v``, GGUF Q2_K with its min) and 3-bit (``q3v``, GGUF Q3_K as code + 4, zero point 4):
+  one code row per quad / octet of rows, in ``formats/vnni_lowbit.py``; 2 / 3 bits a weight.
 * int4 table indices (``lut: iq4nl``: GGUF IQ4_XS / IQ4_NL): the row-pair nibbles of ``q4v`` hold
   4-bit indices into ggml's 16-value non-linear table (``kvalues_iq4nl``, -127..113); the kernels
   map them with one ``vpshufb`` of a register holding the table + 128 (``LUT_U8``) into the int8
@@ -227,7 +229,7 @@ def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
     return out
 
 
-# GGUF types whose codes take the int4 row-pair layout (SIXBIT_TYPES, FIVEBIT_TYPES below: row quads, octets)
+# GGUF types whose codes are nibbles (the float-activation layout; under VNNI LOWBIT_TYPES below take Q2_K, Q3_K)
 NIBBLE_TYPES = ("Q4_K", "Q2_K", "Q3_K")
 # GGUF types whose codes are indices into a fixed table (int4 row pairs of the indices, see above)
 LUT_TYPES = {"IQ4_XS": "iq4nl", "IQ4_NL": "iq4nl"}
@@ -262,7 +264,8 @@ ROWS_PER_UNIT = {2: 4, 3: 8, 4: 2, 5: 8, 6: 4, 8: 1}  # rows one code row holds
 
 def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor unpacked by ``formats.ggml``
-    (``SubScaled``) in the VNNI layout: codes as int4 row pairs (Q4_K, Q2_K, Q3_K), 6-bit row quads
+    (``SubScaled``) in the VNNI layout: codes as int4 row pairs (Q4_K), 2-bit row quads (Q2_K), 3-bit
+    row octets (Q3_K, zero point 4), 6-bit row quads
     (Q6_K), 5-bit row octets (Q5_K, Q5_1 with a min; Q5_0 with zero point 16) or int4 table indices
     (IQ4_XS, IQ4_NL); superblock scales as described above, or for one-level types (sb == group: Q5_1,
     Q5_0, IQ4_NL, whose sub-scale is 1) float16 group tables."""
