@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from perfx_compiler.formats.vnni import code_row_bytes
-from perfx_compiler.formats.vnni_lowbit import scalar_code
+from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scalar_code, scale_times_4
 from schedules._vnni_kernels import ROWS_PER_UNIT, _without_zero, plan, transpose_tile
 
 
@@ -28,7 +28,7 @@ class _Layout:
         self.QKW = code_row_bytes(bits, self.KP)  # bytes of a code row
         self.ST = "int8" if sb else "float16"
         self.ZT = self.ST if offset else "uint8"
-        self.SW = self.NGP + (2 * (K // sb) if sb else 0)
+        self.SW = self.NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # (3-bit: d in the values' low bits)
         # int8 codes without a min, and table indices (IQ4), take no zero/min array
         self.has_z = (bits == 4 and not lut) or offset
 
@@ -38,6 +38,8 @@ class _Layout:
 
         if not self.sb:
             return T.Cast("float32", A[row, g])
+        if self.bits == 3:
+            return T.Cast("float32", scale_times_4(A[row, g])) * d_of_bytes(lambda r, c: A[r, c], row, g)
         d = Ad[row * (self.SW // 2) + self.NGP // 2 + g // (self.sb // self.G)]
         return T.Cast("float32", A[row, g]) * T.Cast("float32", d)
 

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from perfx_compiler.formats.vnni import ROWS_PER_UNIT, code_row_bytes, lut_bytes  # (rows one code row holds)
-from perfx_compiler.formats.vnni_lowbit import code_scale, unit_codes
+from perfx_compiler.formats.vnni_lowbit import code_scale, d_of_word, scale_times_4, unit_codes
 from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
 
 STEP = 64
@@ -151,8 +151,10 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     UG = unroll * STEP // G  # groups advanced per unrolled inner loop (>= 1 by validity)
     ST = "int8" if sb else "float16"  # scale / min element type
     ZT = ST if offset else "uint8"
-    SW = NGP + (2 * (K // sb) if sb else 0)  # scale row: groups, then the superblocks' float16 d bytes
+    SW = NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # scale row: groups, then the superblocks' d (3-bit: in their low bits)
     NSB = K // sb if sb else 0
+    # the superblock scale rows viewed for d: float16 (after each row's groups), 3-bit uint64 (pext)
+    DT, DW = ("uint64", 8) if bits == 3 else ("float16", 2)
     GPS = sb // G if sb else 0  # groups per superblock
     QW = N2 // RPU if RPU > 1 else N  # code rows: one per unit
     QKW = code_row_bytes(bits, KP)  # bytes of a code row (6-bit / 5-bit: 2 / 4 nibble rows, the high bits)
@@ -243,14 +245,13 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         superblock or of 8, so the 16 lanes span one or two superblocks; pad groups read the last d)."""
         if not sb:
             return T.Cast("float32x16", A.vload([row, c0], "float16x16"))
-        base = row * (SW // 2) + NGP // 2
-
-        def d(j: Any) -> Any:
-            return T.Broadcast(T.Cast("float32", Ad[base + T.min(j, NSB - 1)]), 16)
+        def d(j: Any) -> Any:  # (3-bit: Ad is the uint64 view, d / 4 in a superblock's first 8 values)
+            return T.Broadcast(d_of_word(Ad[row * (SW // 8) + T.min(j, NSB - 1) * (GPS // 8)]) if bits == 3
+                               else T.Cast("float32", Ad[row * (SW // 2) + NGP // 2 + T.min(j, NSB - 1)]), 16)
 
         dv = d(c0 // GPS) if GPS >= 16 else T.Select(
             T.Ramp(T.int32(0), 1, 16) < T.Broadcast(T.int32(8), 16), d(c0 // GPS), d(c0 // GPS + 1))
-        return T.Cast("float32x16", A.vload([row, c0], "int8x16")) * dv
+        return T.Cast("float32x16", scale_times_4(A.vload([row, c0], "int8x16"), 16 if bits == 3 else 0)) * dv
 
     def zvec(Z: Any, Zd: Any, row: Any, c0: Any) -> Any:
         """The min term's factor (w = code * scale + min): the float16 min, or -(m * dmin)."""
@@ -455,8 +456,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         Qf = T.decl_buffer((QW * QKW,), "uint8", data=Q.data)
         Scf = T.decl_buffer((N2 * SW,), ST, data=Sc.data)
         Zf = T.decl_buffer((N2 * SW,), ZT, data=Z.data)
-        # superblock scales: the same rows as float16, for the d values after each row's groups
-        Sdf = T.decl_buffer((N2 * SW // 2,), "float16", data=Sc.data)
+        Sdf = T.decl_buffer((N2 * SW // DW,), DT, data=Sc.data)
         Zdf = T.decl_buffer((N2 * SW // 2,), "float16", data=Z.data)
         if tquant > 0:
             # every task quantizes x for itself: no serial quantization before the fork, the workers

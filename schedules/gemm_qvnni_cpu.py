@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.formats.vnni import code_row_bytes, has_avx512_vnni, lut_bytes
-from perfx_compiler.formats.vnni_lowbit import unit_codes
+from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scale_times_4, unit_codes
 from perfx_compiler.kernels import _lanes
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
@@ -114,7 +114,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     QKW = code_row_bytes(bits, KP)  # bytes of a code row
     ST = "int8" if sb else "float16"  # scale / min element type
     ZT = ST if offset else "uint8"
-    SW = NGP + (2 * (K // sb) if sb else 0)  # scale row: groups, then (sb) the superblocks' float16 d bytes
+    SW = NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # scale row: groups, then (sb) the superblocks' d bytes
     NSB = K // sb if sb else 0
     GPS = sb // G if sb else 0  # groups per superblock
     zconst = 128 if lut else {3: 4, 4: 8, 5: 16, 6: 32, 8: 128}.get(bits, 0)
@@ -138,6 +138,8 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
         d the row's superblock float16 from its two little-endian bytes after the groups."""
         if not sb:
             return T.Cast("float32", A[row, g])
+        if bits == 3:  # the 6-bit values, d in the low bits of the superblock's first 8 (formats/vnni_lowbit.py)
+            return T.Cast("float32", scale_times_4(A[row, g])) * d_of_bytes(lambda r, c: A[r, c], row, g)
         at = NGP + 2 * T.min(g // GPS, NSB - 1)
         d16 = T.Cast("uint16", T.Cast("uint8", A[row, at])) | T.shift_left(
             T.Cast("uint16", T.Cast("uint8", A[row, at + 1])), T.uint16(8))

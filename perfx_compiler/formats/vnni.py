@@ -270,7 +270,7 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     (IQ4_XS, IQ4_NL); superblock scales as described above, or for one-level types (sb == group: Q5_1,
     Q5_0, IQ4_NL, whose sub-scale is 1) float16 group tables."""
     from perfx_compiler.formats import Packed
-    from perfx_compiler.formats.vnni_lowbit import pack_q2_quads, pack_q3_octets
+    from perfx_compiler.formats.vnni_lowbit import pack_q2_quads, pack_q3_octets, pack_scales_d_low
 
     n, k = sub.codes.shape
     g, offset = int(sub.group), sub.mins is not None
@@ -296,7 +296,8 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     else:
         codes = pack_q8_offset(np.asarray(sub.codes, dtype=np.int8))
     if sb:
-        scale = pack_subscales(sub.scales, sub.d, k, g, n2, sb)
+        scale = (pack_scales_d_low(sub.scales, sub.d, n2) if bits == 3  # (Q3_K: d in the values' low bits)
+                 else pack_subscales(sub.scales, sub.d, k, g, n2, sb))
         third = pack_subscales(sub.mins, sub.dmin, k, g, n2, sb) if offset else None
     else:  # one level: scale d, min -dmin (both exact float16)
         scale = pad_groups(np.asarray(sub.d, dtype=np.float16), k, g, n2)
@@ -368,7 +369,7 @@ def vnni_compute(
     rpu = ROWS_PER_UNIT[bits]
     nu = -(-n // rpu)
     q = te.placeholder((nu, code_row_bytes(bits, kp)), "uint8", name="q")
-    sw = scale_width(k, group, sb)
+    sw = scale_width(k, group, 0 if bits == 3 else sb)  # (3-bit: d in the values' low bits, no d tail)
     s = te.placeholder((nu * rpu, sw), "int8" if sb else "float16", name="scale")
     z = None
     if (bits == 4 and not lut) or offset:
@@ -379,6 +380,10 @@ def vnni_compute(
         """Group g's scale (or min) of the row as float32: the float16 value, or sc * d."""
         if not sb:
             return a[row, g].astype("float32")
+        if bits == 3:
+            from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scale_times_4
+
+            return scale_times_4(a[row, g]).astype("float32") * d_of_bytes(lambda r, c: a[r, c], row, g)
         at = ngp + 2 * (g // (sb // group))
         d16 = a[row, at].astype("uint8").astype("uint16") | (a[row, at + 1].astype("uint8").astype("uint16") << 8)
         return a[row, g].astype("float32") * tirx.reinterpret("float16", d16).astype("float32")

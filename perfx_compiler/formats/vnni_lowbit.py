@@ -118,3 +118,54 @@ def unit_codes(bits: int, Q8: Any, unit: Any, col: Any, r: Any, KP: int, scaled:
     rows = 8 // lb  # rows a low-bits row holds
     lo = part((r // rows) * KP + col, lb * (r % rows), (1 << lb) - 1)
     return lo | T.shift_left(part(lb * KP + col, r, 1), T.Broadcast(T.uint8(lb), 64))
+
+
+# Q3_K's scale array (3-bit layout): int8 [N2, K/16], each 6-bit group value (-32..31) times 4 (bits
+# 2..7, so the byte with its low 2 bits cleared is 4 sc, sign and all), and each superblock's float16 d
+# in the low 2 bits of its first 8 values (bits 2i..2i+1 of d in value i): no d tail, 0.5 bits a weight
+# where the int8 values and d took 0.5625 (Q3_K: 3.5 bits a weight, the file 3.4375). The readers take
+# (4 sc) * (d / 4): exact, as sc * d.
+D_LOW_MASK = 0x0303030303030303  # the low 2 bits of 8 bytes: pext gives d's 16 bits
+
+
+def pack_scales_d_low(values: np.ndarray, d: np.ndarray, rows: int) -> np.ndarray:
+    """6-bit int8 group values [N, K/16] and float16 d [N, K/256] -> int8 [rows, K/16] (above)."""
+    n, ng = values.shape
+    if ng != 16 * d.shape[1] or ng < 16 or not (-32 <= values.min(initial=0) and values.max(initial=0) <= 31):
+        raise ValueError("pack_scales_d_low: 16 six-bit group values per superblock, K >= 256")
+    out = np.zeros((rows, ng), dtype=np.uint8)
+    out[:n] = values.astype(np.uint8) << np.uint8(2)
+    d16 = np.ascontiguousarray(d, dtype="<f2").view(np.uint16)
+    for i in range(8):
+        out[:n, i::16] |= ((d16 >> np.uint16(2 * i)) & np.uint16(3)).astype(np.uint8)
+    return out.view(np.int8)
+
+
+def scale_times_4(v: Any, lanes: int = 1) -> Any:
+    """int8 (x ``lanes``) 4 sc of scale bytes: the low 2 bits (d's) cleared (``lanes`` 0: v as it is)."""
+    from tvm.script import tirx as T
+
+    if lanes == 0:
+        return v
+    return v & (T.int8(-4) if lanes == 1 else T.Broadcast(T.int8(-4), lanes))
+
+
+def d_of_word(word: Any) -> Any:
+    """float32 d / 4 of a superblock from the uint64 of its first 8 scale bytes (``pext`` of the low bits)."""
+    from tvm.script import tirx as T
+
+    bits = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.bmi.pext.64"), word,
+                                   T.uint64(D_LOW_MASK), dtype="uint64")
+    return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", bits))) * T.float32(0.25)
+
+
+def d_of_bytes(load: Any, row: Any, g: Any) -> Any:
+    """float32 d / 4 of group g's superblock from its first 8 scale bytes (``load(row, col)``; scalar)."""
+    from tvm import tirx
+
+    first = g // 16 * 16
+    d16 = tirx.const(0, "uint16")
+    for i in range(8):
+        d16 = d16 | ((load(row, first + i).astype("uint8") & tirx.const(3, "uint8")).astype("uint16")
+                     << tirx.const(2 * i, "uint16"))
+    return tirx.reinterpret("float16", d16).astype("float32") * tirx.const(0.25, "float32")
