@@ -1,5 +1,5 @@
 """The VNNI layouts' other readers (``formats/vnni.py``: int4 row pairs, int8 + 128, unsigned
-int8 with a min, 6-bit row quads, 5-bit row octets, superblock scales), used by the ``gemv_qvnni_cpu`` template beside the GEMV of
+int8 with a min, 2- / 6-bit row quads, 3- / 5-bit row octets, superblock scales), used by the ``gemv_qvnni_cpu`` template beside the GEMV of
 ``_vnni_kernels``: ``dequant`` (prefill: W in float32, row-major or as the packed GEMM's panels)
 and ``take`` (the embedding gather).
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from perfx_compiler.formats.vnni import code_row_bytes
+from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scalar_code, scale_times_4
 from schedules._vnni_kernels import ROWS_PER_UNIT, _without_zero, plan, transpose_tile
 
 
@@ -27,7 +28,7 @@ class _Layout:
         self.QKW = code_row_bytes(bits, self.KP)  # bytes of a code row
         self.ST = "int8" if sb else "float16"
         self.ZT = self.ST if offset else "uint8"
-        self.SW = self.NGP + (2 * (K // sb) if sb else 0)
+        self.SW = self.NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # (3-bit: d in the values' low bits)
         # int8 codes without a min, and table indices (IQ4), take no zero/min array
         self.has_z = (bits == 4 and not lut) or offset
 
@@ -37,6 +38,8 @@ class _Layout:
 
         if not self.sb:
             return T.Cast("float32", A[row, g])
+        if self.bits == 3:
+            return T.Cast("float32", scale_times_4(A[row, g])) * d_of_bytes(lambda r, c: A[r, c], row, g)
         d = Ad[row * (self.SW // 2) + self.NGP // 2 + g // (self.sb // self.G)]
         return T.Cast("float32", A[row, g]) * T.Cast("float32", d)
 
@@ -52,12 +55,9 @@ class _Layout:
                                T.uint8(15))
             hb = T.bitwise_and(T.shift_right(Q[row // 4, 2 * self.KP + col], T.Cast("uint8", (row % 4) * 2)), T.uint8(3))
             return (T.Cast("float32", T.bitwise_or(lo, T.shift_left(hb, T.uint8(4)))) - T.float32(32)) * s
-        if self.bits == 5:  # the row's nibble in its pair row, its fifth bit in the octet's last row
-            lo = T.bitwise_and(T.shift_right(Q[row // 8, (row % 8) // 2 * self.KP + col], T.Cast("uint8", (row % 2) * 4)),
-                               T.uint8(15))
-            hb = T.bitwise_and(T.shift_right(Q[row // 8, 4 * self.KP + col], T.Cast("uint8", row % 8)), T.uint8(1))
-            code = T.Cast("float32", T.bitwise_or(lo, T.shift_left(hb, T.uint8(4))))
-            return code * s + mn if self.offset else (code - T.float32(16)) * s
+        if self.bits in (2, 3, 5):  # the row's low bits in its quad / pair row, (3, 5) its top bit in the octet's last row
+            code = T.Cast("float32", scalar_code(self.bits, lambda u, at: Q[u, at], row, col, self.KP))
+            return code * s + mn if self.offset else (code - T.float32({3: 4, 5: 16}[self.bits])) * s
         if self.bits == 8:
             if self.offset:  # unsigned codes as they are, then the min
                 return T.Cast("float32", Q[row, col]) * s + mn

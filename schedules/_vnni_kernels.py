@@ -24,12 +24,12 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from perfx_compiler.formats.vnni import code_row_bytes, five_bit_codes, lut_bytes
+from perfx_compiler.formats.vnni import ROWS_PER_UNIT, code_row_bytes, lut_bytes  # (rows one code row holds)
+from perfx_compiler.formats.vnni_lowbit import code_scale, d_of_word, scale_times_4, unit_codes
 from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
 
 STEP = 64
 CHUNK = 16
-ROWS_PER_UNIT = {4: 2, 5: 8, 6: 4, 8: 1}  # rows whose codes one code row holds (formats/vnni.py)
 
 
 def plan(K: int, G: int) -> dict[str, int]:
@@ -121,8 +121,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     after the other) and ends with ``h = silu(gate) * up`` over its range, read back from its own y
     rows, into a second output h [1, 1, N/2] (see ``passes/fuse_gemv_prologue.py``).
     ``sb``: superblock scales (GGUF K-quants: int8 group values times a float16 d per ``sb`` columns,
-    ``formats/vnni.py``); ``bits == 8`` with ``offset``: unsigned codes and a min; ``bits == 5``: 5-bit
-    row octets (:func:`five_bit_codes`; Q5_K / Q5_1 with a min, Q5_0 with zero point 16);
+    ``formats/vnni.py``); ``bits == 8`` with ``offset``: unsigned codes and a min; ``bits`` 2, 3, 5: 2-bit row
+    quads, 3- and 5-bit row octets (``formats.vnni_lowbit.unit_codes``; Q2_K, Q5_K, Q5_1 with a min);
     ``lut`` (int4 pairs of table indices: IQ4): each row's nibbles mapped to code + 128 by ``vpshufb``
     of the table register (:func:`lut_bytes`), then the int8 path."""
     c = {**GEMV_CONFIG, **{k: int(v) for k, v in config.items() if k in GEMV_CONFIG}}
@@ -151,12 +151,14 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     UG = unroll * STEP // G  # groups advanced per unrolled inner loop (>= 1 by validity)
     ST = "int8" if sb else "float16"  # scale / min element type
     ZT = ST if offset else "uint8"
-    SW = NGP + (2 * (K // sb) if sb else 0)  # scale row: groups, then the superblocks' float16 d bytes
+    SW = NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # scale row: groups, then the superblocks' d (3-bit: in their low bits)
     NSB = K // sb if sb else 0
+    # the superblock scale rows viewed for d: float16 (after each row's groups), 3-bit uint64 (pext)
+    DT, DW = ("uint64", 8) if bits == 3 else ("float16", 2)
     GPS = sb // G if sb else 0  # groups per superblock
     QW = N2 // RPU if RPU > 1 else N  # code rows: one per unit
     QKW = code_row_bytes(bits, KP)  # bytes of a code row (6-bit / 5-bit: 2 / 4 nibble rows, the high bits)
-    zconst = 128.0 if lut else {8: 128.0, 6: 32.0, 5: 16.0, 4: 8.0}[bits]
+    zconst = 128.0 if lut else {8: 128.0, 6: 32.0, 5: 16.0, 4: 8.0, 3: 4.0}.get(bits, 0.0)
     GV = G // 16  # 16-lane vectors per group
     A = split
     quantize_group = quantize_group_macro()
@@ -202,8 +204,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     def codes(Q: Any, unit: Any, s_abs: Any, h: Any) -> Any:
         """uint8x64: the 64 codes of row h of ``unit`` in step ``s_abs`` (int4: its nibble of the pair's
         bytes; 6-bit: the nibble of its pair row, with bits 2h..2h+1 of the high-bits row; 5-bit: bit h)."""
-        if bits == 5:
-            return five_bit_codes(Q, unit, s_abs * STEP, h, KP)
+        if bits in (2, 3, 5):
+            return unit_codes(bits, Q, unit, s_abs * STEP, h, KP, scaled=True)
         if bits == 6:
             lo = T.shift_right(Q.vload([unit, (h // 2) * KP + s_abs * STEP], "uint8x64"),
                                T.Broadcast(T.Cast("uint8", 4 * (h % 2)), 64)) & T.Broadcast(T.uint8(15), 64)
@@ -223,7 +225,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         return T.uint8(0) if hi else T.Cast("uint8", 4 * h)
 
     def hscale(h: Any) -> Any:
-        return T.Select(h == 0, T.float32(1), T.float32(1.0 / 16)) if hi else T.float32(1)
+        return code_scale(bits, h) if bits in (2, 3) else T.Select(h == 0, T.float32(1), T.float32(1.0 / 16)) if hi else T.float32(1)
 
     def lane_group(s_local: int, h: int) -> int:
         """Group (relative to the chunk's first) of lane half h in the chunk's s_local-th step."""
@@ -243,14 +245,13 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         superblock or of 8, so the 16 lanes span one or two superblocks; pad groups read the last d)."""
         if not sb:
             return T.Cast("float32x16", A.vload([row, c0], "float16x16"))
-        base = row * (SW // 2) + NGP // 2
-
-        def d(j: Any) -> Any:
-            return T.Broadcast(T.Cast("float32", Ad[base + T.min(j, NSB - 1)]), 16)
+        def d(j: Any) -> Any:  # (3-bit: Ad is the uint64 view, d / 4 in a superblock's first 8 values)
+            return T.Broadcast(d_of_word(Ad[row * (SW // 8) + T.min(j, NSB - 1) * (GPS // 8)]) if bits == 3
+                               else T.Cast("float32", Ad[row * (SW // 2) + NGP // 2 + T.min(j, NSB - 1)]), 16)
 
         dv = d(c0 // GPS) if GPS >= 16 else T.Select(
             T.Ramp(T.int32(0), 1, 16) < T.Broadcast(T.int32(8), 16), d(c0 // GPS), d(c0 // GPS + 1))
-        return T.Cast("float32x16", A.vload([row, c0], "int8x16")) * dv
+        return T.Cast("float32x16", scale_times_4(A.vload([row, c0], "int8x16"), 16 if bits == 3 else 0)) * dv
 
     def zvec(Z: Any, Zd: Any, row: Any, c0: Any) -> Any:
         """The min term's factor (w = code * scale + min): the float16 min, or -(m * dmin)."""
@@ -394,8 +395,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                         for so in T.serial(SPC // unroll):
                             for si in T.unroll(unroll):
                                 for u in T.unroll(units):
-                                    if prefetch > 0 and bits == 5:  # each of the octet's 5 code streams
-                                        for j in T.unroll(5):
+                                    if prefetch > 0 and bits in (3, 5):  # each of the octet's code streams
+                                        for j in T.unroll(QKW // KP):
                                             T.evaluate(prefetch_at(T.address_of(Qf[T.min(
                                                 (ubase(t, it) + u + (c * SPC + so * unroll + si + prefetch) // S) * QKW
                                                 + j * KP + ((c * SPC + so * unroll + si + prefetch) % S) * STEP,
@@ -455,8 +456,7 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         Qf = T.decl_buffer((QW * QKW,), "uint8", data=Q.data)
         Scf = T.decl_buffer((N2 * SW,), ST, data=Sc.data)
         Zf = T.decl_buffer((N2 * SW,), ZT, data=Z.data)
-        # superblock scales: the same rows as float16, for the d values after each row's groups
-        Sdf = T.decl_buffer((N2 * SW // 2,), "float16", data=Sc.data)
+        Sdf = T.decl_buffer((N2 * SW // DW,), DT, data=Sc.data)
         Zdf = T.decl_buffer((N2 * SW // 2,), "float16", data=Z.data)
         if tquant > 0:
             # every task quantizes x for itself: no serial quantization before the fork, the workers

@@ -4,8 +4,8 @@ rows (or static rows > 8; the GEMV template ``gemv_qvnni_cpu`` takes decode's <=
 GGUF Q4_0 / Q4_1 / Q8_0 and PerfX's q4_g32/64/128 (sym and asym) and q8, in the weight layout of
 ``perfx_compiler/formats/vnni.py`` (the decode GEMV's: one copy of the weights serves both); also
 its later variants: unsigned int8 codes with a min (``bits 8, offset``), 6-bit row quads (Q6_K),
-5-bit row octets (Q5_K / Q5_1 with a min, Q5_0 with zero point 16: the repack assembles each row's
-codes, then it is the int8 kernel) and
+5-bit row octets (Q5_K / Q5_1 with a min, Q5_0 with zero point 16), 2-bit row quads (Q2_K) and 3-bit row
+octets (Q3_K, zero point 4): the repack assembles each row's codes, then it is the int8 kernel) and
 superblock scales (info ``sb``: GGUF K-quants and IQ4_XS, groups of G = 16 or 32), whose group
 scale (and min) the repack makes as float32 ``sc * d`` (``-(m * dmin)``) once per block.
 
@@ -50,7 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from perfx_compiler.formats.vnni import code_row_bytes, five_bit_codes, has_avx512_vnni, lut_bytes
+from perfx_compiler.formats.vnni import code_row_bytes, has_avx512_vnni, lut_bytes
+from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scale_times_4, unit_codes
 from perfx_compiler.kernels import _lanes
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
@@ -71,7 +72,7 @@ def _info(func: Any) -> dict[str, Any] | None:
     info = quant_info(func)
     if info is None:
         return None
-    ok = info.get("layout") == "vnni" and info.get("bits") in (4, 5, 6, 8) and info.get("kind", "matmul") == "matmul"
+    ok = info.get("layout") == "vnni" and info.get("bits") in (2, 3, 4, 5, 6, 8) and info.get("kind", "matmul") == "matmul"
     return info if ok else None
 
 
@@ -113,10 +114,10 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     QKW = code_row_bytes(bits, KP)  # bytes of a code row
     ST = "int8" if sb else "float16"  # scale / min element type
     ZT = ST if offset else "uint8"
-    SW = NGP + (2 * (K // sb) if sb else 0)  # scale row: groups, then (sb) the superblocks' float16 d bytes
+    SW = NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # scale row: groups, then (sb) the superblocks' d bytes
     NSB = K // sb if sb else 0
     GPS = sb // G if sb else 0  # groups per superblock
-    zconst = 128 if lut else {4: 8, 5: 16, 6: 32, 8: 128}[bits]
+    zconst = 128 if lut else {3: 4, 4: 8, 5: 16, 6: 32, 8: 128}.get(bits, 0)
     table = lut != ""  # (a bool for TVMScript's `if`)
     asym = pair and not sym and not offset
     GV = G // 16
@@ -137,6 +138,8 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
         d the row's superblock float16 from its two little-endian bytes after the groups."""
         if not sb:
             return T.Cast("float32", A[row, g])
+        if bits == 3:  # the 6-bit values, d in the low bits of the superblock's first 8 (formats/vnni_lowbit.py)
+            return T.Cast("float32", scale_times_4(A[row, g])) * d_of_bytes(lambda r, c: A[r, c], row, g)
         at = NGP + 2 * T.min(g // GPS, NSB - 1)
         d16 = T.Cast("uint16", T.Cast("uint8", A[row, at])) | T.shift_left(
             T.Cast("uint16", T.Cast("uint8", A[row, at + 1])), T.uint16(8))
@@ -215,9 +218,9 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                         if bits == 6:  # the row's 64 codes assembled from its quad's nibble and high-bit rows
                             tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", six_bit_codes(
                                 Q8, n0 // 4 + t * 4 + c // 4, c % 4, sb * 64))
-                        elif bits == 5:  # likewise from its octet's nibble and fifth-bit rows (n0 % 16 == 0)
-                            tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", five_bit_codes(
-                                Q8, n0 // 8 + t * 2 + c // 8, sb * 64, c % 8, KP))
+                        elif bits in (2, 3, 5):  # likewise from its quad's / octet's bit rows (n0 % 16 == 0)
+                            tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", unit_codes(
+                                bits, Q8, n0 // RPU + t * (16 // RPU) + c // RPU, sb * 64, c % RPU, KP))
                         elif table:  # row c's nibbles of its pair row (n0 is even), looked up
                             tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", lut_bytes(lut, T.shift_right(
                                 Q8.vload([n0 // 2 + t * 8 + c // 2, sb * 64], "uint8x64"),

@@ -46,7 +46,7 @@ def _info(func: Any) -> dict[str, Any] | None:
     info = quant_info(func)
     if info is None:
         return None
-    return info if info.get("layout") == "vnni" and info.get("bits") in (4, 5, 6, 8) else None
+    return info if info.get("layout") == "vnni" and info.get("bits") in (2, 3, 4, 5, 6, 8) else None
 
 
 def _plain_gemv(info: dict[str, Any], rows: tuple[int, int] | None) -> Any:
@@ -114,7 +114,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         if kind != "matmul":
             return {"tasks": tasks}
         return {
-            "units": {4: [1, 2, 4], 5: [1], 6: [1, 2]}.get(d["bits"], [1, 2, 4, 8]),
+            "units": {2: [1, 2], 3: [1], 4: [1, 2, 4], 5: [1], 6: [1, 2]}.get(d["bits"], [1, 2, 4, 8]),
             "tasks": tasks,
             "unroll": [1, 2, 4, 8],
             "prefetch": [0, 16, 64, 128, 256],  # software prefetch of the codes, in 64-byte steps ahead (0: off)
@@ -133,7 +133,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         # rows of >= 2048 bytes: one unit per iteration (two code streams 1 KiB apart trip the prefetchers)
         long_rows = d["bits"] == 4 and vk.plan(d["K"], d["G"])["KP"] >= 2048
         rpu = vk.ROWS_PER_UNIT[d["bits"]]
-        units = {4: 1 if long_rows else 2, 5: 1, 6: 1}.get(d["bits"], 4)
+        units = {2: 1, 3: 1, 4: 1 if long_rows else 2, 5: 1, 6: 1}.get(d["bits"], 4)
         m = max(1, d["B"] * d["MM"])
         while units > 1 and (units * rpu * m > MAX_ACC or units > self._units(d)):
             units //= 2
@@ -172,8 +172,8 @@ class GemvQVnniCPU(ScheduleTemplate):
         if units < 1 or units > self._units(d):
             return f"units={units} exceeds the {self._units(d)} row units"
         rpu = vk.ROWS_PER_UNIT[d["bits"]]
-        # (a 5-bit octet's 8 rows are the smallest unit: past 2 activation rows its accumulators spill)
-        if units * rpu * d["B"] * d["MM"] > MAX_ACC and not (d["bits"] == 5 and units == 1):
+        # (a 3- / 5-bit octet's 8 rows are the smallest unit: past 2 activation rows its accumulators spill)
+        if units * rpu * d["B"] * d["MM"] > MAX_ACC and not (rpu == 8 and units == 1):
             return f"units={units} x {d['B'] * d['MM']} activation rows needs more than {MAX_ACC} accumulators"
         split = int(config.get("split", 1))
         if split not in (1, 2) or (split > 1 and units * rpu * d["B"] * d["MM"] * 3 > MAX_REGS):

@@ -26,6 +26,8 @@ Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
   (rows 8o, 8o+1, then 8o+2, 8o+3, ... as ``q4v``), then one row whose byte k holds the eight rows'
   fifth bits of column k (row 8o+r in bit r): 5 bits a weight, where uint8 codes took 8. Row r's
   codes: ``nibble | ((hb >> r) & 1) << 4``. Codes are unsigned 0..31.
+* 2-bit (``q2v``, GGUF Q2_K with its min) and 3-bit (``q3v``, GGUF Q3_K as code + 4, zero point 4):
+  one code row per quad / octet of rows, in ``formats/vnni_lowbit.py``; 2 / 3 bits a weight.
 * int4 table indices (``lut: iq4nl``: GGUF IQ4_XS / IQ4_NL): the row-pair nibbles of ``q4v`` hold
   4-bit indices into ggml's 16-value non-linear table (``kvalues_iq4nl``, -127..113); the kernels
   map them with one ``vpshufb`` of a register holding the table + 128 (``LUT_U8``) into the int8
@@ -214,8 +216,8 @@ def unpack_q5_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
 
 
 def code_row_bytes(bits: int, kp: int) -> int:
-    """Bytes of one code row (int4 pair, 6-bit quad, 5-bit octet, int8 row) of a KP-column layout."""
-    return {5: 5 * kp, 6: 3 * kp}.get(bits, kp)
+    """Bytes of one code row (int4 pair, 2-bit / 6-bit quad, 3-bit / 5-bit octet, int8 row) of a KP-column layout."""
+    return {3: 3 * kp, 5: 5 * kp, 6: 3 * kp}.get(bits, kp)
 
 
 def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
@@ -227,7 +229,7 @@ def pack_q8_raw(codes: np.ndarray) -> np.ndarray:
     return out
 
 
-# GGUF types whose codes take the int4 row-pair layout (SIXBIT_TYPES, FIVEBIT_TYPES below: row quads, octets)
+# GGUF types whose codes are nibbles (the float-activation layout; under VNNI LOWBIT_TYPES below take Q2_K, Q3_K)
 NIBBLE_TYPES = ("Q4_K", "Q2_K", "Q3_K")
 # GGUF types whose codes are indices into a fixed table (int4 row pairs of the indices, see above)
 LUT_TYPES = {"IQ4_XS": "iq4nl", "IQ4_NL": "iq4nl"}
@@ -255,27 +257,33 @@ def signed_nibbles_with_min(sub: Any, zero: int) -> Any:
 SIXBIT_TYPES = ("Q6_K",)
 # 5-bit row octets: with their min (Q5_K, Q5_1), or signed with zero point 16 (Q5_0, formats/gguf_blocks.py)
 FIVEBIT_TYPES = ("Q5_K", "Q5_1", "Q5_0")
-ROWS_PER_UNIT = {4: 2, 5: 8, 6: 4, 8: 1}  # rows one code row holds
+# 2-bit row quads (Q2_K, with its min) and 3-bit row octets (Q3_K's code + 4, zero point 4): formats/vnni_lowbit.py
+LOWBIT_TYPES = {"Q2_K": 2, "Q3_K": 3}
+ROWS_PER_UNIT = {2: 4, 3: 8, 4: 2, 5: 8, 6: 4, 8: 1}  # rows one code row holds
 
 
 def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor unpacked by ``formats.ggml``
-    (``SubScaled``) in the VNNI layout: codes as int4 row pairs (Q4_K, Q2_K, Q3_K), 6-bit row quads
+    (``SubScaled``) in the VNNI layout: codes as int4 row pairs (Q4_K), 2-bit row quads (Q2_K), 3-bit
+    row octets (Q3_K, zero point 4), 6-bit row quads
     (Q6_K), 5-bit row octets (Q5_K, Q5_1 with a min; Q5_0 with zero point 16) or int4 table indices
     (IQ4_XS, IQ4_NL); superblock scales as described above, or for one-level types (sb == group: Q5_1,
     Q5_0, IQ4_NL, whose sub-scale is 1) float16 group tables."""
     from perfx_compiler.formats import Packed
+    from perfx_compiler.formats.vnni_lowbit import pack_q2_quads, pack_q3_octets, pack_scales_d_low
 
     n, k = sub.codes.shape
     g, offset = int(sub.group), sub.mins is not None
     sb = 0 if int(sub.sb) == g else int(sub.sb)
-    if qtype in SIGNED_NIBBLE_TYPES:
-        sub, offset = signed_nibbles_with_min(sub, SIGNED_NIBBLE_TYPES[qtype]), True
     lut = LUT_TYPES.get(qtype, "")
-    bits = (4 if qtype in NIBBLE_TYPES or lut else 6 if qtype in SIXBIT_TYPES and not offset
-            else 5 if qtype in FIVEBIT_TYPES else 8)
+    bits = LOWBIT_TYPES.get(qtype) or (4 if qtype in NIBBLE_TYPES or lut else 6 if qtype in SIXBIT_TYPES and not offset
+                                       else 5 if qtype in FIVEBIT_TYPES else 8)
     n2 = -(-n // ROWS_PER_UNIT[bits]) * ROWS_PER_UNIT[bits]
-    if lut:
+    if bits == 2:  # unsigned 0..3 with the min
+        codes = pack_q2_quads(sub.codes)
+    elif bits == 3:  # signed -4..3 -> unsigned, zero point 4 (the same correction as a min d * (4 sc), exactly)
+        codes = pack_q3_octets((np.asarray(sub.codes, dtype=np.int16) + 4).astype(np.uint8))
+    elif lut:
         codes = pack_q4_pairs(table_indices(sub.codes, lut))
     elif bits == 4:
         codes = pack_q4_pairs(sub.codes)
@@ -288,12 +296,13 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     else:
         codes = pack_q8_offset(np.asarray(sub.codes, dtype=np.int8))
     if sb:
-        scale = pack_subscales(sub.scales, sub.d, k, g, n2, sb)
+        scale = (pack_scales_d_low(sub.scales, sub.d, n2) if bits == 3  # (Q3_K: d in the values' low bits)
+                 else pack_subscales(sub.scales, sub.d, k, g, n2, sb))
         third = pack_subscales(sub.mins, sub.dmin, k, g, n2, sb) if offset else None
     else:  # one level: scale d, min -dmin (both exact float16)
         scale = pad_groups(np.asarray(sub.d, dtype=np.float16), k, g, n2)
         third = pad_groups(-np.asarray(sub.dmin, dtype=np.float16), k, g, n2) if offset else None
-    fam = {4: "q4", 5: "q5", 6: "q6", 8: "q8"}[bits]
+    fam = f"q{bits}"
     arrays = [(f"_{fam}", codes), (f"_{fam}_scale", scale)] + ([(f"_{fam}_min", third)] if offset else [])
 
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
@@ -360,7 +369,7 @@ def vnni_compute(
     rpu = ROWS_PER_UNIT[bits]
     nu = -(-n // rpu)
     q = te.placeholder((nu, code_row_bytes(bits, kp)), "uint8", name="q")
-    sw = scale_width(k, group, sb)
+    sw = scale_width(k, group, 0 if bits == 3 else sb)  # (3-bit: d in the values' low bits, no d tail)
     s = te.placeholder((nu * rpu, sw), "int8" if sb else "float16", name="scale")
     z = None
     if (bits == 4 and not lut) or offset:
@@ -371,6 +380,10 @@ def vnni_compute(
         """Group g's scale (or min) of the row as float32: the float16 value, or sc * d."""
         if not sb:
             return a[row, g].astype("float32")
+        if bits == 3:
+            from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scale_times_4
+
+            return scale_times_4(a[row, g]).astype("float32") * d_of_bytes(lambda r, c: a[r, c], row, g)
         at = ngp + 2 * (g // (sb // group))
         d16 = a[row, at].astype("uint8").astype("uint16") | (a[row, at + 1].astype("uint8").astype("uint16") << 8)
         return a[row, g].astype("float32") * tirx.reinterpret("float16", d16).astype("float32")
@@ -382,13 +395,13 @@ def vnni_compute(
             lo = (q[row // 4, (row % 4) // 2 * kp + col] >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")
             hi = (q[row // 4, 2 * kp + col] >> ((row % 4) * 2).astype("uint8")) & tirx.const(3, "uint8")
             return ((lo | (hi << tirx.const(4, "uint8"))).astype("float32") - tirx.const(32.0, "float32")) * sc
-        if bits == 5:
-            lo = (q[row // 8, (row % 8) // 2 * kp + col] >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")
-            hi = (q[row // 8, 4 * kp + col] >> (row % 8).astype("uint8")) & tirx.const(1, "uint8")
-            code = (lo | (hi << tirx.const(4, "uint8"))).astype("float32")
+        if bits in (2, 3, 5):
+            from perfx_compiler.formats.vnni_lowbit import scalar_code
+
+            code = scalar_code(bits, lambda u, at: q[u, at], row, col, kp).astype("float32")
             if offset:
                 return code * sc + (-factor(z, row, g) if sb else factor(z, row, g))
-            return (code - tirx.const(16.0, "float32")) * sc
+            return (code - tirx.const({3: 4.0, 5: 16.0}[bits], "float32")) * sc
         if bits == 8:
             if offset:  # unsigned codes as they are, then the min
                 mn = -factor(z, row, g) if sb else factor(z, row, g)
@@ -460,18 +473,6 @@ def lut_bytes(lut: str, nib: Any) -> Any:
     out = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.avx512.pshuf.b.512"), table,
                                   T.reinterpret("int8x64", nib), dtype="int8x64")
     return T.reinterpret("uint8x64", out)
-
-
-def five_bit_codes(Q8: Any, octet: Any, col: Any, r: Any, KP: int) -> Any:  # noqa: N803
-    """uint8x64: the codes of row r (0..7) of row octet ``octet``, columns col..col+63, from the 5-bit
-    layout (see the module docstring): the row's nibble of its pair row, and bit r of the high-bits row as bit 4.
-    ``r`` must fold to a constant once the loops unroll (no byte-vector shift by a variable count)."""
-    from tvm.script import tirx as T
-
-    lo = T.shift_right(Q8.vload([octet, (r // 2) * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 4 * (r % 2)), 64))
-    hb = T.shift_right(Q8.vload([octet, 4 * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", r), 64))
-    return (lo & T.Broadcast(T.uint8(15), 64)) | T.shift_left(hb & T.Broadcast(T.uint8(1), 64),
-                                                              T.Broadcast(T.uint8(4), 64))
 
 
 def _prologue(prologue: str, b: Any, m: Any, k: int, eps: float) -> tuple[list[Any], Any, list[Any]]:

@@ -141,9 +141,9 @@ def rewrite_linears(
     gemm_rows: set[str] = set()  # weights whose prefill linears run the int8 GEMM (gemm_qvnni_cpu)
     if current_activations() == "int8":
         # GGUF passthrough hands over packs already in the VNNI layout (tag suffix "v", no .vnni);
-        # q6 / q5 (Q6_K's 6-bit row quads, the Q5 types' 5-bit row octets) exist only in it
+        # q6 / q5 / q3 / q2 (Q6_K's 6-bit row quads, the Q5 types' 5-bit row octets, Q3_K's / Q2_K's) exist only in it
         gemm_rows = {n for n, pk in packed.items() if pk.n % 16 == 0 and pk.int8_gemm and (
-            pk.vnni is not None or (pk.family in ("q4", "q5", "q6", "q8") and pk.tag.endswith("v")))}
+            pk.vnni is not None or (pk.family in ("q2", "q3", "q4", "q5", "q6", "q8") and pk.tag.endswith("v")))}
         packed = {n: (pk.vnni() if pk.vnni is not None else pk) for n, pk in packed.items()}
     _, uses = linear_weights(mod, weights)
     new_weights: dict[str, Any] = {}

@@ -13,6 +13,7 @@ from sched_helpers import needs_vnni
 
 from perfx_compiler.formats.ggml.iq4_nl import KVALUES
 from perfx_compiler.formats.vnni import pack_q5_octets, quantize_activations, subscaled_vnni_packed, unpack_q5_octets
+from perfx_compiler.formats.vnni_lowbit import pack_q2_quads, pack_q3_octets, unpack_q2_quads, unpack_q3_octets
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
 
@@ -131,6 +132,29 @@ def test_q5_octets_round_trip(n, k):
     assert not packed[:, k:kp].any() and not packed[:, 4 * kp + k :].any()  # padding columns hold 0
 
 
+@pytest.mark.parametrize("n,k", [(1, 5), (8, 64), (13, 100), (37, 2304)])
+def test_q2_quads_and_q3_octets_round_trip(n, k):
+    """pack_q2_quads: per 4 rows one row of 2-bit codes (row r in bits 2r..2r+1); pack_q3_octets: per 8
+    rows two such quad rows of the low 2 bits and a row of the rows' third bits (row r in bit r). Each
+    checked by that formula per row and unpacked back to the codes (N not a multiple of 4 / 8)."""
+    rng = np.random.default_rng()
+    kp = -(-k // 64) * 64
+    c2 = rng.integers(0, 4, (n, k)).astype(np.uint8)
+    p2 = pack_q2_quads(c2)
+    assert p2.shape == (-(-n // 4), kp) and p2.dtype == np.uint8
+    c3 = rng.integers(0, 8, (n, k)).astype(np.uint8)
+    p3 = pack_q3_octets(c3)
+    assert p3.shape == (-(-n // 8), 3 * kp) and p3.dtype == np.uint8
+    for row in range(n):
+        np.testing.assert_array_equal((p2[row // 4, :k] >> (2 * (row % 4))) & 3, c2[row])
+        o, r = divmod(row, 8)
+        lo = (p3[o, (r // 4) * kp : (r // 4) * kp + k] >> (2 * (r % 4))) & 3
+        np.testing.assert_array_equal(lo | (((p3[o, 2 * kp : 2 * kp + k] >> r) & 1) << 2), c3[row])
+    np.testing.assert_array_equal(unpack_q2_quads(p2, n, k), c2)
+    np.testing.assert_array_equal(unpack_q3_octets(p3, n, k), c3)
+    assert not p2[:, k:].any() and not p3[:, k:kp].any() and not p3[:, 2 * kp + k :].any()  # padding columns 0
+
+
 def random_file_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """Fresh random GGUF file bytes [N, K/bw * bb] of ``qtype``: random bytes, the f16 fields finite."""
     from perfx_compiler.formats import ggml
@@ -148,11 +172,16 @@ def random_file_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> 
     return b.reshape(n, -1)
 
 
+# artifact bytes / file bytes above 1.03x: Q2_K's int8 group scales and mins against the file's 4 + 4
+# bits (docs/decisions/gguf-superblocks.md, "Q3_K and Q2_K in 3 and 2 bits")
+MAX_BYTES = {"Q2_K": 3.125 / 2.625}
+
+
 @needs_vnni
-@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ4_NL", "Q5_K", "Q5_1", "Q5_0"])
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "IQ4_NL", "Q5_K", "Q5_1", "Q5_0", "Q3_K", "Q2_K"])
 def test_file_blocks_match_gguf(template, target, qtype):
-    """IQ4 as 4-bit table indices (the kernels' vpshufb / select lookup) and the Q5 types as 5-bit row
-    octets: dequantize and gather equal gguf-py's dequantization of fresh random blocks bit for bit, the
+    """IQ4 as 4-bit table indices (the kernels' vpshufb / select lookup), the Q5 types as 5-bit row
+    octets, Q3_K as 3-bit row octets and Q2_K as 2-bit row quads: dequantize and gather equal gguf-py's dequantization of fresh random blocks bit for bit, the
     GEMV and the prefill GEMM follow it up to the int8 activations, and the artifact holds at most 1.03x
     the file's bytes."""
     import tvm
@@ -167,11 +196,12 @@ def test_file_blocks_match_gguf(template, target, qtype):
     n, k = 96, 2048
     raw = random_file_blocks(qtype, n, k, rng)
     w = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k).astype(np.float32)
+    group = 16 if qtype in ("Q3_K", "Q2_K") else 32
     if qtype in ggml.FORMATS:
         pk = subscaled_vnni_packed(ggml.FORMATS[qtype].unpack(raw, (n, k)), qtype)
     else:
         pk = packed_from_blocks(qtype, raw, (n, k), vnni=True)
-    assert sum(a.nbytes for _, a in pk.arrays) <= 1.03 * raw.nbytes
+    assert sum(a.nbytes for _, a in pk.arrays) <= MAX_BYTES.get(qtype, 1.03) * raw.nbytes
     dev = tvm.cpu()
     arrays = [tvm.runtime.tensor(a, dev) for _, a in pk.arrays]
     out = tvm.runtime.tensor(np.zeros((n, k), np.float32), dev)
@@ -183,7 +213,7 @@ def test_file_blocks_match_gguf(template, target, qtype):
     np.testing.assert_array_equal(got.numpy(), w[ids])
     for tmpl, rows in ((template, (1, 1)), (GEMM, (1, 40))):
         x = rng.standard_normal((*rows, k)).astype(np.float32)
-        ref = quantize_activations(x, k, 32) @ w.astype(np.float64).T
+        ref = quantize_activations(x, k, group) @ w.astype(np.float64).T
         y = tvm.runtime.tensor(np.zeros((*rows, n), np.float32), dev)
         _build(tmpl, target, pk.compute("matmul", rows))["main"](tvm.runtime.tensor(x, dev), *arrays, y)
         assert np.abs(y.numpy() - ref).max() <= 2e-5 * np.abs(ref).max(), (qtype, rows)

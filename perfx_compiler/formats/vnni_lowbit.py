@@ -1,0 +1,171 @@
+"""The 2- and 3-bit code layouts of the VNNI kernels (``formats/vnni.py``; GGUF Q2_K and Q3_K), and the
+per-row code unpacking the kernels share for the bit-plane layouts (2-, 3- and 5-bit).
+
+* 2-bit (``q2v``, GGUF Q2_K with its min): codes uint8 [ceil(N/4), KP], one code row per quad of rows:
+  byte k holds the four rows' codes of column k (row 4q+r in bits 2r..2r+1): 2 bits a weight.
+* 3-bit (``q3v``, GGUF Q3_K as ``code + 4``, zero point 4): codes uint8 [ceil(N/8), 3 * KP], one code
+  row per octet of rows: two 2-bit quad rows of the codes' low 2 bits (rows 8o..8o+3, then
+  8o+4..8o+7, as ``q2v``), then one row whose byte k holds the eight rows' third bits of column k (row
+  8o+r in bit r): 3 bits a weight. Row r's codes: ``(quad >> 2 (r % 4)) & 3 | ((hb >> r) & 1) << 2``.
+
+Padding rows and columns hold code 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from perfx_compiler.formats.vnni import padded_k
+
+
+def _padded(codes: np.ndarray, rows: int) -> np.ndarray:
+    n, k = codes.shape
+    c = np.zeros((-(-n // rows) * rows, padded_k(k)), dtype=np.uint8)
+    c[:n, :k] = codes
+    return c
+
+
+def pack_q2_quads(codes: np.ndarray) -> np.ndarray:
+    """Unsigned 2-bit codes [N, K] (0..3) -> uint8 [ceil(N/4), KP] (see the module docstring)."""
+    c = _padded(codes, 4)
+    out = np.zeros((c.shape[0] // 4, c.shape[1]), dtype=np.uint8)
+    for r in range(4):
+        out |= (c[r::4] & np.uint8(3)) << np.uint8(2 * r)
+    return out
+
+
+def unpack_q2_quads(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    q = np.stack([(packed >> np.uint8(2 * r)) & np.uint8(3) for r in range(4)], axis=1).reshape(-1, packed.shape[1])
+    return np.ascontiguousarray(q[:n, :k])
+
+
+def pack_q3_octets(codes: np.ndarray) -> np.ndarray:
+    """Unsigned 3-bit codes [N, K] (0..7) -> uint8 [ceil(N/8), 3 * KP] (see the module docstring)."""
+    c = _padded(codes, 8)
+    kp = c.shape[1]
+    lo = pack_q2_quads(c & np.uint8(3)).reshape(-1, 2 * kp)
+    high = np.zeros((c.shape[0] // 8, kp), dtype=np.uint8)
+    for r in range(8):
+        high |= ((c[r::8] >> np.uint8(2)) & np.uint8(1)) << np.uint8(r)
+    return np.ascontiguousarray(np.concatenate([lo, high], axis=1))
+
+
+def unpack_q3_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
+    kp = packed.shape[1] // 3
+    lo = unpack_q2_quads(packed[:, : 2 * kp].reshape(-1, kp), packed.shape[0] * 8, kp)
+    high = packed[:, 2 * kp :]
+    hi = np.stack([(high >> np.uint8(r)) & np.uint8(1) for r in range(8)], axis=1).reshape(-1, kp)
+    return np.ascontiguousarray((lo | (hi << np.uint8(2)))[:n, :k])
+
+
+def scalar_code(bits: int, q: Any, row: Any, col: Any, kp: int) -> Any:
+    """uint8 code (row, col) of the 2-, 3- or 5-bit layout; ``q(unit, byte)`` loads one code byte (a TE
+    placeholder's or a buffer's)."""
+    from tvm import tirx
+
+    def part(unit: Any, at: Any, shift: Any, mask: int) -> Any:
+        return (q(unit, at) >> shift.astype("uint8")) & tirx.const(mask, "uint8")
+
+    if bits == 2:
+        return part(row // 4, col, (row % 4) * 2, 3)
+    if bits == 3:
+        lo = part(row // 8, (row % 8) // 4 * kp + col, (row % 4) * 2, 3)
+        return lo | (part(row // 8, 2 * kp + col, row % 8, 1) << tirx.const(2, "uint8"))
+    lo = part(row // 8, (row % 8) // 2 * kp + col, (row % 2) * 4, 15)
+    return lo | (part(row // 8, 4 * kp + col, row % 8, 1) << tirx.const(4, "uint8"))
+
+
+def code_exponent(bits: int, r: Any) -> Any:
+    """e of :func:`unit_codes`' ``scaled`` codes of row r (2, 3 bits): they are code * 2^e (e <= 4)."""
+    from tvm import tirx
+
+    return 2 * (r % 4) - (tirx.Select(r % 4 == 3, 2, 0) if bits == 3 else 0)
+
+
+def code_scale(bits: int, r: Any) -> Any:
+    """float32 2^-e: what the GEMV's row scales take for the ``scaled`` codes of row r (exact)."""
+    from tvm.script import tirx as T
+
+    return T.float32(1) / T.Cast("float32", T.shift_left(T.int32(1), code_exponent(bits, r)))
+
+
+def unit_codes(bits: int, Q8: Any, unit: Any, col: Any, r: Any, KP: int, scaled: bool = False) -> Any:  # noqa: N803
+    """uint8x64: the codes of row r of code row ``unit`` (a quad for 2 bits, an octet for 3 and 5),
+    columns col..col+63: the row's bits of its low-bits row (2 / 2 / 4 of them), with (3, 5 bits) bit
+    r of the high-bits row on top. ``scaled`` (2, 3 bits): code * 2^e instead (:func:`code_exponent`), the
+    row's 2-bit field masked where it lies (no shift; row 3 of a quad two bits down to leave room for the
+    third bit): one shift fewer a row, the GEMV folds 2^-e into the row's scales (exact). ``r`` must fold
+    to a constant once the loops unroll (no byte-vector shift by a variable count)."""
+    from tvm.script import tirx as T
+
+    def part(at: Any, shift: Any, mask: Any) -> Any:
+        return T.shift_right(Q8.vload([unit, at], "uint8x64"), T.Broadcast(T.Cast("uint8", shift), 64)) & T.Broadcast(
+            T.Cast("uint8", mask), 64)
+
+    if scaled and bits in (2, 3):
+        e = code_exponent(bits, r)
+        lo = part(col if bits == 2 else (r // 4) * KP + col, 2 * (r % 4) - e, T.shift_left(T.int32(3), e))
+        if bits == 2:
+            return lo
+        hb = T.shift_left(T.shift_right(Q8.vload([unit, 2 * KP + col], "uint8x64"), T.Broadcast(
+            T.Cast("uint8", T.max(r - e - 2, 0)), 64)), T.Broadcast(T.Cast("uint8", T.max(e + 2 - r, 0)), 64))
+        return lo | (hb & T.Broadcast(T.Cast("uint8", T.shift_left(T.int32(4), e)), 64))
+    if bits == 2:
+        return part(col, 2 * r, 3)
+    lb = 2 if bits == 3 else 4  # bits of a code in its low-bits row
+    rows = 8 // lb  # rows a low-bits row holds
+    lo = part((r // rows) * KP + col, lb * (r % rows), (1 << lb) - 1)
+    return lo | T.shift_left(part(lb * KP + col, r, 1), T.Broadcast(T.uint8(lb), 64))
+
+
+# Q3_K's scale array (3-bit layout): int8 [N2, K/16], each 6-bit group value (-32..31) times 4 (bits
+# 2..7, so the byte with its low 2 bits cleared is 4 sc, sign and all), and each superblock's float16 d
+# in the low 2 bits of its first 8 values (bits 2i..2i+1 of d in value i): no d tail, 0.5 bits a weight
+# where the int8 values and d took 0.5625 (Q3_K: 3.5 bits a weight, the file 3.4375). The readers take
+# (4 sc) * (d / 4): exact, as sc * d.
+D_LOW_MASK = 0x0303030303030303  # the low 2 bits of 8 bytes: pext gives d's 16 bits
+
+
+def pack_scales_d_low(values: np.ndarray, d: np.ndarray, rows: int) -> np.ndarray:
+    """6-bit int8 group values [N, K/16] and float16 d [N, K/256] -> int8 [rows, K/16] (above)."""
+    n, ng = values.shape
+    if ng != 16 * d.shape[1] or ng < 16 or not (-32 <= values.min(initial=0) and values.max(initial=0) <= 31):
+        raise ValueError("pack_scales_d_low: 16 six-bit group values per superblock, K >= 256")
+    out = np.zeros((rows, ng), dtype=np.uint8)
+    out[:n] = values.astype(np.uint8) << np.uint8(2)
+    d16 = np.ascontiguousarray(d, dtype="<f2").view(np.uint16)
+    for i in range(8):
+        out[:n, i::16] |= ((d16 >> np.uint16(2 * i)) & np.uint16(3)).astype(np.uint8)
+    return out.view(np.int8)
+
+
+def scale_times_4(v: Any, lanes: int = 1) -> Any:
+    """int8 (x ``lanes``) 4 sc of scale bytes: the low 2 bits (d's) cleared (``lanes`` 0: v as it is)."""
+    from tvm.script import tirx as T
+
+    if lanes == 0:
+        return v
+    return v & (T.int8(-4) if lanes == 1 else T.Broadcast(T.int8(-4), lanes))
+
+
+def d_of_word(word: Any) -> Any:
+    """float32 d / 4 of a superblock from the uint64 of its first 8 scale bytes (``pext`` of the low bits)."""
+    from tvm.script import tirx as T
+
+    bits = T.call_llvm_pure_intrin(T.llvm_lookup_intrinsic_id("llvm.x86.bmi.pext.64"), word,
+                                   T.uint64(D_LOW_MASK), dtype="uint64")
+    return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", bits))) * T.float32(0.25)
+
+
+def d_of_bytes(load: Any, row: Any, g: Any) -> Any:
+    """float32 d / 4 of group g's superblock from its first 8 scale bytes (``load(row, col)``; scalar)."""
+    from tvm import tirx
+
+    first = g // 16 * 16
+    d16 = tirx.const(0, "uint16")
+    for i in range(8):
+        d16 = d16 | ((load(row, first + i).astype("uint8") & tirx.const(3, "uint8")).astype("uint16")
+                     << tirx.const(2 * i, "uint16"))
+    return tirx.reinterpret("float16", d16).astype("float32") * tirx.const(0.25, "float32")
