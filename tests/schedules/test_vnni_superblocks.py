@@ -217,3 +217,36 @@ def test_file_blocks_match_gguf(template, target, qtype):
         y = tvm.runtime.tensor(np.zeros((*rows, n), np.float32), dev)
         _build(tmpl, target, pk.compute("matmul", rows))["main"](tvm.runtime.tensor(x, dev), *arrays, y)
         assert np.abs(y.numpy() - ref).max() <= 2e-5 * np.abs(ref).max(), (qtype, rows)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS", "Q4_K"])
+def test_iq4_table_lookup_is_one_vpshufb(template, target, qtype):
+    """IQ4's non-linear codes come from one ``vpshufb`` of a constant table register per code vector in
+    the GEMV and the prefill GEMM (no compare/blend chain left from the select the table is written
+    as); a linear 4-bit type has no lookup at all."""
+    import tvm
+
+    from perfx_compiler.formats import ggml
+    from perfx_compiler.formats.gguf_blocks import packed_from_blocks
+    from schedules.gemm_qvnni_cpu import TEMPLATE as GEMM
+
+    n, k = 96, 2048
+    raw = random_file_blocks(qtype, n, k, np.random.default_rng(0))
+    if qtype in ggml.FORMATS:
+        pk = subscaled_vnni_packed(ggml.FORMATS[qtype].unpack(raw, (n, k)), qtype)
+    else:
+        pk = packed_from_blocks(qtype, raw, (n, k), vnni=True)
+    for tmpl, rows in ((template, (1, 1)), (GEMM, (1, 40))):
+        func = pk.compute("matmul", rows)
+        wl = tmpl.match(func, target)
+        sched = tmpl.apply(func, wl, tmpl.default_config(wl, target), target)
+        mod = tvm.IRModule({"main": sched.with_attr("global_symbol", "main")})
+        asm = tvm.compile(mod, target.tvm()).mod.inspect_source("asm")
+        lookups, dots = asm.count("vpshufb"), asm.count("vpdpbusd")
+        assert dots > 0, (qtype, rows)
+        if qtype.startswith("IQ4"):
+            assert 0 < lookups <= dots, (qtype, rows, lookups, dots)
+            assert asm.count("vpcmpeqb") == 0 and asm.count("vpblendmb") == 0, (qtype, rows)
+        else:
+            assert lookups == 0, (qtype, rows, lookups)
