@@ -19,6 +19,16 @@ pytestmark = pytest.mark.targets
 LIMITS = {"max_width": 16384, "max_height": 16384, "max_layers": 2048}  # targets/adreno.json
 
 
+def _limits(launcher, max_height: int | None = None) -> dict[str, int]:
+    """Adreno's image limits (``max_height`` lowered for a test), within what this OpenCL device takes:
+    PoCL's image sizes depend on the machine (16384 rows on one, 8192 on another)."""
+    dev = launcher.device
+    lim = {**LIMITS, "max_height": max_height or LIMITS["max_height"]}
+    return {"max_width": min(lim["max_width"], dev.image2d_max_width),
+            "max_height": min(lim["max_height"], dev.image2d_max_height),
+            "max_layers": min(lim["max_layers"], dev.image_max_array_size)}
+
+
 @pytest.fixture(scope="module")
 def launcher():
     from perfx_compiler.targets_exec.opencl import OpenCLLauncher, opencl_available
@@ -53,7 +63,7 @@ def test_q4_texture_gemv(n: int, k: int, max_height: int, offset: bool, launcher
     from perfx_compiler.formats.int4 import Int4Format, pack_int4
     from perfx_compiler.kernels import gemv_texture as gt
 
-    lim = {**LIMITS, "max_height": max_height}
+    lim = _limits(launcher, max_height)
     fmt = Int4Format(32, False, offset)
     lanes = fmt.lanes(k)
     rng = np.random.default_rng(n * 7 + k + offset)
@@ -63,7 +73,7 @@ def test_q4_texture_gemv(n: int, k: int, max_height: int, offset: bool, launcher
     words = pack_int4(codes, lanes)
     cl = gt.image_layout(n, words.shape[1] // 4, "RGBA32UI", lim)
     sl = gt.image_layout(n, -(-(k // 32) // 2), "RGBA32F", lim)
-    assert cl.layers == -(-n // max_height)
+    assert cl.layers == -(-n // lim["max_height"])
     cf = _compile(gt.texture_q4_gemv_kernel({"N": n, "K": k, "group": 32, "lanes": lanes, "offset": offset}, cl, sl))
     assert "read_imageui" in cf.source and "as_uint4(READ_IMAGEF" not in cf.source
     x = rng.standard_normal((1, 1, k)).astype(np.float32)
@@ -81,8 +91,8 @@ def test_q8_texture_gemv(n: int, k: int, launcher) -> None:
     rng = np.random.default_rng(n + k)
     codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
     scale = rng.standard_normal((n, k // 32)).astype(np.float16)
-    cl = gt.image_layout(n, k // 16, "RGBA32UI", LIMITS)
-    sl = gt.image_layout(n, -(-(k // 32) // 4), "RGBA32F", LIMITS)
+    cl = gt.image_layout(n, k // 16, "RGBA32UI", _limits(launcher))
+    sl = gt.image_layout(n, -(-(k // 32) // 4), "RGBA32F", _limits(launcher))
     cf = _compile(gt.texture_q8_gemv_kernel({"N": n, "K": k, "group": 32}, cl, sl))
     x = rng.standard_normal((1, 1, k)).astype(np.float32)
     got = launcher.run_numpy(cf, [x, gt.pack_image(codes.view(np.uint32), cl), gt.pack_scales([scale], sl),
@@ -100,7 +110,7 @@ def test_f32_texture_gemv(n: int, k: int, max_height: int, launcher) -> None:
         with pytest.raises(gt.TextureLimitError):
             gt.texture_gemv_kernel(n, k)
         return
-    lay = gt.image_layout(n, k // 4, "RGBA32F", {**LIMITS, "max_height": max_height})
+    lay = gt.image_layout(n, k // 4, "RGBA32F", _limits(launcher, max_height))
     cf = _compile(gt.texture_gemv_kernel(n, k, layout=lay))
     assert texture_params(cf) == {1}
     rng = np.random.default_rng(n + k)
@@ -131,7 +141,7 @@ def test_q4_texture_gemm(n: int, k: int, max_height: int, offset: bool, launcher
     from perfx_compiler.kernels import gemm_texture as gm
     from perfx_compiler.kernels import gemv_texture as gt
 
-    lim = {**LIMITS, "max_height": max_height}
+    lim = _limits(launcher, max_height)
     lanes = Int4Format(32, False, offset).lanes(k)
     rng = np.random.default_rng(n * 5 + k + offset)
     codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
@@ -151,7 +161,7 @@ def test_q8_texture_gemm(n: int, k: int, max_height: int, launcher) -> None:
     from perfx_compiler.kernels import gemm_texture as gm
     from perfx_compiler.kernels import gemv_texture as gt
 
-    lim = {**LIMITS, "max_height": max_height}
+    lim = _limits(launcher, max_height)
     rng = np.random.default_rng(n + k + 1)
     codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
     scale = rng.standard_normal((n, k // 32)).astype(np.float16)
@@ -167,7 +177,7 @@ def test_f32_texture_gemm(n: int, k: int, max_height: int, launcher) -> None:
     from perfx_compiler.kernels import gemm_texture as gm
     from perfx_compiler.kernels import gemv_texture as gt
 
-    lay = gt.image_layout(n, k // 4, "RGBA32F", {**LIMITS, "max_height": max_height})
+    lay = gt.image_layout(n, k // 4, "RGBA32F", _limits(launcher, max_height))
     cf = _compile(gm.texture_gemm_kernel(n, k, lay))
     w = np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32)
     _run_rows(launcher, cf, [gt.pack_image(w, lay)], k, n, w.astype(np.float64), n + 2)
@@ -181,7 +191,7 @@ def test_texture_take(fmt: str, n: int, k: int, max_height: int, launcher) -> No
     from perfx_compiler.kernels import gemm_texture as gm
     from perfx_compiler.kernels import gemv_texture as gt
 
-    lim = {**LIMITS, "max_height": max_height}
+    lim = _limits(launcher, max_height)
     rng = np.random.default_rng(n + k + len(fmt))
     scale = rng.standard_normal((n, k // 32)).astype(np.float16)
     if fmt == "f32":
