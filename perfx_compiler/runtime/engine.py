@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 MANIFEST = "perfx-config.json"
 # 1: files checksummed; 2: the manifest too (artifact_hash.manifest_digest)
 SUPPORTED_FORMATS = (1, 2)
+# Prompts run in calls of at most this many tokens: the VM sizes its activation buffers by the call,
+# so an 8k prompt in one call held +261 MB at its peak, +124 MB in 2048-token calls at no measurable
+# speed cost (1024: -3..5%; each GEMM repacks its weights per call): docs/decisions/long-context.md.
+PREFILL_CHUNK = 2048
 
 
 def read_manifest(artifact_dir: str | Path, *, verify: bool = True) -> dict[str, Any]:
@@ -173,7 +177,7 @@ class Engine:
                 "shorten the prompt or compile with a larger --max-context"
             )
 
-    def _run(self, fn: Any, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    def _run(self, fn: Any, token_ids: Sequence[int] | np.ndarray, every_position: bool = False) -> np.ndarray:
         ids = np.asarray(token_ids, dtype=self.index_dtype).reshape(1, -1)
         n = ids.shape[1]
         if n == 0:
@@ -181,24 +185,27 @@ class Engine:
         self._check_room(n)
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
-        self._pos[0] = self.position
-        self._pos_dev.copyfrom(self._pos)
-        if n == 1:
-            self._one_token_dev.copyfrom(ids)
-            ids_dev = self._one_token_dev
-        else:
-            ids_dev = tvm.runtime.tensor(ids, self.device)
-        out = fn(ids_dev, self._pos_dev, *self._tail)
-        self.position += n
-        return out[0].numpy()[0]
+        outs = []
+        for start in range(0, n, PREFILL_CHUNK):
+            chunk = ids[:, start : start + PREFILL_CHUNK]
+            self._pos[0] = self.position
+            self._pos_dev.copyfrom(self._pos)
+            if chunk.shape[1] == 1:
+                self._one_token_dev.copyfrom(chunk)
+                ids_dev = self._one_token_dev
+            else:
+                ids_dev = tvm.runtime.tensor(np.ascontiguousarray(chunk), self.device)
+            outs.append(fn(ids_dev, self._pos_dev, *self._tail)[0].numpy()[0])
+            self.position += chunk.shape[1]
+        return np.concatenate(outs) if every_position else outs[-1]
 
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Run a chunk of tokens; return the last position's logits as [1, vocab]."""
+        """Run tokens (in calls of at most ``PREFILL_CHUNK``); return the last position's logits as [1, vocab]."""
         return self._run(self._prefill, token_ids)
 
     def prefill_all(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Run a chunk of tokens; return logits of every position [len, vocab]."""
-        return self._run(self._prefill_all, token_ids)
+        """Run tokens (in calls of at most ``PREFILL_CHUNK``); return logits of every position [len, vocab]."""
+        return self._run(self._prefill_all, token_ids, every_position=True)
 
     def decode(self, token_id: int) -> np.ndarray:
         """Run one token; return its logits [vocab] (valid until the caller drops them; not reused)."""

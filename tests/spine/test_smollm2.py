@@ -39,6 +39,25 @@ def test_prefill_all_matches_reference(smol_engine, smol_desc, smol_reference):
     assert rel_err(smol_engine.prefill_all(ids), ref) < 1e-3
 
 
+def test_long_prompts_run_in_chunks_with_the_same_logits(smol_engine, smol_desc, smol_reference, monkeypatch):
+    """A prompt longer than ``PREFILL_CHUNK`` runs in several calls (bounded activation memory): every
+    position's logits still match the float64 reference, and prefill's are the last row of prefill_all's."""
+    from perfx_compiler.runtime import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 16)
+    ids = np.random.default_rng().integers(0, smol_desc.config.vocab_size, size=45).tolist()
+    smol_reference.reset()
+    ref = smol_reference.forward(ids)
+    smol_engine.reset()
+    every = smol_engine.prefill_all(ids)
+    assert every.shape == ref.shape and smol_engine.position == 45
+    assert rel_err(every, ref) < 1e-3
+    smol_engine.reset()
+    last = smol_engine.prefill(ids)
+    assert smol_engine.position == 45
+    assert rel_err(last[0], every[-1]) < 1e-5
+
+
 @pytest.mark.parametrize(
     "prompt",
     [PROMPT, "The capital of France is", "def fibonacci(n):", "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"],
