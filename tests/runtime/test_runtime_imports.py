@@ -101,3 +101,21 @@ def test_engine_import_leaves_child_processes_a_compiler() -> None:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_engine_import_leaves_torch_out_and_importable() -> None:
+    """tvm_ffi imports torch when it is installed (~200 MB resident); the engine's TVM import hides it,
+    and torch imports normally afterwards."""
+    pytest.importorskip("torch")
+    script = textwrap.dedent(
+        """
+        import sys
+        import perfx_compiler.runtime.engine  # noqa: F401
+        assert "torch" not in sys.modules, "the engine's import loaded torch"
+        import torch
+        assert torch.zeros(2).sum().item() == 0.0
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
