@@ -30,6 +30,7 @@ each is one allocation per task. ``schedules/attention_cpu.py`` chooses the body
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from tvm.script import tirx as T
@@ -60,59 +61,35 @@ def _kb(ctx: Any, j: Any) -> Any:
     return (ctx[0] + j) * ctx[1]
 
 
-def cached_attention_kernel(
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    max_context: int,
-    dtype: str = "float32",
-    index_dtype: str = "int64",
-    config: dict[str, Any] | None = None,
-    window: int = 0,
-    softcap: float = 0.0,
-    kv_cache: str = "float32",
-) -> Any:
-    """Build the PrimFunc for one attention configuration (shape constants baked in).
+@dataclass(frozen=True)
+class _Plan:
+    """One attention kernel's shape constants and options (the macros below close over them)."""
 
-    ``window`` > 0: sliding-window attention, the query at position p sees keys p - window < j <= p
-    (0: plain causal); key loops start at the window's first key, so the work is proportional to
-    the window. ``softcap`` > 0: each score s becomes softcap * tanh(s / softcap) before the mask and
-    softmax (0: none). With both 0 the kernel is the plain one, text for text.
+    H: int  # query heads
+    KVH: int  # kv heads
+    D: int  # head dim
+    MAXC: int  # cache positions
+    G: int  # query heads per kv head
+    HALF: int  # D // 2 (RoPE's rotate-half)
+    L: int  # vector lanes
+    KT: int  # keys per tile
+    KVD: str  # the caches' element type
+    KV32: bool  # a float32 cache: the kernel is built from the original pieces, text for text
+    RS: int  # cache elements per (kv head, position) row
+    WIN: int  # sliding window (0: none)
+    CAP: float  # score softcap (0: none)
+    scale: float  # 1 / sqrt(D)
 
-    ``index_dtype`` is the element type of ``past_len`` (the graph's integer inputs).
-    ``config``: ``{"body": "rows" | "tiled", "k_tile", "q_tile", "heads_per_task", "key_block", "lanes"}`` for
-    any ``seq``, or ``{"body": "split", "k_tile", "splits", "lanes"}`` (seq == 1 takes the split
-    body, other lengths the rows body). None: the rows body with defaults.
 
-    ``kv_cache``: the caches' element type, "float32" | "float16" | "int8" (kernels/_kv_cache.py: int8 rows
-    are D int8 + a float32 scale, the cache [1, KVH, MAXC, D + 4]); the narrow ones take the rows and
-    split bodies (no decode prefetch) and compute in float32."""
-    cfg = dict(config or {})
-    H, KVH, D, MAXC = num_heads, num_kv_heads, head_dim, max_context
-    G = H // KVH
-    HALF = D // 2
-    L = int(cfg.get("lanes", lanes_for(D)))
-    KT = int(cfg.get("k_tile", 32))
-    body = cfg.get("body", "rows")
-    scale = 1.0 / math.sqrt(D)
-    if H % KVH or D % 2 or D % L or KT < 1:
-        raise ValueError(f"attention: bad shape/config H={H} KVH={KVH} D={D} {cfg}")
+def _append_and_rows_body(p: _Plan) -> tuple[Any, Any]:
+    """(append_kv, rows_body): the chunk's k/v rows into the caches, and the rows body (one task per
+    (kv head, query), rows = the query heads sharing that kv head)."""
+    KVH, D, MAXC, G, HALF, L, KT = p.KVH, p.D, p.MAXC, p.G, p.HALF, p.L, p.KT
+    KVD, KV32, RS, WIN, CAP, scale = p.KVD, p.KV32, p.RS, p.WIN, p.CAP, p.scale
     exp = fast_exp
-    KVD = kv_dtype(kv_cache)
-    KV32 = KVD == "float32"  # the float32 kernel is built from the original pieces, text for text
-    RS = row_stride(D, KVD)  # cache elements per (kv head, position) row
-    if not KV32 and body == "tiled":
-        raise ValueError(f"attention: the tiled body reads float32 caches only (kv cache {KVD})")
-    WIN, CAP = int(window), float(softcap)
-    if WIN < 0 or CAP < 0:
-        raise ValueError(f"attention: window {window} and softcap {softcap} must be >= 0")
 
     def lo_key(pos: Any) -> Any:
         return first_key(pos, WIN)
-
-    def visible(j: Any, pos: Any) -> Any:
-        """Key j is seen by the query at pos (causal, and inside the window when there is one)."""
-        return T.And(j <= pos, pos - j < WIN) if WIN > 0 else j <= pos
 
     @T.macro
     def append_kv(Q, K, V, KF, VF, KS, VS, COS, SIN, past, seq):
@@ -172,6 +149,167 @@ def cached_attention_kernel(
                 for d in T.vectorized(D):
                     OUT[0, s, (kh * G + g) * D + d] = racc[g * D + d] / st[G + g]
 
+    return append_kv, rows_body
+
+
+def _split_step_body(p: _Plan, cfg: dict[str, Any], append_kv: Any, rows_body: Any) -> Any:
+    """The step of the split body: at seq == 1 the cache cut into ``splits`` chunks per kv head, one
+    task each, merged by log-sum-exp; other lengths append and take the rows body."""
+    H, KVH, D, MAXC, G, HALF, L, KT = p.H, p.KVH, p.D, p.MAXC, p.G, p.HALF, p.L, p.KT
+    KVD, KV32, RS, WIN, CAP, scale = p.KVD, p.KV32, p.RS, p.WIN, p.CAP, p.scale
+    exp = fast_exp
+
+    def lo_key(pos: Any) -> Any:
+        return first_key(pos, WIN)
+
+    SPL = int(cfg.get("splits", 2))
+    # keys ahead whose cached rows are prefetched (0: none; the narrow caches' rows are not prefetched)
+    PF = int(cfg.get("prefetch", 0)) if KV32 else 0
+    if SPL < 1 or PF < 0:
+        raise ValueError(f"attention: splits {SPL} must be >= 1")
+    W = D + 2  # one partial: output row, max, sum
+
+    @T.macro
+    def split_task(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, ws, past, ch, t):
+        # Task t: chunk t % SPL of kv head t // SPL. The chunk holding `past` first appends the new
+        # k/v row of its kv head (no other task reads that row), so the step's new rows are written
+        # where they are read, not on the launching thread before the fork.
+        kh = t // SPL
+        lo = lo_key(past) + t % SPL * ch  # the chunks cover lo_key(past) .. past
+        hi = T.min(past + 1, lo + ch)
+        if lo <= past and past < lo + ch:
+            if not KV32:
+                append_row(KF, KS, VF, VS, (kh * MAXC + past) * RS, K, V, 0, 0, kh * D, COS, SIN, past, D, KVD)
+            else:
+                rope_store(KF, (kh * MAXC + past) * D, 1, K, 0, 0, kh * D, COS, SIN, past, HALF, T.float32(1))
+                copy_row(VF, (kh * MAXC + past) * D, V, 0, 0, kh * D, D)
+        qr = T.decl_buffer((G * D,), "float32", scope="local")
+        sc = T.decl_buffer((G * KT,), "float32", scope="local")
+        racc = T.decl_buffer((G * D,), "float32", scope="local")
+        st = T.decl_buffer((3 * G,), "float32", scope="local")
+        for g in T.serial(G):
+            rope_store(qr, g * D, 1, Q, 0, 0, (kh * G + g) * D, COS, SIN, past, HALF, T.float32(scale))
+        softmax_init(st, racc, G, D)
+        if PF > 0:  # the first PF rows; the score loop requests each later row PF keys ahead
+            for j in T.serial(T.min(PF, T.max(hi - lo, 0))):
+                prefetch_kv_row(KF, VF, _kb((kh * MAXC, D), lo + j), D)
+        for kt in T.serial((T.max(hi - lo, 0) + KT - 1) // KT):
+            if not KV32:
+                tile_scores_kv(sc, qr, KF, KS, _kb, (kh * MAXC, RS), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
+                               G, D, KT, L, KVD)
+            else:
+                tile_scores(sc, qr, KF, VF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
+                            G, D, KT, L, PF, hi)
+            if CAP > 0:
+                tile_softcap(sc, G, KT, CAP)
+            tile_softmax(sc, st, T.min(KT, hi - lo - kt * KT), G, KT, exp)
+            if not KV32:
+                tile_pv_kv(racc, sc, st, VF, VS, _kb, (kh * MAXC, RS), lo + kt * KT,
+                           T.min(KT, hi - lo - kt * KT), G, D, KT, L, KVD)
+            else:
+                tile_pv(racc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
+                        T.min(KT, hi - lo - kt * KT), G, D, KT, L)
+        if SPL == 1:  # one chunk per kv head: the task's heads are final, no partials to merge
+            for g in T.serial(G):
+                for d in T.vectorized(D):
+                    OUT[0, 0, (kh * G + g) * D + d] = racc[g * D + d] / st[G + g]
+        else:
+            for g in T.serial(G):
+                for d in T.vectorized(D):
+                    ws[(t * G + g) * W + d] = racc[g * D + d]
+                ws[(t * G + g) * W + D] = st[g]
+                ws[(t * G + g) * W + D + 1] = st[G + g]
+
+    @T.macro
+    def merge_chunks(ws, OUT):
+        # weights exp(m_c - M) (an empty chunk has m = NEG, l = 0: weight 0)
+        for h in T.serial(H):
+            cm = T.decl_buffer((2,), "float32", scope="local")
+            ao = T.decl_buffer((D,), "float32", scope="local")
+            cm[0] = T.float32(NEG)
+            for sp in T.serial(SPL):
+                cm[0] = T.max(cm[0], ws[((h // G * SPL + sp) * G + h % G) * W + D])
+            cm[1] = T.float32(0)
+            for d in T.vectorized(D):
+                ao[d] = T.float32(0)
+            for sp in T.serial(SPL):
+                cw = T.exp(ws[((h // G * SPL + sp) * G + h % G) * W + D] - cm[0])
+                cm[1] = cm[1] + cw * ws[((h // G * SPL + sp) * G + h % G) * W + D + 1]
+                for d in T.vectorized(D):
+                    ao[d] = ao[d] + cw * ws[((h // G * SPL + sp) * G + h % G) * W + d]
+            for d in T.vectorized(D):
+                OUT[0, 0, h * D + d] = ao[d] / cm[1]
+
+    @T.macro
+    def step_body(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, past, seq):
+        if seq == 1 and past < MAXC:
+            # chunk: ceil(ctx / SPL) in whole tiles, ctx = the keys the query sees (past + 1 without a window)
+            ch = ((past - lo_key(past) + SPL) // SPL + KT - 1) // KT * KT
+            if SPL == 1:
+                for t in T.parallel(KVH):  # no partials: OUT stands in for the unused ws
+                    split_task(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, OUT, past, ch, t)
+            else:
+                ws = T.decl_buffer((KVH * SPL * G * W,), "float32")
+                for t in T.parallel(KVH * SPL):
+                    split_task(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, ws, past, ch, t)
+                merge_chunks(ws, OUT)
+        else:
+            append_kv(Q, K, V, KF, VF, KS, VS, COS, SIN, past, seq)
+            rows_body(Q, KF, VF, KS, VS, COS, SIN, OUT, past, seq)
+
+    return step_body
+
+
+def cached_attention_kernel(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    max_context: int,
+    dtype: str = "float32",
+    index_dtype: str = "int64",
+    config: dict[str, Any] | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    kv_cache: str = "float32",
+) -> Any:
+    """Build the PrimFunc for one attention configuration (shape constants baked in).
+
+    ``window`` > 0: sliding-window attention, the query at position p sees keys p - window < j <= p
+    (0: plain causal); key loops start at the window's first key, so the work is proportional to
+    the window. ``softcap`` > 0: each score s becomes softcap * tanh(s / softcap) before the mask and
+    softmax (0: none). With both 0 the kernel is the plain one, text for text.
+
+    ``index_dtype`` is the element type of ``past_len`` (the graph's integer inputs).
+    ``config``: ``{"body": "rows" | "tiled", "k_tile", "q_tile", "heads_per_task", "key_block", "lanes"}`` for
+    any ``seq``, or ``{"body": "split", "k_tile", "splits", "lanes"}`` (seq == 1 takes the split
+    body, other lengths the rows body). None: the rows body with defaults.
+
+    ``kv_cache``: the caches' element type, "float32" | "float16" | "int8" (kernels/_kv_cache.py: int8 rows
+    are D int8 + a float32 scale, the cache [1, KVH, MAXC, D + 4]); the narrow ones take the rows and
+    split bodies (no decode prefetch) and compute in float32."""
+    cfg = dict(config or {})
+    H, KVH, D, MAXC = num_heads, num_kv_heads, head_dim, max_context
+    G = H // KVH
+    HALF = D // 2
+    L = int(cfg.get("lanes", lanes_for(D)))
+    KT = int(cfg.get("k_tile", 32))
+    body = cfg.get("body", "rows")
+    scale = 1.0 / math.sqrt(D)
+    if H % KVH or D % 2 or D % L or KT < 1:
+        raise ValueError(f"attention: bad shape/config H={H} KVH={KVH} D={D} {cfg}")
+    exp = fast_exp
+    KVD = kv_dtype(kv_cache)
+    KV32 = KVD == "float32"  # the float32 kernel is built from the original pieces, text for text
+    RS = row_stride(D, KVD)  # cache elements per (kv head, position) row
+    if not KV32 and body == "tiled":
+        raise ValueError(f"attention: the tiled body reads float32 caches only (kv cache {KVD})")
+    WIN, CAP = int(window), float(softcap)
+    if WIN < 0 or CAP < 0:
+        raise ValueError(f"attention: window {window} and softcap {softcap} must be >= 0")
+
+    plan = _Plan(H, KVH, D, MAXC, G, HALF, L, KT, KVD, KV32, RS, WIN, CAP, scale)
+    append_kv, rows_body = _append_and_rows_body(plan)
+
     if body == "tiled":
         if G % int(cfg.get("heads_per_task", G)) or int(cfg.get("q_tile", 8)) < 1:
             raise ValueError(f"attention: heads_per_task {cfg.get('heads_per_task')} must divide {G}")
@@ -184,101 +322,7 @@ def cached_attention_kernel(
             tiled(Q, KF, VF, COS, SIN, OUT, T.int64(1), seq, (past,))
 
     elif body == "split":
-        SPL = int(cfg.get("splits", 2))
-        # keys ahead whose cached rows are prefetched (0: none; the narrow caches' rows are not prefetched)
-        PF = int(cfg.get("prefetch", 0)) if KV32 else 0
-        if SPL < 1 or PF < 0:
-            raise ValueError(f"attention: splits {SPL} must be >= 1")
-        W = D + 2  # one partial: output row, max, sum
-
-        @T.macro
-        def split_task(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, ws, past, ch, t):
-            # Task t: chunk t % SPL of kv head t // SPL. The chunk holding `past` first appends the new
-            # k/v row of its kv head (no other task reads that row), so the step's new rows are written
-            # where they are read, not on the launching thread before the fork.
-            kh = t // SPL
-            lo = lo_key(past) + t % SPL * ch  # the chunks cover lo_key(past) .. past
-            hi = T.min(past + 1, lo + ch)
-            if lo <= past and past < lo + ch:
-                if not KV32:
-                    append_row(KF, KS, VF, VS, (kh * MAXC + past) * RS, K, V, 0, 0, kh * D, COS, SIN, past, D, KVD)
-                else:
-                    rope_store(KF, (kh * MAXC + past) * D, 1, K, 0, 0, kh * D, COS, SIN, past, HALF, T.float32(1))
-                    copy_row(VF, (kh * MAXC + past) * D, V, 0, 0, kh * D, D)
-            qr = T.decl_buffer((G * D,), "float32", scope="local")
-            sc = T.decl_buffer((G * KT,), "float32", scope="local")
-            racc = T.decl_buffer((G * D,), "float32", scope="local")
-            st = T.decl_buffer((3 * G,), "float32", scope="local")
-            for g in T.serial(G):
-                rope_store(qr, g * D, 1, Q, 0, 0, (kh * G + g) * D, COS, SIN, past, HALF, T.float32(scale))
-            softmax_init(st, racc, G, D)
-            if PF > 0:  # the first PF rows; the score loop requests each later row PF keys ahead
-                for j in T.serial(T.min(PF, T.max(hi - lo, 0))):
-                    prefetch_kv_row(KF, VF, _kb((kh * MAXC, D), lo + j), D)
-            for kt in T.serial((T.max(hi - lo, 0) + KT - 1) // KT):
-                if not KV32:
-                    tile_scores_kv(sc, qr, KF, KS, _kb, (kh * MAXC, RS), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
-                                   G, D, KT, L, KVD)
-                else:
-                    tile_scores(sc, qr, KF, VF, _kb, (kh * MAXC, D), lo + kt * KT, T.min(KT, hi - lo - kt * KT),
-                                G, D, KT, L, PF, hi)
-                if CAP > 0:
-                    tile_softcap(sc, G, KT, CAP)
-                tile_softmax(sc, st, T.min(KT, hi - lo - kt * KT), G, KT, exp)
-                if not KV32:
-                    tile_pv_kv(racc, sc, st, VF, VS, _kb, (kh * MAXC, RS), lo + kt * KT,
-                               T.min(KT, hi - lo - kt * KT), G, D, KT, L, KVD)
-                else:
-                    tile_pv(racc, sc, st, VF, _kb, (kh * MAXC, D), lo + kt * KT,
-                            T.min(KT, hi - lo - kt * KT), G, D, KT, L)
-            if SPL == 1:  # one chunk per kv head: the task's heads are final, no partials to merge
-                for g in T.serial(G):
-                    for d in T.vectorized(D):
-                        OUT[0, 0, (kh * G + g) * D + d] = racc[g * D + d] / st[G + g]
-            else:
-                for g in T.serial(G):
-                    for d in T.vectorized(D):
-                        ws[(t * G + g) * W + d] = racc[g * D + d]
-                    ws[(t * G + g) * W + D] = st[g]
-                    ws[(t * G + g) * W + D + 1] = st[G + g]
-
-        @T.macro
-        def merge_chunks(ws, OUT):
-            # weights exp(m_c - M) (an empty chunk has m = NEG, l = 0: weight 0)
-            for h in T.serial(H):
-                cm = T.decl_buffer((2,), "float32", scope="local")
-                ao = T.decl_buffer((D,), "float32", scope="local")
-                cm[0] = T.float32(NEG)
-                for sp in T.serial(SPL):
-                    cm[0] = T.max(cm[0], ws[((h // G * SPL + sp) * G + h % G) * W + D])
-                cm[1] = T.float32(0)
-                for d in T.vectorized(D):
-                    ao[d] = T.float32(0)
-                for sp in T.serial(SPL):
-                    cw = T.exp(ws[((h // G * SPL + sp) * G + h % G) * W + D] - cm[0])
-                    cm[1] = cm[1] + cw * ws[((h // G * SPL + sp) * G + h % G) * W + D + 1]
-                    for d in T.vectorized(D):
-                        ao[d] = ao[d] + cw * ws[((h // G * SPL + sp) * G + h % G) * W + d]
-                for d in T.vectorized(D):
-                    OUT[0, 0, h * D + d] = ao[d] / cm[1]
-
-        @T.macro
-        def step_body(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, past, seq):
-            if seq == 1 and past < MAXC:
-                # chunk: ceil(ctx / SPL) in whole tiles, ctx = the keys the query sees (past + 1 without a window)
-                ch = ((past - lo_key(past) + SPL) // SPL + KT - 1) // KT * KT
-                if SPL == 1:
-                    for t in T.parallel(KVH):  # no partials: OUT stands in for the unused ws
-                        split_task(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, OUT, past, ch, t)
-                else:
-                    ws = T.decl_buffer((KVH * SPL * G * W,), "float32")
-                    for t in T.parallel(KVH * SPL):
-                        split_task(Q, K, V, KF, VF, KS, VS, COS, SIN, OUT, ws, past, ch, t)
-                    merge_chunks(ws, OUT)
-            else:
-                append_kv(Q, K, V, KF, VF, KS, VS, COS, SIN, past, seq)
-                rows_body(Q, KF, VF, KS, VS, COS, SIN, OUT, past, seq)
-
+        step_body = _split_step_body(plan, cfg, append_kv, rows_body)
     elif body == "rows":
         main_body = rows_body
     else:
