@@ -86,159 +86,21 @@ def activation_group(bits: int, G: int, sb: int) -> int:
     return sb if sb and bits == 6 else G
 
 
-def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, nr: int, tasks: int,
-           prepacked: bool = False, sb: int = 0, lut: str = "") -> Any:
-    """The GEMM PrimFunc (x, q, scale[, zero|min], y) for one configuration; with ``prepacked``
-    (x, panels, panel_scales[, panel_zero|panel_min], y) over ``prepack``'s arrays. ``sb``: superblock
-    scales (int8 [N2, SW] scale / min arrays, see formats/vnni.py); not with ``prepacked``. ``lut``
-    (IQ4: int4 row pairs of table indices): the repack maps each row's nibbles to code + 128 with
-    ``vpshufb`` (``formats.vnni.lut_bytes``) and the rest is the int8 kernel."""
+def _vdot(acc: Any, w: Any, x: Any) -> Any:
+    """acc + vpdpbusd(w, x): 16 int32 lanes, each adding 4 uint8 x int8 products."""
     from tvm.script import tirx as T
 
-    if (sb or lut) and prepacked:
-        raise ValueError("prepacked VNNI GEMM panels take float16 group scales, not superblock (sb) scales")
+    return T.call_llvm_pure_intrin(
+        T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"), acc, w, x, dtype="int32x16")
 
-    quantize_group = quantize_group_macro()
-    KP = plan(K, G)["KP"]
-    NGP = plan(K, G)["NGP"]
-    NG = -(-KP // G)  # groups over the padded row (the last may be short when G > 64)
-    pair = bits == 4 and not lut  # int4 panels; table indices become int8 codes in the repack
-    KS = 8 if pair else 4  # k per 64-byte panel vector (per tile)
-    S = KP // KS  # panel steps per row
-    NT = N // 16  # column tiles
-    NB = -(-NT // nr)  # blocks
-    BPT = -(-NB // tasks)
-    RPU = ROWS_PER_UNIT[bits]  # rows per code row: int4 pairs, 5-bit octets, 6-bit quads, int8 rows
-    N2 = -(-N // RPU) * RPU
-    QW = N2 // RPU
-    QKW = code_row_bytes(bits, KP)  # bytes of a code row
-    ST = "int8" if sb else "float16"  # scale / min element type
-    ZT = ST if offset else "uint8"
-    SW = NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # scale row: groups, then (sb) the superblocks' d bytes
-    NSB = K // sb if sb else 0
-    GPS = sb // G if sb else 0  # groups per superblock
-    zconst = 128 if lut else {3: 4, 4: 8, 5: 16, 6: 32, 8: 128}.get(bits, 0)
-    table = lut != ""  # (a bool for TVMScript's `if`)
-    asym = pair and not sym and not offset
-    GV = G // 16
-    # Q6_K (superblock scales, no min): activations quantized per superblock (llama.cpp's Q8_K), so a
-    # group's int32 sums take one FMA with its scale into a superblock accumulator and dx comes once per
-    # superblock: 2 float ops a group instead of 4, which at G = 16 cost as much as the 4 vpdpbusd
-    AG = activation_group(bits, G, sb)
-    fold = AG != G
-    LO, HI = T.uint32(0x0F0F0F0F), T.uint32(0xF0F0F0F0)
-    SWAP = [i ^ 1 for i in range(16)]  # swap the two words of each step
-    EVEN_ODD = [i if i % 2 == 0 else 16 + i for i in range(16)]  # even lanes of a, odd lanes of b
 
-    def steps(g: int) -> int:
-        return (min(KP, (g + 1) * G) - g * G) // KS
+def _register_tiles(*, mr: int, nr: int, pair: bool, G: int, KS: int, KP: int, NG: int, NSB: int, GPS: int,
+                    offset: bool, asym: bool, zconst: int, steps: Any) -> tuple[Any, Any]:
+    """(tiles_fold, tiles): step 3 of the GEMM, the ``mr x nr`` register tiles over one block's panel
+    (``tiles_fold``: Q6_K's per-superblock activation scales; ``tiles``: every other format)."""
+    from tvm.script import tirx as T
 
-    def factor(A: Any, row: Any, g: Any) -> Any:  # noqa: N803
-        """Group g's scale (or min factor) of a row as float32: the float16 value, or (sb) sc * d,
-        d the row's superblock float16 from its two little-endian bytes after the groups."""
-        if not sb:
-            return T.Cast("float32", A[row, g])
-        if bits == 3:  # the 6-bit values, d in the low bits of the superblock's first 8 (formats/vnni_lowbit.py)
-            return T.Cast("float32", scale_times_4(A[row, g])) * d_of_bytes(lambda r, c: A[r, c], row, g)
-        at = NGP + 2 * T.min(g // GPS, NSB - 1)
-        d16 = T.Cast("uint16", T.Cast("uint8", A[row, at])) | T.shift_left(
-            T.Cast("uint16", T.Cast("uint8", A[row, at + 1])), T.uint16(8))
-        return T.Cast("float32", A[row, g]) * T.Cast("float32", T.reinterpret("float16", d16))
-
-    def minf(Z: Any, row: Any, g: Any) -> Any:  # noqa: N803
-        """The min term's factor (w = code * scale + min): the float16 min, or (sb) -(m * dmin)."""
-        return -factor(Z, row, g) if sb else factor(Z, row, g)
-
-    def six_bit_codes(Q8: Any, q: Any, r: Any, col: Any) -> Any:
-        """uint8x64: the codes of row r (0..3) of row quad q, columns col..col+63, from the 6-bit row-quad
-        layout. ``r`` must fold to a constant once the loops unroll: a shift by a variable count has no
-        byte-vector instruction (it would cost more than the whole GEMM)."""
-        lo = T.shift_right(Q8.vload([q, (r // 2) * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 4 * (r % 2)), 64))
-        hb = T.shift_right(Q8.vload([q, 2 * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 2 * r), 64))
-        return (lo & T.Broadcast(T.uint8(15), 64)) | T.shift_left(hb & T.Broadcast(T.uint8(3), 64),
-                                                                  T.Broadcast(T.uint8(4), 64))
-
-    def vdot(acc: Any, w: Any, x: Any) -> Any:
-        return T.call_llvm_pure_intrin(
-            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"), acc, w, x, dtype="int32x16")
-
-    @T.macro
-    def quantize(X, XQ, DX, SQ, MM, M):
-        # 1. int8 activations per row and group (x beyond K counts as 0), once per call
-        for bm in T.parallel(M):
-            mx = T.decl_buffer((16,), "float32", scope="local")
-            sm = T.decl_buffer((16,), "int32", scope="local")
-            inv = T.decl_buffer((1,), "float32", scope="local")
-            if fold:  # dx per superblock (K % sb == 0, so KP == K); SQ: -zconst * sum(q) per weight group
-                for a in T.serial(NSB):
-                    quantize_group(X, XQ, DX, bm * NSB + a, bm, a, mx, sm, inv, AG, AG // 16, K, KP, MM, a * AG)
-                for g in T.serial(NG):
-                    for ln in T.vectorized(16):
-                        sm[ln] = 0
-                    for c in T.serial(GV):
-                        for ln in T.vectorized(16):
-                            sm[ln] = sm[ln] + T.Cast("int32", XQ[bm * KP + g * G + c * 16 + ln])
-                    SQ[bm * NG + g] = _lanes.lanes_sum(sm, 0, 16, "int32") * T.int32(-zconst)
-            else:
-                for g in T.serial(NG):
-                    quantize_group(X, XQ, DX, bm * NG + g, bm, g, mx, sm, inv, G, GV, K, KP, MM, g * G)
-                    SQ[bm * NG + g] = sm[0]
-
-    @T.macro
-    def repack(Q32, Q8, Sc, Z, PK, SP, ZP, n0):
-        # 2. this block's weights as panel vectors: word (s, t, c) = 4 codes of column n0+16t+c.
-        # Vectorized: rows are loaded whole and a square tile is transposed by shuffles
-        # (``transpose_tile``); per-word scalar code costs as much as a third of the GEMM at M=128.
-        tile = T.decl_buffer((256,), "uint32", scope="local")
-        if pair:
-            # 8 row pairs x 8 steps: pair p's 16 words hold (step s, word e) at lane 2s+e, e = low /
-            # high 4 k. Lane 2s becomes column 2p's panel word (both words' low nibbles), lane 2s+1
-            # column 2p+1's (high nibbles); as 8 x 64-bit (s) rows, the transpose gives per step s
-            # the 16 columns' words in order.
-            for sb in T.serial(S // 8):
-                for t in T.unroll(nr):
-                    for p in T.unroll(8):
-                        tile[T.Ramp(p * 16, 1, 16)] = T.Shuffle(
-                            [(Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16") & T.Broadcast(LO, 16))
-                             | (T.shift_left(T.Shuffle([Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16")],
-                                                       SWAP), T.Broadcast(T.uint32(4), 16)) & T.Broadcast(HI, 16)),
-                             (T.shift_right(T.Shuffle([Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16")],
-                                                      SWAP), T.Broadcast(T.uint32(4), 16)) & T.Broadcast(LO, 16))
-                             | (Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16") & T.Broadcast(HI, 16))],
-                            EVEN_ODD)
-                    for s in T.unroll(8):
-                        PK[T.Ramp(((sb * 8 + s) * nr + t) * 16, 1, 16)] = T.reinterpret("uint32x16", T.Shuffle(
-                            transpose_tile([T.reinterpret("uint64x8", tile[T.Ramp(r * 16, 1, 16)]) for r in range(8)]),
-                            [s * 8 + r for r in range(8)]))
-        else:
-            # 16 rows x 16 steps of words, transposed
-            for sb in T.serial(S // 16):
-                for t in T.unroll(nr):
-                    for c in T.unroll(16):
-                        if bits == 6:  # the row's 64 codes assembled from its quad's nibble and high-bit rows
-                            tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", six_bit_codes(
-                                Q8, n0 // 4 + t * 4 + c // 4, c % 4, sb * 64))
-                        elif bits in (2, 3, 5):  # likewise from its quad's / octet's bit rows (n0 % 16 == 0)
-                            tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", unit_codes(
-                                bits, Q8, n0 // RPU + t * (16 // RPU) + c // RPU, sb * 64, c % RPU, KP))
-                        elif table:  # row c's nibbles of its pair row (n0 is even), looked up
-                            tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", lut_bytes(lut, T.shift_right(
-                                Q8.vload([n0 // 2 + t * 8 + c // 2, sb * 64], "uint8x64"),
-                                T.Broadcast(T.uint8(4 * (c % 2)), 64)) & T.Broadcast(T.uint8(15), 64)))
-                        else:
-                            tile[T.Ramp(c * 16, 1, 16)] = Q32.vload([n0 + t * 16 + c, sb * 16], "uint32x16")
-                    for s in T.unroll(16):
-                        PK[T.Ramp(((sb * 16 + s) * nr + t) * 16, 1, 16)] = T.Shuffle(
-                            transpose_tile([tile[T.Ramp(r * 16, 1, 16)] for r in range(16)]),
-                            [s * 16 + r for r in range(16)])
-        for g in T.serial(NG):
-            for t in T.unroll(nr):
-                for c in T.serial(16):
-                    SP[(g * nr + t) * 16 + c] = factor(Sc, n0 + t * 16 + c, g)
-                    if offset:
-                        ZP[(g * nr + t) * 16 + c] = T.reinterpret("int32", minf(Z, n0 + t * 16 + c, g))
-                    elif asym:
-                        ZP[(g * nr + t) * 16 + c] = T.Cast("int32", Z[n0 + t * 16 + c, g])
+    vdot = _vdot
 
     def lane(i: int, t: int) -> int:  # accumulator (row i, column tile t) of a register tile
         return (i * nr + t) * 16
@@ -332,6 +194,174 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                 for t in T.unroll(nr):
                     Y[T.min(mt * mr + i, M - 1) // MM, T.min(mt * mr + i, M - 1) % MM,
                       T.Ramp(n0 + t * 16, 1, 16)] = acc.vload([lane(i, t)], "float32x16")
+
+    return tiles_fold, tiles
+
+
+def _repack(*, bits: int, lut: str, pair: bool, S: int, nr: int, RPU: int, KP: int, NG: int, offset: bool,
+            asym: bool, factor: Any, minf: Any) -> Any:
+    """The repack macro (step 2 of the GEMM): one block's codes from the row layout into the panel vectors
+    ``vpdpbusd`` reads, and its scales (and zero points / mins) as float32 / int32 vectors."""
+    from tvm.script import tirx as T
+
+    LO, HI = T.uint32(0x0F0F0F0F), T.uint32(0xF0F0F0F0)
+    SWAP = [i ^ 1 for i in range(16)]  # swap the two words of each step
+    EVEN_ODD = [i if i % 2 == 0 else 16 + i for i in range(16)]  # even lanes of a, odd lanes of b
+    table = lut != ""  # (a bool for TVMScript's `if`)
+
+    def six_bit_codes(Q8: Any, q: Any, r: Any, col: Any) -> Any:
+        """uint8x64: the codes of row r (0..3) of row quad q, columns col..col+63, from the 6-bit row-quad
+        layout. ``r`` must fold to a constant once the loops unroll: a shift by a variable count has no
+        byte-vector instruction (it would cost more than the whole GEMM)."""
+        lo = T.shift_right(Q8.vload([q, (r // 2) * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 4 * (r % 2)), 64))
+        hb = T.shift_right(Q8.vload([q, 2 * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 2 * r), 64))
+        return (lo & T.Broadcast(T.uint8(15), 64)) | T.shift_left(hb & T.Broadcast(T.uint8(3), 64),
+                                                                  T.Broadcast(T.uint8(4), 64))
+
+    @T.macro
+    def repack(Q32, Q8, Sc, Z, PK, SP, ZP, n0):
+        # 2. this block's weights as panel vectors: word (s, t, c) = 4 codes of column n0+16t+c.
+        # Vectorized: rows are loaded whole and a square tile is transposed by shuffles
+        # (``transpose_tile``); per-word scalar code costs as much as a third of the GEMM at M=128.
+        tile = T.decl_buffer((256,), "uint32", scope="local")
+        if pair:
+            # 8 row pairs x 8 steps: pair p's 16 words hold (step s, word e) at lane 2s+e, e = low /
+            # high 4 k. Lane 2s becomes column 2p's panel word (both words' low nibbles), lane 2s+1
+            # column 2p+1's (high nibbles); as 8 x 64-bit (s) rows, the transpose gives per step s
+            # the 16 columns' words in order.
+            for sb in T.serial(S // 8):
+                for t in T.unroll(nr):
+                    for p in T.unroll(8):
+                        tile[T.Ramp(p * 16, 1, 16)] = T.Shuffle(
+                            [(Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16") & T.Broadcast(LO, 16))
+                             | (T.shift_left(T.Shuffle([Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16")],
+                                                       SWAP), T.Broadcast(T.uint32(4), 16)) & T.Broadcast(HI, 16)),
+                             (T.shift_right(T.Shuffle([Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16")],
+                                                      SWAP), T.Broadcast(T.uint32(4), 16)) & T.Broadcast(LO, 16))
+                             | (Q32.vload([(n0 + t * 16) // 2 + p, sb * 16], "uint32x16") & T.Broadcast(HI, 16))],
+                            EVEN_ODD)
+                    for s in T.unroll(8):
+                        PK[T.Ramp(((sb * 8 + s) * nr + t) * 16, 1, 16)] = T.reinterpret("uint32x16", T.Shuffle(
+                            transpose_tile([T.reinterpret("uint64x8", tile[T.Ramp(r * 16, 1, 16)]) for r in range(8)]),
+                            [s * 8 + r for r in range(8)]))
+        else:
+            # 16 rows x 16 steps of words, transposed
+            for sb in T.serial(S // 16):
+                for t in T.unroll(nr):
+                    for c in T.unroll(16):
+                        if bits == 6:  # the row's 64 codes assembled from its quad's nibble and high-bit rows
+                            tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", six_bit_codes(
+                                Q8, n0 // 4 + t * 4 + c // 4, c % 4, sb * 64))
+                        elif bits in (2, 3, 5):  # likewise from its quad's / octet's bit rows (n0 % 16 == 0)
+                            tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", unit_codes(
+                                bits, Q8, n0 // RPU + t * (16 // RPU) + c // RPU, sb * 64, c % RPU, KP))
+                        elif table:  # row c's nibbles of its pair row (n0 is even), looked up
+                            tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", lut_bytes(lut, T.shift_right(
+                                Q8.vload([n0 // 2 + t * 8 + c // 2, sb * 64], "uint8x64"),
+                                T.Broadcast(T.uint8(4 * (c % 2)), 64)) & T.Broadcast(T.uint8(15), 64)))
+                        else:
+                            tile[T.Ramp(c * 16, 1, 16)] = Q32.vload([n0 + t * 16 + c, sb * 16], "uint32x16")
+                    for s in T.unroll(16):
+                        PK[T.Ramp(((sb * 16 + s) * nr + t) * 16, 1, 16)] = T.Shuffle(
+                            transpose_tile([tile[T.Ramp(r * 16, 1, 16)] for r in range(16)]),
+                            [s * 16 + r for r in range(16)])
+        for g in T.serial(NG):
+            for t in T.unroll(nr):
+                for c in T.serial(16):
+                    SP[(g * nr + t) * 16 + c] = factor(Sc, n0 + t * 16 + c, g)
+                    if offset:
+                        ZP[(g * nr + t) * 16 + c] = T.reinterpret("int32", minf(Z, n0 + t * 16 + c, g))
+                    elif asym:
+                        ZP[(g * nr + t) * 16 + c] = T.Cast("int32", Z[n0 + t * 16 + c, g])
+
+    return repack
+
+
+def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, nr: int, tasks: int,
+           prepacked: bool = False, sb: int = 0, lut: str = "") -> Any:
+    """The GEMM PrimFunc (x, q, scale[, zero|min], y) for one configuration; with ``prepacked``
+    (x, panels, panel_scales[, panel_zero|panel_min], y) over ``prepack``'s arrays. ``sb``: superblock
+    scales (int8 [N2, SW] scale / min arrays, see formats/vnni.py); not with ``prepacked``. ``lut``
+    (IQ4: int4 row pairs of table indices): the repack maps each row's nibbles to code + 128 with
+    ``vpshufb`` (``formats.vnni.lut_bytes``) and the rest is the int8 kernel."""
+    from tvm.script import tirx as T
+
+    if (sb or lut) and prepacked:
+        raise ValueError("prepacked VNNI GEMM panels take float16 group scales, not superblock (sb) scales")
+
+    quantize_group = quantize_group_macro()
+    KP = plan(K, G)["KP"]
+    NGP = plan(K, G)["NGP"]
+    NG = -(-KP // G)  # groups over the padded row (the last may be short when G > 64)
+    pair = bits == 4 and not lut  # int4 panels; table indices become int8 codes in the repack
+    KS = 8 if pair else 4  # k per 64-byte panel vector (per tile)
+    S = KP // KS  # panel steps per row
+    NT = N // 16  # column tiles
+    NB = -(-NT // nr)  # blocks
+    BPT = -(-NB // tasks)
+    RPU = ROWS_PER_UNIT[bits]  # rows per code row: int4 pairs, 5-bit octets, 6-bit quads, int8 rows
+    N2 = -(-N // RPU) * RPU
+    QW = N2 // RPU
+    QKW = code_row_bytes(bits, KP)  # bytes of a code row
+    ST = "int8" if sb else "float16"  # scale / min element type
+    ZT = ST if offset else "uint8"
+    SW = NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # scale row: groups, then (sb) the superblocks' d bytes
+    NSB = K // sb if sb else 0
+    GPS = sb // G if sb else 0  # groups per superblock
+    zconst = 128 if lut else {3: 4, 4: 8, 5: 16, 6: 32, 8: 128}.get(bits, 0)
+    asym = pair and not sym and not offset
+    GV = G // 16
+    # Q6_K (superblock scales, no min): activations quantized per superblock (llama.cpp's Q8_K), so a
+    # group's int32 sums take one FMA with its scale into a superblock accumulator and dx comes once per
+    # superblock: 2 float ops a group instead of 4, which at G = 16 cost as much as the 4 vpdpbusd
+    AG = activation_group(bits, G, sb)
+    fold = AG != G
+
+    def steps(g: int) -> int:
+        return (min(KP, (g + 1) * G) - g * G) // KS
+
+    def factor(A: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's scale (or min factor) of a row as float32: the float16 value, or (sb) sc * d,
+        d the row's superblock float16 from its two little-endian bytes after the groups."""
+        if not sb:
+            return T.Cast("float32", A[row, g])
+        if bits == 3:  # the 6-bit values, d in the low bits of the superblock's first 8 (formats/vnni_lowbit.py)
+            return T.Cast("float32", scale_times_4(A[row, g])) * d_of_bytes(lambda r, c: A[r, c], row, g)
+        at = NGP + 2 * T.min(g // GPS, NSB - 1)
+        d16 = T.Cast("uint16", T.Cast("uint8", A[row, at])) | T.shift_left(
+            T.Cast("uint16", T.Cast("uint8", A[row, at + 1])), T.uint16(8))
+        return T.Cast("float32", A[row, g]) * T.Cast("float32", T.reinterpret("float16", d16))
+
+    def minf(Z: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """The min term's factor (w = code * scale + min): the float16 min, or (sb) -(m * dmin)."""
+        return -factor(Z, row, g) if sb else factor(Z, row, g)
+
+    @T.macro
+    def quantize(X, XQ, DX, SQ, MM, M):
+        # 1. int8 activations per row and group (x beyond K counts as 0), once per call
+        for bm in T.parallel(M):
+            mx = T.decl_buffer((16,), "float32", scope="local")
+            sm = T.decl_buffer((16,), "int32", scope="local")
+            inv = T.decl_buffer((1,), "float32", scope="local")
+            if fold:  # dx per superblock (K % sb == 0, so KP == K); SQ: -zconst * sum(q) per weight group
+                for a in T.serial(NSB):
+                    quantize_group(X, XQ, DX, bm * NSB + a, bm, a, mx, sm, inv, AG, AG // 16, K, KP, MM, a * AG)
+                for g in T.serial(NG):
+                    for ln in T.vectorized(16):
+                        sm[ln] = 0
+                    for c in T.serial(GV):
+                        for ln in T.vectorized(16):
+                            sm[ln] = sm[ln] + T.Cast("int32", XQ[bm * KP + g * G + c * 16 + ln])
+                    SQ[bm * NG + g] = _lanes.lanes_sum(sm, 0, 16, "int32") * T.int32(-zconst)
+            else:
+                for g in T.serial(NG):
+                    quantize_group(X, XQ, DX, bm * NG + g, bm, g, mx, sm, inv, G, GV, K, KP, MM, g * G)
+                    SQ[bm * NG + g] = sm[0]
+
+    repack = _repack(bits=bits, lut=lut, pair=pair, S=S, nr=nr, RPU=RPU, KP=KP, NG=NG, offset=offset, asym=asym,
+                     factor=factor, minf=minf)
+    tiles_fold, tiles = _register_tiles(mr=mr, nr=nr, pair=pair, G=G, KS=KS, KP=KP, NG=NG, NSB=NSB, GPS=GPS,
+                                        offset=offset, asym=asym, zconst=zconst, steps=steps)
 
     @T.macro
     def body(X, W, Sc, Z, Y, B, MM):
