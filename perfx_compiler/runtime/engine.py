@@ -195,16 +195,18 @@ class Engine:
             raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         outs = []
         for start in range(0, n, PREFILL_CHUNK):
-            chunk = ids[:, start : start + PREFILL_CHUNK]
+            chunk = ids[:, start : start + PREFILL_CHUNK]  # (a [1, c] slice: contiguous)
             self._pos[0] = self.position
             self._pos_dev.copyfrom(self._pos)
             if chunk.shape[1] == 1:
                 self._one_token_dev.copyfrom(chunk)
                 ids_dev = self._one_token_dev
             else:
-                ids_dev = tvm.runtime.tensor(np.ascontiguousarray(chunk), self.device)
-            outs.append(fn(ids_dev, self._pos_dev, *self._tail)[0].numpy()[0])
+                ids_dev = tvm.runtime.tensor(chunk, self.device)
+            out = fn(ids_dev, self._pos_dev, *self._tail)[0]
             self.position += chunk.shape[1]
+            if every_position or start + PREFILL_CHUNK >= n:  # prefill: only the last chunk's logits
+                outs.append(out.numpy()[0])
         return np.concatenate(outs) if every_position else outs[-1]
 
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:

@@ -45,11 +45,15 @@ def test_long_prompts_run_in_chunks_with_the_same_logits(smol_engine, smol_desc,
     from perfx_compiler.runtime import engine as engine_module
 
     monkeypatch.setattr(engine_module, "PREFILL_CHUNK", 16)
+    calls = []
+    vm_prefill_all = smol_engine._prefill_all
+    monkeypatch.setattr(smol_engine, "_prefill_all", lambda ids, *rest: calls.append(ids.shape) or vm_prefill_all(ids, *rest))
     ids = np.random.default_rng().integers(0, smol_desc.config.vocab_size, size=45).tolist()
     smol_reference.reset()
     ref = smol_reference.forward(ids)
     smol_engine.reset()
     every = smol_engine.prefill_all(ids)
+    assert [tuple(c) for c in calls] == [(1, 16), (1, 16), (1, 13)]
     assert every.shape == ref.shape and smol_engine.position == 45
     assert rel_err(every, ref) < 1e-3
     smol_engine.reset()
