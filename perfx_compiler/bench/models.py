@@ -247,25 +247,27 @@ def compile_perfx(
     rebuild: bool = False,
     log: Any = print,
     knobs: Mapping[str, Any] | None = None,
+    target: str = "host",
 ) -> tuple[Path, dict[str, Any]]:
-    """Compile (or reuse) a PerfX artifact; return (dir, notes) with the requested/effective quantization
-    (``knobs``: perfx-compile --knob values, part of the build stamp)."""
+    """Compile (or reuse) a PerfX artifact for ``target``; return (dir, notes) with the requested/effective
+    quantization (``knobs``: perfx-compile --knob values, part of the build stamp)."""
     from perfx_compiler.bench.engines import weight_format
     from perfx_compiler.pipeline import compile_model
 
     cands = [quantization] if quantization else quantization_candidates(gguf_path)
     tried: list[str] = []
     for q in cands:
-        out = work / f"perfx-{model_key(gguf_path)}-{q}-ctx{max_context}{_knobs_suffix(knobs)}"
+        where = "" if target == "host" else f"-{target}"
+        out = work / f"perfx-{model_key(gguf_path)}-{q}-ctx{max_context}{where}{_knobs_suffix(knobs)}"
         marker = out / ".bench-stamp"
-        stamp = build_stamp(gguf_path, q, max_context, knobs)
+        stamp = build_stamp(gguf_path, q, max_context, knobs) + where
         if not rebuild and _fresh(marker, stamp):
             manifest = json.loads((out / "perfx-config.json").read_text())
         else:
             log(f"perfx: compiling {gguf_path.name} with quantization={q} ...")
             t = time.perf_counter()
             try:
-                compile_model(str(gguf_path), "host", out, progress=False, quantization=q, max_context=max_context,
+                compile_model(str(gguf_path), target, out, progress=False, quantization=q, max_context=max_context,
                               knobs=dict(knobs or {}))
             except PerfXError as err:
                 tried.append(f"{q}: {err}")

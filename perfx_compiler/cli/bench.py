@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="a .gguf file or a known model name (smollm2-135m, gemma3-270m)")
     p.add_argument("--quantization", default=None, help="PerfX quantization (default: best available for the file)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--peers", default=DEFAULT_PEERS, help=f"comma list of peers, '' for PerfX only ({DEFAULT_PEERS})")
+    p.add_argument("--peers", default=None,
+                   help=f"comma list of peers, '' for PerfX only (default {DEFAULT_PEERS}; none with --rpc-tracker)")
     p.add_argument("--skip-failed-peers", action="store_true",
                    help="run without a requested peer that fails to load (default: that is an error, exit 2), "
                         "so a 'fastest peer' may come from fewer engines; the summary says which ran")
@@ -93,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--busy", type=float, default=0.25, help="other processes' CPU use (in CPUs) that voids a run")
     p.add_argument("--max-redo", type=int, default=2)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--target", default="host",
+                   help="target to compile MODEL for when it is not an artifact folder (with --rpc-tracker)")
+    p.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
+                   help="time PerfX on a device of this TVM RPC tracker instead of here (bench/remote.py)")
+    p.add_argument("--rpc-key", default=None, metavar="KEY", help="device key of the server to run on")
+    p.add_argument("--rpc-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds to wait for a free server of the key")
     p.add_argument("--debug", action="store_true")
     return p
 
@@ -261,18 +269,27 @@ def run(args: argparse.Namespace) -> int:
     from perfx_compiler.bench import machine as mach
     from perfx_compiler.bench import models, report
 
+    work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / "perfx-bench"
+    work.mkdir(parents=True, exist_ok=True)
+    remote = bool(args.rpc_tracker or args.rpc_key)
+    peers_text = args.peers if args.peers is not None else ("" if remote else DEFAULT_PEERS)
+    peers = [p.strip() for p in peers_text.split(",") if p.strip()]
+    prefill_lens = [int(x) for x in str(args.prefill_lens).split(",") if x.strip()]
+    if any(n not in PREFILL_LENS for n in prefill_lens):
+        raise PerfXError(f"--prefill-lens takes lengths among {PREFILL_LENS} (the CSV's columns), not {args.prefill_lens}")
+    if remote:
+        from perfx_compiler.bench.remote import run_remote
+
+        args.peers = peers
+        return run_remote(args, work, prefill_lens)
+    if args.prompt_tokens + args.decode_tokens + 1 > args.max_context or max(prefill_lens, default=0) > args.max_context:
+        raise PerfXError(f"prompt + decode tokens and prefill lengths {prefill_lens} must fit --max-context")
+    if args.target != "host":
+        raise PerfXError(f"--target {args.target} runs on a device: give --rpc-tracker and --rpc-key (peers run here)")
     gguf = models.resolve_model(args.model)
     name = args.name or models.model_key(gguf)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    work = Path(args.work) if args.work else Path(tempfile.gettempdir()) / "perfx-bench"
-    work.mkdir(parents=True, exist_ok=True)
-    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    prefill_lens = [int(x) for x in str(args.prefill_lens).split(",") if x.strip()]
-    if any(n not in PREFILL_LENS for n in prefill_lens):
-        raise PerfXError(f"--prefill-lens takes lengths among {PREFILL_LENS} (the CSV's columns), not {args.prefill_lens}")
-    if args.prompt_tokens + args.decode_tokens + 1 > args.max_context or max(prefill_lens, default=0) > args.max_context:
-        raise PerfXError(f"prompt + decode tokens and prefill lengths {prefill_lens} must fit --max-context")
 
     size = args.bw_size_mb << 20
     print(f"{PROG}: probing the machine ...")

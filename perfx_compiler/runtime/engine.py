@@ -88,6 +88,25 @@ def read_manifest(artifact_dir: str | Path, *, verify: bool = True) -> dict[str,
     return manifest
 
 
+def check_room(position: int, n: int, max_context: int) -> None:
+    """ContextLengthError unless ``n`` more tokens after ``position`` fit ``max_context``."""
+    if position + n > max_context:
+        raise ContextLengthError(
+            f"{position + n} tokens do not fit the context of {max_context}; "
+            "shorten the prompt or compile with a larger --max-context"
+        )
+
+
+def token_batch(token_ids: Sequence[int] | np.ndarray, dtype: np.dtype, vocab_size: int) -> np.ndarray:
+    """Token ids as the [1, n] array the compiled functions take; ValueError when empty or out of range."""
+    ids = np.asarray(token_ids, dtype=dtype).reshape(1, -1)
+    if ids.shape[1] == 0:
+        raise ValueError("no tokens to run")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"token ids must be in [0, {vocab_size})")
+    return ids
+
+
 class Engine:
     """One sequence's prefill/decode over a preallocated KV cache."""
 
@@ -179,20 +198,12 @@ class Engine:
         self.position = 0
 
     def _check_room(self, n: int) -> None:
-        if self.position + n > self.max_context:
-            raise ContextLengthError(
-                f"{self.position + n} tokens do not fit the context of {self.max_context}; "
-                "shorten the prompt or compile with a larger --max-context"
-            )
+        check_room(self.position, n, self.max_context)
 
     def _run(self, fn: Any, token_ids: Sequence[int] | np.ndarray, every_position: bool = False) -> np.ndarray:
-        ids = np.asarray(token_ids, dtype=self.index_dtype).reshape(1, -1)
+        ids = token_batch(token_ids, self.index_dtype, self.vocab_size)
         n = ids.shape[1]
-        if n == 0:
-            raise ValueError("no tokens to run")
         self._check_room(n)
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
         outs = []
         for start in range(0, n, PREFILL_CHUNK):
             chunk = ids[:, start : start + PREFILL_CHUNK]  # (a [1, c] slice: contiguous)

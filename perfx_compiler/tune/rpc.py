@@ -84,8 +84,40 @@ def free_servers(addr: tuple[str, int], key: str) -> int:
         return 0
 
 
-class _NoServer(Exception):
-    pass
+class NoFreeServer(Exception):
+    """No server of the key became free in time (or the tracker could not be reached)."""
+
+
+def request_session(tracker: tuple[str, int], key: str, timeout_s: float) -> Any:
+    """An RPC session on a free server of ``key``, waiting at most ``timeout_s`` for one (``NoFreeServer``
+    otherwise). TVM's ``TrackerSession.request`` retries for ever; here a timed-out request closes its
+    socket, which withdraws it at the tracker."""
+    from tvm import rpc
+    from tvm.rpc import base
+
+    try:
+        sock = socket.create_connection(tracker, timeout=10.0)
+    except OSError as err:
+        raise NoFreeServer(f"tracker unreachable: {err}") from None
+    try:
+        sock.settimeout(timeout_s)
+        sock.sendall(struct.pack("<i", base.RPC_TRACKER_MAGIC))
+        base.recvall(sock, 4)
+        base.sendjson(sock, [base.TrackerCode.REQUEST, key, "", 1])
+        value = base.recvjson(sock)
+    except OSError:
+        raise NoFreeServer(f"no server free within {timeout_s:g} s") from None
+    finally:
+        sock.close()
+    url, port, matchkey = value[1]
+    return rpc.connect(url, port, matchkey, session_timeout=0)
+
+
+def remote_device(sess: Any, target: TargetDescription) -> Any:
+    """The device of ``sess`` that ``target``'s kernels run on: the CPU for CPU targets, else the
+    device of the TVM target kind (cuda, rocm, opencl, vulkan, ...)."""
+    kind = str(target.tvm_target.get("kind", "llvm"))
+    return sess.cpu(0) if target.family == "cpu" or kind in ("llvm", "c") else sess.device(kind, 0)
 
 
 _TRANSPORT_ERRORS = ("RPCCode", "kShutdown", "Connection reset", "Broken pipe", "Socket")
@@ -142,26 +174,8 @@ class RPCMeasurer(LocalMeasurer):
 
     def _request(self) -> tuple[Any, Any]:
         """A session on a free server of the key, waiting at most request_timeout_s for one."""
-        from tvm import rpc
-        from tvm.rpc import base
-
-        try:
-            sock = socket.create_connection(self.tracker, timeout=10.0)
-        except OSError as err:
-            raise _NoServer(f"tracker unreachable: {err}") from None
-        try:
-            sock.settimeout(self.request_timeout_s)
-            sock.sendall(struct.pack("<i", base.RPC_TRACKER_MAGIC))
-            base.recvall(sock, 4)
-            base.sendjson(sock, [base.TrackerCode.REQUEST, self.key, "", 1])
-            value = base.recvjson(sock)
-        except OSError:  # timed out: closing the socket withdraws the request at the tracker
-            raise _NoServer(f"no server free within {self.request_timeout_s:g} s") from None
-        finally:
-            sock.close()
-        url, port, matchkey = value[1]
-        sess = rpc.connect(url, port, matchkey, session_timeout=0)
-        return sess, sess.cpu(0)
+        sess = request_session(self.tracker, self.key, self.request_timeout_s)
+        return sess, remote_device(sess, self.target)
 
     def close(self) -> None:
         for slot in self._slots:
@@ -240,7 +254,7 @@ class RPCMeasurer(LocalMeasurer):
                 slot.sess, slot.dev, box["phase"] = sess, dev, "run"
             box["value"] = run(slot, job)
             box["outcome"] = "ok"
-        except _NoServer as err:
+        except NoFreeServer as err:
             box.update(outcome="no_server", why=str(err))
         except Exception as err:  # noqa: BLE001 - any session fault costs only this job
             box.update(outcome="lost", why=f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:200] if str(err).strip() else ''}")

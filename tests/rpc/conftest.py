@@ -96,3 +96,15 @@ def rpc_farm(tmp_path):
         yield farm
     finally:
         farm.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny random Llama GGUF and its x86 host build (the reference a remote run must match)."""
+    from perfx_compiler.model.testing import write_tiny_gguf
+    from perfx_compiler.pipeline import compile_model
+
+    folder = tmp_path_factory.mktemp("rpc-tiny")
+    gguf, _ = write_tiny_gguf(folder / "tiny.gguf", context_length=128)
+    host = compile_model(str(gguf), "host", folder / "host", progress=False, max_context=64)
+    return gguf, host
