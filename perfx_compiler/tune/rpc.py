@@ -324,7 +324,9 @@ class RPCMeasurer(LocalMeasurer):
         return [cache["verify"][i].numpy() for i in cache["out_idx"]]
 
     def _time_remote(self, slot: _Slot, mod: Any, cache: dict[str, Any], calls: int, cold: bool) -> np.ndarray:
-        f = mod.time_evaluator("main", slot.dev, number=1, repeat=int(calls), f_preproc=FLUSH if cold else "")
+        # the flush builtin clflushes host addresses: a GPU's buffers are not, so a GPU is timed warm
+        flush = FLUSH if cold and self.target.family == "cpu" else ""
+        f = mod.time_evaluator("main", slot.dev, number=1, repeat=int(calls), f_preproc=flush)
         return np.asarray(f(*cache["timing"]).results, dtype=np.float64)
 
     def _candidate(self, slot: _Slot, res: MeasureResult, path: str, func: Any, key: str, m_verify: int,
