@@ -197,7 +197,10 @@ def write_deploy_md(state: Any, out_dir: Path, device_facts: dict[str, Any]) -> 
         f"    perfx-tune MODEL --target {t.name} --rpc-tracker HOST:9190 --rpc-key KEY --rpc-parallel N",
         "",
         "and rebuild this bundle: the records go to `tuning_logs/" + t.name + "/` (docs/tuning.md, \"Tuning on "
-        "devices over TVM RPC\").",
+        "devices over TVM RPC\"). Then time this bundle's decode and prefill on the device, from the build "
+        "machine (the weights are uploaded once; timed on the device, no network round trip counted):",
+        "",
+        "    perfx-bench THIS_FOLDER --rpc-tracker HOST:9190 --rpc-key KEY",
     ]
     lines += [
         "",
