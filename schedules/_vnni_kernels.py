@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 from perfx_compiler.formats.vnni import ROWS_PER_UNIT, code_row_bytes, lut_bytes  # (rows one code row holds)
@@ -125,10 +126,26 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     quads, 3- and 5-bit row octets (``formats.vnni_lowbit.unit_codes``; Q2_K, Q5_K, Q5_1 with a min);
     ``lut`` (int4 pairs of table indices: IQ4): each row's nibbles mapped to code + 128 by ``vpshufb``
     of the table register (:func:`lut_bytes`), then the int8 path."""
+    g = _gemv_plan(bits, N, K, G, sym, offset, rows, config, prologue, eps, epilogue, sb, lut)
+    e = _gemv_exprs(g)
+    make_x, chunk_scales = _x_macros(g, e)
+    body = _body_macro(g, e, make_x, chunk_scales, _row_task_macro(g, e))
+    func = _gemv_prim_func(g, body)
+    return func if (g.pair and not g.lut) or g.offset else _without_zero(func)
+
+
+def _take(ns: SimpleNamespace, names: str) -> tuple[Any, ...]:
+    """The values of ``names`` (space-separated) in ``ns``: a builder's constants as its own locals, which its
+    TVMScript macros then read exactly as they read the enclosing function's."""
+    return tuple(getattr(ns, n) for n in names.split())
+
+
+def _gemv_plan(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],  # noqa: N803
+               config: Mapping[str, Any], prologue: str, eps: float, epilogue: str, sb: int, lut: str) -> SimpleNamespace:
+    """The validated constants of one GEMV (``gemv``'s arguments and everything derived from them)."""
     c = {**GEMV_CONFIG, **{k: int(v) for k, v in config.items() if k in GEMV_CONFIG}}
     units, tasks, unroll, prefetch, split, hinib, sprefetch, nta, ploc, tquant = (
         c[k] for k in ("units", "tasks", "unroll", "prefetch", "split", "hinib", "sprefetch", "nta", "ploc", "tquant"))
-    from tvm.script import tirx as T
 
     p = plan(K, G)
     KP, S, NGE, NGP, SPC, F, TS, NCH, BT = (p[k] for k in ("KP", "S", "NGE", "NGP", "SPC", "F", "TS", "NCH", "BASE_T"))
@@ -161,7 +178,6 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     zconst = 128.0 if lut else {8: 128.0, 6: 32.0, 5: 16.0, 4: 8.0, 3: 4.0}.get(bits, 0.0)
     GV = G // 16  # 16-lane vectors per group
     A = split
-    quantize_group = quantize_group_macro()
     hi = pair and hinib and not lut  # (a table index must stay a nibble)
     # before a task quantizes x: its first `prefetch` steps of codes (flat: over row ends, as the row loop's
     # own prefetch runs) and the scale lines of those rows (64 bytes = 32 scales a line)
@@ -178,6 +194,16 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     FR = HALF * RPU  # rows of the gate half: h's length
     ITERS = 2 * HPT if epilogue else IPT
     ECH = -(-(HPT * units * RPU) // 16)  # 16-lane chunks of a task's h rows
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("c", "p", "config")})
+
+
+def _gemv_exprs(g: SimpleNamespace) -> SimpleNamespace:
+    """The GEMV's expression builders (TIR expressions evaluated as the macros are parsed)."""
+    from tvm.script import tirx as T
+
+    A, G, GPS, HALF, HNIT, HPT, IPT, KP, NGP, NIT, NSB, NU = _take(g, "A G GPS HALF HNIT HPT IPT KP NGP NIT NSB NU")
+    RPU, SW, bits, epilogue, hi, lut, pair, prefetch, sb = _take(g, "RPU SW bits epilogue hi lut pair prefetch sb")
+    units = g.units
 
     def ubase(t: Any, it: Any) -> Any:
         if epilogue:
@@ -266,6 +292,18 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
         return T.call_llvm_pure_intrin(
             T.llvm_lookup_intrinsic_id("llvm.x86.avx512.permvar.sf.512"), v, idx, dtype="float32x16")
 
+    return SimpleNamespace(ubase=ubase, uvalid=uvalid, silu_mul=silu_mul, h_row=h_row, h_end=h_end, prefetch_at=prefetch_at,
+                           codes=codes, hmask=hmask, hshift=hshift, hscale=hscale, idx_vec=idx_vec, svec=svec, zvec=zvec, vdot=vdot, perm=perm)
+
+
+def _x_macros(g: SimpleNamespace, e: SimpleNamespace) -> Any:
+    """Macros ``make_x`` (x's int8 groups, quantized or made by the fused prologue) and ``chunk_scales``."""
+    from tvm.script import tirx as T
+
+    BT, F, G, GV, K, KP, M, MM, NCH, NGE, eps, prologue = _take(g, "BT F G GV K KP M MM NCH NGE eps prologue")
+    codes, silu_mul = _take(e, "codes silu_mul")
+    quantize_group = quantize_group_macro()
+
     @T.macro
     def quantize_x(X, XQ, gdx, gds):
         # x's groups quantized in order on this thread: codes into XQ, scales into gdx, scale x code
@@ -333,6 +371,29 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                         gds[bm * NGE + T.min(T.Select(c < F, c * 16 + ln, BT + ln), NGE - 1)], T.float32(0))
 
     @T.macro
+    def make_x(X, PB, PW, SUM, XQ, gdx, gds, writer):
+        # x's int8 groups: quantized from X, or made by the fused prologue from its inputs (X, PB, PW)
+        if prologue != "":
+            quantize_fused(X, PB, PW, SUM, XQ, gdx, gds, writer)
+        else:
+            quantize_x(X, XQ, gdx, gds)
+
+    return make_x, chunk_scales
+
+
+def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
+    """Macro ``row_task``: one task's rows (its iterations of ``units`` units), then the epilogue's h."""
+    from tvm.script import tirx as T
+
+    A, BT, ECH, F, FR, ITERS, KP, M, MM, N, N2, NCH, NGP = _take(g, "A BT ECH F FR ITERS KP M MM N N2 NCH NGP")
+    PF_LOC, QKW, QW, RPU, RW, S, SPC, SPD, SW, TS, UG, bits = _take(g, "PF_LOC QKW QW RPU RW S SPC SPD SW TS UG bits")
+    epilogue, offset, prefetch, split, sym, units, unroll = _take(g, "epilogue offset prefetch split sym units unroll")
+    zconst = g.zconst
+    codes, h_end, h_row, hscale, idx_vec, perm = _take(e, "codes h_end h_row hscale idx_vec perm")
+    prefetch_at, silu_mul, svec, ubase, uvalid, vdot = _take(e, "prefetch_at silu_mul svec ubase uvalid vdot")
+    zvec = e.zvec
+
+    @T.macro
     def step_fma(acc, cb, Q, XQ, unit, u, s_abs, si, idx):
         # one 64-column step of unit `unit` (the iteration's u-th) for every activation row: vpdpbusd of
         # its codes and x's, then the FMA with the chunk's per-lane scales into accumulator si % A
@@ -345,6 +406,105 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"), idx)
 
     @T.macro
+    def chunk_terms(t, it, c, acc, cb, Sc, Z, DXC, DSC, Scf, Zf, Sdf, Zdf):
+        # chunk c's scales of the iteration's rows: cb = s_w * dx (16 groups), the zero/min term into acc
+        for u in T.unroll(units):
+            for h in T.unroll(RPU):
+                if SPD > 0:
+                    T.evaluate(prefetch_at(T.address_of(Scf[T.min(((ubase(t, it) + u) * RPU + h)
+                                               * SW + T.min(c * 16, NGP - 16) + SPD, N2 * SW - 16)]), 3))
+                    if offset or not (sym or bits == 8):
+                        T.evaluate(prefetch_at(T.address_of(Zf[T.min(((ubase(t, it) + u) * RPU
+                                                   + h) * SW + T.min(c * 16, NGP - 16) + SPD,
+                                                  N2 * SW - 16)]), 3))
+                for bm in T.unroll(M):
+                    cb[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = svec(
+                        Sc, Sdf, (ubase(t, it) + u) * RPU + h, T.min(c * 16, NGP - 16)
+                    ) * (DXC.vload([(bm * NCH + c) * 16], "float32x16")
+                         * T.Broadcast(hscale(h), 16))
+                    if offset:
+                        acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
+                            [((bm * units + u) * RPU + h) * A * 16], "float32x16") + zvec(
+                            Z, Zdf, (ubase(t, it) + u) * RPU + h, T.min(c * 16, NGP - 16)) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
+                    elif sym or bits == 8:
+                        acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
+                            [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Broadcast(
+                            T.float32(zconst), 16) * svec(
+                            Sc, Sdf, (ubase(t, it) + u) * RPU + h, T.min(c * 16, NGP - 16)
+                        ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
+                    else:
+                        acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
+                            [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Cast(
+                            "float32x16",
+                            Sc.vload([(ubase(t, it) + u) * RPU + h,
+                                      T.min(c * 16, NGP - 16)], "float16x16"),
+                        ) * T.Cast(
+                            "float32x16",
+                            Z.vload([(ubase(t, it) + u) * RPU + h,
+                                     T.min(c * 16, NGP - 16)], "uint8x16"),
+                        ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
+
+    @T.macro
+    def chunk_steps(t, it, c, acc, cb, Q, XQ, Qf):
+        # chunk c's 64-column steps (a full chunk: unrolled by `unroll`, codes prefetched; the tail: TS steps)
+        if c < F:
+            for so in T.serial(SPC // unroll):
+                for si in T.unroll(unroll):
+                    for u in T.unroll(units):
+                        if prefetch > 0 and bits in (3, 5):  # each of the octet's code streams
+                            for j in T.unroll(QKW // KP):
+                                T.evaluate(prefetch_at(T.address_of(Qf[T.min(
+                                    (ubase(t, it) + u + (c * SPC + so * unroll + si + prefetch) // S) * QKW
+                                    + j * KP + ((c * SPC + so * unroll + si + prefetch) % S) * STEP,
+                                    QW * QKW - STEP)]), PF_LOC))
+                        elif prefetch > 0:
+                            T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * QKW
+                                                      + (c * SPC + so * unroll + si + prefetch) * STEP,
+                                                      QW * QKW - STEP)]), PF_LOC))
+                        step_fma(acc, cb, Q, XQ, ubase(t, it) + u, u,
+                                 c * SPC + so * unroll + si, si, idx_vec(so * UG, si))
+        else:
+            for si in T.unroll(TS):
+                for u in T.unroll(units):
+                    step_fma(acc, cb, Q, XQ, ubase(t, it) + u, u,
+                             F * SPC + si, si, idx_vec(T.int32(F * 16 - BT), si))
+
+    @T.macro
+    def row_sums(t, it, acc, red, Y):
+        # 3. horizontal sums (the split accumulators first added into the first) into the rows of y
+        for i in T.unroll(M * RW):
+            for a in T.unroll(A - 1):
+                acc[T.Ramp(i * A * 16, 1, 16)] = acc.vload([i * A * 16], "float32x16") + acc.vload(
+                    [(i * A + a + 1) * 16], "float32x16")
+        for u in T.unroll(units):
+            for h in T.unroll(RPU):
+                for bm in T.unroll(M):
+                    red[T.Ramp(0, 1, 4)] = T.vectorlow("float32x4", T.vectorlow(
+                        "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")) + T.vectorhigh(
+                        "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16"))) + T.vectorhigh(
+                        "float32x4", T.vectorlow(
+                            "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")) + T.vectorhigh(
+                            "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")))
+                    if (ubase(t, it) + u) * RPU + h < N:
+                        Y[bm // MM, bm % MM, (ubase(t, it) + u) * RPU + h] = (
+                            red[0] + red[2]) + (red[1] + red[3])
+
+    @T.macro
+    def swiglu_h(t, Y, H):
+        # h over the task's gate rows j0 .. j1 (and the up rows FR later, also its own): y read back
+        # from this core's cache, 16 lanes at a time; a short last chunk lane by lane
+        for c in T.serial(ECH):
+            if h_row(t, c, 16) <= h_end(t):
+                for ln in T.vectorized(16):
+                    H[0, 0, h_row(t, c, ln)] = silu_mul(Y[0, 0, h_row(t, c, ln)], Y[0, 0, h_row(t, c, ln) + FR])
+            else:
+                for ln in T.serial(16):
+                    if h_row(t, c, ln) < h_end(t):
+                        H[0, 0, h_row(t, c, ln)] = silu_mul(Y[0, 0, h_row(t, c, ln)], Y[0, 0, h_row(t, c, ln) + FR])
+
+
+
+    @T.macro
     def row_task(t, Q, Sc, Z, Y, H, XQ, DXC, DSC, Qf, Scf, Zf, Sdf, Zdf):
         # task t's rows: its ITERS iterations of `units` units each (ubase), then the epilogue's h
         acc = T.decl_buffer((M * RW * A * 16,), "float32", scope="local")
@@ -355,100 +515,22 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
                 for i in T.unroll(M * RW * A):
                     acc[T.Ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
                 for c in T.serial(NCH):
-                    # chunk scales: cb = s_w * dx (16 groups), zero/min term into acc
-                    for u in T.unroll(units):
-                        for h in T.unroll(RPU):
-                            if SPD > 0:
-                                T.evaluate(prefetch_at(T.address_of(Scf[T.min(((ubase(t, it) + u) * RPU + h)
-                                                           * SW + T.min(c * 16, NGP - 16) + SPD, N2 * SW - 16)]), 3))
-                                if offset or not (sym or bits == 8):
-                                    T.evaluate(prefetch_at(T.address_of(Zf[T.min(((ubase(t, it) + u) * RPU
-                                                               + h) * SW + T.min(c * 16, NGP - 16) + SPD,
-                                                              N2 * SW - 16)]), 3))
-                            for bm in T.unroll(M):
-                                cb[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = svec(
-                                    Sc, Sdf, (ubase(t, it) + u) * RPU + h, T.min(c * 16, NGP - 16)
-                                ) * (DXC.vload([(bm * NCH + c) * 16], "float32x16")
-                                     * T.Broadcast(hscale(h), 16))
-                                if offset:
-                                    acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
-                                        [((bm * units + u) * RPU + h) * A * 16], "float32x16") + zvec(
-                                        Z, Zdf, (ubase(t, it) + u) * RPU + h, T.min(c * 16, NGP - 16)) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
-                                elif sym or bits == 8:
-                                    acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
-                                        [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Broadcast(
-                                        T.float32(zconst), 16) * svec(
-                                        Sc, Sdf, (ubase(t, it) + u) * RPU + h, T.min(c * 16, NGP - 16)
-                                    ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
-                                else:
-                                    acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
-                                        [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Cast(
-                                        "float32x16",
-                                        Sc.vload([(ubase(t, it) + u) * RPU + h,
-                                                  T.min(c * 16, NGP - 16)], "float16x16"),
-                                    ) * T.Cast(
-                                        "float32x16",
-                                        Z.vload([(ubase(t, it) + u) * RPU + h,
-                                                 T.min(c * 16, NGP - 16)], "uint8x16"),
-                                    ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
-                    if c < F:
-                        for so in T.serial(SPC // unroll):
-                            for si in T.unroll(unroll):
-                                for u in T.unroll(units):
-                                    if prefetch > 0 and bits in (3, 5):  # each of the octet's code streams
-                                        for j in T.unroll(QKW // KP):
-                                            T.evaluate(prefetch_at(T.address_of(Qf[T.min(
-                                                (ubase(t, it) + u + (c * SPC + so * unroll + si + prefetch) // S) * QKW
-                                                + j * KP + ((c * SPC + so * unroll + si + prefetch) % S) * STEP,
-                                                QW * QKW - STEP)]), PF_LOC))
-                                    elif prefetch > 0:
-                                        T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * QKW
-                                                                  + (c * SPC + so * unroll + si + prefetch) * STEP,
-                                                                  QW * QKW - STEP)]), PF_LOC))
-                                    step_fma(acc, cb, Q, XQ, ubase(t, it) + u, u,
-                                             c * SPC + so * unroll + si, si, idx_vec(so * UG, si))
-                    else:
-                        for si in T.unroll(TS):
-                            for u in T.unroll(units):
-                                step_fma(acc, cb, Q, XQ, ubase(t, it) + u, u,
-                                         F * SPC + si, si, idx_vec(T.int32(F * 16 - BT), si))
-                # 3. horizontal sums (the split accumulators first added into the first)
-                for i in T.unroll(M * RW):
-                    for a in T.unroll(A - 1):
-                        acc[T.Ramp(i * A * 16, 1, 16)] = acc.vload([i * A * 16], "float32x16") + acc.vload(
-                            [(i * A + a + 1) * 16], "float32x16")
-                for u in T.unroll(units):
-                    for h in T.unroll(RPU):
-                        for bm in T.unroll(M):
-                            red[T.Ramp(0, 1, 4)] = T.vectorlow("float32x4", T.vectorlow(
-                                "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")) + T.vectorhigh(
-                                "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16"))) + T.vectorhigh(
-                                "float32x4", T.vectorlow(
-                                    "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")) + T.vectorhigh(
-                                    "float32x8", acc.vload([((bm * units + u) * RPU + h) * A * 16], "float32x16")))
-                            if (ubase(t, it) + u) * RPU + h < N:
-                                Y[bm // MM, bm % MM, (ubase(t, it) + u) * RPU + h] = (
-                                    red[0] + red[2]) + (red[1] + red[3])
+                    chunk_terms(t, it, c, acc, cb, Sc, Z, DXC, DSC, Scf, Zf, Sdf, Zdf)
+                    chunk_steps(t, it, c, acc, cb, Q, XQ, Qf)
+                row_sums(t, it, acc, red, Y)
         if epilogue == "swiglu":
-            # h over the task's gate rows j0 .. j1 (and the up rows FR later, also its own): y read back
-            # from this core's cache, 16 lanes at a time; a short last chunk lane by lane
-            for c in T.serial(ECH):
-                if h_row(t, c, 16) <= h_end(t):
-                    for ln in T.vectorized(16):
-                        H[0, 0, h_row(t, c, ln)] = silu_mul(Y[0, 0, h_row(t, c, ln)], Y[0, 0, h_row(t, c, ln) + FR])
-                else:
-                    for ln in T.serial(16):
-                        if h_row(t, c, ln) < h_end(t):
-                            H[0, 0, h_row(t, c, ln)] = silu_mul(Y[0, 0, h_row(t, c, ln)], Y[0, 0, h_row(t, c, ln) + FR])
+            swiglu_h(t, Y, H)
+    return row_task
 
 
-    @T.macro
-    def make_x(X, PB, PW, SUM, XQ, gdx, gds, writer):
-        # x's int8 groups: quantized from X, or made by the fused prologue from its inputs (X, PB, PW)
-        if prologue != "":
-            quantize_fused(X, PB, PW, SUM, XQ, gdx, gds, writer)
-        else:
-            quantize_x(X, XQ, gdx, gds)
+def _body_macro(g: SimpleNamespace, e: SimpleNamespace, make_x: Any, chunk_scales: Any, row_task: Any) -> Any:
+    """Macro ``body``: x quantized once before the fork, or by every task (``tquant``), then the row tasks."""
+    from tvm.script import tirx as T
+
+    DT, DW, K, KP, M, N2, NCH, NGE, NU, PF_LOC, PRO, PRO_S = _take(g, "DT DW K KP M N2 NCH NGE NU PF_LOC PRO PRO_S")
+    QKW, QW, RPU, ST, SW, ZT, prefetch, tasks, tquant = _take(g, "QKW QW RPU ST SW ZT prefetch tasks tquant")
+    units = g.units
+    codes, prefetch_at, ubase = _take(e, "codes prefetch_at ubase")
 
     @T.macro
     def body(X, PB, PW, SUM, Q, Sc, Z, Y, H):
@@ -488,6 +570,16 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             # 2. rows
             for t in T.parallel(tasks):
                 row_task(t, Q, Sc, Z, Y, H, XQ, DXC, DSC, Qf, Scf, Zf, Sdf, Zdf)
+
+    return body
+
+
+def _gemv_prim_func(g: SimpleNamespace, body: Any) -> Any:
+    """The PrimFunc of ``body`` for the form of x (plain, add_rms_norm / swiglu prologue, swiglu epilogue)."""
+    from tvm.script import tirx as T
+
+    B, FR, K, MM, N, N2, QKW, QW, ST, SW, ZT, epilogue = _take(g, "B FR K MM N N2 QKW QW ST SW ZT epilogue")
+    prologue = g.prologue
 
     # One PrimFunc per form of x; each takes a zero/min array, which int8 codes do not have: their
     # function drops that parameter (``_without_zero``; the body then reads the scales in its place).
@@ -567,7 +659,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
             body(X, X, X, X, Q, Sc, Z, Y, Y)
 
         func = qv_gemv
-    return func if (pair and not lut) or offset else _without_zero(func)
+    return func
+
 
 
 def _without_zero(func: Any, scales: str = "Sc") -> Any:
