@@ -21,7 +21,7 @@ def test_qemu_arm64_server_measures_smollm2(tmp_path, rpc_farm, capsys):
     logs = tmp_path / "logs"
     args = ["smollm2-135m", "--target", "arm64-neon", "--rpc-tracker", f"127.0.0.1:{rpc_farm.port}",
             "--rpc-key", "qemu-arm64", "--trials", "8", "--log-dir", str(logs), "--buckets", "1",
-            "--time-budget", "120", "--quiet"]
+            "--time-budget", "60", "--quiet"]
     assert tune_cli.main(args) == 0
     out = capsys.readouterr().out
     db = TuningDatabase(logs / "arm64-neon" / "smollm2-135m.jsonl")
