@@ -10,8 +10,10 @@ artifact is uploaded once (``runtime/remote.py``); each round times on the devic
 the generation window (position prompt + decode/2), the prompt's prefill (time to first token) and
 each ``--prefill-lens`` prefill. Peers run on this machine, not on the device, so none is run.
 
-Achieved GB/s = decode weight bytes x tok/s, shown against the target description's nominal memory
-bandwidth (``memory_bandwidth_gbs``): the device's bandwidth is not probed remotely.
+Achieved GB/s = decode weight bytes x tok/s, divided by the device's read bandwidth measured just
+before each round's decode (``bench/remote_bandwidth.py``: a read kernel built for the target, timed on
+the device over ``--bw-size-mb``; CPU targets) and, for every target, by the target description's nominal
+``memory_bandwidth_gbs``.
 Writes ``bench_<model>_rpc-<key>.csv`` (one row per round + the median) and a plot.
 """
 
@@ -28,8 +30,8 @@ from perfx_compiler.errors import DeviceUnavailableError, PerfXError
 
 PROG = "perfx-bench"
 COLUMNS = ["model", "engine", "target", "device", "round", "decode_tok_s", "decode_ms", "decode_position", "ttft_ms",
-           "prefill128_tok_s", "prefill512_tok_s", "weight_mb_per_token", "achieved_gbs", "nominal_bw_gbs",
-           "bw_fraction_nominal"]
+           "prefill128_tok_s", "prefill512_tok_s", "weight_mb_per_token", "achieved_gbs", "device_bw_gbs", "bw_fraction",
+           "nominal_bw_gbs", "bw_fraction_nominal"]
 
 
 def artifact_for(args: argparse.Namespace, work: Path) -> Path:
@@ -91,7 +93,10 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def run_remote(args: argparse.Namespace, work: Path, prefill_lens: list[int]) -> int:
+    import tvm  # noqa: F401 - the whole TVM (it builds the bandwidth probe) before the engine's runtime-only import
+
     from perfx_compiler.bench.engines import perfx_weight_bytes
+    from perfx_compiler.bench.remote_bandwidth import device_read_gbs
     from perfx_compiler.runtime.engine import read_manifest
     from perfx_compiler.runtime.remote import RemoteEngine
     from perfx_compiler.targets import load_target
@@ -119,6 +124,7 @@ def run_remote(args: argparse.Namespace, work: Path, prefill_lens: list[int]) ->
     rows: list[dict[str, Any]] = []
     for r in range(args.rounds):
         try:
+            device_bw = device_read_gbs(sess, dev, target, mib=args.bw_size_mb)
             step_s = engine.time_call("decode", 1, position, number=args.decode_tokens)[0]
             ttft_s = engine.time_call("prefill", args.prompt_tokens, 0, number=2)[0]
             prefill = {n: n / engine.time_call("prefill", n, 0, number=2)[0] for n in prefill_lens}
@@ -134,13 +140,16 @@ def run_remote(args: argparse.Namespace, work: Path, prefill_lens: list[int]) ->
                "decode_tok_s": round(tok_s, 2), "decode_ms": round(step_s * 1e3, 4), "decode_position": position,
                "ttft_ms": round(ttft_s * 1e3, 3),
                "weight_mb_per_token": round(weight_bytes / 1e6, 2), "achieved_gbs": round(weight_bytes * tok_s / 1e9, 3),
+               "device_bw_gbs": round(device_bw, 2) if device_bw else "",
+               "bw_fraction": round(weight_bytes * tok_s / 1e9 / device_bw, 4) if device_bw else "",
                "nominal_bw_gbs": target.memory_bandwidth_gbs,
                "bw_fraction_nominal": round(weight_bytes * tok_s / 1e9 / target.memory_bandwidth_gbs, 4)
                if target.memory_bandwidth_gbs else ""}
         for n in (128, 512):
             row[f"prefill{n}_tok_s"] = round(prefill[n], 2) if n in prefill else ""
         rows.append(row)
-        print(f"  round {r} rpc:{args.rpc_key} decode {tok_s:8.1f} tok/s ({row['achieved_gbs']:.2f} GB/s)  ttft "
+        print(f"  round {r} rpc:{args.rpc_key} decode {tok_s:8.1f} tok/s ({row['achieved_gbs']:.2f} GB/s, device "
+              f"reads {row['device_bw_gbs'] or '-'} GB/s)  ttft "
               f"{row['ttft_ms']:7.1f} ms  prefill " + " ".join(f"{n}: {prefill[n]:.1f} tok/s" for n in prefill_lens))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,10 +161,12 @@ def run_remote(args: argparse.Namespace, work: Path, prefill_lens: list[int]) ->
         {"artifact": str(art), "target": target.name, "device": f"rpc:{args.rpc_key}", "tracker": args.rpc_tracker,
          "date": time.strftime("%Y-%m-%d %H:%M:%S"), "prompt_tokens": args.prompt_tokens,
          "decode_tokens": args.decode_tokens, "timing": "time_evaluator on the device (no network round trip)",
-         "bandwidth": "nominal (target description), not probed on the device"}, indent=1))
+         "bandwidth": "device_bw_gbs: read kernel timed on the device before each round's decode (CPU targets); "
+                      f"nominal_bw_gbs: the target description's; probe size {args.bw_size_mb} MiB"}, indent=1))
     med = rows[-1]
+    measured = f"{med['device_bw_gbs']} GB/s measured on the device, " if med["device_bw_gbs"] != "" else ""
     print(f"{PROG}: rpc:{args.rpc_key} median decode {med['decode_tok_s']} tok/s, {med['achieved_gbs']} GB/s of "
-          f"{target.memory_bandwidth_gbs} GB/s nominal; ttft {med['ttft_ms']} ms")
+          f"{measured}{target.memory_bandwidth_gbs} GB/s nominal; ttft {med['ttft_ms']} ms")
     if not args.no_plot:
         plot(rows[:-1], out / f"bench_{name}_rpc-{args.rpc_key}.png",
              f"{name} on rpc:{args.rpc_key} ({target.name}), timed on the device")

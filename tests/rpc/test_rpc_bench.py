@@ -45,12 +45,14 @@ def test_bench_over_rpc_writes_csv(tiny_model, rpc_farm, tmp_path, capsys):
     out = tmp_path / "out"
     rc = bench.main([str(host), "--rpc-tracker", f"127.0.0.1:{rpc_farm.port}", "--rpc-key", "x86", "--rounds", "2",
                      "--prompt-tokens", "8", "--decode-tokens", "16", "--prefill-lens", "", "--out", str(out),
-                     "--name", "tiny"])
+                     "--name", "tiny", "--bw-size-mb", "128"])
     assert rc == 0, capsys.readouterr()
     rows = list(csv.DictReader(open(out / "bench_tiny_rpc-x86.csv")))
     assert [r["round"] for r in rows] == ["0", "1", "median"]
     assert all(r["device"] == "rpc:x86" and float(r["decode_tok_s"]) > 0 and float(r["ttft_ms"]) > 0 for r in rows)
     assert rows[0]["decode_position"] == "16"  # the middle of the 8 + 16 token window
+    # the device's read bandwidth, measured there: real pages (a zero-page read would be far above DRAM)
+    assert all(0.5 < float(r["device_bw_gbs"]) < 400 and float(r["bw_fraction"]) > 0 for r in rows)
     assert (out / "bench_tiny_rpc-x86.png").stat().st_size > 0
 
 

@@ -71,7 +71,8 @@ def test_qemu_arm64_decode_matches_host(tmp_path, rpc_farm, tiny_model, capsys):
     out = tmp_path / "out"
     rc = bench.main([str(a64), "--rpc-tracker", f"127.0.0.1:{rpc_farm.port}", "--rpc-key", "qemu-arm64",
                      "--rounds", "1", "--prompt-tokens", "4", "--decode-tokens", "4", "--prefill-lens", "",
-                     "--out", str(out), "--name", "tiny", "--no-plot"])
+                     "--out", str(out), "--name", "tiny", "--no-plot", "--bw-size-mb", "16"])
     assert rc == 0, capsys.readouterr()
     rows = list(csv.DictReader(open(out / "bench_tiny_rpc-qemu-arm64.csv")))
     assert rows[0]["target"] == "arm64-neon" and float(rows[0]["decode_tok_s"]) > 0
+    assert float(rows[0]["device_bw_gbs"]) > 0  # the read probe, cross-built for aarch64, ran there
