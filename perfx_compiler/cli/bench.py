@@ -261,6 +261,109 @@ def _measure(
     return row
 
 
+def _load_workers(args: argparse.Namespace, paths: dict[str, Path], meta: dict[str, dict[str, Any]], work: Path,
+                  name: str, prefill_lens: list[int], skipped: dict[str, str], workers: dict[str, Worker]) -> None:
+    """Start a worker per engine into ``workers`` (the caller closes them); a peer that fails to load goes
+    through :func:`peer_failed`, PerfX failing is an error."""
+    for eng, path in paths.items():
+        opts: dict[str, Any] = {}
+        if eng == "llama.cpp":
+            opts = {"n_ctx": args.max_context, "n_batch": max([512, *prefill_lens])}
+        elif eng == "ort-genai":
+            opts = {"max_length": args.max_context}
+        try:
+            workers[eng] = Worker(eng, path, args.threads, work / f"worker-{name}-{eng}.log", opts)
+            info = workers[eng].ask("info")
+        except PerfXError as err:
+            if eng == "perfx":
+                raise
+            failed = workers.pop(eng, None)
+            if failed is not None:
+                failed.close()
+            peer_failed(args, eng, f"its worker failed to load: {_one_line(err)}", skipped)
+            continue
+        extra = {k: v for k, v in info["info"].items() if v}
+        if eng == "perfx":  # keep "requested->effective" from the compile step
+            extra.pop("quantization", None)
+        meta[eng].update(weight_bytes=int(info["weight_bytes"]), **extra)
+        print(
+            f"{PROG}: {eng} loaded in {workers[eng].load_s:.1f} s, {info['weight_bytes'] / 1e6:.1f} MB weights "
+            f"per token, {info['info']}"
+        )
+
+
+def _alternated_rounds(args: argparse.Namespace, workers: dict[str, Worker], meta: dict[str, dict[str, Any]], name: str,
+                       prompt: list[int], prefill_ids: dict[int, list[int]], prefill_lens: list[int],
+                       probe: Any) -> list[dict[str, Any]]:
+    """``--rounds`` rounds, every engine once a round (order reversed on odd rounds); a measurement during
+    which other processes used more than ``--busy`` CPUs is redone up to ``--max-redo`` times."""
+    from perfx_compiler.bench import machine as mach
+
+    names = list(workers)
+    pids = [w.proc.pid for w in workers.values()]
+    rounds: list[dict[str, Any]] = []
+    for r in range(args.rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for eng in order:
+            w = workers[eng]
+            for redone in range(args.max_redo + 1):  # noqa: B007 (kept: how many redos it took)
+                ns = mach.pingpong_ns(settle_s=0.3)
+                watch = mach.CpuWatch(pids).start()
+                row = _measure(w, prompt, args.decode_tokens, prefill_ids, meta[eng]["weight_bytes"], probe)
+                other = watch.stop()
+                if other <= args.busy:
+                    break
+                print(f"  round {r} {eng}: other processes used {other:.2f} CPUs, redoing")
+            row.update(
+                model=name,
+                engine=eng,
+                round=r,
+                pingpong_ns=round(ns, 1),
+                placement=mach.placement(ns),
+                other_cpu=round(other, 3),
+                redone=redone,
+                disturbed=other > args.busy,
+                load_avg_1m=round(os.getloadavg()[0], 2),
+            )
+            rounds.append(row)
+            print(
+                f"  round {r} {eng:<10} decode {row['decode_tok_s']:7.1f} tok/s  prefill "
+                + " ".join(f"{row.get(f'prefill{n}_tok_s', 0):7.1f}" for n in prefill_lens)
+                + f"  ttft {row['ttft_ms']:6.1f} ms  {row['achieved_gbs']:5.1f} GB/s  bw {row['bw_before_gbs']:5.1f}"
+                f"/{row['bw_after_gbs']:5.1f} ({100 * row['bw_fraction']:3.0f}%)  "
+                f"pp {ns:5.0f} ns ({row['placement']}) other {other:.2f}"
+            )
+    return rounds
+
+
+def _machine_record(args: argparse.Namespace, m0: Any, m1: Any, rounds: list[dict[str, Any]], gguf: Path,
+                    skipped: dict[str, str]) -> dict[str, Any]:
+    """``_machine.json``: the machine probed before (``m0``) and after (``m1``) the run, the per-turn
+    bandwidth brackets, and which engines ran or were skipped."""
+    return {
+        "cpu": m0.cpu,
+        "cores": m0.cores,
+        "threads": args.threads,
+        "bw_1thread_gbs": m0.bandwidth_1t_gbs,
+        "bw_start_gbs": m0.bandwidth_gbs,
+        "bw_end_gbs": m1.bandwidth_gbs,
+        "pingpong_start_ns": m0.pingpong_ns,
+        "pingpong_end_ns": m1.pingpong_ns,
+        "bw_rounds_gbs": [r["round_bw_gbs"] for r in rounds],
+        "bw_probes_gbs": [[r["bw_before_gbs"], r["bw_after_gbs"]] for r in rounds],
+        "bw_probe_note": "per turn: best of 3 passes over the buffer just before and just after the decode; "
+        "the turn's ceiling is their mean; bw_fraction = median over turns of achieved / that ceiling",
+        "line": m0.line(),
+        "model_file": str(gguf),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "prompt_tokens": args.prompt_tokens,
+        "decode_tokens": args.decode_tokens,
+        "rounds": args.rounds,
+        "engines": list(dict.fromkeys(r["engine"] for r in rounds)),
+        "peers_skipped": skipped,  # requested peers that did not run (--skip-failed-peers), and why
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -302,79 +405,22 @@ def run(args: argparse.Namespace) -> int:
     workers: dict[str, Worker] = {}
     probes: list[Any] = []
     try:
-        for eng, path in paths.items():
-            opts: dict[str, Any] = {}
-            if eng == "llama.cpp":
-                opts = {"n_ctx": args.max_context, "n_batch": max([512, *prefill_lens])}
-            elif eng == "ort-genai":
-                opts = {"max_length": args.max_context}
-            try:
-                workers[eng] = Worker(eng, path, args.threads, work / f"worker-{name}-{eng}.log", opts)
-                info = workers[eng].ask("info")
-            except PerfXError as err:
-                if eng == "perfx":
-                    raise
-                failed = workers.pop(eng, None)
-                if failed is not None:
-                    failed.close()
-                peer_failed(args, eng, f"its worker failed to load: {_one_line(err)}", skipped)
-                continue
-            extra = {k: v for k, v in info["info"].items() if v}
-            if eng == "perfx":  # keep "requested->effective" from the compile step
-                extra.pop("quantization", None)
-            meta[eng].update(weight_bytes=int(info["weight_bytes"]), **extra)
-            print(
-                f"{PROG}: {eng} loaded in {workers[eng].load_s:.1f} s, {info['weight_bytes'] / 1e6:.1f} MB weights "
-                f"per token, {info['info']}"
-            )
+        _load_workers(args, paths, meta, work, name, prefill_lens, skipped, workers)
         vocab = json.loads((paths["perfx"] / "perfx-config.json").read_text())["model"]["vocab_size"]
         rng = np.random.default_rng(0)
         hi = max(101, min(vocab, 20000))
         prompt = rng.integers(100, hi, size=args.prompt_tokens).tolist()
         prefill_ids = {n: rng.integers(100, hi, size=n).tolist() for n in prefill_lens}
-        pids = [w.proc.pid for w in workers.values()]
         # warm-up: one short pass per engine (page-in weights, thread pools, allocator)
         for w in workers.values():
             w.ask("decode", prompt=prompt, n=8)
             if prefill_lens:
                 w.ask("prefill", ids=prefill_ids[prefill_lens[0]])
-        rounds: list[dict[str, Any]] = []
-        names = list(workers)
-        print(f"{PROG}: engines: {', '.join(names)}"
+        print(f"{PROG}: engines: {', '.join(workers)}"
               + (f"; skipped: {', '.join(f'{k} ({v})' for k, v in skipped.items())}" if skipped else ""))
         probe = mach.BandwidthProbe(args.threads, size)  # one buffer for all the probes of the run
         probes.append(probe)
-        for r in range(args.rounds):
-            order = names if r % 2 == 0 else names[::-1]
-            for eng in order:
-                w = workers[eng]
-                for redone in range(args.max_redo + 1):  # noqa: B007 (kept: how many redos it took)
-                    ns = mach.pingpong_ns(settle_s=0.3)
-                    watch = mach.CpuWatch(pids).start()
-                    row = _measure(w, prompt, args.decode_tokens, prefill_ids, meta[eng]["weight_bytes"], probe)
-                    other = watch.stop()
-                    if other <= args.busy:
-                        break
-                    print(f"  round {r} {eng}: other processes used {other:.2f} CPUs, redoing")
-                row.update(
-                    model=name,
-                    engine=eng,
-                    round=r,
-                    pingpong_ns=round(ns, 1),
-                    placement=mach.placement(ns),
-                    other_cpu=round(other, 3),
-                    redone=redone,
-                    disturbed=other > args.busy,
-                    load_avg_1m=round(os.getloadavg()[0], 2),
-                )
-                rounds.append(row)
-                print(
-                    f"  round {r} {eng:<10} decode {row['decode_tok_s']:7.1f} tok/s  prefill "
-                    + " ".join(f"{row.get(f'prefill{n}_tok_s', 0):7.1f}" for n in prefill_lens)
-                    + f"  ttft {row['ttft_ms']:6.1f} ms  {row['achieved_gbs']:5.1f} GB/s  bw {row['bw_before_gbs']:5.1f}"
-                    f"/{row['bw_after_gbs']:5.1f} ({100 * row['bw_fraction']:3.0f}%)  "
-                    f"pp {ns:5.0f} ns ({row['placement']}) other {other:.2f}"
-                )
+        rounds = _alternated_rounds(args, workers, meta, name, prompt, prefill_ids, prefill_lens, probe)
         probe.close()  # free the 1 GiB before the profile
         profiles = None
         if args.profile:
@@ -388,29 +434,7 @@ def run(args: argparse.Namespace) -> int:
         for pr in probes:
             pr.close()
 
-    m1 = mach.probe_machine(args.threads, size)
-    machine = {
-        "cpu": m0.cpu,
-        "cores": m0.cores,
-        "threads": args.threads,
-        "bw_1thread_gbs": m0.bandwidth_1t_gbs,
-        "bw_start_gbs": m0.bandwidth_gbs,
-        "bw_end_gbs": m1.bandwidth_gbs,
-        "pingpong_start_ns": m0.pingpong_ns,
-        "pingpong_end_ns": m1.pingpong_ns,
-        "bw_rounds_gbs": [r["round_bw_gbs"] for r in rounds],
-        "bw_probes_gbs": [[r["bw_before_gbs"], r["bw_after_gbs"]] for r in rounds],
-        "bw_probe_note": "per turn: best of 3 passes over the buffer just before and just after the decode; "
-        "the turn's ceiling is their mean; bw_fraction = median over turns of achieved / that ceiling",
-        "line": m0.line(),
-        "model_file": str(gguf),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "prompt_tokens": args.prompt_tokens,
-        "decode_tokens": args.decode_tokens,
-        "rounds": args.rounds,
-        "engines": list(dict.fromkeys(r["engine"] for r in rounds)),
-        "peers_skipped": skipped,  # requested peers that did not run (--skip-failed-peers), and why
-    }
+    machine = _machine_record(args, m0, mach.probe_machine(args.threads, size), rounds, gguf, skipped)
     summary = report.summarize(rounds, meta, machine, name, args.threads)
     report.write_csv(out / f"bench_{name}.csv", summary, report.SUMMARY_COLUMNS)
     report.write_csv(out / f"bench_{name}_rounds.csv", rounds, report.ROUND_COLUMNS)
