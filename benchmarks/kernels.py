@@ -29,12 +29,12 @@ weight copies (>= 3x the L3 in all), so weights come from DRAM. Writes benchmark
 and .png.
 
 ``ggml``: PerfX's VNNI kernels against llama.cpp's own ggml kernels on the same GGUF blocks (issue #25:
-kernels >= 1.0x ggml), for Q4_K, Q6_K, Q5_K, Q8_0, Q4_0 at TinyLlama-1.1B's shapes (attn 2048x2048, kv
+kernels >= 1.0x ggml), for every GGUF type PerfX runs as blocks (``GGML_QTYPES``) at TinyLlama-1.1B's shapes (attn 2048x2048, kv
 256x2048, gate_up 5632x2048, down 2048x5632, lm_head 32000x2048; N x K), 1 activation row (decode:
 gemv_qvnni_cpu) and 512 (prefill: gemm_qvnni_cpu, symbolic M), both sides quantizing the f32 activations
 to int8 inside the timed call. ggml: ``ggml_mul_mat`` through ctypes on llama-cpp-python's libggml
-(perfx_compiler/bench/ggml_mul_mat.py), 2 threads; for Q4_0 and Q4_K the weights sit in ggml's CPU_REPACK buffer as
-llama.cpp loads them on x86 (``ggml_kernel`` = repack; the plain vec_dot time is ``ggml_plain_ms``).
+(perfx_compiler/bench/ggml_mul_mat.py), 2 threads; for Q4_0, Q4_K, IQ4_NL (and Q2_K on AVX-512) the weights sit
+in ggml's CPU_REPACK buffer as llama.cpp loads them on x86 (``ggml_kernel`` = repack; the plain vec_dot time is ``ggml_plain_ms``).
 Random blocks; both outputs are checked against float64 (gguf-py's dequantize @ x) before timing. Decode
 calls rotate over weight copies (>= 2x the L3 Linux reports, per variant) so weights come from DRAM;
 variants alternate per round; ratio = median over rounds of ggml time / PerfX time (> 1: PerfX faster). Writes
@@ -499,7 +499,7 @@ def _draw(ax: Any, rows: list[dict[str, Any]], bandwidth: float, shapes: list[tu
 
 TINYLLAMA = {"attn": (2048, 2048), "kv": (256, 2048), "gate_up": (5632, 2048), "down": (2048, 5632),
              "lm_head": (32000, 2048)}  # TinyLlama-1.1B's linears: name -> (N, K)
-GGML_QTYPES = ("Q4_K", "Q6_K", "Q5_K", "Q8_0", "Q4_0")
+GGML_QTYPES = ("Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
 INT8_TOL = 2e-2  # max |y - ref| / max |ref| for int8 activations (measured <= 1e-2); a wrong layout is O(1)
 
 
@@ -529,7 +529,7 @@ def ggml_main(args: argparse.Namespace) -> int:
                 pk, rt, label = _ggml.perfx_kernel(qtype, raw, n, k, m, target, db)
                 calls = {"perfx": _ggml.perfx_call(pk, rt, x, n, copies)}
                 mms = {"ggml_plain": _ggml.MulMat(qtype, raw, n, k, m, copies, threads)}
-                if qtype in _ggml.REPACKED and n % 8 == 0:  # what llama.cpp loads these types as
+                if _ggml.repacked(qtype) and n % 8 == 0:  # what llama.cpp loads these types as
                     mms["ggml_repack"] = _ggml.MulMat(qtype, raw, n, k, m, copies, threads, repack=True)
                 for name, mm in mms.items():
                     mm.set_x(x)

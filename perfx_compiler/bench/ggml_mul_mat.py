@@ -38,11 +38,22 @@ from typing import Any
 
 import numpy as np
 
-GGML_TYPES = {"F32": 0, "Q4_0": 2, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
-# weights per block, bytes per block, byte offsets of the block's float16 d (and dmin)
-BLOCKS = {"Q4_0": (32, 18, (0,)), "Q8_0": (32, 34, (0,)), "Q4_K": (256, 144, (0, 2)),
-          "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,))}
-REPACKED = ("Q4_0", "Q4_K")  # repack.cpp on x86 with AVX2, rows a multiple of 8
+GGML_TYPES = {"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
+              "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}  # ggml.h's enum ggml_type
+# weights per block, bytes per block, byte offsets of the block's float16 d (and dmin / m)
+BLOCKS = {"Q4_0": (32, 18, (0,)), "Q4_1": (32, 20, (0, 2)), "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2)),
+          "Q8_0": (32, 34, (0,)), "Q2_K": (256, 84, (80, 82)), "Q3_K": (256, 110, (108,)),
+          "Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
+          "IQ4_NL": (32, 18, (0,)), "IQ4_XS": (256, 136, (0,))}
+# What llama.cpp loads into its CPU_REPACK buffer on x86 (ggml-cpu/repack.cpp, rows a multiple of 8):
+# Q4_0, Q4_K and IQ4_NL with AVX2, Q2_K with AVX-512
+REPACKED = ("Q4_0", "Q4_K", "IQ4_NL")
+REPACKED_AVX512 = ("Q2_K",)
+
+
+def repacked(qtype: str) -> bool:
+    """Whether llama.cpp runs ``qtype`` from repacked weights on this CPU."""
+    return qtype in REPACKED or (qtype in REPACKED_AVX512 and "avx512" in features())
 
 
 class _InitParams(ctypes.Structure):

@@ -38,7 +38,7 @@ def _err(y: np.ndarray, ref: np.ndarray) -> float:
 def test_ggml_mul_mat_matches_float64(qtype: str, m: int) -> None:
     n, k = 24, 512
     raw, x, ref = _case(qtype, n, k, m)
-    for repack in (False, True) if qtype in _ggml.REPACKED else (False,):
+    for repack in (False, True) if _ggml.repacked(qtype) else (False,):
         mm = _ggml.MulMat(qtype, raw, n, k, m, copies=2, repack=repack)
         try:
             mm.set_x(x)
