@@ -175,12 +175,18 @@ class Engine:
         return f"vm ({self._vm_reason})" if self._vm_reason else "vm"
 
     def _load_weights(self) -> list[Any]:
+        arena = HugePageArena.for_weights(self.manifest["weights"]) if self._cpu else None
+        self._weight_arena = arena
+        if arena is not None:
+            # read() straight into the arena: copying from a memory map of the file held the file's
+            # pages resident next to the arena while loading (TinyLlama dims: peak RSS 1372 MB for
+            # 1095 MB loaded, docs/decisions/long-context.md)
+            with open(self.root / "weights.bin", "rb", buffering=0) as f:
+                return [tvm.runtime.from_dlpack(arena.read(f, w)) for w in self.manifest["weights"]]
         blob = np.memmap(self.root / "weights.bin", dtype=np.uint8, mode="r")
         # Adreno texture path: these weights exist only as images (passes/texture_weights.py); a GPU
         # allocates them in texture memory (not verified on a device: no TVM OpenCL runtime here)
         textures = self.manifest.get("textures", {}) if not self._cpu else {}
-        arena = HugePageArena.for_weights(self.manifest["weights"]) if self._cpu else None
-        self._weight_arena = arena
         out = []
         for w in self.manifest["weights"]:
             raw = blob[w["offset"] : w["offset"] + w["nbytes"]]
@@ -190,7 +196,7 @@ class Engine:
                 t.copyfrom(arr)
                 out.append(t)
                 continue
-            out.append(tvm.runtime.from_dlpack(arena.take(arr)) if arena else tvm.runtime.tensor(arr, self.device))
+            out.append(tvm.runtime.tensor(arr, self.device))
         return out
 
     def reset(self) -> None:
@@ -341,9 +347,17 @@ class HugePageArena:
             return None
         return cls(sum(cls.span(int(w["nbytes"])) for w in weights))
 
-    def take(self, a: np.ndarray) -> np.ndarray:
-        """A copy of ``a`` in the arena (its first touch, after the advice)."""
-        out = self.buf[self.off : self.off + a.nbytes].view(a.dtype).reshape(a.shape)
-        out[...] = a
-        self.off += self.span(a.nbytes, self.align)
-        return out
+    def read(self, f: Any, w: dict[str, Any]) -> np.ndarray:
+        """Manifest weight ``w`` read from the open weights file ``f`` into the arena (its first touch)."""
+        nbytes = int(w["nbytes"])
+        out = self.buf[self.off : self.off + nbytes]
+        f.seek(int(w["offset"]))
+        view = memoryview(out)
+        done = 0
+        while done < nbytes:  # readinto may return less than asked
+            got = f.readinto(view[done:])
+            if not got:
+                raise ArtifactError(f"artifact file weights.bin ends inside weight {w['name']}; recompile with perfx-compile")
+            done += got
+        self.off += self.span(nbytes, self.align)
+        return out.view(w["dtype"]).reshape(w["shape"])
