@@ -96,7 +96,7 @@ def run_remote(args: argparse.Namespace, work: Path, prefill_lens: list[int]) ->
     import tvm  # noqa: F401 - the whole TVM (it builds the bandwidth probe) before the engine's runtime-only import
 
     from perfx_compiler.bench.engines import perfx_weight_bytes
-    from perfx_compiler.bench.remote_bandwidth import device_read_gbs
+    from perfx_compiler.bench.remote_bandwidth import device_read_probe
     from perfx_compiler.runtime.engine import read_manifest
     from perfx_compiler.runtime.remote import RemoteEngine
     from perfx_compiler.targets import load_target
@@ -121,10 +121,11 @@ def run_remote(args: argparse.Namespace, work: Path, prefill_lens: list[int]) ->
     print(f"{PROG}: {art.name} ({target.name}) loaded on rpc:{args.rpc_key} in {time.perf_counter() - t0:.1f} s")
     weight_bytes = perfx_weight_bytes(manifest, art)
     position = args.prompt_tokens + args.decode_tokens // 2
+    probe = device_read_probe(sess, dev, target, mib=args.bw_size_mb)  # built and uploaded once
     rows: list[dict[str, Any]] = []
     for r in range(args.rounds):
         try:
-            device_bw = device_read_gbs(sess, dev, target, mib=args.bw_size_mb)
+            device_bw = probe.gbs() if probe is not None else None
             step_s = engine.time_call("decode", 1, position, number=args.decode_tokens)[0]
             ttft_s = engine.time_call("prefill", args.prompt_tokens, 0, number=2)[0]
             prefill = {n: n / engine.time_call("prefill", n, 0, number=2)[0] for n in prefill_lens}

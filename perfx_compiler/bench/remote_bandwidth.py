@@ -63,31 +63,42 @@ def fill_kernel(n_floats: int, tasks: int) -> Any:
     return fill
 
 
-def device_read_gbs(session: Any, device: Any, target: TargetDescription, mib: int = 256,
-                    repeat: int = 5) -> float | None:
-    """GB/s of one pass over ``mib`` MiB on the device (None for GPU targets: not probed)."""
-    if target.family != "cpu":
-        return None
-    import tvm
-    from tvm.support import cc
+class DeviceReadProbe:
+    """The read kernel built for ``target`` and loaded on the device once; each :meth:`gbs` call fills a
+    fresh ``mib`` MiB buffer there, times the read and frees the buffer (not held while a model runs)."""
 
-    from perfx_compiler.stack_alloca import tir_pipeline_for
+    def __init__(self, session: Any, device: Any, target: TargetDescription, mib: int = 256) -> None:
+        import tvm
+        from tvm.support import cc
 
-    tasks = max(1, int(target.cores or 1))
-    n = (mib << 20) // 4 // (tasks * LANES) * (tasks * LANES)
-    mod = tvm.IRModule({"main": read_kernel(n, tasks).with_attr("global_symbol", "main"),
-                        "fill": fill_kernel(n, tasks).with_attr("global_symbol", "fill")})
-    lib = tvm.compile(mod, target.tvm(), tir_pipeline=tir_pipeline_for(target.family))
-    # a fresh name per upload: rewriting a library the server has loaded crashes it
-    name = f"perfx_read_bw_{n}_{time.time_ns()}.so"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, name)
-        kwargs = {"fcompile": cc.cross_compiler(target.cross_compiler)} if target.cross_compiler else {}
-        lib.export_library(path, **kwargs)
-        session.upload(path)
-    remote = session.load_module(name)
-    a = tvm.runtime.empty((n,), "float32", device)
-    out = tvm.runtime.empty((tasks * LANES,), "float32", device)
-    remote["fill"](a)
-    seconds = min(remote.time_evaluator("main", device, number=1, repeat=repeat)(a, out).results)
-    return n * 4 / seconds / 1e9
+        from perfx_compiler.stack_alloca import tir_pipeline_for
+
+        self.device = device
+        self.tasks = max(1, int(target.cores or 1))
+        self.n = (mib << 20) // 4 // (self.tasks * LANES) * (self.tasks * LANES)
+        mod = tvm.IRModule({"main": read_kernel(self.n, self.tasks).with_attr("global_symbol", "main"),
+                            "fill": fill_kernel(self.n, self.tasks).with_attr("global_symbol", "fill")})
+        lib = tvm.compile(mod, target.tvm(), tir_pipeline=tir_pipeline_for(target.family))
+        # a fresh name per upload: rewriting a library the server has loaded crashes it
+        name = f"perfx_read_bw_{self.n}_{time.time_ns()}.so"
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, name)
+            kwargs = {"fcompile": cc.cross_compiler(target.cross_compiler)} if target.cross_compiler else {}
+            lib.export_library(path, **kwargs)
+            session.upload(path)
+        self.remote = session.load_module(name)
+
+    def gbs(self, repeat: int = 5) -> float:
+        """GB/s of the fastest of ``repeat`` passes over the buffer."""
+        import tvm
+
+        a = tvm.runtime.empty((self.n,), "float32", self.device)
+        out = tvm.runtime.empty((self.tasks * LANES,), "float32", self.device)
+        self.remote["fill"](a)
+        timer = self.remote.time_evaluator("main", self.device, number=1, repeat=repeat)
+        return self.n * 4 / min(timer(a, out).results) / 1e9
+
+
+def device_read_probe(session: Any, device: Any, target: TargetDescription, mib: int = 256) -> DeviceReadProbe | None:
+    """The probe for a CPU target; None for GPU targets (not probed: they keep the nominal figure)."""
+    return DeviceReadProbe(session, device, target, mib) if target.family == "cpu" else None
