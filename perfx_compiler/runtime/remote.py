@@ -39,6 +39,7 @@ class RemoteEngine:
         self.index_dtype = np.dtype(self.manifest.get("index_dtype", "int64"))
         self.functions = self.manifest["functions"]
         self.device = device
+        self._arity: dict[str, int] = {}
         # named by content: a server that keeps its folder between sessions never loads a stale library
         remote_name = f"perfx-{self.manifest.get('manifest_sha256', 'model')[:16]}.so"
         session.upload(str(self.root / "model.so"), remote_name)
@@ -71,7 +72,9 @@ class RemoteEngine:
         """Run ``name`` on ``ids`` at the current position; keep its updated caches; its logits."""
         self._bind(name, ids, self.position)
         self.vm.invoke_stateful(name)
-        arity = int(self.vm._get_output_arity(name))
+        if name not in self._arity:  # one round trip per function, not per step
+            self._arity[name] = int(self.vm._get_output_arity(name))
+        arity = self._arity[name]
         if arity != 1 + len(self._caches):
             raise ArtifactError(f"{name} returns {arity} values, not logits + {len(self._caches)} caches; "
                                 "recompile with this PerfX version")
