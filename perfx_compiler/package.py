@@ -18,6 +18,7 @@ import numpy as np
 import tvm
 
 from perfx_compiler.artifact_hash import MANIFEST_DIGEST_KEY, manifest_digest, sha256_file
+from perfx_compiler.kernels._kv_cache import kv_dtype
 from perfx_compiler.model.onnx_emit import PAGE_SIZE, cache_shape, pages_per_sequence, pool_shape
 from perfx_compiler.targets import index_dtype_of
 
@@ -92,8 +93,8 @@ def _write_into(state: Any, functions: list[str], tmp: Path, out: Path) -> Path:
         "paged_kv": {
             "page_size": PAGE_SIZE,
             "pages_per_sequence": pages_per_sequence(cfg),
-            "page_shape": pool_shape(cfg, 1)[1:],
-            "dtype": "float32",
+            "page_shape": pool_shape(cfg, 1, kv_cache=getattr(state.options, "kv_cache", "f32"))[1:],
+            "dtype": kv_dtype(getattr(state.options, "kv_cache", "f32")),
             "count": 2 * cfg.num_layers,
         },
         "weights": weight_index,
@@ -121,8 +122,6 @@ def _write_into(state: Any, functions: list[str], tmp: Path, out: Path) -> Path:
 def _kv_cache_entry(cfg: Any, kv_cache: str) -> dict[str, Any]:
     """The contiguous caches (--kv-cache): shape (an int8 row is head_dim values + its float32 scale), element
     type, how many. An f32 cache's entry is the one earlier versions wrote."""
-    from perfx_compiler.kernels._kv_cache import kv_dtype
-
     return {"shape": cache_shape(cfg, kv_cache), "dtype": kv_dtype(kv_cache), "count": 2 * cfg.num_layers}
 
 

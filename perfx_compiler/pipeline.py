@@ -83,7 +83,7 @@ class CompileOptions:
     batching: bool = True  # also export the paged, batched functions used for serving
     activations: str = "auto"  # quantized linears' inputs: auto | f32 | int8 (resolve_activations)
     precision: str = "f32"  # matmul inputs: f32 | bf16 | f16 | fp8 (passes/precision.py; checked per target)
-    kv_cache: str = "f32"  # contiguous KV cache storage: f32 | f16 | int8 (CPU targets; kernels/_kv_cache.py)
+    kv_cache: str = "f32"  # KV cache (and paged pool) storage: f32 | f16 | int8 (CPU targets; kernels/_kv_cache.py)
     best_effort: bool = False  # build kernels no template could schedule unscheduled (warning) instead of failing
     # --knob TEMPLATE.KEY=VALUE (knobs.py): ["t.key=value", ...] or {"t.key": value}; normalized to the dict
     knobs: dict[str, Any] | list[str] = field(default_factory=dict)
@@ -121,8 +121,7 @@ def phase_import(state: CompileState) -> None:
         spec = FUNCTIONS[name]
         # inputs before the weights: ids, past_len | (positions, page_table), then the KV tensors
         n_in = (3 if spec.get("kv") == "paged" else 2) + 2 * layers
-        kv_cache = {} if spec.get("kv") == "paged" else {"kv_cache": state.options.kv_cache}  # the pool stays f32
-        graph = emit_onnx(state.desc, weights="inputs", index_dtype=index_dtype, **kv_cache, **spec)
+        graph = emit_onnx(state.desc, weights="inputs", index_dtype=index_dtype, kv_cache=state.options.kv_cache, **spec)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the importer warns about every sanitized name
             mod = import_onnx(graph, keep_params_in_input=True, extra_converters=PERFX_CONVERTERS)

@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache", default="f32", choices=["f32", "f16", "int8"],
         help="KV cache storage (CPU targets): f16, or int8 rows with one float32 scale each (~3.8x smaller than "
-             "f32 at head_dim 64); attention computes in f32. The batched functions' paged pool stays f32 "
-             "(default f32)",
+             "f32 at head_dim 64), for the single-sequence cache and perfx-serve's paged pool alike; attention "
+             "computes in f32 (default f32)",
     )
     p.add_argument(
         "--activations", default="auto", choices=["auto", "f32", "int8"],

@@ -122,15 +122,20 @@ class PagedAttention(OnnxOpConverter):
     @classmethod
     def _impl_v1(cls, bb: relax.BlockBuilder, inputs, attr, params):
         q, k, v, kp, vp, pos, table, cos, sin = inputs
-        _, page_size, kvh, d = kp.ty.shape
-        page_size, kvh, d = _static(page_size), _static(kvh), _static(d)
+        _, page_size, kvh, _row = kp.ty.shape
+        page_size, kvh = _static(page_size), _static(kvh)
+        d = 2 * _static(cos.ty.shape[1])  # an int8 pool's row is d + 4 (its scale): the head size is the table's
         heads = _static(q.ty.shape[2]) // d
         maxc = _static(cos.ty.shape[0])
+        kv_cache = str(kp.ty.dtype)
+        narrow = {"kv_cache": kv_cache} if kv_cache != "float32" else {}  # a float32 kernel keeps its name
         name, builder = "paged_attention", paged_attention_kernel
         if TARGET_FAMILY == "gpu":  # a block per (query tile, sequence, head), tree reductions across threads
+            if narrow:
+                raise ValueError(f"a {kv_cache} KV cache is a CPU-target feature (the GPU attention reads float32 caches)")
             name, builder = "paged_attention_gpu", paged_attention_kernel_gpu
         gv = kernel_global_var(name, builder, heads, kvh, d, maxc, page_size, q.ty.dtype, *_index_args(pos),
-                               **_features(attr))
+                               **_features(attr), **narrow)
         out_ty = [relax.TensorType(q.ty.shape, q.ty.dtype), kp.ty, vp.ty]
         call = relax.call_tir_inplace(gv, [q, k, v, kp, vp, pos, table, cos, sin], [-1, 3, 4], out_ty)
         return bb.emit(call)

@@ -5,6 +5,11 @@ tokens cached in the pages listed in ``page_table[b]``; its ``seq`` new tokens
 are rotated, written to (page, slot) = (page_table[b, p // PS], p % PS) in the
 pools in place, and each query attends over cache positions ``0 .. p``.
 Pools are [pages, PS, KVH, D] so one token's heads are contiguous.
+
+``kv_cache`` "float16" | "int8" stores the pools' rows as the contiguous kernel's narrow caches do
+(``_kv_cache.py``: an int8 row is D int8 + its float32 scale, so the pools are [pages, PS, KVH, D + 4]);
+prompt chunks then take the per-query rows body (the tiled body reads float32 rows only), and every
+sum stays float32.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from perfx_compiler.kernels._attention_common import (
     tile_softmax,
 )
 from perfx_compiler.kernels._attention_tiled import tiled_attention_body
+from perfx_compiler.kernels._kv_cache import append_row, kv_dtype, row_stride, tile_pv_kv, tile_scores_kv
 
 KEY_TILE = 32  # keys per online-softmax step
 # prompt chunks (seq > 1) take the tiled body; its configuration as the contiguous kernel's tuned prefill
@@ -36,9 +42,10 @@ PREFILL_TILES = {"q_tile": 16, "k_tile": 64, "key_block": 4}
 
 
 def _kb(ctx: Any, j: Any) -> Any:
-    """Flat offset of key j's row in a [pages, PS, KVH, D] pool: ctx = (page table, b, kh, PS, KVH, D)."""
-    pt, b, kh, ps, kvh, d = ctx
-    return ((T.Cast("int64", pt[b, j // ps]) * ps + j % ps) * kvh + kh) * d
+    """Flat offset of key j's row in a [pages, PS, KVH, RS] pool: ctx = (page table, b, kh, PS, KVH, RS),
+    RS the elements per row (D, or D + 4 for int8 rows)."""
+    pt, b, kh, ps, kvh, rs = ctx
+    return ((T.Cast("int64", pt[b, j // ps]) * ps + j % ps) * kvh + kh) * rs
 
 
 def _key_row(ctx: Any, b: Any, kh: Any, j: Any) -> Any:
@@ -60,6 +67,7 @@ def paged_attention_func(
     dtype: str,
     index_dtype: str,
     body: Any,
+    kv_cache: str = "float32",
 ) -> Any:
     """The PrimFunc of a paged attention kernel whose loop nest is the TVMScript macro
     ``body(Q, K, V, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, pages)``: one signature and buffer
@@ -67,8 +75,11 @@ def paged_attention_func(
     that binds them (``frontend/perfx_ops.py``) sees the same arguments whatever the target.
     Arguments: q, k, v [batch, seq, heads * D]; the k and v pools [pages, PS, KVH, D] (updated in
     place); positions [batch] and page_table [batch, pages per sequence] (``index_dtype``); the RoPE
-    cos and sin tables [max_context, D / 2]; out [batch, seq, H * D]."""
+    cos and sin tables [max_context, D / 2]; out [batch, seq, H * D]. ``kv_cache``: the pools' element
+    type (their rows are ``row_stride(D, kv_cache)`` long)."""
     H, KVH, D, MAXC, PS = num_heads, num_kv_heads, head_dim, max_context, page_size
+    KVD = kv_dtype(kv_cache)
+    RS = row_stride(D, KVD)
     NPP = -(-MAXC // PS)  # pages per sequence
     HALF = D // 2
 
@@ -84,8 +95,8 @@ def paged_attention_func(
         Q = T.match_buffer(q_h, (batch, seq, T.int64(H * D)), dtype)
         K = T.match_buffer(k_h, (batch, seq, T.int64(KVH * D)), dtype)
         V = T.match_buffer(v_h, (batch, seq, T.int64(KVH * D)), dtype)
-        KP = T.match_buffer(kp_h, (pages, T.int64(PS), T.int64(KVH), T.int64(D)), dtype)
-        VP = T.match_buffer(vp_h, (pages, T.int64(PS), T.int64(KVH), T.int64(D)), dtype)
+        KP = T.match_buffer(kp_h, (pages, T.int64(PS), T.int64(KVH), T.int64(RS)), KVD)
+        VP = T.match_buffer(vp_h, (pages, T.int64(PS), T.int64(KVH), T.int64(RS)), KVD)
         POS = T.match_buffer(pos_h, (batch,), index_dtype)
         PT = T.match_buffer(pt_h, (batch, T.int64(NPP)), index_dtype)
         COS = T.match_buffer(cos_h, (T.int64(MAXC), T.int64(HALF)), dtype)
@@ -106,6 +117,7 @@ def paged_attention_kernel(
     index_dtype: str = "int64",
     window: int = 0,
     softcap: float = 0.0,
+    kv_cache: str = "float32",
 ) -> Any:
     """``index_dtype``: element type of ``positions`` and ``page_table`` (the graph's integer inputs).
     ``window`` > 0: sliding window (the query at p sees keys p - window < j <= p; the key loop starts
@@ -116,7 +128,8 @@ def paged_attention_kernel(
     sharing the kv head (each key/value row is read once for all of them), keys in tiles with an online
     softmax. Prompt chunks (seq > 1): the tiled body (``_attention_tiled.py``), tiles of queries per
     task, so each key row is read once per tile rather than once per query. No buffer is
-    max_context long."""
+    max_context long. ``kv_cache`` "float16" | "int8": narrow pools (module docstring); every chunk
+    then takes the decode body's loop, one task per (sequence, kv head, query)."""
     H, KVH, D, MAXC, PS = num_heads, num_kv_heads, head_dim, max_context, page_size
     G = H // KVH
     HALF = D // 2
@@ -127,6 +140,9 @@ def paged_attention_kernel(
     WIN, CAP = int(window), float(softcap)
     if WIN < 0 or CAP < 0:
         raise ValueError(f"paged attention: window {window} and softcap {softcap} must be >= 0")
+    KVD = kv_dtype(kv_cache)
+    KV32 = KVD == "float32"  # the float32 kernel is built from the original pieces, text for text
+    RS = row_stride(D, KVD)
 
     def lo_key(p: Any) -> Any:
         return first_key(p, WIN)  # a Python 0 without a window: the terms below fold away
@@ -135,46 +151,75 @@ def paged_attention_kernel(
                                  window=WIN, softcap=CAP, exp=exp, key_row=_key_row, past_of=_past)
 
     @T.macro
-    def body(Q, K, V, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, pages):
-        KF = T.decl_buffer((pages * T.int64(PS * KVH * D),), dtype, data=KP.data)
-        VF = T.decl_buffer((pages * T.int64(PS * KVH * D),), dtype, data=VP.data)
+    def rows_attend(Q, KF, VF, KS, VS, POS, PT, COS, SIN, OUT, batch, seq):
+        for bks in T.parallel(batch * KVH * seq):
+            b = bks // (KVH * seq)
+            kh = bks // seq % KVH
+            s = bks % seq
+            p = T.Cast("int64", POS[b]) + s
+            qr = T.decl_buffer((G * D,), "float32", scope="local")
+            sc = T.decl_buffer((G * KT,), "float32", scope="local")
+            racc = T.decl_buffer((G * D,), "float32", scope="local")
+            st = T.decl_buffer((3 * G,), "float32", scope="local")  # running max | sum | rescale
+            for g in T.serial(G):
+                rope_store(qr, g * D, 1, Q, b, s, (kh * G + g) * D, COS, SIN, p, HALF, T.float32(scale))
+            softmax_init(st, racc, G, D)
+            for kt in T.serial((p - lo_key(p)) // KT + 1):
+                if not KV32:
+                    tile_scores_kv(sc, qr, KF, KS, _kb, (PT, b, kh, PS, KVH, RS), lo_key(p) + kt * KT,
+                                   T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L, KVD)
+                else:
+                    tile_scores(sc, qr, KF, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
+                                T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L, 0, 0)
+                if CAP > 0:
+                    tile_softcap(sc, G, KT, CAP)
+                tile_softmax(sc, st, T.min(KT, p + 1 - lo_key(p) - kt * KT), G, KT, exp)
+                if not KV32:
+                    tile_pv_kv(racc, sc, st, VF, VS, _kb, (PT, b, kh, PS, KVH, RS), lo_key(p) + kt * KT,
+                               T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L, KVD)
+                else:
+                    tile_pv(racc, sc, st, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
+                            T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L)
+            for g in T.serial(G):
+                for d in T.vectorized(D):
+                    OUT[b, s, (kh * G + g) * D + d] = racc[g * D + d] / st[G + g]
+
+    @T.macro
+    def attend(Q, K, V, KF, VF, KS, VS, POS, PT, COS, SIN, OUT, batch, seq):
         # 1) rotate k, append k and v at each token's (page, slot)
         for bks in T.parallel(batch * KVH * seq):
             b = bks // (KVH * seq)
             kh = bks // seq % KVH
             s = bks % seq
             p = T.Cast("int64", POS[b]) + s
-            base = ((T.Cast("int64", PT[b, p // PS]) * PS + p % PS) * KVH + kh) * D
-            rope_store(KF, base, 1, K, b, s, kh * D, COS, SIN, p, HALF, T.float32(1))
-            copy_row(VF, base, V, b, s, kh * D, D)
-        # 2) attention: prompt chunks tiled over queries; decode steps one task per (sequence, kv head)
-        if seq > 1:
-            tiled(Q, KF, VF, COS, SIN, OUT, batch, seq, (PT, POS, T.int64(PS), T.int64(KVH), T.int64(D)))
+            base = ((T.Cast("int64", PT[b, p // PS]) * PS + p % PS) * KVH + kh) * RS
+            if not KV32:
+                append_row(KF, KS, VF, VS, base, K, V, b, s, kh * D, COS, SIN, p, D, KVD)
+            else:
+                rope_store(KF, base, 1, K, b, s, kh * D, COS, SIN, p, HALF, T.float32(1))
+                copy_row(VF, base, V, b, s, kh * D, D)
+        # 2) attention: float32 prompt chunks tiled over queries; decode steps (and narrow pools' chunks)
+        # one task per (sequence, kv head, query)
+        if KV32:
+            if seq > 1:
+                tiled(Q, KF, VF, COS, SIN, OUT, batch, seq, (PT, POS, T.int64(PS), T.int64(KVH), T.int64(D)))
+            else:
+                rows_attend(Q, KF, VF, KS, VS, POS, PT, COS, SIN, OUT, batch, seq)
         else:
-            for bks in T.parallel(batch * KVH * seq):
-                b = bks // (KVH * seq)
-                kh = bks // seq % KVH
-                s = bks % seq
-                p = T.Cast("int64", POS[b]) + s
-                qr = T.decl_buffer((G * D,), "float32", scope="local")
-                sc = T.decl_buffer((G * KT,), "float32", scope="local")
-                racc = T.decl_buffer((G * D,), "float32", scope="local")
-                st = T.decl_buffer((3 * G,), "float32", scope="local")  # running max | sum | rescale
-                for g in T.serial(G):
-                    rope_store(qr, g * D, 1, Q, b, s, (kh * G + g) * D, COS, SIN, p, HALF, T.float32(scale))
-                softmax_init(st, racc, G, D)
-                for kt in T.serial((p - lo_key(p)) // KT + 1):
-                    tile_scores(sc, qr, KF, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
-                                T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L, 0, 0)
-                    if CAP > 0:
-                        tile_softcap(sc, G, KT, CAP)
-                    tile_softmax(sc, st, T.min(KT, p + 1 - lo_key(p) - kt * KT), G, KT, exp)
-                    tile_pv(racc, sc, st, VF, _kb, (PT, b, kh, PS, KVH, D), lo_key(p) + kt * KT,
-                            T.min(KT, p + 1 - lo_key(p) - kt * KT), G, D, KT, L)
-                for g in T.serial(G):
-                    for d in T.vectorized(D):
-                        OUT[b, s, (kh * G + g) * D + d] = racc[g * D + d] / st[G + g]
+            rows_attend(Q, KF, VF, KS, VS, POS, PT, COS, SIN, OUT, batch, seq)
+
+    @T.macro
+    def body(Q, K, V, KP, VP, POS, PT, COS, SIN, OUT, batch, seq, pages):
+        KF = T.decl_buffer((pages * T.int64(PS * KVH * RS),), KVD, data=KP.data)
+        VF = T.decl_buffer((pages * T.int64(PS * KVH * RS),), KVD, data=VP.data)
+        if KVD == "int8":  # the rows' float32 scales, through a float32 view of the pools
+            KS = T.decl_buffer((pages * T.int64(PS * KVH * RS // 4),), "float32", data=KP.data)
+            VS = T.decl_buffer((pages * T.int64(PS * KVH * RS // 4),), "float32", data=VP.data)
+            attend(Q, K, V, KF, VF, KS, VS, POS, PT, COS, SIN, OUT, batch, seq)
+        else:
+            attend(Q, K, V, KF, VF, KF, VF, POS, PT, COS, SIN, OUT, batch, seq)
 
     from perfx_compiler.kernels import POOL_SCRATCH_ATTR
 
-    return paged_attention_func(H, KVH, D, MAXC, PS, dtype, index_dtype, body).with_attr(POOL_SCRATCH_ATTR, list(ROWS_SCRATCH))
+    func = paged_attention_func(H, KVH, D, MAXC, PS, dtype, index_dtype, body, kv_cache=KVD)
+    return func.with_attr(POOL_SCRATCH_ATTR, list(ROWS_SCRATCH))

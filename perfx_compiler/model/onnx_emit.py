@@ -201,9 +201,12 @@ def pool_names(num_layers: int) -> list[str]:
     return [n for i in range(num_layers) for n in (f"pool_k.{i}", f"pool_v.{i}")]
 
 
-def pool_shape(config: ModelConfig, num_pages: int | str, page_size: int = PAGE_SIZE) -> list:
-    """[pages, page_size, kv_heads, head_dim]: one token's heads are contiguous (scatter-friendly)."""
-    return [num_pages, page_size, config.num_kv_heads, config.head_dim]
+def pool_shape(config: ModelConfig, num_pages: int | str, page_size: int = PAGE_SIZE, kv_cache: str = "f32") -> list:
+    """[pages, page_size, kv_heads, row]: one token's heads are contiguous (scatter-friendly); a row is
+    head_dim values (and an int8 row's float32 scale: kernels/_kv_cache.py)."""
+    from perfx_compiler.kernels._kv_cache import kv_dtype, row_stride
+
+    return [num_pages, page_size, config.num_kv_heads, row_stride(config.head_dim, kv_dtype(kv_cache))]
 
 
 def _paged_attention_function(config: ModelConfig, page_size: int, index_dtype: str = "int64") -> onnx.FunctionProto:
@@ -286,9 +289,8 @@ def emit_onnx(
     ``kv="paged"`` builds the batched variant: input_ids [batch, seq], positions [batch],
     page_table [batch, pages_per_sequence] and one paged pool per layer for K and V.
     ``index_dtype`` is the element type of the integer inputs (ids, past_len, positions, page_table).
-    ``kv_cache`` ("f32" | "f16" | "int8"): the contiguous caches' storage (the compiler's kernels read
-    it; the graph's ONNX function body, for onnxruntime, reads float32 caches only). The paged pool
-    stays float32.
+    ``kv_cache`` ("f32" | "f16" | "int8"): the caches' (or the paged pools') storage (the compiler's kernels
+    read it; the graph's ONNX function bodies, for onnxruntime, read float32 caches only).
     """
     if index_dtype not in ("int64", "int32"):
         raise ValueError(f"index_dtype must be 'int64' or 'int32', not {index_dtype!r}")
@@ -385,14 +387,14 @@ def emit_onnx(
     f32, i64 = TensorProto.FLOAT, (TensorProto.INT64 if index_dtype == "int64" else TensorProto.INT32)
     from perfx_compiler.kernels._kv_cache import kv_dtype
 
-    kv_type = f32 if kv == "paged" else _KV_ONNX[kv_dtype(kv_cache)]
+    kv_type = _KV_ONNX[kv_dtype(kv_cache)]
     if kv == "paged":
-        cshape = pool_shape(c, num_pages, page_size)
+        cshape = pool_shape(c, num_pages, page_size, kv_cache)
         inputs = [
             helper.make_tensor_value_info("input_ids", i64, [batch, seq_len]),
             helper.make_tensor_value_info("positions", i64, [batch]),
             helper.make_tensor_value_info("page_table", i64, [batch, pages_per_sequence(c, page_size)]),
-        ] + [helper.make_tensor_value_info(n, f32, cshape) for n in pool_names(c.num_layers)]
+        ] + [helper.make_tensor_value_info(n, kv_type, cshape) for n in pool_names(c.num_layers)]
         function = _paged_attention_function(c, page_size, index_dtype)
     else:
         cshape = cache_shape(c, kv_cache)

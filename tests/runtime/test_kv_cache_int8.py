@@ -1,5 +1,5 @@
 """SmolLM2-135M compiled with ``kv_cache="int8"`` (and "f16") against the same model with the float32 cache
-(max_context 512, no batched functions: the paged pool is float32 in every build anyway).
+(max_context 512, no batched functions; the int8 paged pool is checked on a tiny model at the end).
 
 * the manifest records the cache (int8 [1, KVH, 512, D + 4]: each row's scale after its values) and
   perfx-run's byte counts follow from it;
@@ -157,22 +157,49 @@ def test_cli_kv_cache_flag(tmp_path, capsys) -> None:
 
 
 def test_int8_cache_with_batched_functions(tmp_path) -> None:
-    """A default build (batched functions on) with an int8 cache: the paged pool stays float32, and the
-    contiguous functions follow a float64 reference of a tiny GQA model (loose: the cache is int8)."""
+    """A default build (batched functions on) with an int8 cache: the contiguous functions follow a float64
+    reference of a tiny GQA model (loose: the cache is int8), and the paged pool perfx-serve uses is int8 too
+    ([pages, PS, KVH, D + 4] in the manifest and in BatchEngine's pools). Two sequences through the batched
+    functions (one prompt in two chunks, then batched decode steps) get the contiguous int8 engine's logits:
+    both store the same int8 rows, so only summation order differs."""
     from perfx_compiler.model.gguf import load_gguf
     from perfx_compiler.model.reference import ReferenceModel
     from perfx_compiler.model.testing import write_tiny_gguf
     from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.runtime.batch_engine import BatchEngine
     from perfx_compiler.runtime.engine import Engine
 
     path, _ = write_tiny_gguf(tmp_path / "m.gguf", context_length=96, arch="llama", heads=4, kv_heads=2, tied=True)
     desc = load_gguf(path)
     art = compile_model(desc, "host", tmp_path / "art", progress=False, activations="f32", kv_cache="int8")
     eng = Engine(art)
-    assert eng.manifest["kv_cache"]["dtype"] == "int8" and eng.manifest["paged_kv"]["dtype"] == "float32"
+    paged = eng.manifest["paged_kv"]
+    assert eng.manifest["kv_cache"]["dtype"] == "int8" and paged["dtype"] == "int8"
+    assert paged["page_shape"][-1] == desc.config.head_dim + 4, paged
     assert "paged_decode" in eng.manifest["functions"]
-    ids = np.random.default_rng().integers(0, desc.config.vocab_size, size=7 + 16).tolist()
+    rng = np.random.default_rng()
+    ids = rng.integers(0, desc.config.vocab_size, size=7 + 16).tolist()
     ref = ReferenceModel(desc).forward(ids)
     got = [eng.prefill(ids[:7])[0]] + [np.asarray(eng.decode(t)).copy() for t in ids[7:]]
     err = float(np.abs(np.stack(got) - ref[6:]).max() / np.abs(ref[6:]).max())
     assert err < 0.05, err
+
+    other = rng.integers(0, desc.config.vocab_size, size=5 + 16).tolist()
+    eng.reset()
+    want_other = [eng.prefill(other[:5])[0]] + [np.asarray(eng.decode(t)).copy() for t in other[5:]]
+    batch = BatchEngine(art, max_batch=2)
+    assert all(p.dtype == "int8" and tuple(p.shape[1:]) == tuple(paged["page_shape"]) for p in batch._pools)
+    a, b = batch.add_sequence(), batch.add_sequence()
+    batch.prefill(a, ids[:3])
+    paged_a = [batch.prefill(a, ids[3:7])]
+    paged_b = [batch.prefill(b, other[:5])]
+    for ta, tb in zip(ids[7:], other[5:], strict=False):
+        step = batch.decode([a, b], [ta, tb])
+        paged_a.append(step[0])
+        paged_b.append(step[1])
+    for name, paged_out, contiguous in (("a", paged_a, got), ("b", paged_b, want_other)):
+        diff = float(np.abs(np.stack(paged_out) - np.stack(contiguous)).max() / np.abs(np.stack(contiguous)).max())
+        assert diff < 1e-4, f"sequence {name}: paged int8 vs contiguous int8 logits {diff:.2e}"
+    batch.remove_sequence(a)
+    batch.remove_sequence(b)
+    assert batch.pages_in_use() == 0

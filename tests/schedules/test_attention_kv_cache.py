@@ -176,3 +176,61 @@ def test_template_keeps_narrow_caches_on_their_bodies(cpu_target, kind) -> None:
         lib = build(template.apply(func, wl, cfg, cpu_target), cpu_target)
         for seq, past in ([(9, 0), (5, 30)] if kind == "prefill" else [(1, 0), (1, 40)]):
             run(lib, "int8", seq, past, 0, rng)
+
+
+@pytest.mark.parametrize("kvd", ["int8", "float16"])
+def test_paged_narrow_pools_match_numpy(cpu_target, kvd) -> None:
+    """The serving kernel over narrow pools (perfx-serve with --kv-cache int8|f16): two sequences at different
+    positions, pages scattered through the pools (random page table), chunks of 1 and 5 new tokens, plain
+    and sliding-window. Each sequence's output equals the same-storage float64 reference (tight) and stays
+    near the float32-cache result (loose); its new rows hold the rotated k and the v as stored; every other
+    pool row is untouched; and (int8) a reference ignoring the row scales is far off."""
+    import tvm
+
+    from perfx_compiler.kernels.paged_attention import paged_attention_kernel
+
+    ps, npp = 4, MAXC // 4
+    pages = 2 * npp + 3
+    rng = np.random.default_rng()
+    cos, sin = rope_tables(MAXC, D)
+    dev = tvm.cpu()
+    for window in (0, 5):
+        lib = build(paged_attention_kernel(H, KVH, D, MAXC, ps, window=window, kv_cache=kvd), cpu_target)
+        for seq, positions in ((1, [37, 20]), (5, [0, 40])):
+            table = rng.permutation(pages)[: 2 * npp].reshape(2, npp).astype(np.int64)
+            raw = [rng.standard_normal((pages, ps, KVH, D)).astype(np.float32) for _ in range(2)]
+            pools = [pack(*quantize(r)) if kvd == "int8" else r.astype(np.float16) for r in raw]
+            q, k, v = (rng.standard_normal((2, seq, n * D)).astype(np.float32) for n in (H, KVH, KVH))
+            kpt, vpt = (tvm.runtime.tensor(p, dev) for p in pools)
+            out = tvm.runtime.tensor(np.zeros_like(q), dev)
+            lib["main"](*(tvm.runtime.tensor(a, dev) for a in (q, k, v)), kpt, vpt,
+                        *(tvm.runtime.tensor(a, dev) for a in (np.array(positions, np.int64), table, cos, sin)), out)
+            got, got_pools = out.numpy(), [kpt.numpy(), vpt.numpy()]
+            written = np.zeros((pages, ps), bool)
+            for b, past in enumerate(positions):
+                tag = f"{kvd} paged window={window} seq={seq} b={b} past={past}"
+
+                def contiguous(pool: np.ndarray, b: int = b, table: np.ndarray = table) -> np.ndarray:
+                    # the sequence's rows as a [1, KVH, MAXC, row] cache, gathered through its page table
+                    return pool[table[b]].reshape(1, MAXC, KVH, -1).transpose(0, 2, 1, 3)
+
+                def values(cache: np.ndarray) -> np.ndarray:
+                    return dequantize(cache) if kvd == "int8" else cache.astype(np.float64)
+
+                before = [values(contiguous(p)) for p in pools]
+                want, rk, rv, plain = reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], *before, past, cos, sin, window,
+                                                kvd)
+                assert _rel(got[b:b + 1], want) < TIGHT, f"{tag}: out vs same-storage reference"
+                assert _rel(got[b:b + 1], plain) < LOOSE[kvd], f"{tag}: out vs float32 pools"
+                for name, pool, new in (("k", got_pools[0], rk), ("v", got_pools[1], rv)):
+                    read = values(contiguous(pool))[0, :, past:past + seq]
+                    step = np.abs(new).max(-1, keepdims=True) / 127 if kvd == "int8" else np.abs(new) * 2.0 ** -10
+                    assert np.all(np.abs(read - new) <= 0.51 * step + 1e-7), f"{tag}: new {name} rows"
+                for p in range(past, past + seq):
+                    written[table[b, p // ps], p % ps] = True
+                if kvd == "int8" and past:  # negative control: the cached rows' scales matter
+                    unscaled = [contiguous(p)[..., :D].astype(np.float64) for p in pools]
+                    wrong = reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], *unscaled, past, cos, sin, window, kvd)[0]
+                    assert _rel(got[b:b + 1], wrong) > 100 * TIGHT, f"{tag}: the scales changed nothing"
+            for pool, orig in zip(got_pools, pools, strict=True):
+                assert np.array_equal(pool[~written], orig[~written]), f"{kvd} window={window} seq={seq}: other rows"
