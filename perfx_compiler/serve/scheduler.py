@@ -13,9 +13,12 @@ Every step of the worker:
    sequences still prefilling or about to grow; a sequence starts on the cached
    pages of its prompt's longest cached prefix (prefix caching, in the engine) and
    only prefills the rest;
-3. runs at most ``prefill_chunk`` prompt tokens of prefill (chunked prefill), so a
-   long prompt does not stall the running sequences for more than one chunk
-   (never a 1-token chunk unless the prompt is 1 token: see runtime/prefix_cache.py);
+3. runs one prefill call: up to ``prefill_chunk`` prompt tokens of the first admitted
+   sequence still prefilling (chunked prefill), so a long prompt does not stall the
+   running sequences for more than one chunk (never a 1-token chunk unless the prompt
+   is 1 token: see runtime/prefix_cache.py). One call, not the budget spread over several
+   prompts: a call costs a pass over the weights whatever its length, and 16 short
+   prompts prefilled in one step held every running stream's next token for all 16;
 4. runs ONE batched ``decode`` for every sequence that has a sampled token pending.
 
 When a decode step needs more pages than are free, the most recently admitted
@@ -415,31 +418,27 @@ class Scheduler:
                 self.observer.on_prefix_cache(queried, hit_tokens)
 
     def _prefill(self) -> None:
-        budget = self.prefill_chunk
-        for s in [s for s in self._running if s.computed < len(s.feed)]:
-            if budget <= 0:
-                break
-            rest = len(s.feed) - s.computed
-            take = min(budget, rest)
-            # No 1-token chunks: they take other kernels than longer chunks (last bits differ; the KV they
-            # write is never cached), so a prompt's logits would depend on how it was chunked.
-            if rest - take == 1:
-                take = rest  # one token over the budget
-            elif take == 1 < rest and self.prefill_chunk > 1:
-                break  # next step, with a whole budget
-            try:
-                logits = self.engine.prefill(s.seq_id, s.feed[s.computed : s.computed + take])
-            except KVCacheFullError as e:
-                # Our page accounting should prevent this; requeue unless nothing else could free pages.
-                if len(self._running) == 1:
-                    self._finish(s, "error", error=f"KV cache too small for this request: {e}")
-                else:
-                    self._preempt(s)
-                break
-            s.computed += take
-            budget -= take
-            if s.computed == len(s.feed):
-                self._sample([s], np.asarray(logits).reshape(1, -1))
+        s = next((s for s in self._running if s.computed < len(s.feed)), None)
+        if s is None:
+            return
+        rest = len(s.feed) - s.computed
+        take = min(self.prefill_chunk, rest)
+        # No 1-token chunks: they take other kernels than longer chunks (last bits differ; the KV they
+        # write is never cached), so a prompt's logits would depend on how it was chunked.
+        if rest - take == 1:
+            take = rest  # one token over the budget
+        try:
+            logits = self.engine.prefill(s.seq_id, s.feed[s.computed : s.computed + take])
+        except KVCacheFullError as e:
+            # Our page accounting should prevent this; requeue unless nothing else could free pages.
+            if len(self._running) == 1:
+                self._finish(s, "error", error=f"KV cache too small for this request: {e}")
+            else:
+                self._preempt(s)
+            return
+        s.computed += take
+        if s.computed == len(s.feed):
+            self._sample([s], np.asarray(logits).reshape(1, -1))
 
     def _decode(self, decoding: list[_Seq]) -> None:
         eng = self.engine

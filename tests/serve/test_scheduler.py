@@ -81,7 +81,7 @@ def test_concurrent_requests_batch_and_match_alone(sched_factory: Any, make_engi
         assert r.token_ids == ref.token_ids
     sizes = sched.engine.decode_batch_sizes
     assert max(sizes) > 1 and max(sizes) <= 8  # batched, never over max_batch
-    assert max(sched.engine.prefill_chunks) <= 16  # chunked prefill
+    assert max(sched.engine.prefill_chunks) <= 16 + 1  # chunked prefill (a chunk may take one token over: no 1-token rest)
 
 
 def test_chunked_prefill_does_not_stall_running_sequences(sched_factory: Any, tokenizer: Any) -> None:
@@ -98,6 +98,24 @@ def test_chunked_prefill_does_not_stall_running_sequences(sched_factory: Any, to
     # ~25 chunks of 8 prompt tokens, each followed by a decode step of the short request
     assert len(eng.decode_batch_sizes) - n_before >= 20
     assert short.result(timeout=10)[0].finish_reason == "length"
+
+
+def test_one_prefill_call_per_step(sched_factory: Any, tokenizer: Any) -> None:
+    """Short prompts arriving together are prefilled one per step, each step followed by the decode of the
+    sequences already running: a prefill call costs a pass over the weights whatever its length, so
+    prefilling all of them in one step held the first stream's second token for every other prompt's call."""
+    sched = sched_factory(prefill_chunk=256)
+    eng = sched.engine
+    calls: list[str] = []
+    prefill, decode = eng.prefill, eng.decode
+    eng.prefill = lambda sid, ids: calls.append("p") or prefill(sid, ids)
+    eng.decode = lambda sids, toks: calls.append(f"d{len(sids)}") or decode(sids, toks)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with sched._cv:  # the worker's admission waits for this lock: all four are admitted in one step
+        handles = [sched.submit(encode(tokenizer, p), params) for p in PROMPTS[:4]]
+    for h in handles:
+        h.result(timeout=10)
+    assert calls[:7] == ["p", "p", "d1", "p", "d2", "p", "d3"], calls
 
 
 def test_streamed_deltas_equal_final_text_with_stop_strings(sched_factory: Any, tokenizer: Any) -> None:
