@@ -57,6 +57,7 @@ from typing import Any
 from _common import RESULTS as RESULTS_DIR
 from _common import alternated, figure, write_csv
 
+from perfx_compiler.bench.ggml_mul_mat import machine_name
 from perfx_compiler.bench.llama_server import free_port, llama_server, server_process
 from perfx_compiler.bench.openai_load import concurrent_streams, one_stream, story_prompt, summarize_streams
 
@@ -65,8 +66,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ARTIFACT = REPO / "build" / "bench-serving" / "smollm2-135m-host"
 RESULTS = REPO / "benchmarks" / "results" / "serving.csv"
 SOAK_RESULTS = RESULTS.with_name("soak_serving.csv")
-PEERS_RESULTS = RESULTS_DIR / "intel-xeon" / "serving_peers.csv"
-PREFIX_RESULTS = RESULTS_DIR / "intel-xeon" / "prefix_cache.csv"
+# this machine's results folder (intel-xeon, amd-epyc, ...), as the docstring says
+PEERS_RESULTS = RESULTS_DIR / machine_name() / "serving_peers.csv"
+PREFIX_RESULTS = RESULTS_DIR / machine_name() / "prefix_cache.csv"
 PEERS_COLUMNS = ["server", "concurrency", "slots", "agg_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                  "itl_p99_ms", "completion_tokens", "errors", "first_error", "same_as_alone", "streams", "rounds",
                  "vs_llama_server"]

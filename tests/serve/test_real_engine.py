@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import perfx_compiler.pipeline  # noqa: F401 (full TVM before the runtime: these tests compile; runtime/engine.py)
 from tests.serve.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+import perfx_compiler.pipeline  # noqa: F401 (full TVM before the runtime: these tests compile; runtime/engine.py)
 from tests.serve.conftest import free_port
 
 openai = pytest.importorskip("openai")
