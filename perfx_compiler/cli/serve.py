@@ -116,6 +116,8 @@ def _run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         prefix_cache=args.prefix_cache,
     )
+    print(f"{PROG}: KV pool: {engine.pool_summary()} (--num-pages; its storage: perfx-compile --kv-cache)",
+          file=sys.stderr)
     app = create_app(
         engine,
         model_name=served_model_name(args),

@@ -55,6 +55,17 @@ class BatchEngine:
         self.page_pool = PagePool(self.num_pages, self.page_size, self.max_context, prefix_cache=prefix_cache)
         self.prefilled_tokens = 0  # tokens run through paged_prefill (a prefix-cache hit skips its tokens)
 
+    def pool_bytes(self) -> int:
+        """Bytes the K and V pools of every layer take (allocated once, at construction)."""
+        paged = self.manifest["paged_kv"]
+        row = int(np.prod(paged["page_shape"])) * np.dtype(paged["dtype"]).itemsize
+        return self.num_pages * row * int(paged["count"])
+
+    def pool_summary(self) -> str:
+        """One line for a server's log: pages, tokens per page, storage, size."""
+        return (f"{self.num_pages} pages of {self.page_size} tokens, {self.manifest['paged_kv']['dtype']}, "
+                f"{self.pool_bytes() / 2**20:.0f} MiB")
+
     # -- bookkeeping (see PagePool) ---------------------------------------------------------------
     def free_pages(self) -> int:
         """Pages a new token can take, counting cached pages no sequence holds (evicted on demand)."""

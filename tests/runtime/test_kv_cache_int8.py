@@ -189,6 +189,7 @@ def test_int8_cache_with_batched_functions(tmp_path) -> None:
     want_other = [eng.prefill(other[:5])[0]] + [np.asarray(eng.decode(t)).copy() for t in other[5:]]
     batch = BatchEngine(art, max_batch=2)
     assert all(p.dtype == "int8" and tuple(p.shape[1:]) == tuple(paged["page_shape"]) for p in batch._pools)
+    assert batch.pool_bytes() == sum(p.numpy().nbytes for p in batch._pools) and ", int8, " in batch.pool_summary()
     a, b = batch.add_sequence(), batch.add_sequence()
     batch.prefill(a, ids[:3])
     paged_a = [batch.prefill(a, ids[3:7])]

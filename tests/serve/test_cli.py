@@ -47,9 +47,13 @@ def test_no_prefix_cache_reaches_the_engine(tmp_path: Path, monkeypatch: Any) ->
 
     made: list[dict[str, Any]] = []
 
+    class FakeEngine:
+        def pool_summary(self) -> str:
+            return "fake"
+
     def fake_engine(artifact: str, **kw: Any) -> object:
         made.append(kw)
-        return object()
+        return FakeEngine()
 
     monkeypatch.setattr(be, "BatchEngine", fake_engine)
     monkeypatch.setattr(app, "create_app", lambda engine, **kw: None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -108,6 +109,12 @@ def test_perfx_serve_cli_end_to_end(tiny_artifact: Path) -> None:
             texts.append((r.choices[0].text, metric_value(httpx.get(f"{url}/metrics", headers=auth).text) - hits))
         assert texts[0][0] == texts[1][0] == texts[2][0]
         assert [t[1] for t in texts] == [0, 48, 0]  # 3 full pages of 16 reused the second time
+        proc.terminate()
+        out = proc.communicate(timeout=20)[0]
+        # the startup line names the pool's size: max-batch 4 full contexts, float32 (a default build)
+        line = next((ln for ln in out.splitlines() if "KV pool:" in ln), "")
+        pages = 4 * json.loads((tiny_artifact / "perfx-config.json").read_text())["paged_kv"]["pages_per_sequence"]
+        assert f"{pages} pages of 16 tokens, float32" in line, out[-2000:]
     finally:
         proc.terminate()
         try:
