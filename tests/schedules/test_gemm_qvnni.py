@@ -83,6 +83,24 @@ def test_gemm_matches_int8_reference_over_configs(template, target, fmt, n, k):
 
 
 @needs_vnni
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "g128"])
+def test_each_row_equals_its_rows_alone(template, target, fmt):
+    """A row's output does not depend on the rows beside it, bit for bit (a served sequence's text must not
+    depend on whether it was alone in a decode step): m rows at once (whole tiles of mr and one-row tail
+    tiles) give each row exactly what that row gives alone."""
+    rng = np.random.default_rng()
+    packed, wd = vnni_weights(fmt, 64, 576, rng)
+    func = packed.compute("matmul", (1, None))
+    wl = template.match(func, target)
+    for config in (template.default_config(wl, target), {"mr": 6, "nr": 2, "tasks": 2}):
+        rt = build_func(template.apply(func, wl, config, target), target)
+        x = rng.standard_normal((1, 11, 576)).astype(np.float32)
+        together = _run(rt, packed, x)
+        alone = np.concatenate([_run(rt, packed, x[:, i:i + 1]) for i in range(11)], axis=1)
+        assert np.array_equal(together, alone), (config, np.abs(together - alone).max())
+
+
+@needs_vnni
 def test_static_rows_above_gemv_and_batch_dim(template, target):
     """Static rows > 8 (and a leading batch dim > 1) go to the GEMM too."""
     rng = np.random.default_rng()
