@@ -66,9 +66,9 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_ARTIFACT = REPO / "build" / "bench-serving" / "smollm2-135m-host"
 RESULTS = REPO / "benchmarks" / "results" / "serving.csv"
 SOAK_RESULTS = RESULTS.with_name("soak_serving.csv")
-# this machine's results folder (intel-xeon, amd-epyc, ...), as the docstring says
-PEERS_RESULTS = RESULTS_DIR / machine_name() / "serving_peers.csv"
-PREFIX_RESULTS = RESULTS_DIR / machine_name() / "prefix_cache.csv"
+MACHINE_RESULTS = RESULTS_DIR / machine_name()  # this machine's folder (intel-xeon, amd-epyc, ...)
+PEERS_RESULTS = MACHINE_RESULTS / "serving_peers.csv"
+PREFIX_RESULTS = MACHINE_RESULTS / "prefix_cache.csv"
 PEERS_COLUMNS = ["server", "concurrency", "slots", "agg_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                  "itl_p99_ms", "completion_tokens", "errors", "first_error", "same_as_alone", "streams", "rounds",
                  "vs_llama_server"]

@@ -69,6 +69,7 @@ def _write_into(state: Any, functions: list[str], tmp: Path, out: Path) -> Path:
     if desc.tokenizer_json:
         (tmp / "tokenizer.json").write_text(desc.tokenizer_json)
     cfg = desc.config
+    kv_cache = getattr(state.options, "kv_cache", "f32")
     manifest = {
         "format": FORMAT_VERSION,
         "perfx_version": __version__,
@@ -89,12 +90,12 @@ def _write_into(state: Any, functions: list[str], tmp: Path, out: Path) -> Path:
         "functions": {name: name for name in functions},
         # element type of input_ids / past_len / positions / page_table (int32 on targets without i64)
         "index_dtype": index_dtype_of(target),
-        "kv_cache": _kv_cache_entry(cfg, getattr(state.options, "kv_cache", "f32")),
+        "kv_cache": _kv_cache_entry(cfg, kv_cache),
         "paged_kv": {
             "page_size": PAGE_SIZE,
             "pages_per_sequence": pages_per_sequence(cfg),
-            "page_shape": pool_shape(cfg, 1, kv_cache=getattr(state.options, "kv_cache", "f32"))[1:],
-            "dtype": kv_dtype(getattr(state.options, "kv_cache", "f32")),
+            "page_shape": pool_shape(cfg, 1, kv_cache=kv_cache)[1:],
+            "dtype": kv_dtype(kv_cache),
             "count": 2 * cfg.num_layers,
         },
         "weights": weight_index,

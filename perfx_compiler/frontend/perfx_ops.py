@@ -83,6 +83,17 @@ def _index_args(index: relax.Expr) -> tuple[str, ...]:
     return () if dtype == "int64" else (dtype,)
 
 
+def _cache_storage(cache: relax.Expr) -> dict:
+    """The attention kernels' ``kv_cache`` argument for a cache (or paged pool) of this dtype: none for
+    float32, so a float32 kernel keeps its name; a narrow cache on a GPU target is refused."""
+    kv_cache = str(cache.ty.dtype)
+    if kv_cache == "float32":
+        return {}
+    if TARGET_FAMILY == "gpu":
+        raise ValueError(f"a {kv_cache} KV cache is a CPU-target feature (the GPU attention reads float32 caches)")
+    return {"kv_cache": kv_cache}
+
+
 class CachedAttention(OnnxOpConverter):
     """q, k, v, cache_k, cache_v, past_len, rope_cos, rope_sin -> out, cache_k, cache_v."""
 
@@ -93,10 +104,7 @@ class CachedAttention(OnnxOpConverter):
         d = 2 * _static(cos.ty.shape[1])  # an int8 cache's row is d + 4 (its scale): the head size is the table's
         heads = _static(q.ty.shape[2]) // d
         idx = _index_args(past)
-        kv_cache = str(kc.ty.dtype)
-        if kv_cache != "float32" and TARGET_FAMILY == "gpu":
-            raise ValueError(f"a {kv_cache} KV cache is a CPU-target feature (the GPU attention reads float32 caches)")
-        narrow = {"kv_cache": kv_cache} if kv_cache != "float32" else {}  # a float32 kernel keeps its name
+        narrow = _cache_storage(kc)
         if TARGET_FAMILY == "gpu":
             gv = kernel_global_var(
                 "cached_attention_gpu", cached_attention_kernel_gpu, heads, kvh, d, maxc, q.ty.dtype, *idx,
@@ -127,12 +135,9 @@ class PagedAttention(OnnxOpConverter):
         d = 2 * _static(cos.ty.shape[1])  # an int8 pool's row is d + 4 (its scale): the head size is the table's
         heads = _static(q.ty.shape[2]) // d
         maxc = _static(cos.ty.shape[0])
-        kv_cache = str(kp.ty.dtype)
-        narrow = {"kv_cache": kv_cache} if kv_cache != "float32" else {}  # a float32 kernel keeps its name
+        narrow = _cache_storage(kp)
         name, builder = "paged_attention", paged_attention_kernel
         if TARGET_FAMILY == "gpu":  # a block per (query tile, sequence, head), tree reductions across threads
-            if narrow:
-                raise ValueError(f"a {kv_cache} KV cache is a CPU-target feature (the GPU attention reads float32 caches)")
             name, builder = "paged_attention_gpu", paged_attention_kernel_gpu
         gv = kernel_global_var(name, builder, heads, kvh, d, maxc, page_size, q.ty.dtype, *_index_args(pos),
                                **_features(attr), **narrow)

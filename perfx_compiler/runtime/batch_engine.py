@@ -57,9 +57,7 @@ class BatchEngine:
 
     def pool_bytes(self) -> int:
         """Bytes the K and V pools of every layer take (allocated once, at construction)."""
-        paged = self.manifest["paged_kv"]
-        row = int(np.prod(paged["page_shape"])) * np.dtype(paged["dtype"]).itemsize
-        return self.num_pages * row * int(paged["count"])
+        return sum(int(np.prod(p.shape)) * np.dtype(p.dtype).itemsize for p in self._pools)
 
     def pool_summary(self) -> str:
         """One line for a server's log: pages, tokens per page, storage, size."""
