@@ -48,10 +48,10 @@ log = logging.getLogger(__name__)
 MANIFEST = "perfx-config.json"
 # 1: files checksummed; 2: the manifest too (artifact_hash.manifest_digest)
 SUPPORTED_FORMATS = (1, 2)
-# Prompts run in calls of at most this many tokens: the VM sizes its activation buffers by the call,
-# so an 8k prompt in one call held +261 MB at its peak, +124 MB in 2048-token calls at no measurable
-# speed cost (1024: -3..5%; each GEMM repacks its weights per call): docs/decisions/long-context.md.
-PREFILL_CHUNK = 2048
+# Prompts run in calls of at most this many tokens: the VM sizes its activation buffers by the call.
+# Over an 8k prompt, 512-token calls peak 180 MB (TinyLlama dims) below 2048-token ones at the same
+# prefill speed (each call's weight repack is small beside 512 rows): docs/decisions/long-context.md.
+PREFILL_CHUNK = 512
 
 
 def read_manifest(artifact_dir: str | Path, *, verify: bool = True) -> dict[str, Any]:

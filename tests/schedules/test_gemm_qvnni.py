@@ -76,7 +76,7 @@ def test_gemm_matches_int8_reference_over_configs(template, target, fmt, n, k):
     for config in configs:
         assert template.is_valid(wl, config, target), config
         rt = build_func(template.apply(func, wl, config, target), target)
-        for m in (9, 37):  # row tails: 37 = 4 x 9 + 1 and 6 x 6 + 1 rows
+        for m in (1, 3, 9, 37):  # 1, 3: decode steps of few sequences; 37 = 4 x 9 + 1 and 6 x 6 + 1 rows
             x = rng.standard_normal((1, m, k)).astype(np.float32)
             x[..., :32] *= 20.0  # one loud group: per-group scales must not leak across groups
             _check(_run(rt, packed, x), x, wd, k, group, (config, m))
@@ -87,7 +87,7 @@ def test_gemm_matches_int8_reference_over_configs(template, target, fmt, n, k):
 def test_each_row_equals_its_rows_alone(template, target, fmt):
     """A row's output does not depend on the rows beside it, bit for bit (a served sequence's text must not
     depend on whether it was alone in a decode step): m rows at once (whole tiles of mr and one-row tail
-    tiles) give each row exactly what that row gives alone."""
+    tiles) give each row exactly what that row gives alone, and rows in threes the same as in the call of 11."""
     rng = np.random.default_rng()
     packed, wd = vnni_weights(fmt, 64, 576, rng)
     func = packed.compute("matmul", (1, None))
@@ -98,6 +98,8 @@ def test_each_row_equals_its_rows_alone(template, target, fmt):
         together = _run(rt, packed, x)
         alone = np.concatenate([_run(rt, packed, x[:, i:i + 1]) for i in range(11)], axis=1)
         assert np.array_equal(together, alone), (config, np.abs(together - alone).max())
+        threes = np.concatenate([_run(rt, packed, x[:, i:i + 3]) for i in range(0, 11, 3)], axis=1)
+        assert np.array_equal(together, threes), (config, np.abs(together - threes).max())
 
 
 @needs_vnni
