@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import tvm
-from tvm import relax
 
+import perfx_compiler.tvm_compiler  # noqa: F401  (before tvm.relax: one line if TVM is runtime-only)
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.model.description import ModelDescription
 from perfx_compiler.progress import pop_console, push_console
 from perfx_compiler.targets import TargetDescription, index_dtype_of, load_target
+
+relax = tvm.relax  # (after the runtime-only check above)
 
 # Relax functions every artifact exports; the runtime calls them by these names.
 FUNCTIONS = {

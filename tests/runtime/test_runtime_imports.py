@@ -119,3 +119,20 @@ def test_engine_import_leaves_torch_out_and_importable() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_compiler_after_runtime_in_one_process_says_what_to_do() -> None:
+    """The engine imported first leaves TVM runtime-only; importing the compiler then is one clear
+    ImportError naming the fix, not an AttributeError from deep inside tvm.relax. The other order works."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+    late = run("import perfx_compiler.runtime.engine\nimport perfx_compiler.pipeline")
+    assert late.returncode != 0
+    last = late.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError:") and "import perfx_compiler.pipeline before perfx_compiler.runtime" in last, (
+        late.stderr[-2000:])
+    early = run("import perfx_compiler.pipeline\nimport perfx_compiler.runtime.engine\nprint('ok')")
+    assert early.returncode == 0 and early.stdout.strip() == "ok", early.stderr[-2000:]

@@ -1,0 +1,18 @@
+"""TVM with its compiler library, or one clear error.
+
+``perfx_compiler.runtime`` loads TVM runtime-only when it is imported first (a deployed runtime needs no
+compiler). TVM cannot add its compiler library to a process afterwards: its compiler modules would then
+fail deep inside ``tvm.relax`` with an AttributeError. Compiler-side modules import ``tvm`` through this
+one, so that order gets one line saying what to do instead.
+"""
+
+from __future__ import annotations
+
+import tvm
+
+if getattr(tvm.base, "_RUNTIME_ONLY", False):
+    raise ImportError(
+        "PerfX's compiler needs TVM's compiler library, but this process loaded TVM runtime-only "
+        "(perfx_compiler.runtime was imported first): import perfx_compiler.pipeline before "
+        "perfx_compiler.runtime, or compile in another process (perfx-compile)"
+    )
