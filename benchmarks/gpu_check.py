@@ -186,7 +186,7 @@ def gemv_rows(tgt: Any, dev: Any, dry: bool, n: int = 4096, k: int = 4096) -> No
     )
 
 
-def model_rows(model: str, target: str, work: Path, dry: bool, steps: int) -> None:
+def model_rows(model: str, target: str, work: Path, dry: bool, steps: int, quantization: str = "auto") -> None:
     from perfx_compiler.pipeline import compile_model
 
     def build(tgt_name: str) -> Path:
@@ -197,11 +197,11 @@ def model_rows(model: str, target: str, work: Path, dry: bool, steps: int) -> No
         # which the CUDA build does not use, and the comparison would measure that, not the GPU
         # and on the GPU no offline cubin: the run's own module is what gets timed
         extra = {"activations": "f32"} if tgt_name == "host" else {"cubin": False}
-        return compile_model(model, tgt_name, out, progress=False, **extra)
+        return compile_model(model, tgt_name, out, progress=False, quantization=quantization, **extra)
 
     t0 = time.perf_counter()
     gpu_dir = build(target)
-    row(f"build {model} for {target}", f"{time.perf_counter() - t0:.0f} s")
+    row(f"build {model} ({quantization}) for {target}", f"{time.perf_counter() - t0:.0f} s")
     if dry:
         return
     from perfx_compiler.runtime.engine import Engine
@@ -232,6 +232,7 @@ def cuda_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="cuda-sm90")
     ap.add_argument("--work", default="/tmp/perfx-gpu-check")
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--quantization", default="auto", help="of the model builds (GPU and CPU alike)")
     ap.add_argument("--dry", action="store_true", help="build only (no GPU needed)")
     ap.add_argument("--csv", type=Path, default=None, help="append the rows to this CSV")
     args = ap.parse_args(argv)
@@ -265,7 +266,7 @@ def cuda_main(argv: list[str] | None = None) -> int:
             ),
         ),
         ("gemv", lambda: gemv_rows(tgt, dev, args.dry)),
-        ("model", lambda: model_rows(args.model, args.target, work, args.dry, args.steps)),
+        ("model", lambda: model_rows(args.model, args.target, work, args.dry, args.steps, args.quantization)),
     ]
     for name, fn in sections:
         try:

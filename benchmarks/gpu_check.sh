@@ -2,13 +2,16 @@
 # One prepared GPU check for a lent NVIDIA H200 machine (no network there; <= 8 minutes):
 # cuda-sm90 build of the model, logits vs the CPU build, GEMM vs torch.matmul (fp16), int4 GEMV
 # bandwidth vs a device copy, decode tok/s -> one table + benchmarks/results/gpu_check.csv.
-# Usage: benchmarks/gpu_check.sh [MODEL]      (--dry as 2nd argument: build only, no GPU needed)
+# Usage: benchmarks/gpu_check.sh [MODEL] [--dry] [--quantization Q]   (--dry: build only, no GPU needed)
 # Nothing is downloaded: the repo runs from this folder (PYTHONPATH), Python packages must already be
 # installed, or come as wheels from $PERFX_WHEELHOUSE (pip --no-index).
 set -u
 cd "$(dirname "$0")/.."
 MODEL="${1:-smollm2-135m}"
-DRY="${2:-}"
+shift || true
+EXTRA=("$@")  # gpu_check.py's options: --dry, --quantization Q
+DRY=""
+for a in "$@"; do [ "$a" = "--dry" ] && DRY="--dry"; done
 START=$(date +%s)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # nvcc: TVM compiles CUDA with NVRTC (needs cuda-python) unless told to use nvcc; find the toolkit's nvcc
@@ -39,7 +42,7 @@ fi
 python -c "import tvm; print('tvm', tvm.__version__, 'cuda device:', tvm.cuda(0).exist)" || [ "$DRY" = "--dry" ] || exit 1
 LEFT=$(( 470 - ($(date +%s) - START) ))
 timeout "$LEFT" python benchmarks/gpu_check.py --model "$MODEL" --target cuda-sm90 --steps 64 \
-  --csv benchmarks/results/gpu_check.csv $DRY
+  --csv benchmarks/results/gpu_check.csv "${EXTRA[@]}"
 rc=$?
 echo "gpu_check.sh: rc=$rc after $(( $(date +%s) - START )) s"
 exit $rc
