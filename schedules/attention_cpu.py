@@ -94,8 +94,6 @@ class AttentionCPU(ScheduleTemplate):
         tiles = [t for t in (16, 32, 64, 128) if t <= d["MAXC"]] or [d["MAXC"]]
         if workload.info["kind"] == "decode":
             return {"k_tile": tiles, "splits": [1, 2, 3, 4, 6, 8, 16], "lanes": _lanes(workload, target)}
-        if workload.info.get("kv_cache"):  # a float16/int8 cache: the rows body only (q_tile 1)
-            return {"q_tile": [1], "k_tile": tiles, "lanes": _lanes(workload, target)}
         return {
             "q_tile": [1, 4, 8, 16, 32],
             "k_tile": tiles,
@@ -116,8 +114,6 @@ class AttentionCPU(ScheduleTemplate):
             splits = 1 if d["KVH"] % cores == 0 else 2 if cores <= 2 else 4
             return {"k_tile": tile, "splits": splits, "lanes": lanes, "prefetch": DECODE_PREFETCH}
         G = d["H"] // d["KVH"]
-        if workload.info.get("kv_cache"):
-            return {"q_tile": 1, "k_tile": tile, "lanes": lanes}
         key_block = next(b for b in (4, 2, 1) if tile % b == 0)  # a cache under 4 positions has a shorter tile
         return {"q_tile": 16, "k_tile": tile, "heads_per_task": G, "key_block": key_block, "lanes": lanes}
 
@@ -147,8 +143,6 @@ class AttentionCPU(ScheduleTemplate):
             raise ScheduleConfigError(f"attention_cpu: bad q_tile/heads_per_task in {config} for {d}")
         if q_tile == 1:
             return {"body": "rows", "k_tile": k_tile, "lanes": lanes}
-        if workload.info.get("kv_cache"):
-            raise ScheduleConfigError(f"attention_cpu: a {workload.info['kv_cache']} cache takes the rows body (q_tile 1)")
         key_block = int(config.get("key_block", 4))
         if key_block < 1 or k_tile % key_block:
             raise ScheduleConfigError(f"attention_cpu: key_block must divide k_tile in {config}")

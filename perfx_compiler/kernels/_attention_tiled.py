@@ -10,6 +10,11 @@ register block (each load of the transposed queries serves them all); p @ V take
 The cache layout enters through two Python callables evaluated while the macro is parsed:
 ``key_row(ctx, b, kh, j)``, the flat offset of key ``j``'s row of kv head ``kh`` of sequence ``b`` in the
 flat K (and V) cache, and ``past_of(ctx, b)``, the number of tokens cached before this chunk.
+
+Narrow caches (``kv_dtype`` float16 / int8, ``_kv_cache.py``): each cached element is widened to float32
+as it is loaded; an int8 key's scale multiplies its score once after the dot product, an int8 value's
+scale its softmax weight once before p @ V (after the row sums). The float32 body is built from the
+original expressions, text for text.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 from tvm.script import tirx as T
 
 from perfx_compiler.kernels._attention_common import NEG, first_key, rope_store, soft_cap
+from perfx_compiler.kernels._kv_cache import SCALE_BYTES
 
 
 def _zigzag(i: Any, n: Any) -> Any:
@@ -29,11 +35,12 @@ def _zigzag(i: Any, n: Any) -> Any:
 
 def tiled_attention_body(
     *, heads: int, kv_heads: int, head_dim: int, max_context: int, config: dict[str, Any], lanes: int,
-    window: int, softcap: float, exp: Any, key_row: Any, past_of: Any,
+    window: int, softcap: float, exp: Any, key_row: Any, past_of: Any, kv_dtype: str = "float32",
 ) -> Any:
-    """The TVMScript macro ``body(Q, KF, VF, COS, SIN, OUT, batch, seq, ctx)`` (Q and OUT [batch, seq,
-    heads * D]; KF / VF flat caches holding the chunk's rotated keys and values already). ``config``:
-    ``q_tile``, ``heads_per_task``, ``k_tile``, ``key_block``."""
+    """The TVMScript macro ``body(Q, KF, VF, KS, VS, COS, SIN, OUT, batch, seq, ctx)`` (Q and OUT [batch,
+    seq, heads * D]; KF / VF flat caches holding the chunk's rotated keys and values already; KS / VS the
+    float32 views of int8 caches that hold the rows' scales, unused otherwise). ``config``: ``q_tile``,
+    ``heads_per_task``, ``k_tile``, ``key_block``."""
     H, KVH, D, MAXC, L = heads, kv_heads, head_dim, max_context, lanes
     G = H // KVH
     HALF = D // 2
@@ -63,8 +70,18 @@ def tiled_attention_body(
     def capped(x: Any) -> Any:
         return soft_cap(x, CAP) if CAP > 0 else x
 
+    def cached(buf: Any, off: Any) -> Any:
+        """A cache element as float32 (float32 caches: the load itself)."""
+        return buf[off] if kv_dtype == "float32" else T.Cast("float32", buf[off])
+
+    def key_scaled(x: Any, KS: Any, off: Any) -> Any:  # noqa: N803
+        """A score times its int8 key row's scale (other caches: the score itself)."""
+        return x * KS[(off + D) // SCALE_BYTES] if kv_dtype == "int8" else x
+
+    int8 = kv_dtype == "int8"  # (a bool for TVMScript's `if`)
+
     @T.macro
-    def body(Q, KF, VF, COS, SIN, OUT, batch, seq, ctx):
+    def body(Q, KF, VF, KS, VS, COS, SIN, OUT, batch, seq, ctx):
         nq = (seq + QT - 1) // QT
         for task in T.parallel(batch * KVH * HG * nq):
             b = task // (KVH * HG * nq)
@@ -105,13 +122,14 @@ def tiled_attention_body(
                                 for lane in T.vectorized(L):
                                     sacc[(u * RV + rv) * L + lane] = sacc[(u * RV + rv) * L + lane] + qt_[
                                         d * RP + rv * L + lane
-                                    ] * KF[key_row(ctx, b, kh, T.min(kt * KT + jb * JB + u, last)) + d]
+                                    ] * cached(KF, key_row(ctx, b, kh, T.min(kt * KT + jb * JB + u, last)) + d)
                     for u in T.unroll(JB):
                         for rv in T.unroll(RV):
                             for lane in T.vectorized(L):
                                 st_[(jb * JB + u) * RP + rv * L + lane] = T.if_then_else(
                                     visible(kt * KT + jb * JB + u, lim[rv * L + lane]),
-                                    capped(sacc[(u * RV + rv) * L + lane]),
+                                    capped(key_scaled(sacc[(u * RV + rv) * L + lane], KS,
+                                                      key_row(ctx, b, kh, T.min(kt * KT + jb * JB + u, last)))),
                                     T.float32(NEG),
                                 )
                 # online softmax, vectorised over rows
@@ -133,6 +151,11 @@ def tiled_attention_body(
                                 T.float32(0),
                             )
                             rs[RP + rv * L + lane] = rs[RP + rv * L + lane] + st_[jj * RP + rv * L + lane]
+                if int8:  # each weight times its value row's scale (the row sums above stay unscaled)
+                    for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
+                        for i in T.vectorized(RP):
+                            st_[jj * RP + i] = st_[jj * RP + i] * VS[(key_row(ctx, b, kh, kt * KT + jj) + D)
+                                                                     // SCALE_BYTES]
                 # output rows, RB at a time: rescale, add p @ V (the block's rows stay in registers)
                 for rb in T.serial(R // RB):
                     for u in T.unroll(RB):
@@ -144,7 +167,7 @@ def tiled_attention_body(
                                 for lane in T.vectorized(L):
                                     ar[u * D + c * L + lane] = ar[u * D + c * L + lane] + st_[
                                         jj * RP + rb * RB + u
-                                    ] * VF[key_row(ctx, b, kh, kt * KT + jj) + c * L + lane]
+                                    ] * cached(VF, key_row(ctx, b, kh, kt * KT + jj) + c * L + lane)
                     for u in T.unroll(RB):
                         for d in T.vectorized(D):
                             acc[(rb * RB + u) * D + d] = ar[u * D + d]

@@ -285,8 +285,8 @@ def cached_attention_kernel(
     body, other lengths the rows body). None: the rows body with defaults.
 
     ``kv_cache``: the caches' element type, "float32" | "float16" | "int8" (kernels/_kv_cache.py: int8 rows
-    are D int8 + a float32 scale, the cache [1, KVH, MAXC, D + 4]); the narrow ones take the rows and
-    split bodies (no decode prefetch) and compute in float32."""
+    are D int8 + a float32 scale, the cache [1, KVH, MAXC, D + 4]); the narrow ones widen each element to
+    float32 as it is loaded (no decode prefetch)."""
     cfg = dict(config or {})
     H, KVH, D, MAXC = num_heads, num_kv_heads, head_dim, max_context
     G = H // KVH
@@ -301,8 +301,6 @@ def cached_attention_kernel(
     KVD = kv_dtype(kv_cache)
     KV32 = KVD == "float32"  # the float32 kernel is built from the original pieces, text for text
     RS = row_stride(D, KVD)  # cache elements per (kv head, position) row
-    if not KV32 and body == "tiled":
-        raise ValueError(f"attention: the tiled body reads float32 caches only (kv cache {KVD})")
     WIN, CAP = int(window), float(softcap)
     if WIN < 0 or CAP < 0:
         raise ValueError(f"attention: window {window} and softcap {softcap} must be >= 0")
@@ -314,12 +312,12 @@ def cached_attention_kernel(
         if G % int(cfg.get("heads_per_task", G)) or int(cfg.get("q_tile", 8)) < 1:
             raise ValueError(f"attention: heads_per_task {cfg.get('heads_per_task')} must divide {G}")
         tiled = tiled_attention_body(heads=H, kv_heads=KVH, head_dim=D, max_context=MAXC, config={**cfg, "k_tile": KT},
-                                     lanes=L, window=WIN, softcap=CAP, exp=exp,
-                                     key_row=lambda ctx, b, kh, j: (kh * MAXC + j) * D, past_of=lambda ctx, b: ctx[0])
+                                     lanes=L, window=WIN, softcap=CAP, exp=exp, kv_dtype=KVD,
+                                     key_row=lambda ctx, b, kh, j: (kh * MAXC + j) * RS, past_of=lambda ctx, b: ctx[0])
 
         @T.macro
         def main_body(Q, KF, VF, KS, VS, COS, SIN, OUT, past, seq):
-            tiled(Q, KF, VF, COS, SIN, OUT, T.int64(1), seq, (past,))
+            tiled(Q, KF, VF, KS, VS, COS, SIN, OUT, T.int64(1), seq, (past,))
 
     elif body == "split":
         step_body = _split_step_body(plan, cfg, append_kv, rows_body)

@@ -8,8 +8,7 @@ Pools are [pages, PS, KVH, D] so one token's heads are contiguous.
 
 ``kv_cache`` "float16" | "int8" stores the pools' rows as the contiguous kernel's narrow caches do
 (``_kv_cache.py``: an int8 row is D int8 + its float32 scale, so the pools are [pages, PS, KVH, D + 4]);
-prompt chunks then take the per-query rows body (the tiled body reads float32 rows only), and every
-sum stays float32.
+every element is widened to float32 as it is loaded and every sum stays float32.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ def _kb(ctx: Any, j: Any) -> Any:
 
 
 def _key_row(ctx: Any, b: Any, kh: Any, j: Any) -> Any:
-    """The tiled body's view of :func:`_kb`: ctx = (page table, positions, PS, KVH, D)."""
+    """The tiled body's view of :func:`_kb`: ctx = (page table, positions, PS, KVH, RS)."""
     pt, _, ps, kvh, d = ctx
     return _kb((pt, b, kh, ps, kvh, d), j)
 
@@ -128,8 +127,7 @@ def paged_attention_kernel(
     sharing the kv head (each key/value row is read once for all of them), keys in tiles with an online
     softmax. Prompt chunks (seq > 1): the tiled body (``_attention_tiled.py``), tiles of queries per
     task, so each key row is read once per tile rather than once per query. No buffer is
-    max_context long. ``kv_cache`` "float16" | "int8": narrow pools (module docstring); every chunk
-    then takes the decode body's loop, one task per (sequence, kv head, query)."""
+    max_context long. ``kv_cache`` "float16" | "int8": narrow pools (module docstring)."""
     H, KVH, D, MAXC, PS = num_heads, num_kv_heads, head_dim, max_context, page_size
     G = H // KVH
     HALF = D // 2
@@ -148,7 +146,7 @@ def paged_attention_kernel(
         return first_key(p, WIN)  # a Python 0 without a window: the terms below fold away
 
     tiled = tiled_attention_body(heads=H, kv_heads=KVH, head_dim=D, max_context=MAXC, config=PREFILL_TILES, lanes=L,
-                                 window=WIN, softcap=CAP, exp=exp, key_row=_key_row, past_of=_past)
+                                 window=WIN, softcap=CAP, exp=exp, key_row=_key_row, past_of=_past, kv_dtype=KVD)
 
     @T.macro
     def rows_attend(Q, KF, VF, KS, VS, POS, PT, COS, SIN, OUT, batch, seq):
@@ -198,13 +196,9 @@ def paged_attention_kernel(
             else:
                 rope_store(KF, base, 1, K, b, s, kh * D, COS, SIN, p, HALF, T.float32(1))
                 copy_row(VF, base, V, b, s, kh * D, D)
-        # 2) attention: float32 prompt chunks tiled over queries; decode steps (and narrow pools' chunks)
-        # one task per (sequence, kv head, query)
-        if KV32:
-            if seq > 1:
-                tiled(Q, KF, VF, COS, SIN, OUT, batch, seq, (PT, POS, T.int64(PS), T.int64(KVH), T.int64(D)))
-            else:
-                rows_attend(Q, KF, VF, KS, VS, POS, PT, COS, SIN, OUT, batch, seq)
+        # 2) attention: prompt chunks tiled over queries; decode steps one task per (sequence, kv head)
+        if seq > 1:
+            tiled(Q, KF, VF, KS, VS, COS, SIN, OUT, batch, seq, (PT, POS, T.int64(PS), T.int64(KVH), T.int64(RS)))
         else:
             rows_attend(Q, KF, VF, KS, VS, POS, PT, COS, SIN, OUT, batch, seq)
 

@@ -1,6 +1,6 @@
 """The contiguous CPU attention kernel over float16 and int8 KV caches (kernels/_kv_cache.py): every body
-that takes a narrow cache (prefill rows, decode split with one and more chunks), GQA (4 heads over 2 kv
-heads), plain and sliding-window, on fresh random inputs.
+(prefill rows and tiled, decode split with one and more chunks), GQA (4 heads over 2 kv heads), plain and
+sliding-window, on fresh random inputs.
 
 * tight: out and the appended cache rows equal a float64 reference that stores the cache the same way
   (int8: per-row absmax / 127 scale, round half to even; float16: rounded) and attends over the
@@ -129,6 +129,8 @@ CONFIGS = {
     "rows": {"body": "rows", "k_tile": 16},
     "split1": {"body": "split", "k_tile": 16, "splits": 1, "prefetch": 8},
     "split3": {"body": "split", "k_tile": 16, "splits": 3},
+    "tiled": {"body": "tiled", "k_tile": 16, "q_tile": 4, "heads_per_task": 2, "key_block": 4},
+    "tiled_hpt1": {"body": "tiled", "k_tile": 8, "q_tile": 3, "heads_per_task": 1, "key_block": 2},
 }
 
 
@@ -146,18 +148,12 @@ def test_narrow_kv_cache_matches_numpy(cpu_target, kvd, body) -> None:
         run(libs[window], kvd, seq, past, window, rng)
 
 
-def test_tiled_body_refuses_narrow_caches() -> None:
-    from perfx_compiler.kernels.attention import cached_attention_kernel
-
-    with pytest.raises(ValueError, match="float32 caches only"):
-        cached_attention_kernel(H, KVH, D, MAXC, config={"body": "tiled"}, kv_cache="int8")
-
-
 @pytest.mark.parametrize("kind", ["prefill", "decode"])
-def test_template_keeps_narrow_caches_on_their_bodies(cpu_target, kind) -> None:
+def test_template_keeps_narrow_caches_apart(cpu_target, kind) -> None:
     """The attention_cpu template tags, searches and rebuilds a narrow-cache kernel as one: its workload
-    differs from the float32 one (own tuning records), prefill's space holds the rows body only, and
-    every configuration of the space (default first) builds a kernel that matches the reference."""
+    differs from the float32 one (own tuning records), prefill defaults to the tiled body, and every
+    configuration tried (default first, then the space's last and first values) builds a kernel that
+    matches the reference."""
     from perfx_compiler.kernels.attention import untuned_attention_kernel
     from perfx_compiler.schedule_template import template_by_name
 
@@ -168,9 +164,9 @@ def test_template_keeps_narrow_caches_on_their_bodies(cpu_target, kind) -> None:
     assert wl.info["kv_cache"] == "int8" and "kv_cache" not in plain.info and wl.key != plain.key
     space = template.space(wl, cpu_target)
     if kind == "prefill":
-        assert space["q_tile"] == [1]
-        assert not template.is_valid(wl, {**template.builtin_default(wl, cpu_target), "q_tile": 16}, cpu_target)
-    configs = [template.builtin_default(wl, cpu_target), {k: v[-1] for k, v in space.items()}]
+        assert template._kernel_config(wl, template.builtin_default(wl, cpu_target))["body"] == "tiled"
+    configs = [template.builtin_default(wl, cpu_target), {k: v[-1] for k, v in space.items()},
+               {k: v[0] for k, v in space.items()}]
     rng = np.random.default_rng()
     for cfg in configs:
         lib = build(template.apply(func, wl, cfg, cpu_target), cpu_target)
