@@ -142,5 +142,7 @@ def test_hf_folder_of_the_same_weights_matches_transformers(smol_engine, smol_de
     got = smol_engine.prefill_all(ids)
     err = rel_err(got, want)
     print(f"SmolLM2 PerfX (f32 activations) vs transformers fp32 on the same weights: rel err {err:.2e}")
-    assert err < 1e-4, err
+    # float32 against float32 in other summation orders: 3-8e-6 on most random prompts, 3.7e-5 on 1 of 25
+    # here, and once 2.4e-4 in a CI run; a wrong kernel or weight gives 1e-2 and more
+    assert err < 1e-3, err
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.97
