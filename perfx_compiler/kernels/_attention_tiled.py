@@ -24,7 +24,7 @@ from typing import Any
 from tvm.script import tirx as T
 
 from perfx_compiler.kernels._attention_common import NEG, first_key, rope_store, soft_cap
-from perfx_compiler.kernels._kv_cache import SCALE_BYTES
+from perfx_compiler.kernels._kv_cache import row_scale
 
 
 def _zigzag(i: Any, n: Any) -> Any:
@@ -76,7 +76,7 @@ def tiled_attention_body(
 
     def key_scaled(x: Any, KS: Any, off: Any) -> Any:  # noqa: N803
         """A score times its int8 key row's scale (other caches: the score itself)."""
-        return x * KS[(off + D) // SCALE_BYTES] if kv_dtype == "int8" else x
+        return x * row_scale(KS, off, D, kv_dtype) if kv_dtype == "int8" else x
 
     int8 = kv_dtype == "int8"  # (a bool for TVMScript's `if`)
 
@@ -154,8 +154,8 @@ def tiled_attention_body(
                 if int8:  # each weight times its value row's scale (the row sums above stay unscaled)
                     for jj in T.serial(T.min(KT, last + 1 - kt * KT)):
                         for i in T.vectorized(RP):
-                            st_[jj * RP + i] = st_[jj * RP + i] * VS[(key_row(ctx, b, kh, kt * KT + jj) + D)
-                                                                     // SCALE_BYTES]
+                            st_[jj * RP + i] = st_[jj * RP + i] * row_scale(VS, key_row(ctx, b, kh, kt * KT + jj), D,
+                                                                            kv_dtype)
                 # output rows, RB at a time: rescale, add p @ V (the block's rows stay in registers)
                 for rb in T.serial(R // RB):
                     for u in T.unroll(RB):

@@ -52,8 +52,8 @@ def bytes_per_token(num_kv_heads: int, head_dim: int, num_layers: int, kv_cache:
     return 2 * num_layers * num_kv_heads * row_stride(head_dim, kvd) * size
 
 
-def _scale(S: Any, off: Any, D: int, kvd: str) -> Any:
-    """The scale of the row at element offset ``off`` (int8), or 1."""
+def row_scale(S: Any, off: Any, D: int, kvd: str) -> Any:
+    """The scale of the row at element offset ``off`` (int8: from ``S``, the cache's float32 view), or 1."""
     if kvd == "int8":
         return S[(off + D) // SCALE_BYTES]
     return T.float32(1)
@@ -110,7 +110,7 @@ def tile_scores_kv(sc, qr, KF, KS, key_base, ctx, j0, n, rows, D, KT, L, kvd):
     """tile_scores over a narrow cache: sc[r * KT + jj] = scale_k * (q_r . k_{j0 + jj})."""
     for jj in T.serial(n):
         for r in T.serial(rows):
-            sc[r * KT + jj] = _dot(qr, r * D, KF, key_base(ctx, j0 + jj), D, L, kvd) * _scale(
+            sc[r * KT + jj] = _dot(qr, r * D, KF, key_base(ctx, j0 + jj), D, L, kvd) * row_scale(
                 KS, key_base(ctx, j0 + jj), D, kvd)
 
 
@@ -122,7 +122,7 @@ def tile_pv_kv(acc, sc, st, VF, VS, key_base, ctx, j0, n, rows, D, KT, L, kvd):
             acc[r * D + i] = acc[r * D + i] * st[2 * rows + r]
     for jj in T.serial(n):
         for r in T.serial(rows):
-            sc[r * KT + jj] = sc[r * KT + jj] * _scale(VS, key_base(ctx, j0 + jj), D, kvd)
+            sc[r * KT + jj] = sc[r * KT + jj] * row_scale(VS, key_base(ctx, j0 + jj), D, kvd)
             for c in T.serial(D // L):
                 for lane in T.vectorized(L):
                     acc[r * D + c * L + lane] = acc[r * D + c * L + lane] + sc[r * KT + jj] * T.Cast(
