@@ -2,8 +2,9 @@
 
 ``perfx_compiler.runtime`` loads TVM runtime-only when it is imported first (a deployed runtime needs no
 compiler). TVM cannot add its compiler library to a process afterwards: its compiler modules would then
-fail deep inside ``tvm.relax`` with an AttributeError. Compiler-side modules import ``tvm`` through this
-one, so that order gets one line saying what to do instead.
+fail deep inside ``tvm.relax`` with an AttributeError. The compiler-side packages (``pipeline``,
+``passes``, ``tune``, ``frontend``, ``schedules``) import this module before anything else of TVM's, so
+that order gets one line saying what to do instead, whichever of them a script imports.
 """
 
 from __future__ import annotations

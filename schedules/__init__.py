@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+import perfx_compiler.tvm_compiler  # noqa: F401  (before tvm.relax: one line if TVM was loaded runtime-only)
 from perfx_compiler.tvmscript_speedups import install as _install_tvmscript_speedups
 
 _install_tvmscript_speedups()  # the templates' kernels are TVMScript (perfx_compiler/tvmscript_speedups.py)

@@ -18,6 +18,7 @@ from typing import Any
 
 import tvm
 
+import perfx_compiler.tvm_compiler  # noqa: F401  (before tvm.relax: one line if TVM was loaded runtime-only)
 from perfx_compiler.tvmscript_speedups import install as _install_tvmscript_speedups
 
 _install_tvmscript_speedups()  # the fused-pass kernels are TVMScript (perfx_compiler/tvmscript_speedups.py)

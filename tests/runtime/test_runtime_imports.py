@@ -129,10 +129,13 @@ def test_compiler_after_runtime_in_one_process_says_what_to_do() -> None:
     def run(code: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
-    late = run("import perfx_compiler.runtime.engine\nimport perfx_compiler.pipeline")
-    assert late.returncode != 0
-    last = late.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError:") and "import perfx_compiler.pipeline before perfx_compiler.runtime" in last, (
-        late.stderr[-2000:])
+    # every compiler-side package a script may import on its own, not only the pipeline
+    for module in ("perfx_compiler.pipeline", "perfx_compiler.passes.fuse_add_norm", "perfx_compiler.tune.session",
+                   "perfx_compiler.frontend.onnx_import", "schedules.gemv_qvnni_cpu"):
+        late = run(f"import perfx_compiler.runtime.engine\nimport {module}")
+        assert late.returncode != 0, module
+        last = late.stderr.strip().splitlines()[-1]
+        assert last.startswith("ImportError:") and "import perfx_compiler.pipeline before perfx_compiler.runtime" in last, (
+            module, late.stderr[-2000:])
     early = run("import perfx_compiler.pipeline\nimport perfx_compiler.runtime.engine\nprint('ok')")
     assert early.returncode == 0 and early.stdout.strip() == "ok", early.stderr[-2000:]
