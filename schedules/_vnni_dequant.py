@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from perfx_compiler.formats.vnni import code_row_bytes
-from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scalar_code, scale_times_4
+from perfx_compiler.formats.vnni_lowbit import d_of_bytes, group_nibble, min_width, scalar_code, scale_times_4
 from schedules._vnni_kernels import ROWS_PER_UNIT, _without_zero, plan, transpose_tile
 
 
@@ -29,6 +29,7 @@ class _Layout:
         self.ST = "int8" if sb else "float16"
         self.ZT = self.ST if offset else "uint8"
         self.SW = self.NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # (3-bit: d in the values' low bits)
+        self.ZW = min_width(bits, K, sb, self.SW)  # (Q2_K: dmin alone; the mins are the scale bytes' high nibbles)
         # int8 codes without a min, and table indices (IQ4), take no zero/min array
         self.has_z = (bits == 4 and not lut) or offset
 
@@ -41,7 +42,17 @@ class _Layout:
         if self.bits == 3:
             return T.Cast("float32", scale_times_4(A[row, g])) * d_of_bytes(lambda r, c: A[r, c], row, g)
         d = Ad[row * (self.SW // 2) + self.NGP // 2 + g // (self.sb // self.G)]
-        return T.Cast("float32", A[row, g]) * T.Cast("float32", d)
+        return T.Cast("float32", group_nibble(A[row, g], False) if self.bits == 2 else A[row, g]) * T.Cast("float32", d)
+
+    def min_factor(self, Sc: Any, Z: Any, Zd: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """The min term (w = code * scale + min): the float16 min, or -(m * dmin) (Q2_K: m the high
+        nibble of the scale byte, dmin the min array's only content)."""
+        from tvm.script import tirx as T
+
+        if self.sb and self.bits == 2:
+            dmin = Zd[row * (self.ZW // 2) + g // (self.sb // self.G)]
+            return -(T.Cast("float32", group_nibble(Sc[row, g], True)) * T.Cast("float32", dmin))
+        return -self.factor(Z, Zd, row, g) if self.sb else self.factor(Z, Zd, row, g)
 
     def weight(self, Q: Any, Sc: Any, Z: Any, Sd: Any, Zd: Any, row: Any, col: Any, g: Any) -> Any:  # noqa: N803
         """Float weight (row, col) of group g."""
@@ -49,7 +60,7 @@ class _Layout:
 
         s = self.factor(Sc, Sd, row, g)
         if self.offset:
-            mn = -self.factor(Z, Zd, row, g) if self.sb else self.factor(Z, Zd, row, g)
+            mn = self.min_factor(Sc, Z, Zd, row, g)
         if self.bits == 6:  # the row's nibble in its pair row, 2 high bits in the quad's last row
             lo = T.bitwise_and(T.shift_right(Q[row // 4, (row % 4) // 2 * self.KP + col], T.Cast("uint8", (row % 2) * 4)),
                                T.uint8(15))
@@ -82,7 +93,7 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
     from tvm.script import tirx as T
 
     L = _Layout(bits, N, K, G, sym, offset, sb, lut)
-    QKW, QW, N2, SW, ST, ZT = L.QKW, L.QW, L.N2, L.SW, L.ST, L.ZT
+    QKW, QW, N2, SW, ST, ZT, ZW = L.QKW, L.QW, L.N2, L.SW, L.ST, L.ZT, L.ZW
     NV = K // 16
     PER = -(-N // tasks)
 
@@ -124,10 +135,10 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
         Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
-        Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
+        Z = T.match_buffer(z_h, (T.int64(N2), T.int64(ZW)), ZT)
         Out = T.match_buffer(o_h, [T.int64(d) for d in OUT], "float32")
         Sd = T.decl_buffer((N2 * SW // 2,), "float16", data=Sc.data)  # superblock d (sb only)
-        Zd = T.decl_buffer((N2 * SW // 2,), "float16", data=Z.data)
+        Zd = T.decl_buffer((N2 * ZW // 2,), "float16", data=Z.data)
         body(Q, Sc, Z, Sd, Zd, Out)
 
     return qv_dequant if L.has_z else _without_zero(qv_dequant)
@@ -139,7 +150,7 @@ def take(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, sb: int = 0
     from tvm.script import tirx as T
 
     L = _Layout(bits, N, K, G, sym, offset, sb, lut)
-    QKW, QW, N2, SW, ST, ZT = L.QKW, L.QW, L.N2, L.SW, L.ST, L.ZT
+    QKW, QW, N2, SW, ST, ZT, ZW = L.QKW, L.QW, L.N2, L.SW, L.ST, L.ZT, L.ZW
     NV = K // 16
 
     @T.macro
@@ -157,11 +168,11 @@ def take(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, sb: int = 0
         m = T.int64()
         Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
         Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
-        Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
+        Z = T.match_buffer(z_h, (T.int64(N2), T.int64(ZW)), ZT)
         ID = T.match_buffer(i_h, (b, m), "int64")
         Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
         Sd = T.decl_buffer((N2 * SW // 2,), "float16", data=Sc.data)
-        Zd = T.decl_buffer((N2 * SW // 2,), "float16", data=Z.data)
+        Zd = T.decl_buffer((N2 * ZW // 2,), "float16", data=Z.data)
         body(Q, Sc, Z, Sd, Zd, ID, Out, b, m)
 
     return qv_take if L.has_z else _without_zero(qv_take)

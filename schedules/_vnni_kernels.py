@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from perfx_compiler.formats.vnni import ROWS_PER_UNIT, code_row_bytes, lut_bytes  # (rows one code row holds)
-from perfx_compiler.formats.vnni_lowbit import code_scale, d_of_word, scale_times_4, unit_codes
+from perfx_compiler.formats.vnni_lowbit import code_scale, d_of_word, group_nibble, min_width, scale_times_4, unit_codes
 from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
 
 STEP = 64
@@ -170,6 +170,7 @@ def _gemv_plan(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows:
     ZT = ST if offset else "uint8"
     SW = NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # scale row: groups, then the superblocks' d (3-bit: in their low bits)
     NSB = K // sb if sb else 0
+    ZW = min_width(bits, K, sb, SW)  # min / zero row (Q2_K: dmin alone, its mins are the scale bytes' high nibbles)
     # the superblock scale rows viewed for d: float16 (after each row's groups), 3-bit uint64 (pext)
     DT, DW = ("uint64", 8) if bits == 3 else ("float16", 2)
     GPS = sb // G if sb else 0  # groups per superblock
@@ -203,7 +204,7 @@ def _gemv_exprs(g: SimpleNamespace) -> SimpleNamespace:
 
     A, G, GPS, HALF, HNIT, HPT, IPT, KP, NGP, NIT, NSB, NU = _take(g, "A G GPS HALF HNIT HPT IPT KP NGP NIT NSB NU")
     RPU, SW, bits, epilogue, hi, lut, pair, prefetch, sb = _take(g, "RPU SW bits epilogue hi lut pair prefetch sb")
-    units = g.units
+    units, ZW = g.units, g.ZW
 
     def ubase(t: Any, it: Any) -> Any:
         if epilogue:
@@ -265,22 +266,30 @@ def _gemv_exprs(g: SimpleNamespace) -> SimpleNamespace:
         return T.Broadcast(off, 16) + T.Select(lanes < T.Broadcast(T.int32(8), 16), T.Broadcast(T.int32(a), 16),
                                                T.Broadcast(T.int32(b), 16))
 
-    def svec(A: Any, Ad: Any, row: Any, c0: Any) -> Any:
+    def svec(A: Any, Ad: Any, row: Any, c0: Any, mins: bool = False) -> Any:
         """Groups c0..c0+15 of a row's scales (or mins) as float32x16: the float16 values, or with
         superblock scales sc * d (Ad: the array's float16 view; c0 is a multiple of the groups per
-        superblock or of 8, so the 16 lanes span one or two superblocks; pad groups read the last d)."""
+        superblock or of 8, so the 16 lanes span one or two superblocks; pad groups read the last d).
+        Q2_K (2 bits): A is the scale array either way (sc | m << 4), ``mins`` takes the high nibbles
+        and dmin from Ad, the min array's view."""
         if not sb:
             return T.Cast("float32x16", A.vload([row, c0], "float16x16"))
         def d(j: Any) -> Any:  # (3-bit: Ad is the uint64 view, d / 4 in a superblock's first 8 values)
+            if mins and bits == 2:
+                return T.Broadcast(T.Cast("float32", Ad[row * (ZW // 2) + T.min(j, NSB - 1)]), 16)
             return T.Broadcast(d_of_word(Ad[row * (SW // 8) + T.min(j, NSB - 1) * (GPS // 8)]) if bits == 3
                                else T.Cast("float32", Ad[row * (SW // 2) + NGP // 2 + T.min(j, NSB - 1)]), 16)
 
         dv = d(c0 // GPS) if GPS >= 16 else T.Select(
             T.Ramp(T.int32(0), 1, 16) < T.Broadcast(T.int32(8), 16), d(c0 // GPS), d(c0 // GPS + 1))
-        return T.Cast("float32x16", scale_times_4(A.vload([row, c0], "int8x16"), 16 if bits == 3 else 0)) * dv
+        v = A.vload([row, c0], "int8x16")
+        v = group_nibble(v, mins, 16) if bits == 2 else scale_times_4(v, 16 if bits == 3 else 0)
+        return T.Cast("float32x16", v) * dv
 
-    def zvec(Z: Any, Zd: Any, row: Any, c0: Any) -> Any:
+    def zvec(Sc: Any, Z: Any, Zd: Any, row: Any, c0: Any) -> Any:
         """The min term's factor (w = code * scale + min): the float16 min, or -(m * dmin)."""
+        if sb and bits == 2:
+            return -svec(Sc, Zd, row, c0, mins=True)
         return -svec(Z, Zd, row, c0) if sb else svec(Z, Zd, row, c0)
 
     def vdot(w: Any, x: Any) -> Any:
@@ -388,7 +397,7 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
     A, BT, ECH, F, FR, ITERS, KP, M, MM, N, N2, NCH, NGP = _take(g, "A BT ECH F FR ITERS KP M MM N N2 NCH NGP")
     PF_LOC, QKW, QW, RPU, RW, S, SPC, SPD, SW, TS, UG, bits = _take(g, "PF_LOC QKW QW RPU RW S SPC SPD SW TS UG bits")
     epilogue, offset, prefetch, split, sym, units, unroll = _take(g, "epilogue offset prefetch split sym units unroll")
-    zconst = g.zconst
+    zconst, ZW = g.zconst, g.ZW
     codes, h_end, h_row, hscale, idx_vec, perm = _take(e, "codes h_end h_row hscale idx_vec perm")
     prefetch_at, silu_mul, svec, ubase, uvalid, vdot = _take(e, "prefetch_at silu_mul svec ubase uvalid vdot")
     zvec = e.zvec
@@ -413,7 +422,7 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
                 if SPD > 0:
                     T.evaluate(prefetch_at(T.address_of(Scf[T.min(((ubase(t, it) + u) * RPU + h)
                                                * SW + T.min(c * 16, NGP - 16) + SPD, N2 * SW - 16)]), 3))
-                    if offset or not (sym or bits == 8):
+                    if (offset and ZW == SW) or not (offset or sym or bits == 8):  # (Q2_K: mins in Sc's lines)
                         T.evaluate(prefetch_at(T.address_of(Zf[T.min(((ubase(t, it) + u) * RPU
                                                    + h) * SW + T.min(c * 16, NGP - 16) + SPD,
                                                   N2 * SW - 16)]), 3))
@@ -425,7 +434,7 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
                     if offset:
                         acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
                             [((bm * units + u) * RPU + h) * A * 16], "float32x16") + zvec(
-                            Z, Zdf, (ubase(t, it) + u) * RPU + h, T.min(c * 16, NGP - 16)) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
+                            Sc, Z, Zdf, (ubase(t, it) + u) * RPU + h, T.min(c * 16, NGP - 16)) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
                     elif sym or bits == 8:
                         acc[T.Ramp(((bm * units + u) * RPU + h) * A * 16, 1, 16)] = acc.vload(
                             [((bm * units + u) * RPU + h) * A * 16], "float32x16") - T.Broadcast(
@@ -529,7 +538,7 @@ def _body_macro(g: SimpleNamespace, e: SimpleNamespace, make_x: Any, chunk_scale
 
     DT, DW, K, KP, M, N2, NCH, NGE, NU, PF_LOC, PRO, PRO_S = _take(g, "DT DW K KP M N2 NCH NGE NU PF_LOC PRO PRO_S")
     QKW, QW, RPU, ST, SW, ZT, prefetch, tasks, tquant = _take(g, "QKW QW RPU ST SW ZT prefetch tasks tquant")
-    units = g.units
+    units, ZW = g.units, g.ZW
     codes, prefetch_at, ubase = _take(e, "codes prefetch_at ubase")
 
     @T.macro
@@ -537,9 +546,9 @@ def _body_macro(g: SimpleNamespace, e: SimpleNamespace, make_x: Any, chunk_scale
         # flat views: the prefetch runs on past a row's end into the next rows of the task
         Qf = T.decl_buffer((QW * QKW,), "uint8", data=Q.data)
         Scf = T.decl_buffer((N2 * SW,), ST, data=Sc.data)
-        Zf = T.decl_buffer((N2 * SW,), ZT, data=Z.data)
+        Zf = T.decl_buffer((N2 * ZW,), ZT, data=Z.data)
         Sdf = T.decl_buffer((N2 * SW // DW,), DT, data=Sc.data)
-        Zdf = T.decl_buffer((N2 * SW // 2,), "float16", data=Z.data)
+        Zdf = T.decl_buffer((N2 * ZW // 2,), "float16", data=Z.data)
         if tquant > 0:
             # every task quantizes x for itself: no serial quantization before the fork, the workers
             # read x itself (meant for tasks == threads: one quantization per thread)
@@ -579,6 +588,7 @@ def _gemv_prim_func(g: SimpleNamespace, body: Any) -> Any:
     from tvm.script import tirx as T
 
     B, FR, K, MM, N, N2, QKW, QW, ST, SW, ZT, epilogue = _take(g, "B FR K MM N N2 QKW QW ST SW ZT epilogue")
+    ZW = g.ZW
     prologue = g.prologue
 
     # One PrimFunc per form of x; each takes a zero/min array, which int8 codes do not have: their
@@ -594,7 +604,7 @@ def _gemv_prim_func(g: SimpleNamespace, body: Any) -> Any:
             PW = T.match_buffer(w_h, (T.int64(K),), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(ZW)), ZT)
             SUM = T.match_buffer(sum_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
             H = T.match_buffer(h_h, (T.int64(1), T.int64(1), T.int64(FR)), "float32")
@@ -610,7 +620,7 @@ def _gemv_prim_func(g: SimpleNamespace, body: Any) -> Any:
             X = T.match_buffer(x_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(ZW)), ZT)
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
             H = T.match_buffer(h_h, (T.int64(1), T.int64(1), T.int64(FR)), "float32")
             body(X, X, X, X, Q, Sc, Z, Y, H)
@@ -627,7 +637,7 @@ def _gemv_prim_func(g: SimpleNamespace, body: Any) -> Any:
             PW = T.match_buffer(w_h, (T.int64(K),), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(ZW)), ZT)
             SUM = T.match_buffer(sum_h, (T.int64(1), T.int64(1), T.int64(K)), "float32")
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
             body(PA, PB, PW, SUM, Q, Sc, Z, Y, Y)
@@ -641,7 +651,7 @@ def _gemv_prim_func(g: SimpleNamespace, body: Any) -> Any:
             X = T.match_buffer(x_h, (T.int64(1), T.int64(1), T.int64(2 * K)), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(ZW)), ZT)
             Y = T.match_buffer(y_h, (T.int64(1), T.int64(1), T.int64(N)), "float32")
             body(X, X, X, X, Q, Sc, Z, Y, Y)
 
@@ -654,7 +664,7 @@ def _gemv_prim_func(g: SimpleNamespace, body: Any) -> Any:
             X = T.match_buffer(x_h, (T.int64(B), T.int64(MM), T.int64(K)), "float32")
             Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
             Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
-            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(SW)), ZT)
+            Z = T.match_buffer(z_h, (T.int64(N2), T.int64(ZW)), ZT)
             Y = T.match_buffer(y_h, (T.int64(B), T.int64(MM), T.int64(N)), "float32")
             body(X, X, X, X, Q, Sc, Z, Y, Y)
 

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.formats.vnni import code_row_bytes, has_avx512_vnni, lut_bytes
-from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scale_times_4, unit_codes
+from perfx_compiler.formats.vnni_lowbit import d_of_bytes, group_nibble, min_width, scale_times_4, unit_codes
 from perfx_compiler.kernels import _lanes
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
@@ -270,7 +270,7 @@ def _repack(*, bits: int, lut: str, pair: bool, S: int, nr: int, RPU: int, KP: i
                 for c in T.serial(16):
                     SP[(g * nr + t) * 16 + c] = factor(Sc, n0 + t * 16 + c, g)
                     if offset:
-                        ZP[(g * nr + t) * 16 + c] = T.reinterpret("int32", minf(Z, n0 + t * 16 + c, g))
+                        ZP[(g * nr + t) * 16 + c] = T.reinterpret("int32", minf(Sc, Z, n0 + t * 16 + c, g))
                     elif asym:
                         ZP[(g * nr + t) * 16 + c] = T.Cast("int32", Z[n0 + t * 16 + c, g])
 
@@ -307,6 +307,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     ZT = ST if offset else "uint8"
     SW = NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # scale row: groups, then (sb) the superblocks' d bytes
     NSB = K // sb if sb else 0
+    ZW = min_width(bits, K, sb, SW)  # min row (Q2_K: dmin alone, its mins are the scale bytes' high nibbles)
     GPS = sb // G if sb else 0  # groups per superblock
     zconst = 128 if lut else {3: 4, 4: 8, 5: 16, 6: 32, 8: 128}.get(bits, 0)
     asym = pair and not sym and not offset
@@ -327,13 +328,20 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
             return T.Cast("float32", A[row, g])
         if bits == 3:  # the 6-bit values, d in the low bits of the superblock's first 8 (formats/vnni_lowbit.py)
             return T.Cast("float32", scale_times_4(A[row, g])) * d_of_bytes(lambda r, c: A[r, c], row, g)
-        at = NGP + 2 * T.min(g // GPS, NSB - 1)
+        return T.Cast("float32", group_nibble(A[row, g], False) if bits == 2 else A[row, g]) * d_at(A, row, NGP, g)
+
+    def d_at(A: Any, row: Any, first: int, g: Any) -> Any:  # noqa: N803
+        """float32 d (or dmin) of group g's superblock: the little-endian float16 at A[row, first + 2 j]."""
+        at = first + 2 * T.min(g // GPS, NSB - 1)
         d16 = T.Cast("uint16", T.Cast("uint8", A[row, at])) | T.shift_left(
             T.Cast("uint16", T.Cast("uint8", A[row, at + 1])), T.uint16(8))
-        return T.Cast("float32", A[row, g]) * T.Cast("float32", T.reinterpret("float16", d16))
+        return T.Cast("float32", T.reinterpret("float16", d16))
 
-    def minf(Z: Any, row: Any, g: Any) -> Any:  # noqa: N803
-        """The min term's factor (w = code * scale + min): the float16 min, or (sb) -(m * dmin)."""
+    def minf(Sc: Any, Z: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """The min term's factor (w = code * scale + min): the float16 min, or (sb) -(m * dmin); Q2_K's m
+        is the high nibble of its scale byte, dmin the min array's only content."""
+        if sb and bits == 2:
+            return -(T.Cast("float32", group_nibble(Sc[row, g], True)) * d_at(Z, row, 0, g))
         return -factor(Z, row, g) if sb else factor(Z, row, g)
 
     @T.macro
@@ -404,7 +412,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
         else:
             W_SHAPE, W_DT = (i64(QW), i64(QKW)), "uint8"
             S_SHAPE, S_DT = (i64(N2), i64(SW)), ST
-            Z_SHAPE, Z_DT = S_SHAPE, ZT
+            Z_SHAPE, Z_DT = (i64(N2), i64(ZW)), ZT
 
         @T.prim_func(private=True)
         def qv_gemm(x_h: T.handle, w_h: T.handle, s_h: T.handle, z_h: T.handle, y_h: T.handle):

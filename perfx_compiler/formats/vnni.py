@@ -41,7 +41,9 @@ Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
   The scale array is int8 [N2, SW] with SW = NGP + 2 * K/256: columns 0..NGP-1 the group values
   (zero-padded), then the row's superblock d values as little-endian float16 bytes; the min array
   (formats with mins) has the same shape with m and dmin. 4.625 bits a weight for Q4_K (4.5 in the
-  file), where float16 group scales would need 5.0 and lose d * sc's low bits.
+  file), where float16 group scales would need 5.0 and lose d * sc's low bits. (Q2_K's 4-bit sc and m
+  share one scale byte and its min array holds only dmin; Q3_K's d lies in its values' low bits: both
+  in ``formats/vnni_lowbit.py``.)
 
 Codes, scales, zeros and mins are the format's own values moved, never recomputed: the
 unpacking functions below give back the exact input arrays (tests check this bit for bit).
@@ -270,7 +272,7 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     (IQ4_XS, IQ4_NL); superblock scales as described above, or for one-level types (sb == group: Q5_1,
     Q5_0, IQ4_NL, whose sub-scale is 1) float16 group tables."""
     from perfx_compiler.formats import Packed
-    from perfx_compiler.formats.vnni_lowbit import pack_q2_quads, pack_q3_octets, pack_scales_d_low
+    from perfx_compiler.formats.vnni_lowbit import pack_q2_quads, pack_q2_scales, pack_q3_octets, pack_scales_d_low
 
     n, k = sub.codes.shape
     g, offset = int(sub.group), sub.mins is not None
@@ -295,7 +297,9 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
         codes = pack_q8_raw(sub.codes)
     else:
         codes = pack_q8_offset(np.asarray(sub.codes, dtype=np.int8))
-    if sb:
+    if sb and bits == 2:  # (Q2_K: scale and min nibbles in one byte, dmin alone in the min array)
+        scale, third = pack_q2_scales(sub.scales, sub.mins, sub.d, sub.dmin, groups_padded(k, g)[1], n2)
+    elif sb:
         scale = (pack_scales_d_low(sub.scales, sub.d, n2) if bits == 3  # (Q3_K: d in the values' low bits)
                  else pack_subscales(sub.scales, sub.d, k, g, n2, sb))
         third = pack_subscales(sub.mins, sub.dmin, k, g, n2, sb) if offset else None
@@ -373,13 +377,22 @@ def vnni_compute(
     s = te.placeholder((nu * rpu, sw), "int8" if sb else "float16", name="scale")
     z = None
     if (bits == 4 and not lut) or offset:
-        z = te.placeholder(s.shape, ("int8" if sb else "float16") if offset else "uint8",
+        from perfx_compiler.formats.vnni_lowbit import min_width
+
+        z = te.placeholder((nu * rpu, min_width(bits, k, sb, sw)), ("int8" if sb else "float16") if offset else "uint8",
                            name="min" if offset else "zero")
 
     def factor(a: Any, row: Any, g: Any) -> Any:
         """Group g's scale (or min) of the row as float32: the float16 value, or sc * d."""
         if not sb:
             return a[row, g].astype("float32")
+        if bits == 2:  # Q2_K: the scale (or min) nibble of the scale byte, d (or dmin) from a's bytes
+            from perfx_compiler.formats.vnni_lowbit import group_nibble
+
+            at = (0 if a is z else ngp) + 2 * (g // (sb // group))
+            d16 = a[row, at].astype("uint8").astype("uint16") | (a[row, at + 1].astype("uint8").astype("uint16") << 8)
+            return (group_nibble(s[row, g], a is z).astype("float32")
+                    * tirx.reinterpret("float16", d16).astype("float32"))
         if bits == 3:
             from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scale_times_4
 

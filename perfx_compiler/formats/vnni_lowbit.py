@@ -7,6 +7,11 @@ per-row code unpacking the kernels share for the bit-plane layouts (2-, 3- and 5
   row per octet of rows: two 2-bit quad rows of the codes' low 2 bits (rows 8o..8o+3, then
   8o+4..8o+7, as ``q2v``), then one row whose byte k holds the eight rows' third bits of column k (row
   8o+r in bit r): 3 bits a weight. Row r's codes: ``(quad >> 2 (r % 4)) & 3 | ((hb >> r) & 1) << 2``.
+* Q2_K's scales (2-bit layout): a group's 4-bit scale and 4-bit min share one byte (``sc | m << 4``)
+  of the scale array [N2, NGP + 2 K/256], whose row then holds the superblocks' d as float16 bytes; the
+  min array [N2, 2 K/256] holds only the superblocks' dmin. 2.625 bits a weight, the file's own size
+  (an int8 scale array and an int8 min array took 3.125). Readers: :func:`group_nibble`.
+* Q3_K's scales (3-bit layout): d in the low bits of the group values, see :func:`pack_scales_d_low`.
 
 Padding rows and columns hold code 0.
 """
@@ -118,6 +123,37 @@ def unit_codes(bits: int, Q8: Any, unit: Any, col: Any, r: Any, KP: int, scaled:
     rows = 8 // lb  # rows a low-bits row holds
     lo = part((r // rows) * KP + col, lb * (r % rows), (1 << lb) - 1)
     return lo | T.shift_left(part(lb * KP + col, r, 1), T.Broadcast(T.uint8(lb), 64))
+
+
+def pack_q2_scales(scales: np.ndarray, mins: np.ndarray, d: np.ndarray, dmin: np.ndarray, groups: int,
+                   rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q2_K's 4-bit group scales and mins [N, K/16] and float16 d, dmin [N, K/256] -> (scale array int8
+    [rows, groups + 2 K/256]: ``sc | m << 4`` then d's bytes; min array int8 [rows, 2 K/256]: dmin's bytes)."""
+    from perfx_compiler.formats.superblocks import pack_superblock_scales
+
+    sc, m = np.asarray(scales, np.int16), np.asarray(mins, np.int16)
+    if min(sc.min(initial=0), m.min(initial=0)) < 0 or max(sc.max(initial=0), m.max(initial=0)) > 15:
+        raise ValueError("pack_q2_scales: group scales and mins must be 4-bit (0..15)")
+    both = (sc | (m << 4)).astype(np.uint8).view(np.int8)
+    dm = np.zeros((rows, 2 * dmin.shape[1]), dtype=np.int8)
+    dm[: dmin.shape[0]] = np.ascontiguousarray(dmin, dtype="<f2").view(np.int8)
+    return pack_superblock_scales(both, d, groups, rows), dm
+
+
+def min_width(bits: int, k: int, sb: int, scale_width: int) -> int:
+    """Columns of a superblock layout's min array: Q2_K's (2-bit) holds only dmin's bytes, the others
+    are as wide as the scale array."""
+    return 2 * (k // sb) if bits == 2 and sb else scale_width
+
+
+def group_nibble(v: Any, high: bool, lanes: int = 1) -> Any:
+    """int8 (x ``lanes``) Q2_K group value of scale bytes ``sc | m << 4``: m (``high``) or sc, 0..15."""
+    from tvm.script import tirx as T
+
+    def c(x: int) -> Any:
+        return T.int8(x) if lanes == 1 else T.Broadcast(T.int8(x), lanes)
+
+    return (T.shift_right(v, c(4)) if high else v) & c(15)
 
 
 # Q3_K's scale array (3-bit layout): int8 [N2, K/16], each 6-bit group value (-32..31) times 4 (bits
