@@ -31,7 +31,8 @@ cache written so far, so the achieved GB/s counts both (weights + KV bytes at th
 each engine's own cache type: PerfX's from its manifest, llama.cpp's f16); the read bandwidth probed at the
 start of each round is the ceiling. Engines alternate per round, lengths run in increasing order, each
 engine in its own worker process; its peak RSS after each length of the first round is reported beside the
-weights + full KV cache it holds. Writes <out>/long_context_<model>.csv (medians; ``*_vs_best_llamacpp``
+weights + full KV cache it holds, both in MiB (every weight it loads, the token embedding included, not only
+the bytes a decode step reads), and their ratio ``rss_vs_weights_kv``. Writes <out>/long_context_<model>.csv (medians; ``*_vs_best_llamacpp``
 against the faster llama.cpp setting), ``_rounds.csv`` and a plot. A model may also be a GGUF path.
 
     python benchmarks/run_peers.py --long-context 128,1024,4096,8192 --models smollm2-q4_1,tinyllama-q4_0 \
@@ -112,8 +113,8 @@ def model_file(name: str, folder: Path) -> Path:
 # label -> (worker engine, llama.cpp flash attention)
 LONG_ENGINES = {"perfx": ("perfx", None), "llama.cpp": ("llama.cpp", False), "llama.cpp-fa": ("llama.cpp", True)}
 LONG_COLUMNS = ["model", "engine", "prompt_tokens", "decode_tok_s", "prefill_tok_s", "weight_mb_per_token",
-           "kv_mb_per_token", "achieved_gbs", "bw_ceiling_gbs", "bw_fraction", "peak_rss_mb", "weights_kv_mb",
-           "decode_vs_best_llamacpp", "prefill_vs_best_llamacpp", "rounds"]
+           "kv_mb_per_token", "achieved_gbs", "bw_ceiling_gbs", "bw_fraction", "peak_rss_mib", "weights_kv_mib",
+           "rss_vs_weights_kv", "decode_vs_best_llamacpp", "prefill_vs_best_llamacpp", "rounds"]
 
 
 def trained_context(gguf: Path) -> int:
@@ -152,6 +153,10 @@ def long_context_model(name: str, args: argparse.Namespace) -> tuple[list[dict[s
     art, _ = models.compile_perfx(gguf, work, max_context=max_context)
     manifest = json.loads((art / "perfx-config.json").read_text())
     kv_per_pos = {"perfx": perfx_kv_bytes_per_position(manifest)}
+    # what each engine holds, not what a step reads: every weight array, every GGUF tensor
+    gguf_bytes = sum(int(t.n_bytes) for t in read_gguf_header(gguf).tensors)
+    resident = {label: sum(int(w["nbytes"]) for w in manifest["weights"]) if kind == "perfx" else gguf_bytes
+                for label, (kind, _) in LONG_ENGINES.items()}
     for label in LONG_ENGINES:
         kv_per_pos.setdefault(label, llamacpp_kv_bytes_per_position(manifest))
     prompt = np.random.default_rng(0).integers(3, int(manifest["model"]["vocab_size"]), lengths[-1]).tolist()
@@ -188,7 +193,8 @@ def long_context_model(name: str, args: argparse.Namespace) -> tuple[list[dict[s
             w.close()
 
     summary = []
-    full_kv_mb = {label: kv_per_pos[label] * max_context / 1e6 for label in LONG_ENGINES}
+    # MiB both: the workers report VmHWM / 1024 (peak_rss_mb is MiB)
+    held_mib = {label: (resident[label] + kv_per_pos[label] * max_context) / 2**20 for label in LONG_ENGINES}
     for length in lengths:
         for label in LONG_ENGINES:
             rows = [x for x in raw if x["engine"] == label and x["prompt_tokens"] == length]
@@ -196,8 +202,8 @@ def long_context_model(name: str, args: argparse.Namespace) -> tuple[list[dict[s
                    ("decode_tok_s", "prefill_tok_s", "achieved_gbs", "bw_ceiling_gbs", "bw_fraction")}
             summary.append({"model": name, "engine": label, "prompt_tokens": length, **med,
                             "weight_mb_per_token": weight_bytes[label] / 1e6, "kv_mb_per_token": rows[0]["kv_mb_per_token"],
-                            "peak_rss_mb": peaks[(label, length)],
-                            "weights_kv_mb": weight_bytes[label] / 1e6 + full_kv_mb[label], "rounds": len(rows)})
+                            "peak_rss_mib": peaks[(label, length)], "weights_kv_mib": held_mib[label],
+                            "rss_vs_weights_kv": peaks[(label, length)] / held_mib[label], "rounds": len(rows)})
         best = {k: max(s[k] for s in summary if s["prompt_tokens"] == length and s["engine"] != "perfx")
                 for k in ("decode_tok_s", "prefill_tok_s")}
         for s in summary:
