@@ -386,20 +386,20 @@ def vnni_compute(
         """Group g's scale (or min) of the row as float32: the float16 value, or sc * d."""
         if not sb:
             return a[row, g].astype("float32")
-        if bits == 2:  # Q2_K: the scale (or min) nibble of the scale byte, d (or dmin) from a's bytes
-            from perfx_compiler.formats.vnni_lowbit import group_nibble
-
-            at = (0 if a is z else ngp) + 2 * (g // (sb // group))
-            d16 = a[row, at].astype("uint8").astype("uint16") | (a[row, at + 1].astype("uint8").astype("uint16") << 8)
-            return (group_nibble(s[row, g], a is z).astype("float32")
-                    * tirx.reinterpret("float16", d16).astype("float32"))
         if bits == 3:
             from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scale_times_4
 
             return scale_times_4(a[row, g]).astype("float32") * d_of_bytes(lambda r, c: a[r, c], row, g)
-        at = ngp + 2 * (g // (sb // group))
+        q2_min = bits == 2 and a is z  # Q2_K's min array holds only dmin; its m is the scale byte's high nibble
+        at = (0 if q2_min else ngp) + 2 * (g // (sb // group))
         d16 = a[row, at].astype("uint8").astype("uint16") | (a[row, at + 1].astype("uint8").astype("uint16") << 8)
-        return a[row, g].astype("float32") * tirx.reinterpret("float16", d16).astype("float32")
+        if bits == 2:
+            from perfx_compiler.formats.vnni_lowbit import group_nibble
+
+            value = group_nibble(s[row, g], q2_min)
+        else:
+            value = a[row, g]
+        return value.astype("float32") * tirx.reinterpret("float16", d16).astype("float32")
 
     def w(row: Any, col: Any) -> Any:
         g = col // group

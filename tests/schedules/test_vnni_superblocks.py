@@ -214,6 +214,28 @@ def test_file_blocks_match_gguf(template, target, qtype):
         assert np.abs(y.numpy() - ref).max() <= 2e-5 * np.abs(ref).max(), (qtype, rows)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS"])
+def test_reference_func_dequantizes_the_file_blocks(qtype):
+    """The tagged reference PrimFunc (``vnni_compute``, unscheduled: what the tuner checks candidates
+    against) reads each superblock layout as the kernels do: its dequantize equals gguf-py's bit for bit."""
+    import tvm
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from perfx_compiler.formats import ggml
+
+    rng = np.random.default_rng()
+    n, k = 20, 512
+    raw = random_file_blocks(qtype, n, k, rng)
+    pk = subscaled_vnni_packed(ggml.FORMATS[qtype].unpack(raw, (n, k)), qtype)
+    func = pk.compute("dequant", (None, None))
+    lib = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), "llvm")
+    out = tvm.runtime.tensor(np.zeros((n, k), np.float32))
+    lib["main"](*[tvm.runtime.tensor(a) for _, a in pk.arrays], out)
+    want = gguf_dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k).astype(np.float32)
+    np.testing.assert_array_equal(out.numpy(), want)
+
+
 @needs_vnni
 @pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS", "Q4_K"])
 def test_iq4_table_lookup_is_one_vpshufb(template, target, qtype):
