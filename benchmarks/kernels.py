@@ -566,21 +566,15 @@ def ggml_main(args: argparse.Namespace) -> int:
             del w
     out = Path(args.out) if args.out else RESULTS / _ggml.machine_name() / "kernels_vs_ggml.csv"
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.merge and out.exists():  # the other types' rows as their own run measured them, in their order
-        import csv
+    if args.merge and out.exists():  # the cases not rerun stay as their own run measured them, in place
+        import pandas as pd
 
-        ran = {r["type"] for r in rows_out}
-        with out.open() as f:
-            before = list(csv.DictReader(f))
-        kept = [r for r in before if r["type"] not in ran]
-        for r in kept:
-            for key in ("N", "K", "rows", "weight_copies", "threads", "rounds", "ggml_bytes", "perfx_bytes"):
-                r[key] = int(r[key])
-            for key in ("ggml_ms", "ggml_plain_ms", "perfx_ms", "ratio", "ggml_GBps", "perfx_GBps",
-                        "read_ceiling_GBps", "ggml_err", "perfx_err", "load_avg_1m"):
-                r[key] = float(r[key])
-        order = list(dict.fromkeys([r["type"] for r in before] + [r["type"] for r in rows_out]))
-        rows_out = sorted(kept + rows_out, key=lambda r: order.index(r["type"]))  # (stable: shapes stay in order)
+        def case(r: dict[str, Any]) -> tuple[str, str, int]:
+            return r["type"], r["shape"], int(r["rows"])
+
+        merged = {case(r): r for r in pd.read_csv(out, keep_default_na=False).to_dict("records")}
+        merged.update({case(r): r for r in rows_out})
+        rows_out = list(merged.values())
     write_csv(out, rows_out, floats=".4g")
     ratios = [r["ratio"] for r in rows_out]
     print(f"PerfX vs ggml: median {statistics.median(ratios):.2f}x, min {min(ratios):.2f}x over {len(ratios)} cases; "
@@ -619,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--default-configs", action="store_true", help="ignore tuning_logs records")
     q.add_argument("--out", default=None, help="default: results/<machine>/kernels_vs_ggml.csv")
     q.add_argument("--merge", action="store_true",
-                   help="replace only the rows of --types in an existing CSV (a rerun after one format's kernels changed)")
+                   help="replace only the rerun cases (type, shape, rows) in an existing CSV (after one format's kernels changed)")
     args = ap.parse_args(argv)
     if args.kind == "ggml":
         return ggml_main(args)
