@@ -15,6 +15,10 @@ on the classic format): unsigned codes with a min (Q5_K, Q5_1: one more weight a
 IQ4_XS, Q5_K: int8 sc times the row's float16 d read through a float16 view of the scale buffer,
 ``gemv_int4_cpu.Scales``). Every kernel above reads them.
 
+Codes in bit planes (info ``code_bits`` 6 / 5: Q6_K, Q5_K, Q5_1, Q5_0; ``formats/bitplanes.py``): each
+kernel reads an L-lane vector of codes as one load, shift and mask per plane (``Codes``), the signed
+ones' zero point taken off before the conversion.
+
 Each kernel has one builder: its PrimFunc takes the min array ``Z``; signed codes (no min) take the
 same function without it (``_vnni_kernels._without_zero``: ``Z`` bound to the scales, never read).
 """
@@ -23,10 +27,42 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfx_compiler.formats.bitplanes import PLANES, WIDTH, plane_code, row_bytes
 from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.schedule_template import ScheduleConfigError, ScheduleTemplate, Workload
 from schedules._vnni_kernels import _without_zero
 from schedules.gemv_int4_cpu import GemvInt4CPU, Scales
+
+
+class Codes:
+    """How a kernel reads a weight's codes: int8 [N, K] (signed), uint8 [N, K] (with a min), or with
+    ``bits`` 5 / 6 the uint8 bit planes [N, row_bytes] of ``formats/bitplanes.py``, signed codes (no
+    min) stored + 2^(bits-1)."""
+
+    def __init__(self, K: int, L: int, offset: bool, bits: int = 8) -> None:  # noqa: N803
+        if bits != 8 and WIDTH % L:
+            raise ScheduleConfigError(f"{bits}-bit plane codes take vectors of at most {WIDTH} lanes dividing it, not {L}")
+        self.K, self.bits = K, bits
+        self.zero = 0 if offset or bits == 8 else 1 << (bits - 1)
+        self.W = K if bits == 8 else row_bytes(K, bits)
+        self.QT = "uint8" if offset or bits != 8 else "int8"
+
+    def groups_per_step(self, G: int, NG: int) -> int:  # noqa: N803
+        """Groups a GEMV step unrolls: bit planes take a whole run of their widest-spanning plane (its
+        fields' shifts then fold to constants) when the row has whole runs of it, else 1."""
+        if self.bits == 8:
+            return 1
+        span = WIDTH * 8 // min(PLANES[self.bits])
+        return span // G if span % G == 0 and NG % (span // G) == 0 else 1
+
+    def value(self, Q: Any, row: Any, col: Any, lane: Any) -> Any:  # noqa: N803
+        """float32 code of column col + lane of ``row`` (col a multiple of the kernel's lanes)."""
+        from tvm.script import tirx as T
+
+        if self.bits == 8:
+            return T.Cast("float32", Q[row, col + lane])
+        code = T.Cast("int32", plane_code(lambda r, i: Q[r, i], row, col, lane, self.K, self.bits))
+        return T.Cast("float32", code - self.zero if self.zero else code)
 
 
 def _signature(func: Any, offset: bool) -> Any:
@@ -36,7 +72,7 @@ def _signature(func: Any, offset: bool) -> Any:
 
 
 def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = False, offset: bool = False,
-          sb: int = 0) -> Any:
+          sb: int = 0, code_bits: int = 8) -> Any:
     """Int8 GEMV over the rows of x [b, m, K]: one parallel launch per row, or with ``batch``
     (paged_decode's symbolic batch) one launch with the rows innermost, so each task's R-row
     weight block is read from memory once per call and from L1 per row. ``offset``: unsigned codes
@@ -45,11 +81,43 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
 
     F = Scales(N, K, G, offset, sb)
     SW, ST, ZT = F.SW, F.ST, F.ZT
-    QT = "uint8" if offset else "int8"
+    C = Codes(K, L, offset, code_bits)
+    QT, QW = C.QT, C.W
     views = F.views()
     NG = K // G
     VPG = G // L
     PER = N // tasks
+
+    GU = C.groups_per_step(G, NG)
+
+    @T.macro
+    def one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, t, nj, bm, m, g):
+        for r in T.unroll(R):
+            for lane in T.vectorized(L):
+                accg[r * L + lane] = T.float32(0)
+        if offset:
+            for lane in T.vectorized(L):
+                accx[lane] = T.float32(0)
+        for u in T.unroll(VPG):
+            for r in T.unroll(R):
+                for lane in T.vectorized(L):
+                    accg[r * L + lane] = accg[r * L + lane] + C.value(
+                        Q, t * PER + nj * R + r, g * G + u * L, lane) * X[bm // m, bm % m, g * G + u * L + lane]
+            if offset:  # the group's sum of x, for the min term
+                for lane in T.vectorized(L):
+                    accx[lane] = accx[lane] + X[bm // m, bm % m, g * G + u * L + lane]
+        if offset:
+            for r in T.unroll(R):
+                for lane in T.vectorized(L):
+                    acc[r * L + lane] = acc[r * L + lane] + (
+                        F.scale(S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
+                        + F.min(Z, Zd, t * PER + nj * R + r, g) * accx[lane])
+        else:
+            for r in T.unroll(R):
+                for lane in T.vectorized(L):
+                    acc[r * L + lane] = acc[r * L + lane] + F.scale(
+                        S, Sd, t * PER + nj * R + r, g
+                    ) * accg[r * L + lane]
 
     @T.macro
     def row_block(X, Q, S, Z, Sd, Zd, Y, acc, accg, accx, t, nj, bm, m):
@@ -57,34 +125,13 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
         for r in T.unroll(R):
             for lane in T.vectorized(L):
                 acc[r * L + lane] = T.float32(0)
-        for g in T.serial(NG):
-            for r in T.unroll(R):
-                for lane in T.vectorized(L):
-                    accg[r * L + lane] = T.float32(0)
-            if offset:
-                for lane in T.vectorized(L):
-                    accx[lane] = T.float32(0)
-            for u in T.unroll(VPG):
-                for r in T.unroll(R):
-                    for lane in T.vectorized(L):
-                        accg[r * L + lane] = accg[r * L + lane] + T.Cast(
-                            "float32", Q[t * PER + nj * R + r, g * G + u * L + lane]
-                        ) * X[bm // m, bm % m, g * G + u * L + lane]
-                if offset:  # the group's sum of x, for the min term
-                    for lane in T.vectorized(L):
-                        accx[lane] = accx[lane] + X[bm // m, bm % m, g * G + u * L + lane]
-            if offset:
-                for r in T.unroll(R):
-                    for lane in T.vectorized(L):
-                        acc[r * L + lane] = acc[r * L + lane] + (
-                            F.scale(S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
-                            + F.min(Z, Zd, t * PER + nj * R + r, g) * accx[lane])
-            else:
-                for r in T.unroll(R):
-                    for lane in T.vectorized(L):
-                        acc[r * L + lane] = acc[r * L + lane] + F.scale(
-                            S, Sd, t * PER + nj * R + r, g
-                        ) * accg[r * L + lane]
+        if GU == 1:
+            for g in T.serial(NG):
+                one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, t, nj, bm, m, g)
+        else:  # bit-plane codes: GU groups unrolled, so each plane field's shift is a constant
+            for go in T.serial(NG // GU):
+                for gi in T.unroll(GU):
+                    one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, t, nj, bm, m, go * GU + gi)
         for r in T.unroll(R):
             Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 
@@ -123,7 +170,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
         b = T.int64()
         m = T.int64()
         X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(QW)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
@@ -132,12 +179,14 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
     return _signature(q8_gemv, offset)
 
 
-def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, sb: int = 0) -> Any:
+def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, sb: int = 0,
+             code_bits: int = 8) -> Any:
     from tvm.script import tirx as T
 
     F = Scales(N, K, G, offset, sb)
     SW, ST, ZT = F.SW, F.ST, F.ZT
-    QT = "uint8" if offset else "int8"
+    C = Codes(K, L, offset, code_bits)
+    QT, QW = C.QT, C.W
     views = F.views()
     NV = K // L
     PER = N // tasks
@@ -149,18 +198,18 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
                 for v in T.serial(NV):
                     if offset:
                         for lane in T.vectorized(L):
-                            Out[t * PER + nj, v * L + lane] = T.Cast("float32", Q[t * PER + nj, v * L + lane]) * F.scale(
+                            Out[t * PER + nj, v * L + lane] = C.value(Q, t * PER + nj, v * L, lane) * F.scale(
                                 S, Sd, t * PER + nj, v * L // G) + F.min(Z, Zd, t * PER + nj, v * L // G)
                     else:
                         for lane in T.vectorized(L):
-                            Out[t * PER + nj, v * L + lane] = T.Cast("float32", Q[t * PER + nj, v * L + lane]) * F.scale(
+                            Out[t * PER + nj, v * L + lane] = C.value(Q, t * PER + nj, v * L, lane) * F.scale(
                                 S, Sd, t * PER + nj, v * L // G
                             )
 
     @T.prim_func(private=True)
     def q8_dequant(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(QW)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
@@ -169,7 +218,8 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
     return _signature(q8_dequant, offset)
 
 
-def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = False, sb: int = 0) -> Any:
+def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = False, sb: int = 0,
+                    code_bits: int = 8) -> Any:
     """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout): an
     L x L tile widened with contiguous loads, stored transposed through ``transpose_tile``."""
     from tvm.script import tirx as T
@@ -178,15 +228,17 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
 
     F = Scales(N, K, G, offset, sb)
     SW, ST, ZT = F.SW, F.ST, F.ZT
-    QT = "uint8" if offset else "int8"
+    C = Codes(K, L, offset, code_bits)
+    QT, QW = C.QT, C.W
     views = F.views()
     if nb % L or L & (L - 1) or K % L:
         raise ScheduleConfigError(f"panel width {nb} / K={K} is not a multiple of the {L}-lane tile")
 
-    def w(Q: Any, S: Any, Z: Any, Sd: Any, Zd: Any, row: Any, col: Any) -> Any:  # noqa: N803
+    def w(Q: Any, S: Any, Z: Any, Sd: Any, Zd: Any, row: Any, col: Any, lane: Any) -> Any:  # noqa: N803
+        """W[row, col + lane] (col a multiple of L)."""
         if offset:
-            return T.Cast("float32", Q[row, col]) * F.scale(S, Sd, row, col // G) + F.min(Z, Zd, row, col // G)
-        return T.Cast("float32", Q[row, col]) * F.scale(S, Sd, row, col // G)
+            return C.value(Q, row, col, lane) * F.scale(S, Sd, row, col // G) + F.min(Z, Zd, row, col // G)
+        return C.value(Q, row, col, lane) * F.scale(S, Sd, row, col // G)
 
     @T.macro
     def body(S, Z, Sd, Zd, Q, Out):
@@ -196,7 +248,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
                     tile = T.decl_buffer((L * L,), "float32", scope="local")
                     for j in T.unroll(L):
                         for lane in T.vectorized(L):
-                            tile[j * L + lane] = w(Q, S, Z, Sd, Zd, p * nb + jb * L + j, v * L + lane)
+                            tile[j * L + lane] = w(Q, S, Z, Sd, Zd, p * nb + jb * L + j, v * L, lane)
                     for c in T.unroll(L):
                         Out[p, v * L + c, T.Ramp(jb * L, 1, L)] = T.Shuffle(
                             transpose_tile([tile[T.Ramp(r * L, 1, L)] for r in range(L)]), [c * L + r for r in range(L)])
@@ -204,7 +256,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
     @T.prim_func(private=True)
     def q8_dequant_panels(q_h: T.handle, s_h: T.handle, z_h: T.handle, o_h: T.handle):
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(QW)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
@@ -213,12 +265,13 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
     return _signature(q8_dequant_panels, offset)
 
 
-def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> Any:
+def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0, code_bits: int = 8) -> Any:
     from tvm.script import tirx as T
 
     F = Scales(N, K, G, offset, sb)
     SW, ST, ZT = F.SW, F.ST, F.ZT
-    QT = "uint8" if offset else "int8"
+    C = Codes(K, L, offset, code_bits)
+    QT, QW = C.QT, C.W
     views = F.views()
     NV = K // L
 
@@ -228,11 +281,11 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> 
             for v in T.serial(NV):
                 if offset:
                     for lane in T.vectorized(L):
-                        Out[bm // m, bm % m, v * L + lane] = T.Cast("float32", Q[ID[bm // m, bm % m], v * L + lane]) * F.scale(
+                        Out[bm // m, bm % m, v * L + lane] = C.value(Q, ID[bm // m, bm % m], v * L, lane) * F.scale(
                             S, Sd, ID[bm // m, bm % m], v * L // G) + F.min(Z, Zd, ID[bm // m, bm % m], v * L // G)
                 else:
                     for lane in T.vectorized(L):
-                        Out[bm // m, bm % m, v * L + lane] = T.Cast("float32", Q[ID[bm // m, bm % m], v * L + lane]) * F.scale(
+                        Out[bm // m, bm % m, v * L + lane] = C.value(Q, ID[bm // m, bm % m], v * L, lane) * F.scale(
                             S, Sd, ID[bm // m, bm % m], v * L // G
                         )
 
@@ -241,7 +294,7 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> 
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         b = T.int64()
         m = T.int64()
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K)), QT)
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(QW)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
         Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
         ID = T.match_buffer(i_h, (b, m), "int64")
@@ -262,10 +315,9 @@ class GemvInt8CPU(GemvInt4CPU):
 
     def _format_info(self, info: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        if info.get("offset"):  # only then: the classic format's workload keys stay as they were
-            out["offset"] = True
-        if info.get("sb"):
-            out["sb"] = int(info["sb"])
+        for key in ("offset", "sb", "code_bits"):  # only when set: the classic format's workload keys stay
+            if info.get(key):
+                out[key] = True if key == "offset" else int(info[key])
         return out
 
     def _weight_arrays(self, info: dict[str, Any]) -> int:
@@ -280,11 +332,7 @@ class GemvInt8CPU(GemvInt4CPU):
         return not info.get("words") and sb % G == 0 and K % sb == 0
 
     def _kernels(self, workload: Workload) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
-        fmt: dict[str, Any] = {}
-        if workload.info.get("offset"):
-            fmt["offset"] = True
-        if workload.info.get("sb"):
-            fmt["sb"] = int(workload.info["sb"])
+        fmt = self._format_info(workload.info)
         return _gemv, _dequant, _dequant_panels, _take, fmt
 
     def _gemv_once(self) -> Any:

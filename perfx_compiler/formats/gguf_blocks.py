@@ -9,7 +9,8 @@ ggml blocks hold 32 consecutive weights of a row:
 * Q8_0 (34 bytes): d (f16), 32 int8; w = q * d. -> int8, groups of 32: scale d.
 * Q5_0 (22 bytes): d (f16), qh (32 high bits, little-endian), 16 bytes of low nibbles as Q4_0;
   w = (q - 16) * d with q = nibble | high bit << 4. -> int8 codes q - 16 in -16..15, scale d: Q8_0's
-  table and kernels, exactly (5.5 bits a weight in the file, 8.5 in the int8 table); under int8
+  table and kernels, the codes stored as q in 5-bit planes on CPUs (``formats/bitplanes.py``: 5.5 bits a
+  weight, as the file; GPUs read a byte a code, 8.5); under int8
   activations (``vnni``) the 5-bit row octets of ``formats/vnni.py`` with zero point 16 and the
   float16 d table instead (5.5 bits a weight, as the file).
 
@@ -90,10 +91,11 @@ def dequantize_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> np
 
 
 def packed_from_blocks(
-    qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool = False, vnni: bool = False
+    qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool = False, vnni: bool = False, gpu: bool = False
 ) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor (``words8``: Q8_0 codes and Q4_0 zeros as uint32 words, for WGSL;
-    ``vnni``: its int8-activation variant directly, the same arrays ``Packed.vnni()`` would give)."""
+    ``vnni``: its int8-activation variant directly, the same arrays ``Packed.vnni()`` would give; on CPUs
+    (not ``gpu``) Q5_0's codes in 5-bit planes, ``formats/bitplanes.py``)."""
     parts = unpack_blocks(qtype, raw, shape)
     if qtype == "Q5_0" and vnni:
         from perfx_compiler.formats.ggml._format import SubScaled
@@ -107,7 +109,8 @@ def packed_from_blocks(
             from perfx_compiler.formats.vnni import q8_vnni_packed
 
             return q8_vnni_packed(parts[0], parts[1], BLOCK)
-        return int8_packed(parts[0], parts[1], BLOCK, words=words8)
+        bits = 5 if qtype == "Q5_0" and not gpu else 8
+        return int8_packed(parts[0], parts[1], BLOCK, words=words8, code_bits=bits)
     fmt = Q4_0 if qtype == "Q4_0" else Q4_1
     if vnni:
         from perfx_compiler.formats.vnni import q4_vnni_packed

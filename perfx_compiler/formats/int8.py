@@ -12,6 +12,10 @@ Variants for the GGUF superblock types kept as they are (``formats/superblocks.p
 * superblock scales (info ``sb: 256``; Q6_K, Q3_K, IQ4_XS, and Q5_K with the offset): ``scale`` (and
   ``min``) int8 [N, K/G + 2 * K/256]: the group values sc (m), then the row's superblock d (dmin) as
   little-endian float16 bytes; w = q * (sc * d), or with the offset q * (sc * d) - (m * dmin).
+* bit-plane codes (info ``code_bits``: 6 for Q6_K, 5 for Q5_K / Q5_1 / Q5_0; float-activation CPU
+  layouts only): ``q`` uint8 [N, bitplanes.row_bytes(K, bits)], the unsigned codes in the planes of
+  ``formats/bitplanes.py`` (6.0 / 5.0 bits a code, as in the file, where bytes took 8); signed codes
+  (Q6_K, Q5_0: no min) are stored + 2^(bits-1) and the kernels take that zero point off.
 * their GPU layout (info ``d_words: true``): ``scale`` (``min``) int8 [N, K/G] group values, each
   followed by ``scale_d`` (``min_d``) uint32 [N, K/256], d's float32 bits; with ``words`` (WGSL) the
   codes and group values as uint32 words.
@@ -64,6 +68,7 @@ def lanes8(k: int, group: int) -> int:
 def int8_matmul_compute(
     n: int, k: int, group: int, kind: str = "matmul", rows: tuple[int | None, int | None] = (1, None),
     ids_dtype: str = "int64", words: bool = False, offset: bool = False, sb: int = 0, d_words: bool = False,
+    code_bits: int = 8,
 ) -> Any:
     """Reference PrimFunc of an int8 linear (``kind``: matmul / dequant / take, as in ``formats.int4``),
     tagged ``perfx.quant`` with bits = 8. Correct (slow) on any target as it is. ``words``: the codes
@@ -71,8 +76,11 @@ def int8_matmul_compute(
     targets without 8-bit types (WGSL); the info then says ``"words": true``. ``offset`` / ``sb``:
     the superblock variants of the module docstring; ``d_words``: the superblock arrays' GPU layout
     (``formats.int4.int4_matmul_compute``; group values and d apart, info ``"d_words": true``). With
-    ``words`` the offset variant's uint8 codes (and the group values) are words too."""
+    ``words`` the offset variant's uint8 codes (and the group values) are words too. ``code_bits`` 5 / 6:
+    the codes in bit planes (module docstring; never with ``words`` or ``d_words``)."""
     from tvm import te, tirx
+
+    from perfx_compiler.formats import bitplanes
 
     check_group(k, group)
     ng = k // group
@@ -81,6 +89,9 @@ def int8_matmul_compute(
     d_words = bool(sb and d_words)
     if (offset or sb) and ((words and sb and not d_words) or (sb and k % sb)):
         raise PerfXError(f"internal: q8 superblock / min variants take byte codes and K % {sb} == 0 (K={k})")
+    if code_bits != 8 and (words or d_words or code_bits not in bitplanes.PLANES):
+        raise PerfXError(f"internal: q8 bit-plane codes take 5 or 6 bits and byte arrays (got {code_bits})")
+    qshape, qdtype = ((n, bitplanes.row_bytes(k, code_bits)), "uint8") if code_bits != 8 else ((n, k), None)
     z = sd = zd = None
     if d_words:
         from perfx_compiler.formats.superblocks import te_factor_apart
@@ -97,16 +108,19 @@ def int8_matmul_compute(
         from perfx_compiler.formats.superblocks import te_factor
 
         width = ng + (2 * (k // sb) if sb else 0)
-        q = te.placeholder((n, -(-k // 4)) if words else (n, k), "uint32" if words else "uint8" if offset else "int8",
-                           name="q")
+        q = te.placeholder((n, -(-k // 4)) if words else qshape, "uint32" if words else qdtype or (
+            "uint8" if offset else "int8"), name="q")
         s = te.placeholder((n, width), "int8" if sb else "float16", name="scale")
         if offset:
             z = te.placeholder((n, width), "int8" if sb else "float16", name="min")
     else:
-        q = te.placeholder((n, k // 4) if words else (n, k), "uint32" if words else "int8", name="q")
+        q = te.placeholder((n, k // 4) if words else qshape, "uint32" if words else qdtype or "int8", name="q")
         s = te.placeholder((n, ng), "float16", name="scale")
 
     def code(row: Any, col: Any) -> Any:
+        if code_bits != 8:  # unsigned codes; signed ones (no min) stored + 2^(bits-1)
+            c = bitplanes.plane_code(lambda r, i: q[r, i], row, col, 0, k, code_bits).astype("int32")
+            return c if offset else c - (1 << (code_bits - 1))
         if not words:
             return q[row, col].astype("float32")
         byte = (q[row, col // 4] >> ((col % 4) * 8).astype("uint32")) & tirx.const(255, "uint32")
@@ -153,22 +167,30 @@ def int8_matmul_compute(
         info["sb"] = sb
     if d_words:
         info["d_words"] = True
+    if code_bits != 8:
+        info["code_bits"] = code_bits
     return func.with_attr(QUANT_ATTR, json.dumps(info, sort_keys=True))
 
 
-def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = False) -> Any:
+def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = False, code_bits: int = 8) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of int8 codes [N, K] + float16 scales [N, K/G]; ``words``: the codes
-    stored as uint32 [N, K/4] (same bytes; see :func:`int8_matmul_compute`)."""
+    stored as uint32 [N, K/4] (same bytes; see :func:`int8_matmul_compute`); ``code_bits`` 5 / 6: signed codes
+    of that many bits (GGUF Q5_0: -16..15) stored + 2^(bits-1) in bit planes (``formats/bitplanes.py``)."""
     from perfx_compiler.formats import Packed
 
     n, k = codes.shape
     check_group(k, group)
 
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
-        return int8_matmul_compute(n, k, group, kind=kind, rows=rows, ids_dtype=ids_dtype, words=words)
+        return int8_matmul_compute(n, k, group, kind=kind, rows=rows, ids_dtype=ids_dtype, words=words,
+                                   code_bits=code_bits)
 
     q = np.ascontiguousarray(codes, dtype=np.int8)
-    if words:
+    if code_bits != 8:
+        from perfx_compiler.formats.bitplanes import pack_planes
+
+        q = pack_planes(q.astype(np.int16) + (1 << (code_bits - 1)), code_bits)
+    elif words:
         if k % 4:
             raise PerfXError(f"q8: K={k} is not a multiple of 4; the codes cannot be read as 32-bit words")
         q = q.view(np.uint32)

@@ -4,9 +4,11 @@ are (never requantized); ``.vnni`` gives the same weight in the VNNI layout (``f
 
 * Q4_K, Q2_K, Q3_K (``vnni.NIBBLE_TYPES``; Q3_K's signed codes + 4, the zero as a min): the int4
   interleaved codes, min variant with superblock scales.
-* Q6_K, IQ4_XS: int8 signed codes, superblock scales: w = code * (sc * d).
-* Q5_K: int8 offset variant (uint8 codes and a min), superblock scales: w = code * (sc * d) - (m * dmin).
-* Q5_1 (one level, sc = m = 1): int8 offset variant with float16 group tables scale = d, min = -dmin.
+* Q6_K, IQ4_XS: int8 signed codes, superblock scales: w = code * (sc * d); Q6_K's codes in 6-bit planes
+  (``formats/bitplanes.py``, stored + 32), IQ4_XS's the table values as int8.
+* Q5_K: int8 offset variant (5-bit plane codes and a min), superblock scales: w = code * (sc * d) - (m * dmin).
+* Q5_1 (one level, sc = m = 1): int8 offset variant (5-bit plane codes) with float16 group tables
+  scale = d, min = -dmin.
 * IQ4_NL (one level, sc = 1): the classic int8 format (float16 scale = d: GGUF Q8_0's layout).
 
 Superblock scale arrays are int8 [N, NG + 2 * K/sb]: the group values (sc, or m), then the row's
@@ -88,11 +90,14 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
     uint32 words (:func:`byte_words`); info ``words: true``. The one-level types keep their float16
     tables (IQ4_NL: the classic int8 layout, Q5_1: float16 scale and min)."""
     from perfx_compiler.formats import Packed
+    from perfx_compiler.formats.bitplanes import pack_planes
     from perfx_compiler.formats.int4 import Int4Format, int4_matmul_compute, pack_int4
     from perfx_compiler.formats.int8 import int8_matmul_compute, int8_packed
     from perfx_compiler.formats.vnni import (
+        FIVEBIT_TYPES,
         NIBBLE_TYPES,
         SIGNED_NIBBLE_TYPES,
+        SIXBIT_TYPES,
         signed_nibbles_with_min,
         subscaled_vnni_packed,
     )
@@ -144,13 +149,17 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
                                        ids_dtype=ids_dtype, sb=sb, words=words, d_words=split)
 
         return Packed("q4", tag, n, k, arrays, compute4, vnni)
+    # CPU: 6- / 5-bit codes in bit planes (signed Q6_K + 32), the file's bits a weight; GPUs read bytes
+    code_bits = 8 if gpu else 6 if qtype in SIXBIT_TYPES else 5 if qtype in FIVEBIT_TYPES else 8
     codes = np.ascontiguousarray(sub.codes, dtype=np.uint8 if offset else np.int8)
+    if code_bits != 8:
+        codes = pack_planes(codes.astype(np.int16) + (0 if offset else 1 << (code_bits - 1)), code_bits)
     if words:
         codes = byte_words(codes)
     arrays = [("_q8", codes), *named("_q8", "scale", scale)] + (named("_q8", "min", third) if offset else [])
 
     def compute8(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
         return int8_matmul_compute(n, k, g, kind=kind, rows=rows, ids_dtype=ids_dtype, offset=offset, sb=sb,
-                                   words=words, d_words=split)
+                                   words=words, d_words=split, code_bits=code_bits)
 
     return Packed("q8", tag, n, k, arrays, compute8, vnni)

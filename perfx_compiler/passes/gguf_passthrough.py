@@ -78,7 +78,7 @@ def _pack(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool, vnn
     if qtype in ggml.FORMATS:
         sub = sub if sub is not None else ggml.unpack(qtype, raw, shape)
         return subscaled_vnni_packed(sub, qtype) if vnni else subscaled_packed(sub, qtype, gpu=gpu, words=words8)
-    return packed_from_blocks(qtype, raw, shape, words8, vnni)
+    return packed_from_blocks(qtype, raw, shape, words8, vnni, gpu)
 
 
 def _checked(name: str, weight: Any, table: tuple[str, np.ndarray, tuple[int, int]], words8: bool, vnni: bool,

@@ -10,10 +10,13 @@ import pytest
 from test_vnni_superblocks import TYPES, fake_subscaled
 
 from perfx_compiler.formats import read_quant_info
+from perfx_compiler.formats.ggml import FORMATS
 from perfx_compiler.formats.superblocks import subscaled_packed
 from perfx_compiler.formats.vnni import NIBBLE_TYPES, SIGNED_NIBBLE_TYPES
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
+
+PLANE_TYPES = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5}  # float-activation codes in bit planes (formats/bitplanes.py)
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +32,14 @@ def _template(pk):
     return TEMPLATE
 
 
-def _run(pk, func, target, config, *args):
+def _run(pk, func, target, config, *args, lanes=None):
     import tvm
 
     template = _template(pk)
     wl = template.match(func, target)
     assert wl is not None, read_quant_info(func)
+    if lanes:  # the vector width of another CPU (NEON: 4 float lanes, AVX2: 8)
+        wl.dims["L"] = lanes
     cfg = dict(template.default_config(wl, target), **config)
     rt = build_func(template.apply(func, wl, cfg, target), target)
     dev = tvm.cpu()
@@ -63,6 +68,26 @@ def test_layout_and_facts(qtype):
     assert pk.vnni is not None and pk.vnni().tag.endswith("v")
     # the float32 matrix would be 4 bytes a weight: the packed arrays are well under 1.5
     assert pk.nbytes < 1.5 * 8 * 512
+    if qtype in PLANE_TYPES:  # 6- / 5-bit codes in bit planes: the file's own bytes (Q5_K: 1.023x)
+        fmt = FORMATS[qtype]
+        assert info.get("code_bits") == PLANE_TYPES[qtype]
+        assert pk.nbytes <= 1.03 * (8 * 512 // fmt.block_weights * fmt.block_bytes), pk.nbytes
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+@pytest.mark.parametrize("k", [32, 576, 2304])
+def test_bit_planes_round_trip(bits, k):
+    """pack_planes / unpack_planes give the codes back exactly (K = 576: a partial last run), at
+    ``bits`` bits a code once K spans whole runs; the kernels' reads are checked by the tests below."""
+    from perfx_compiler.formats.bitplanes import pack_planes, row_bytes, unpack_planes
+
+    codes = np.random.default_rng(k + bits).integers(0, 1 << bits, (5, k)).astype(np.uint8)
+    packed = pack_planes(codes, bits)
+    assert packed.shape == (5, row_bytes(k, bits)) and np.array_equal(unpack_planes(packed, k, bits), codes)
+    if k % 128 == 0:
+        assert packed.shape[1] * 8 == k * bits
+    with pytest.raises(ValueError, match="unsigned"):
+        pack_planes(codes.astype(np.int16) - 1, bits)
 
 
 @pytest.mark.parametrize("qtype", sorted(TYPES))
@@ -107,6 +132,24 @@ def test_gemv_matches_float64(host, qtype, n, k, rows):
     for cfg in configs:
         y = _run(pk, func, host, cfg, x, *_arrays(pk), np.zeros((*rows, n), np.float32))
         assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), (qtype, cfg)
+
+
+@pytest.mark.parametrize("qtype", sorted(PLANE_TYPES))
+@pytest.mark.parametrize("lanes", [4, 8])
+def test_bit_plane_kernels_at_narrow_vectors(host, qtype, lanes):
+    """The bit-plane reads at NEON's 4 and AVX2's 8 float lanes (several vectors a plane run): GEMV and
+    dequantize. Q5_1 at K = 576 (4.5 one-bit runs): the GEMV's groups are not unrolled, its shifts variable."""
+    n, k = 24, 576 if qtype == "Q5_1" else 768
+    rng = np.random.default_rng(lanes)
+    sub, w = fake_subscaled(qtype, n, k, rng)
+    pk = subscaled_packed(sub, qtype)
+    x = rng.standard_normal((1, 1, k)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.astype(np.float64).T
+    y = _run(pk, pk.compute("matmul", (1, 1)), host, {}, x, *_arrays(pk), np.zeros((1, 1, n), np.float32), lanes=lanes)
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    out = _run(pk, pk.compute("dequant", (None, None)), host, {}, *_arrays(pk), np.zeros((n, k), np.float32),
+               lanes=lanes)
+    np.testing.assert_array_equal(out, w)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
