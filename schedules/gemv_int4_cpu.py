@@ -11,7 +11,7 @@ L consecutive codes):
   the group's scale and zero are applied once per group through per-lane sums of x precomputed
   for the call: ``y += s * (sum(q x) - z * sum(x))``.
 * Several rows (static M = 2..8, or ``paged_decode``'s x [batch, 1, K] with batch symbolic):
-  ``unpack_once=1`` (default, schedules/_gemv_int4_once.py) unpacks and scales each weight vector
+  ``unpack_once=1`` (default, schedules/_gemv_once.py) unpacks and scales each weight vector
   once into registers and FMAs it into the accumulators of up to 8 rows (the batch in chunks,
   ``chunk`` rows each); ``unpack_once=0`` is the per-row kernel, repeating the unpack for every
   row. Either way no fp32 copy of W is written per step.
@@ -40,7 +40,7 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules._gemv_int4_once import gemv_once
+from schedules._gemv_once import gemv_once
 
 GEMV_MAX_ROWS = 8
 quant_info = read_quant_info  # the name the other quantized templates import from here
@@ -74,13 +74,17 @@ class Scales:
     same buffer, as ``schedules/_vnni_dequant._Layout.factor`` does. Without ``sb`` the expressions are
     the classic kernels' own (their generated code does not change)."""
 
-    def __init__(self, N: int, K: int, G: int, offset: bool, sb: int = 0) -> None:  # noqa: N803
+    def __init__(self, N: int, K: int, G: int, offset: bool, sb: int = 0, nibbles: bool = False) -> None:  # noqa: N803
         self.NG = -(-K // G)
-        self.G, self.sb, self.offset = G, sb, bool(offset)
+        self.G, self.sb, self.offset, self.nibbles = G, sb, bool(offset), bool(nibbles and sb and offset)
         self.SW = self.NG + 2 * (K // sb) if sb else self.NG
+        # nibbles (GGUF Q2_K, formats/vnni_lowbit.pack_q2_scales): scale bytes sc | m << 4, the min
+        # array only the superblocks' dmin
+        self.ZW = 2 * (K // sb) if self.nibbles else self.SW
         self.ST = "int8" if sb else "float16"
         self.ZT = "int8" if sb else ("float16" if offset else "uint8")
         self.VIEW = N * self.SW // 2  # float16 elements of a view
+        self.ZVIEW = N * self.ZW // 2
 
     def scale(self, A: Any, Ad: Any, row: Any, g: Any) -> Any:  # noqa: N803
         """Group g's scale as float32: the float16 value, or sc * d."""
@@ -89,14 +93,19 @@ class Scales:
         if not self.sb:
             return T.Cast("float32", A[row, g])
         d = Ad[row * (self.SW // 2) + self.NG // 2 + g // (self.sb // self.G)]
-        return T.Cast("float32", A[row, g]) * T.Cast("float32", d)
+        sc = A[row, g] & T.int8(15) if self.nibbles else A[row, g]
+        return T.Cast("float32", sc) * T.Cast("float32", d)
 
-    def min(self, Z: Any, Zd: Any, row: Any, g: Any) -> Any:  # noqa: N803
-        """Group g's additive min (offset variants) as float32: the float16 min, or -(m * dmin)."""
+    def min(self, S: Any, Z: Any, Zd: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's additive min (offset variants) as float32: the float16 min, or -(m * dmin) (m the
+        high nibble of the scale byte ``S[row, g]`` with ``nibbles``)."""
         from tvm.script import tirx as T
 
         if not self.sb:
             return T.Cast("float32", Z[row, g])
+        if self.nibbles:
+            m = T.shift_right(S[row, g], T.int8(4)) & T.int8(15)
+            return -(T.Cast("float32", m) * T.Cast("float32", Zd[row * (self.ZW // 2) + g // (self.sb // self.G)]))
         return -self.scale(Z, Zd, row, g)
 
     def views(self) -> Any:
@@ -106,13 +115,13 @@ class Scales:
         kernel does not read (the classic kernels' TIR as it was; no Zd without a min)."""
         from tvm.script import tirx as T
 
-        SB, OFF, VIEW = bool(self.sb), self.offset, self.VIEW
+        SB, OFF, VIEW, ZVIEW = bool(self.sb), self.offset, self.VIEW, self.ZVIEW
 
         @T.macro
         def views(body, S, Z, *rest):
             if SB and OFF:
                 Sd = T.decl_buffer((VIEW,), "float16", data=S.data)
-                Zd = T.decl_buffer((VIEW,), "float16", data=Z.data)
+                Zd = T.decl_buffer((ZVIEW,), "float16", data=Z.data)
                 body(S, Z, Sd, Zd, *rest)
             elif SB:
                 Sd = T.decl_buffer((VIEW,), "float16", data=S.data)
@@ -185,7 +194,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
                     for lane in T.vectorized(L):
                         acc[r * L + lane] = acc[r * L + lane] + (
                             F.scale(S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
-                            + F.min(Z, Zd, t * PER + nj * R + r, g) * xs[xs0 + g * L + lane]
+                            + F.min(S, Z, Zd, t * PER + nj * R + r, g) * xs[xs0 + g * L + lane]
                         )
             else:
                 for r in T.unroll(R):
@@ -267,7 +276,7 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
                                         T.uint32(15),
                                     ),
                                 ),
-                            ) * F.scale(S, Sd, t * PER + nj, v * L // G) + F.min(Z, Zd, t * PER + nj, v * L // G)
+                            ) * F.scale(S, Sd, t * PER + nj, v * L // G) + F.min(S, Z, Zd, t * PER + nj, v * L // G)
                     else:
                         for lane in T.vectorized(L):
                             Out[t * PER + nj, v * L + lane] = (
@@ -316,7 +325,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
         shift = T.Cast("uint32", (col // L) % 8 * 4)
         q = T.Cast("float32", T.Cast("int32", T.bitwise_and(T.shift_right(Q[row, word], shift), T.uint32(15))))
         if offset:
-            return q * F.scale(S, Sd, row, col // G) + F.min(Z, Zd, row, col // G)
+            return q * F.scale(S, Sd, row, col // G) + F.min(S, Z, Zd, row, col // G)
         return (q - T.Cast("float32", Z[row, col // G])) * T.Cast("float32", S[row, col // G])
 
     @T.macro
@@ -364,7 +373,7 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> 
                                 T.shift_right(Q[ID[bm // m, bm % m], (v // 8) * L + lane], T.Cast("uint32", (v % 8) * 4)),
                                 T.uint32(15),
                             ),
-                        ) * F.scale(S, Sd, ID[bm // m, bm % m], v * L // G) + F.min(Z, Zd, ID[bm // m, bm % m], v * L // G)
+                        ) * F.scale(S, Sd, ID[bm // m, bm % m], v * L // G) + F.min(S, Z, Zd, ID[bm // m, bm % m], v * L // G)
                 else:
                     for lane in T.vectorized(L):
                         Out[bm // m, bm % m, v * L + lane] = (

@@ -15,7 +15,10 @@ on the classic format): unsigned codes with a min (Q5_K, Q5_1: one more weight a
 IQ4_XS, Q5_K: int8 sc times the row's float16 d read through a float16 view of the scale buffer,
 ``gemv_int4_cpu.Scales``). Every kernel above reads them.
 
-Codes in bit planes (info ``code_bits`` 6 / 5: Q6_K, Q5_K, Q5_1, Q5_0; ``formats/bitplanes.py``): each
+Q2_K (``code_bits`` 2) keeps the file's scale bytes ``sc | m << 4`` and a min array of dmin alone
+(``Scales``' nibbles, ``formats/vnni_lowbit.pack_q2_scales``).
+
+Codes in bit planes (info ``code_bits`` 6 / 5 / 3 / 2: Q6_K, Q5_K, Q5_1, Q5_0, Q3_K, Q2_K; ``formats/bitplanes.py``): each
 kernel reads an L-lane vector of codes as one load, shift and mask per plane (``Codes``), the signed
 ones' zero point taken off before the conversion.
 
@@ -29,14 +32,15 @@ from typing import Any
 
 from perfx_compiler.formats.bitplanes import PLANES, WIDTH, plane_code, row_bytes
 from perfx_compiler.kernels._lanes import lanes_sum
-from perfx_compiler.schedule_template import ScheduleConfigError, ScheduleTemplate, Workload
+from perfx_compiler.schedule_template import ScheduleConfigError, Workload
+from schedules._gemv_once import OnceCodes, gemv_once
 from schedules._vnni_kernels import _without_zero
 from schedules.gemv_int4_cpu import GemvInt4CPU, Scales
 
 
 class Codes:
     """How a kernel reads a weight's codes: int8 [N, K] (signed), uint8 [N, K] (with a min), or with
-    ``bits`` 5 / 6 the uint8 bit planes [N, row_bytes] of ``formats/bitplanes.py``, signed codes (no
+    ``bits`` < 8 the uint8 bit planes [N, row_bytes] of ``formats/bitplanes.py``, signed codes (no
     min) stored + 2^(bits-1)."""
 
     def __init__(self, K: int, L: int, offset: bool, bits: int = 8) -> None:  # noqa: N803
@@ -79,8 +83,8 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
     and a min (``y += s_g * sum_g(q x) + min_g * sum_g(x)``); ``sb``: superblock scales."""
     from tvm.script import tirx as T
 
-    F = Scales(N, K, G, offset, sb)
-    SW, ST, ZT = F.SW, F.ST, F.ZT
+    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
+    SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
     C = Codes(K, L, offset, code_bits)
     QT, QW = C.QT, C.W
     views = F.views()
@@ -111,7 +115,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
                 for lane in T.vectorized(L):
                     acc[r * L + lane] = acc[r * L + lane] + (
                         F.scale(S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
-                        + F.min(Z, Zd, t * PER + nj * R + r, g) * accx[lane])
+                        + F.min(S, Z, Zd, t * PER + nj * R + r, g) * accx[lane])
         else:
             for r in T.unroll(R):
                 for lane in T.vectorized(L):
@@ -172,7 +176,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
         X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
         Q = T.match_buffer(q_h, (T.int64(N), T.int64(QW)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(ZW)), ZT)
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
         views(body, S, Z, X, Q, Y, b, m)
 
@@ -183,8 +187,8 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
              code_bits: int = 8) -> Any:
     from tvm.script import tirx as T
 
-    F = Scales(N, K, G, offset, sb)
-    SW, ST, ZT = F.SW, F.ST, F.ZT
+    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
+    SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
     C = Codes(K, L, offset, code_bits)
     QT, QW = C.QT, C.W
     views = F.views()
@@ -199,7 +203,7 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
                     if offset:
                         for lane in T.vectorized(L):
                             Out[t * PER + nj, v * L + lane] = C.value(Q, t * PER + nj, v * L, lane) * F.scale(
-                                S, Sd, t * PER + nj, v * L // G) + F.min(Z, Zd, t * PER + nj, v * L // G)
+                                S, Sd, t * PER + nj, v * L // G) + F.min(S, Z, Zd, t * PER + nj, v * L // G)
                     else:
                         for lane in T.vectorized(L):
                             Out[t * PER + nj, v * L + lane] = C.value(Q, t * PER + nj, v * L, lane) * F.scale(
@@ -211,7 +215,7 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         Q = T.match_buffer(q_h, (T.int64(N), T.int64(QW)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(ZW)), ZT)
         Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
         views(body, S, Z, Q, Out)
 
@@ -226,8 +230,8 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
 
     from schedules._vnni_kernels import transpose_tile
 
-    F = Scales(N, K, G, offset, sb)
-    SW, ST, ZT = F.SW, F.ST, F.ZT
+    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
+    SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
     C = Codes(K, L, offset, code_bits)
     QT, QW = C.QT, C.W
     views = F.views()
@@ -237,7 +241,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
     def w(Q: Any, S: Any, Z: Any, Sd: Any, Zd: Any, row: Any, col: Any, lane: Any) -> Any:  # noqa: N803
         """W[row, col + lane] (col a multiple of L)."""
         if offset:
-            return C.value(Q, row, col, lane) * F.scale(S, Sd, row, col // G) + F.min(Z, Zd, row, col // G)
+            return C.value(Q, row, col, lane) * F.scale(S, Sd, row, col // G) + F.min(S, Z, Zd, row, col // G)
         return C.value(Q, row, col, lane) * F.scale(S, Sd, row, col // G)
 
     @T.macro
@@ -258,7 +262,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True})
         Q = T.match_buffer(q_h, (T.int64(N), T.int64(QW)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(ZW)), ZT)
         Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
         views(body, S, Z, Q, Out)
 
@@ -268,8 +272,8 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
 def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0, code_bits: int = 8) -> Any:
     from tvm.script import tirx as T
 
-    F = Scales(N, K, G, offset, sb)
-    SW, ST, ZT = F.SW, F.ST, F.ZT
+    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
+    SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
     C = Codes(K, L, offset, code_bits)
     QT, QW = C.QT, C.W
     views = F.views()
@@ -282,7 +286,7 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0, cod
                 if offset:
                     for lane in T.vectorized(L):
                         Out[bm // m, bm % m, v * L + lane] = C.value(Q, ID[bm // m, bm % m], v * L, lane) * F.scale(
-                            S, Sd, ID[bm // m, bm % m], v * L // G) + F.min(Z, Zd, ID[bm // m, bm % m], v * L // G)
+                            S, Sd, ID[bm // m, bm % m], v * L // G) + F.min(S, Z, Zd, ID[bm // m, bm % m], v * L // G)
                 else:
                     for lane in T.vectorized(L):
                         Out[bm // m, bm % m, v * L + lane] = C.value(Q, ID[bm // m, bm % m], v * L, lane) * F.scale(
@@ -296,7 +300,7 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0, cod
         m = T.int64()
         Q = T.match_buffer(q_h, (T.int64(N), T.int64(QW)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(ZW)), ZT)
         ID = T.match_buffer(i_h, (b, m), "int64")
         Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
         views(body, S, Z, Q, ID, Out, b, m)
@@ -304,12 +308,22 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0, cod
     return _signature(q8_take, offset)
 
 
+def _gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, batch: bool = False,
+               offset: bool = False, sb: int = 0, code_bits: int = 8) -> Any:
+    """``schedules/_gemv_once.py``'s multi-row GEMV (each weight unpacked once for all rows) over this
+    file's codes (int8 bytes or bit planes, ``Codes``)."""
+    C = Codes(K, L, offset, code_bits)
+    codes = OnceCodes(C.QT, C.W, lambda Q, row, g, u, lane: C.value(Q, row, g * G + u * L, lane), False)
+    return _signature(gemv_once(N, K, G, L, tasks, R, MB, offset=offset, batch=batch, sb=sb, codes=codes,
+                                nibbles=code_bits == 2), offset)
+
+
 class GemvInt8CPU(GemvInt4CPU):
     """gemv_int4_cpu's template over the int8 kernels of this file."""
 
     name = "gemv_int8_cpu"
-    knobs = ("tasks",)
-    version = ScheduleTemplate.version  # its own records: a version bump of gemv_int4_cpu leaves them
+    knobs = ("tasks", "unpack_once", "chunk")
+    version = 2  # v2: 'unpack_once' (its own records: a version bump of gemv_int4_cpu leaves them)
     bits = 8
     weight_arrays = 2  # codes, scales
 
@@ -336,7 +350,7 @@ class GemvInt8CPU(GemvInt4CPU):
         return _gemv, _dequant, _dequant_panels, _take, fmt
 
     def _gemv_once(self) -> Any:
-        return None  # int8 codes: the per-row kernel for every row count (no unpack-once variant yet)
+        return _gemv_once
 
 
 TEMPLATE = GemvInt8CPU()

@@ -1,9 +1,10 @@
-"""5- and 6-bit codes as bit planes, one row at a time: the float-activation CPU layout of GGUF Q6_K,
-Q5_K, Q5_1 and Q5_0 (``formats/int8.py``'s ``code_bits``), at the file's own bits a weight where a
+"""2-, 3-, 5- and 6-bit codes as bit planes, one row at a time: the float-activation CPU layout of GGUF
+Q6_K, Q5_K, Q5_1, Q5_0, Q3_K and Q2_K (``formats/int8.py``'s ``code_bits``), at the file's own bits a weight where a
 byte a code took 8.
 
 A row's codes [K] (unsigned 0..2^b-1) are cut into planes: a 6-bit code is a 4-bit plane (the low
-nibble) and a 2-bit plane (the high 2 bits), a 5-bit code a 4-bit plane and a 1-bit plane. A plane of
+nibble) and a 2-bit plane (the high 2 bits), a 5-bit code a 4-bit plane and a 1-bit plane, a 3-bit
+code a 2-bit and a 1-bit plane, a 2-bit code one 2-bit plane. A plane of
 w-bit fields stores runs of ``WIDTH`` = 16 bytes; run ``c // (16 * 8/w)`` holds column c in byte
 ``c % 16``, field ``(c // 16) % (8/w)`` (bits w*f..w*f+w-1). So L <= 16 consecutive columns starting
 at a multiple of L are L consecutive bytes shifted by one constant: one vector load, shift and mask a
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 WIDTH = 16  # bytes a plane run holds; vectors of at most 16 lanes read within one run
-PLANES = {6: (4, 2), 5: (4, 1)}  # code bits -> plane field widths, low bits first
+PLANES = {6: (4, 2), 5: (4, 1), 3: (2, 1), 2: (2,)}  # code bits -> plane field widths, low bits first
 
 
 def _span(width: int) -> int:
@@ -48,7 +49,7 @@ def pack_planes(codes: np.ndarray, bits: int) -> np.ndarray:
     codes = np.asarray(codes)
     n, k = codes.shape
     if bits not in PLANES:
-        raise ValueError(f"pack_planes: {bits}-bit codes have no plane layout (5 or 6)")
+        raise ValueError(f"pack_planes: {bits}-bit codes have no plane layout ({', '.join(map(str, sorted(PLANES)))})")
     if codes.size and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
         raise ValueError(f"pack_planes: codes must be unsigned {bits}-bit values")
     out = np.zeros((n, row_bytes(k, bits)), dtype=np.uint8)

@@ -12,10 +12,11 @@ Variants for the GGUF superblock types kept as they are (``formats/superblocks.p
 * superblock scales (info ``sb: 256``; Q6_K, Q3_K, IQ4_XS, and Q5_K with the offset): ``scale`` (and
   ``min``) int8 [N, K/G + 2 * K/256]: the group values sc (m), then the row's superblock d (dmin) as
   little-endian float16 bytes; w = q * (sc * d), or with the offset q * (sc * d) - (m * dmin).
-* bit-plane codes (info ``code_bits``: 6 for Q6_K, 5 for Q5_K / Q5_1 / Q5_0; float-activation CPU
+* bit-plane codes (info ``code_bits``: 6 for Q6_K, 5 for Q5_K / Q5_1 / Q5_0, 3 for Q3_K, 2 for Q2_K; CPU
   layouts only): ``q`` uint8 [N, bitplanes.row_bytes(K, bits)], the unsigned codes in the planes of
-  ``formats/bitplanes.py`` (6.0 / 5.0 bits a code, as in the file, where bytes took 8); signed codes
-  (Q6_K, Q5_0: no min) are stored + 2^(bits-1) and the kernels take that zero point off.
+  ``formats/bitplanes.py`` (as many bits a code as in the file, where bytes took 8); signed codes
+  (Q6_K, Q5_0, Q3_K: no min) are stored + 2^(bits-1) and the kernels take that zero point off. With 2-bit
+  codes (Q2_K) the scale bytes are the file's sc | m << 4 and the min array [N, 2 K/256] holds dmin alone.
 * their GPU layout (info ``d_words: true``): ``scale`` (``min``) int8 [N, K/G] group values, each
   followed by ``scale_d`` (``min_d``) uint32 [N, K/256], d's float32 bits; with ``words`` (WGSL) the
   codes and group values as uint32 words.
@@ -76,7 +77,7 @@ def int8_matmul_compute(
     targets without 8-bit types (WGSL); the info then says ``"words": true``. ``offset`` / ``sb``:
     the superblock variants of the module docstring; ``d_words``: the superblock arrays' GPU layout
     (``formats.int4.int4_matmul_compute``; group values and d apart, info ``"d_words": true``). With
-    ``words`` the offset variant's uint8 codes (and the group values) are words too. ``code_bits`` 5 / 6:
+    ``words`` the offset variant's uint8 codes (and the group values) are words too. ``code_bits`` 2 / 3 / 5 / 6:
     the codes in bit planes (module docstring; never with ``words`` or ``d_words``)."""
     from tvm import te, tirx
 
@@ -90,8 +91,9 @@ def int8_matmul_compute(
     if (offset or sb) and ((words and sb and not d_words) or (sb and k % sb)):
         raise PerfXError(f"internal: q8 superblock / min variants take byte codes and K % {sb} == 0 (K={k})")
     if code_bits != 8 and (words or d_words or code_bits not in bitplanes.PLANES):
-        raise PerfXError(f"internal: q8 bit-plane codes take 5 or 6 bits and byte arrays (got {code_bits})")
+        raise PerfXError(f"internal: q8 bit-plane codes take 2, 3, 5 or 6 bits and byte arrays (got {code_bits})")
     qshape, qdtype = ((n, bitplanes.row_bytes(k, code_bits)), "uint8") if code_bits != 8 else ((n, k), None)
+    nibbles = code_bits == 2 and bool(sb) and offset and not d_words  # Q2_K: scale bytes sc | m << 4
     z = sd = zd = None
     if d_words:
         from perfx_compiler.formats.superblocks import te_factor_apart
@@ -105,14 +107,14 @@ def int8_matmul_compute(
             z = te.placeholder((n, cols), dt, name="min")
             zd = te.placeholder((n, k // sb), "uint32", name="min_d")
     elif offset or sb:
-        from perfx_compiler.formats.superblocks import te_factor
+        from perfx_compiler.formats.superblocks import te_factor, te_nibble_factors
 
         width = ng + (2 * (k // sb) if sb else 0)
         q = te.placeholder((n, -(-k // 4)) if words else qshape, "uint32" if words else qdtype or (
             "uint8" if offset else "int8"), name="q")
         s = te.placeholder((n, width), "int8" if sb else "float16", name="scale")
         if offset:
-            z = te.placeholder((n, width), "int8" if sb else "float16", name="min")
+            z = te.placeholder((n, 2 * (k // sb) if nibbles else width), "int8" if sb else "float16", name="min")
     else:
         q = te.placeholder((n, k // 4) if words else qshape, "uint32" if words else qdtype or "int8", name="q")
         s = te.placeholder((n, ng), "float16", name="scale")
@@ -133,6 +135,9 @@ def int8_matmul_compute(
             g = col // group
             v = code(row, col).astype("float32") * te_factor_apart(s, sd, row, g, group, sb, words)
             return v - te_factor_apart(z, zd, row, g, group, sb, words) if offset else v
+        if nibbles:  # code * (sc * d) - (m * dmin), sc and m the nibbles of one scale byte
+            sc, mn = te_nibble_factors(s, z, row, col // group, ng, group, sb)
+            return code(row, col).astype("float32") * sc - mn
         if offset or sb:
             g = col // group
             sc = te_factor(s, row, g, ng, group, sb) if sb else s[row, g].astype("float32")

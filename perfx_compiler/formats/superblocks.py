@@ -2,11 +2,12 @@
 the float-activation CPU layouts of ``formats/int4.py`` and ``formats/int8.py``, values moved as they
 are (never requantized); ``.vnni`` gives the same weight in the VNNI layout (``formats/vnni.py``).
 
-* Q4_K, Q2_K, Q3_K (``vnni.NIBBLE_TYPES``; Q3_K's signed codes + 4, the zero as a min): the int4
-  interleaved codes, min variant with superblock scales.
-* Q6_K, IQ4_XS: int8 signed codes, superblock scales: w = code * (sc * d); Q6_K's codes in 6-bit planes
-  (``formats/bitplanes.py``, stored + 32), IQ4_XS's the table values as int8.
-* Q5_K: int8 offset variant (5-bit plane codes and a min), superblock scales: w = code * (sc * d) - (m * dmin).
+* Q4_K: the int4 interleaved codes, min variant with superblock scales.
+* Q6_K, Q3_K, IQ4_XS: int8 signed codes, superblock scales: w = code * (sc * d); Q6_K's and Q3_K's codes
+  in 6- and 3-bit planes (``formats/bitplanes.py``, stored + 32 / + 4), IQ4_XS's the table values as int8.
+* Q5_K, Q2_K: int8 offset variant (5- / 2-bit plane codes and a min), superblock scales:
+  w = code * (sc * d) - (m * dmin); Q2_K's scale bytes are the file's sc | m << 4 (then d), its min
+  array dmin alone (``vnni_lowbit.pack_q2_scales``, as the VNNI layout).
 * Q5_1 (one level, sc = m = 1): int8 offset variant (5-bit plane codes) with float16 group tables
   scale = d, min = -dmin.
 * IQ4_NL (one level, sc = 1): the classic int8 format (float16 scale = d: GGUF Q8_0's layout).
@@ -15,7 +16,7 @@ Superblock scale arrays are int8 [N, NG + 2 * K/sb]: the group values (sc, or m)
 superblock factor (d, or dmin) as little-endian float16 bytes; the kernels read the float16 through a
 view of the same buffer, as the VNNI kernels do. Every product (sc * d, m * dmin, code * (sc * d)) is
 exact in float32, so dequantize and gather reproduce ``ggml.weights`` bit for bit. GPU targets take
-another layout of the same values (:func:`subscaled_packed`'s ``gpu``; docs/decisions/gguf-superblocks.md).
+another layout of the same values (Q2_K and Q3_K as int4 codes there, Q3_K's zero as a min) (:func:`subscaled_packed`'s ``gpu``; docs/decisions/gguf-superblocks.md).
 """
 
 from __future__ import annotations
@@ -35,13 +36,28 @@ def pack_superblock_scales(values: np.ndarray, d: np.ndarray, groups: int, rows:
     return out
 
 
-def te_factor(a: Any, row: Any, g: Any, groups: int, group: int, sb: int) -> Any:
-    """(TE reference) group ``g``'s factor sc * d of an int8 superblock scale array as float32."""
+def te_f16(a: Any, row: Any, at: Any) -> Any:
+    """(TE reference) the little-endian float16 in bytes ``at``, ``at + 1`` of an int8 array's row, as float32."""
     from tvm import tirx
 
-    at = groups + 2 * (g // (sb // group))
     d16 = a[row, at].astype("uint8").astype("uint16") | (a[row, at + 1].astype("uint8").astype("uint16") << 8)
-    return a[row, g].astype("float32") * tirx.reinterpret("float16", d16).astype("float32")
+    return tirx.reinterpret("float16", d16).astype("float32")
+
+
+def te_factor(a: Any, row: Any, g: Any, groups: int, group: int, sb: int) -> Any:
+    """(TE reference) group ``g``'s factor sc * d of an int8 superblock scale array as float32."""
+    return a[row, g].astype("float32") * te_f16(a, row, groups + 2 * (g // (sb // group)))
+
+
+def te_nibble_factors(s: Any, z: Any, row: Any, g: Any, groups: int, group: int, sb: int) -> tuple[Any, Any]:
+    """(TE reference, Q2_K: ``formats/vnni_lowbit.pack_q2_scales``) group ``g``'s (sc * d, m * dmin) from
+    its scale byte sc | m << 4, d in the scale row's tail and dmin alone in the min array ``z``."""
+    from tvm import tirx
+
+    sup = 2 * (g // (sb // group))
+    sc = (s[row, g] & tirx.const(15, "int8")).astype("float32")
+    m = ((s[row, g] >> tirx.const(4, "int8")) & tirx.const(15, "int8")).astype("float32")
+    return sc * te_f16(s, row, groups + sup), m * te_f16(z, row, sup)
 
 
 def d_words(d: np.ndarray) -> np.ndarray:
@@ -77,6 +93,9 @@ def te_factor_apart(a: Any, ad: Any, row: Any, g: Any, group: int, sb: int, word
     return te_byte(a, row, g, words, True).astype("float32") * d
 
 
+PLANE_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "Q3_K": 3, "Q2_K": 2}  # CPU codes in formats/bitplanes.py
+
+
 def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = False) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of a ``formats.ggml`` ``SubScaled`` tensor for the
     float-activation CPU kernels (module docstring); ``.vnni()`` is :func:`~perfx_compiler.formats.vnni.subscaled_vnni_packed`.
@@ -94,18 +113,22 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
     from perfx_compiler.formats.int4 import Int4Format, int4_matmul_compute, pack_int4
     from perfx_compiler.formats.int8 import int8_matmul_compute, int8_packed
     from perfx_compiler.formats.vnni import (
-        FIVEBIT_TYPES,
         NIBBLE_TYPES,
         SIGNED_NIBBLE_TYPES,
-        SIXBIT_TYPES,
         signed_nibbles_with_min,
         subscaled_vnni_packed,
     )
+    from perfx_compiler.formats.vnni_lowbit import pack_q2_scales
+
+    vnni_of = sub
 
     def vnni() -> Any:
-        return subscaled_vnni_packed(sub, qtype)
+        return subscaled_vnni_packed(vnni_of, qtype)
 
-    if qtype in SIGNED_NIBBLE_TYPES:
+    # CPU: 2-, 3-, 5- and 6-bit codes in bit planes (signed ones + 2^(bits-1)), the file's bits a
+    # weight, read by the int8 kernels; GPUs read a byte (int4: a nibble) a code
+    code_bits = 8 if gpu else PLANE_BITS.get(qtype, 8)
+    if qtype in SIGNED_NIBBLE_TYPES and code_bits == 8:
         sub = signed_nibbles_with_min(sub, SIGNED_NIBBLE_TYPES[qtype])
     n, k = sub.codes.shape
     g, offset = int(sub.group), sub.mins is not None
@@ -125,6 +148,8 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
 
         scale = apart(sub.scales, sub.d)
         third = apart(sub.mins, sub.dmin) if offset else None
+    elif sb and code_bits == 2:  # Q2_K: the file's scale bytes sc | m << 4, the min array dmin alone
+        scale, third = pack_q2_scales(sub.scales, sub.mins, sub.d, sub.dmin, ng, n)
     elif sb:
         scale = pack_superblock_scales(sub.scales, sub.d, ng, n)
         third = pack_superblock_scales(sub.mins, sub.dmin, ng, n) if offset else None
@@ -136,7 +161,7 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
     def named(prefix: str, what: str, a: Any) -> list[tuple[str, np.ndarray]]:
         return [(f"{prefix}_{what}", a[0]), (f"{prefix}_{what}_d", a[1])] if split else [(f"{prefix}_{what}", a)]
 
-    if qtype in NIBBLE_TYPES:
+    if qtype in NIBBLE_TYPES and code_bits == 8:
         if not (sb and offset):
             raise ValueError(f"internal: {qtype} in the int4 layout needs superblock scales and mins")
         # GPU: 8 consecutive columns a word (lanes 1): dlight's GEMV rules split K only so
@@ -149,8 +174,6 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
                                        ids_dtype=ids_dtype, sb=sb, words=words, d_words=split)
 
         return Packed("q4", tag, n, k, arrays, compute4, vnni)
-    # CPU: 6- / 5-bit codes in bit planes (signed Q6_K + 32), the file's bits a weight; GPUs read bytes
-    code_bits = 8 if gpu else 6 if qtype in SIXBIT_TYPES else 5 if qtype in FIVEBIT_TYPES else 8
     codes = np.ascontiguousarray(sub.codes, dtype=np.uint8 if offset else np.int8)
     if code_bits != 8:
         codes = pack_planes(codes.astype(np.int16) + (0 if offset else 1 << (code_bits - 1)), code_bits)

@@ -146,7 +146,7 @@ def test_tiny_q6_k_model_int8_activations(tmp_path) -> None:
 def test_tiny_kquant_model_float_activations(tmp_path, quantization: str) -> None:
     """A CPU target without VNNI (x86-avx2, runnable here): activations resolve to f32 and the
     float-activation kernels read the blocks (formats/superblocks.py: Q4_K int4 interleaved codes with
-    mins, Q6_K int8 codes); logits within float32 rounding of the reference on the dequantized weights."""
+    mins, Q6_K 6-bit plane codes); logits within float32 rounding of the reference on the dequantized weights."""
     from perfx_compiler.model.reference import ReferenceModel
 
     qtype = quantization.upper()
@@ -155,7 +155,7 @@ def test_tiny_kquant_model_float_activations(tmp_path, quantization: str) -> Non
     if qtype == "Q4_K":
         check_stored(manifest, desc, "_q4", "uint32", 32)  # 8 codes a word
     else:
-        check_stored(manifest, desc, "_q8", "int8", 16)  # codes - 32, as they are
+        check_stored(manifest, desc, "_q8", "uint8", 16)  # codes + 32 in 6-bit planes (formats/bitplanes.py)
     errs = logit_errors(art, ReferenceModel(dequantized(desc, qtype)), desc.config.vocab_size)
     far = logit_errors(art, ReferenceModel(desc), desc.config.vocab_size)  # the unquantized weights
     print(f"{quantization} (f32 activations): max rel logit error {max(errs):.2e} on the dequantized weights, "

@@ -1,32 +1,67 @@
-"""The int4 GEMV over several rows of x with each weight unpacked once for all of them
-(``gemv_int4_cpu``'s ``unpack_once`` knob: static M = 2..8 and paged_decode's symbolic batch)."""
+"""The quantized GEMV over several rows of x with each weight unpacked once for all of them (the
+``unpack_once`` knob of ``gemv_int4_cpu`` and ``gemv_int8_cpu``: static M = 2..8 and paged_decode's
+symbolic batch). The int4 interleaved codes by default; the int8 template passes its own code reader
+(``OnceCodes``: int8 bytes, or the bit planes of ``formats/bitplanes.py``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from perfx_compiler.kernels._lanes import lanes_sum
 
 
+@dataclass(frozen=True)
+class OnceCodes:
+    """How :func:`gemv_once` reads codes: buffer dtype and row width, ``value(Q, row, g, u, lane)`` (the
+    float32 code of column g * G + u * L + lane), and whether a zero-point array Z goes with them
+    (else w = code * scale, or code * scale + min with ``offset``)."""
+
+    dtype: str
+    width: int
+    value: Any
+    zero_array: bool
+
+
+def int4_codes(K: int, L: int) -> OnceCodes:  # noqa: N803
+    """The int4 interleaved layout (``formats/int4.py``) with its uint8 zero points."""
+    from tvm.script import tirx as T
+
+    NB, VPG8 = K // (8 * L), 8
+
+    def value(Q: Any, row: Any, g_u: Any, lane: Any) -> Any:  # noqa: N803
+        return T.Cast("float32", T.Cast("int32", T.bitwise_and(
+            T.shift_right(Q[row, T.min(g_u // VPG8, NB - 1) * L + lane], T.Cast("uint32", (g_u % VPG8) * 4)),
+            T.uint32(15))))
+
+    return OnceCodes("uint32", K // 8, value, True)
+
+
 def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offset: bool = False,
-               batch: bool = False, sb: int = 0) -> Any:
+              batch: bool = False, sb: int = 0, codes: OnceCodes | None = None, nibbles: bool = False) -> Any:
     """Int4 GEMV over several rows of x (static M in 2..8, or paged_decode's symbolic batch), each
     weight unpacked once per MB rows: per L-code vector the nibbles are shifted, masked, converted
     and scaled (``w = q * s + c``, c = -z * s or the Q4_1 min) once into R registers, then FMAed
     into MB x R vector accumulators, one per (row, weight row). The per-row kernel (``_gemv``)
     repeats the unpack for every row, so M rows cost M times its ALU work on a memory-bound loop.
     A symbolic batch runs in chunks of MB rows, the last one through a body unrolled for its row
-    count (MB bodies in all). ``sb``: superblock scales (``gemv_int4_cpu.Scales``, min variant)."""
+    count (MB bodies in all). ``sb``: superblock scales (``gemv_int4_cpu.Scales``). ``codes``: the code
+    reader (:class:`OnceCodes`; int4 by default, whose ``value`` takes the vector index g * VPG + u);
+    ``nibbles``: Q2_K's scale bytes (``gemv_int4_cpu.Scales``)."""
     from tvm.script import tirx as T
 
     from schedules.gemv_int4_cpu import Scales
 
-    F = Scales(N, K, G, offset, sb)
-    NG, SW, ST, ZT = F.NG, F.SW, F.ST, F.ZT
+    F = Scales(N, K, G, offset, sb, nibbles)
+    NG, SW, ST, ZT, ZW = F.NG, F.SW, F.ST, F.ZT, F.ZW
     VPG = G // L
     NV = K // L
-    NB = K // (8 * L)
     PER = N // tasks
+    C = codes or int4_codes(K, L)
+    ZA, QT, QW = C.zero_array and not offset, C.dtype, C.width
+
+    def code(Q: Any, row: Any, g: Any, u: Any, lane: Any) -> Any:  # noqa: N803
+        return C.value(Q, row, g * VPG + u, lane) if codes is None else C.value(Q, row, g, u, lane)
 
     @T.macro
     def prepare_x(X, xr, xs, xr0, xs0, bm, m):
@@ -59,29 +94,21 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
             for u in T.unroll(VPG):
                 for r in T.unroll(R):
                     for lane in T.vectorized(L):
-                        accg[r * L + lane] = accg[r * L + lane] + T.Cast(
-                            "float32",
-                            T.Cast(
-                                "int32",
-                                T.bitwise_and(
-                                    T.shift_right(
-                                        Q[t * PER + nj * R + r, T.min((g * VPG + u) // 8, NB - 1) * L + lane],
-                                        T.Cast("uint32", ((g * VPG + u) % 8) * 4),
-                                    ),
-                                    T.uint32(15),
-                                ),
-                            ),
-                        ) * xr[c * MB * NG * G + (g * VPG + u) * L + lane]
+                        accg[r * L + lane] = accg[r * L + lane] + code(Q, t * PER + nj * R + r, g, u, lane) * xr[
+                            c * MB * NG * G + (g * VPG + u) * L + lane]
             for r in T.unroll(R):
                 for lane in T.vectorized(L):
                     if offset:
                         acc[r * L + lane] = acc[r * L + lane] + (
                             F.scale(S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
-                            + F.min(Z, Zd, t * PER + nj * R + r, g) * xs[c * MB * NG * L + g * L + lane])
-                    else:
+                            + F.min(S, Z, Zd, t * PER + nj * R + r, g) * xs[c * MB * NG * L + g * L + lane])
+                    elif ZA:
                         acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
                             accg[r * L + lane]
                             - T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[c * MB * NG * L + g * L + lane])
+                    else:
+                        acc[r * L + lane] = acc[r * L + lane] + F.scale(
+                            S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
         for r in T.unroll(R):
             Y[(c * MB) // m, (c * MB) % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 
@@ -96,26 +123,17 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
             for r in T.unroll(R):
                 sc[r * 2] = F.scale(S, Sd, t * PER + nj * R + r, g)
                 if offset:
-                    sc[r * 2 + 1] = F.min(Z, Zd, t * PER + nj * R + r, g)
-                else:
+                    sc[r * 2 + 1] = F.min(S, Z, Zd, t * PER + nj * R + r, g)
+                elif ZA:
                     sc[r * 2 + 1] = -T.Cast("float32", Z[t * PER + nj * R + r, g]) * sc[r * 2]
             for u in T.unroll(VPG):
                 # the unpack, once per weight: R vectors of dequantized weights
                 for r in T.unroll(R):
                     for lane in T.vectorized(L):
-                        w[r * L + lane] = T.Cast(
-                            "float32",
-                            T.Cast(
-                                "int32",
-                                T.bitwise_and(
-                                    T.shift_right(
-                                        Q[t * PER + nj * R + r, T.min((g * VPG + u) // 8, NB - 1) * L + lane],
-                                        T.Cast("uint32", ((g * VPG + u) % 8) * 4),
-                                    ),
-                                    T.uint32(15),
-                                ),
-                            ),
-                        ) * sc[r * 2] + sc[r * 2 + 1]
+                        if offset or ZA:
+                            w[r * L + lane] = code(Q, t * PER + nj * R + r, g, u, lane) * sc[r * 2] + sc[r * 2 + 1]
+                        else:
+                            w[r * L + lane] = code(Q, t * PER + nj * R + r, g, u, lane) * sc[r * 2]
                 # reused by every row: one x load per row shared by the R weight rows
                 for i in T.unroll(rows):
                     for r in T.unroll(R):
@@ -175,9 +193,9 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
         b = T.int64()
         m = T.int64()
         X = T.match_buffer(x_h, (b, m, T.int64(K)), "float32")
-        Q = T.match_buffer(q_h, (T.int64(N), T.int64(K // 8)), "uint32")
+        Q = T.match_buffer(q_h, (T.int64(N), T.int64(QW)), QT)
         S = T.match_buffer(s_h, (T.int64(N), T.int64(SW)), ST)
-        Z = T.match_buffer(z_h, (T.int64(N), T.int64(SW)), ZT)
+        Z = T.match_buffer(z_h, (T.int64(N), T.int64(ZW)), ZT)
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
         views(body, S, Z, X, Q, Y, b, m)  # Sd / Zd: the superblock d / dmin (Scales.views)
 
