@@ -222,3 +222,24 @@ def test_reference_dequant_is_exact(host, qtype):
     out = tvm.runtime.tensor(np.zeros((n, k), np.float32), dev)
     rt["main"](*[tvm.runtime.tensor(a, dev) for a in _arrays(pk)], out)
     np.testing.assert_array_equal(out.numpy(), w)
+
+
+@pytest.mark.parametrize("name", ["arm64-neon", "riscv64-rvv"])
+def test_bit_plane_gemv_builds_for_arm_and_riscv(name):
+    """The CPUs this layout is for: the bit-plane GEMVs (Q6_K, Q2_K, and Q5_1's variable-shift fallback)
+    cross-compile with LLVM for the target's triple into code using its FMA (whole models run under
+    qemu in tests/targets)."""
+    import tvm
+
+    target = load_target(name)
+    fma = {"arm64-neon": ("fmla",), "riscv64-rvv": ("vfmacc", "vfmadd")}[name]
+    for qtype, k in (("Q6_K", 512), ("Q2_K", 512), ("Q5_1", 576)):
+        sub, _ = fake_subscaled(qtype, 16, k, np.random.default_rng(0))
+        pk = subscaled_packed(sub, qtype)
+        func = pk.compute("matmul", (1, 1))
+        template = _template(pk)
+        wl = template.match(func, target)
+        kernel = template.apply(func, wl, template.default_config(wl, target), target)
+        ex = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target.tvm())
+        asm = ex.mod.inspect_source("asm")
+        assert any(op in asm for op in fma), (name, qtype)
