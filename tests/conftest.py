@@ -158,15 +158,33 @@ def smol_desc():
     return load_model("smollm2-135m", max_context=512)
 
 
+def _built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build) -> Path:
+    """``build(out)``'s artifact, compiled once per run for every xdist worker: the first worker to ask
+    builds it under a lock in the run's shared temp folder, the others wait and reuse it (the tests
+    only read it). A build that failed half-way is redone by the next worker that asks."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    out = root / f"shared-{name}" / "artifact"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / f"shared-{name}.done").is_file():
+            import shutil
+
+            shutil.rmtree(out.parent, ignore_errors=True)
+            build(out)
+            (root / f"shared-{name}.done").touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def smol_artifact(smol_desc, tmp_path_factory):
     """The default model compiled for this CPU (host target)."""
     from perfx_compiler.pipeline import compile_model
 
-    out = tmp_path_factory.mktemp("smol") / "artifact"
     # float activations: test_smollm2 holds it to the float64 reference at 1e-3 (the int8-activation
     # default on VNNI CPUs is checked against this artifact in tests/passes/test_activations_int8.py)
-    return compile_model(smol_desc, "host", out, progress=False, activations="f32")
+    return _built_once(tmp_path_factory, "smol", lambda out: compile_model(
+        smol_desc, "host", out, progress=False, activations="f32"))
 
 
 @pytest.fixture(scope="session")
@@ -189,8 +207,8 @@ def smol_int8_artifact(smol_desc, tmp_path_factory):
     VNNI). batching=False: the tests that use it run one sequence."""
     from perfx_compiler.pipeline import compile_model
 
-    out = tmp_path_factory.mktemp("smol-int8") / "artifact"
-    return compile_model(smol_desc, "host", out, progress=False, activations="int8", batching=False)
+    return _built_once(tmp_path_factory, "smol-int8", lambda out: compile_model(
+        smol_desc, "host", out, progress=False, activations="int8", batching=False))
 
 
 _FAMILY_LINES = pytest.StashKey[list]()
