@@ -439,7 +439,7 @@ class GemvInt4CPU(ScheduleTemplate):
         sb, G, K = int(info["sb"]), int(info["group"]), int(info["K"])
         return bool(info.get("offset")) and not info.get("words") and sb % G == 0 and K % sb == 0
 
-    def _kernels(self, workload: Workload) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    def _kernels(self, workload: Workload, target: TargetDescription) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """(gemv, dequant, dequant_panels, take builders, their format keyword arguments)."""
         fmt: dict[str, Any] = {"offset": bool(workload.info.get("offset"))}
         if workload.info.get("sb"):
@@ -511,7 +511,7 @@ class GemvInt4CPU(ScheduleTemplate):
         if N % tasks or not self._fits(N, K, G, L):
             raise ScheduleConfigError(f"invalid int{self.bits} config {config} for {d}")
         kind = workload.info.get("kind", "matmul")
-        gemv, dequant, dequant_panels, take, fmt = self._kernels(workload)
+        gemv, dequant, dequant_panels, take, fmt = self._kernels(workload, target)
         if kind == "take":
             kernel = take(N, K, G, L, **fmt)
         elif kind == "dequant" and workload.info.get("nb"):

@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from perfx_compiler.formats.bitplanes import PLANES, WIDTH, plane_code, row_bytes
+from perfx_compiler.formats.vnni import lookup_isa, table_value_lanes
 from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.schedule_template import ScheduleConfigError, Workload
 from schedules._gemv_once import OnceCodes, gemv_once
@@ -43,11 +44,12 @@ class Codes:
     ``bits`` < 8 the uint8 bit planes [N, row_bytes] of ``formats/bitplanes.py``, signed codes (no
     min) stored + 2^(bits-1)."""
 
-    def __init__(self, K: int, L: int, offset: bool, bits: int = 8) -> None:  # noqa: N803
+    def __init__(self, K: int, L: int, offset: bool, bits: int = 8, lookup: str = "") -> None:  # noqa: N803
         if bits != 8 and WIDTH % L:
             raise ScheduleConfigError(f"{bits}-bit plane codes take vectors of at most {WIDTH} lanes dividing it, not {L}")
         self.K, self.bits = K, bits
-        self.zero = 0 if offset or bits == 8 else 1 << (bits - 1)
+        self.lookup = lookup if L == 16 else ""  # a 16-byte table instruction serves 16-lane loops
+        self.zero = 0 if offset or bits in (4, 8) else 1 << (bits - 1)  # (4 bits: IQ4 table indices)
         self.W = K if bits == 8 else row_bytes(K, bits)
         self.QT = "uint8" if offset or bits != 8 else "int8"
 
@@ -65,7 +67,10 @@ class Codes:
 
         if self.bits == 8:
             return T.Cast("float32", Q[row, col + lane])
-        code = T.Cast("int32", plane_code(lambda r, i: Q[r, i], row, col, lane, self.K, self.bits))
+        code = plane_code(lambda r, i: Q[r, i], row, col, lane, self.K, self.bits)
+        if self.bits == 4:  # an IQ4 table index: the table's value (+ 128), pshufb / tbl or a select chain
+            value = table_value_lanes(T.Cast("uint8", code), lane, "iq4nl", self.lookup)
+            return T.Cast("float32", T.Cast("int32", value) - 128)
         return T.Cast("float32", code - self.zero if self.zero else code)
 
 
@@ -76,7 +81,7 @@ def _signature(func: Any, offset: bool) -> Any:
 
 
 def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = False, offset: bool = False,
-          sb: int = 0, code_bits: int = 8) -> Any:
+          sb: int = 0, code_bits: int = 8, lookup: str = "") -> Any:
     """Int8 GEMV over the rows of x [b, m, K]: one parallel launch per row, or with ``batch``
     (paged_decode's symbolic batch) one launch with the rows innermost, so each task's R-row
     weight block is read from memory once per call and from L1 per row. ``offset``: unsigned codes
@@ -85,7 +90,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
 
     F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
     SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
-    C = Codes(K, L, offset, code_bits)
+    C = Codes(K, L, offset, code_bits, lookup)
     QT, QW = C.QT, C.W
     views = F.views()
     NG = K // G
@@ -184,12 +189,12 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
 
 
 def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, sb: int = 0,
-             code_bits: int = 8) -> Any:
+             code_bits: int = 8, lookup: str = "") -> Any:
     from tvm.script import tirx as T
 
     F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
     SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
-    C = Codes(K, L, offset, code_bits)
+    C = Codes(K, L, offset, code_bits, lookup)
     QT, QW = C.QT, C.W
     views = F.views()
     NV = K // L
@@ -223,7 +228,7 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
 
 
 def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = False, sb: int = 0,
-                    code_bits: int = 8) -> Any:
+                    code_bits: int = 8, lookup: str = "") -> Any:
     """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout): an
     L x L tile widened with contiguous loads, stored transposed through ``transpose_tile``."""
     from tvm.script import tirx as T
@@ -232,7 +237,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
 
     F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
     SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
-    C = Codes(K, L, offset, code_bits)
+    C = Codes(K, L, offset, code_bits, lookup)
     QT, QW = C.QT, C.W
     views = F.views()
     if nb % L or L & (L - 1) or K % L:
@@ -269,12 +274,13 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
     return _signature(q8_dequant_panels, offset)
 
 
-def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0, code_bits: int = 8) -> Any:
+def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0, code_bits: int = 8,
+          lookup: str = "") -> Any:
     from tvm.script import tirx as T
 
     F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
     SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
-    C = Codes(K, L, offset, code_bits)
+    C = Codes(K, L, offset, code_bits, lookup)
     QT, QW = C.QT, C.W
     views = F.views()
     NV = K // L
@@ -309,10 +315,10 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0, cod
 
 
 def _gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, batch: bool = False,
-               offset: bool = False, sb: int = 0, code_bits: int = 8) -> Any:
+               offset: bool = False, sb: int = 0, code_bits: int = 8, lookup: str = "") -> Any:
     """``schedules/_gemv_once.py``'s multi-row GEMV (each weight unpacked once for all rows) over this
     file's codes (int8 bytes or bit planes, ``Codes``)."""
-    C = Codes(K, L, offset, code_bits)
+    C = Codes(K, L, offset, code_bits, lookup)
     codes = OnceCodes(C.QT, C.W, lambda Q, row, g, u, lane: C.value(Q, row, g * G + u * L, lane), False)
     return _signature(gemv_once(N, K, G, L, tasks, R, MB, offset=offset, batch=batch, sb=sb, codes=codes,
                                 nibbles=code_bits == 2), offset)
@@ -345,8 +351,10 @@ class GemvInt8CPU(GemvInt4CPU):
         sb, G, K = int(info["sb"]), int(info["group"]), int(info["K"])
         return not info.get("words") and sb % G == 0 and K % sb == 0
 
-    def _kernels(self, workload: Workload) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
+    def _kernels(self, workload: Workload, target: Any) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         fmt = self._format_info(workload.info)
+        if fmt.get("code_bits") == 4:  # IQ4 table indices: the target's byte-table lookup
+            fmt["lookup"] = lookup_isa(target)
         return _gemv, _dequant, _dequant_panels, _take, fmt
 
     def _gemv_once(self) -> Any:

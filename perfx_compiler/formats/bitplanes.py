@@ -4,7 +4,8 @@ byte a code took 8.
 
 A row's codes [K] (unsigned 0..2^b-1) are cut into planes: a 6-bit code is a 4-bit plane (the low
 nibble) and a 2-bit plane (the high 2 bits), a 5-bit code a 4-bit plane and a 1-bit plane, a 3-bit
-code a 2-bit and a 1-bit plane, a 2-bit code one 2-bit plane. A plane of
+code a 2-bit and a 1-bit plane, a 2-bit code one 2-bit plane; 4-bit codes (one plane) are IQ4_NL /
+IQ4_XS indices into ggml's non-linear table (``formats/vnni.KVALUES_IQ4NL``). A plane of
 w-bit fields stores runs of ``WIDTH`` = 16 bytes; run ``c // (16 * 8/w)`` holds column c in byte
 ``c % 16``, field ``(c // 16) % (8/w)`` (bits w*f..w*f+w-1). So L <= 16 consecutive columns starting
 at a multiple of L are L consecutive bytes shifted by one constant: one vector load, shift and mask a
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 WIDTH = 16  # bytes a plane run holds; vectors of at most 16 lanes read within one run
-PLANES = {6: (4, 2), 5: (4, 1), 3: (2, 1), 2: (2,)}  # code bits -> plane field widths, low bits first
+PLANES = {6: (4, 2), 5: (4, 1), 4: (4,), 3: (2, 1), 2: (2,)}  # code bits -> plane field widths, low bits first
 
 
 def _span(width: int) -> int:

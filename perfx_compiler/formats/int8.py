@@ -17,6 +17,8 @@ Variants for the GGUF superblock types kept as they are (``formats/superblocks.p
   ``formats/bitplanes.py`` (as many bits a code as in the file, where bytes took 8); signed codes
   (Q6_K, Q5_0, Q3_K: no min) are stored + 2^(bits-1) and the kernels take that zero point off. With 2-bit
   codes (Q2_K) the scale bytes are the file's sc | m << 4 and the min array [N, 2 K/256] holds dmin alone.
+  ``code_bits`` 4 (IQ4_NL, IQ4_XS): 4-bit indices into ggml's non-linear table, the kernels look the
+  value up (``formats/vnni.table_value``).
 * their GPU layout (info ``d_words: true``): ``scale`` (``min``) int8 [N, K/G] group values, each
   followed by ``scale_d`` (``min_d``) uint32 [N, K/256], d's float32 bits; with ``words`` (WGSL) the
   codes and group values as uint32 words.
@@ -82,6 +84,7 @@ def int8_matmul_compute(
     from tvm import te, tirx
 
     from perfx_compiler.formats import bitplanes
+    from perfx_compiler.formats.vnni import table_value
 
     check_group(k, group)
     ng = k // group
@@ -91,7 +94,7 @@ def int8_matmul_compute(
     if (offset or sb) and ((words and sb and not d_words) or (sb and k % sb)):
         raise PerfXError(f"internal: q8 superblock / min variants take byte codes and K % {sb} == 0 (K={k})")
     if code_bits != 8 and (words or d_words or code_bits not in bitplanes.PLANES):
-        raise PerfXError(f"internal: q8 bit-plane codes take 2, 3, 5 or 6 bits and byte arrays (got {code_bits})")
+        raise PerfXError(f"internal: q8 bit-plane codes take 2 to 6 bits and byte arrays (got {code_bits})")
     qshape, qdtype = ((n, bitplanes.row_bytes(k, code_bits)), "uint8") if code_bits != 8 else ((n, k), None)
     nibbles = code_bits == 2 and bool(sb) and offset and not d_words  # Q2_K: scale bytes sc | m << 4
     z = sd = zd = None
@@ -121,7 +124,9 @@ def int8_matmul_compute(
 
     def code(row: Any, col: Any) -> Any:
         if code_bits != 8:  # unsigned codes; signed ones (no min) stored + 2^(bits-1)
-            c = bitplanes.plane_code(lambda r, i: q[r, i], row, col, 0, k, code_bits).astype("int32")
+            c = bitplanes.plane_code(lambda r, i: q[r, i], row, col, 0, k, code_bits)
+            if code_bits == 4:  # IQ4 table indices
+                return table_value(c.astype("uint8"), "iq4nl").astype("int32") - 128
             return c if offset else c - (1 << (code_bits - 1))
         if not words:
             return q[row, col].astype("float32")
@@ -179,8 +184,9 @@ def int8_matmul_compute(
 
 def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = False, code_bits: int = 8) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of int8 codes [N, K] + float16 scales [N, K/G]; ``words``: the codes
-    stored as uint32 [N, K/4] (same bytes; see :func:`int8_matmul_compute`); ``code_bits`` 5 / 6: signed codes
-    of that many bits (GGUF Q5_0: -16..15) stored + 2^(bits-1) in bit planes (``formats/bitplanes.py``)."""
+    stored as uint32 [N, K/4] (same bytes; see :func:`int8_matmul_compute`); ``code_bits`` 5: signed codes
+    of that many bits (GGUF Q5_0: -16..15) stored + 2^(bits-1) in bit planes (``formats/bitplanes.py``); 4: the
+    codes are IQ4_NL table values, stored as their 4-bit indices."""
     from perfx_compiler.formats import Packed
 
     n, k = codes.shape
@@ -193,8 +199,10 @@ def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = 
     q = np.ascontiguousarray(codes, dtype=np.int8)
     if code_bits != 8:
         from perfx_compiler.formats.bitplanes import pack_planes
+        from perfx_compiler.formats.vnni import table_indices
 
-        q = pack_planes(q.astype(np.int16) + (1 << (code_bits - 1)), code_bits)
+        unsigned = table_indices(q, "iq4nl") if code_bits == 4 else q.astype(np.int16) + (1 << (code_bits - 1))
+        q = pack_planes(unsigned, code_bits)
     elif words:
         if k % 4:
             raise PerfXError(f"q8: K={k} is not a multiple of 4; the codes cannot be read as 32-bit words")

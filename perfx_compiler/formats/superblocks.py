@@ -10,7 +10,8 @@ are (never requantized); ``.vnni`` gives the same weight in the VNNI layout (``f
   array dmin alone (``vnni_lowbit.pack_q2_scales``, as the VNNI layout).
 * Q5_1 (one level, sc = m = 1): int8 offset variant (5-bit plane codes) with float16 group tables
   scale = d, min = -dmin.
-* IQ4_NL (one level, sc = 1): the classic int8 format (float16 scale = d: GGUF Q8_0's layout).
+* IQ4_NL (one level, sc = 1): the classic int8 format (float16 scale = d: GGUF Q8_0's layout), and IQ4_XS
+  with superblock scales; on CPUs their codes are 4-bit indices into the table (one plane).
 
 Superblock scale arrays are int8 [N, NG + 2 * K/sb]: the group values (sc, or m), then the row's
 superblock factor (d, or dmin) as little-endian float16 bytes; the kernels read the float16 through a
@@ -93,7 +94,8 @@ def te_factor_apart(a: Any, ad: Any, row: Any, g: Any, group: int, sb: int, word
     return te_byte(a, row, g, words, True).astype("float32") * d
 
 
-PLANE_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "Q3_K": 3, "Q2_K": 2}  # CPU codes in formats/bitplanes.py
+# CPU codes in formats/bitplanes.py (4: IQ4 table indices)
+PLANE_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "Q3_K": 3, "Q2_K": 2, "IQ4_XS": 4, "IQ4_NL": 4}
 
 
 def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = False) -> Any:
@@ -117,6 +119,7 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
         SIGNED_NIBBLE_TYPES,
         signed_nibbles_with_min,
         subscaled_vnni_packed,
+        table_indices,
     )
     from perfx_compiler.formats.vnni_lowbit import pack_q2_scales
 
@@ -137,7 +140,8 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
 
     words = words and gpu
     if not sb and not offset:  # IQ4_NL: w = code * d, the classic int8 layout
-        pk = int8_packed(np.asarray(sub.codes, dtype=np.int8), np.asarray(sub.d, dtype=np.float16), g, words=words)
+        pk = int8_packed(np.asarray(sub.codes, dtype=np.int8), np.asarray(sub.d, dtype=np.float16), g, words=words,
+                         code_bits=code_bits)
         pk.vnni = vnni
         return pk
     split = gpu and bool(sb)
@@ -175,7 +179,9 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
 
         return Packed("q4", tag, n, k, arrays, compute4, vnni)
     codes = np.ascontiguousarray(sub.codes, dtype=np.uint8 if offset else np.int8)
-    if code_bits != 8:
+    if code_bits == 4:  # IQ4_XS: the table values' indices
+        codes = pack_planes(table_indices(codes, "iq4nl"), 4)
+    elif code_bits != 8:
         codes = pack_planes(codes.astype(np.int16) + (0 if offset else 1 << (code_bits - 1)), code_bits)
     if words:
         codes = byte_words(codes)

@@ -470,6 +470,37 @@ def table_value(nib: Any, lut: str) -> Any:
     return out
 
 
+def lookup_isa(target: Any) -> str:
+    """The 16-byte table-lookup instruction a CPU target has: "pshufb" (x86-64-v2 and later: SSSE3),
+    "tbl" (AArch64), or "" (a select chain then: RISC-V, baseline x86-64)."""
+    import platform
+
+    tt = getattr(target, "tvm_target", None) or {}
+    triple = str(tt.get("mtriple") or platform.machine())
+    if triple.startswith(("aarch64", "arm64")):
+        return "tbl"
+    if triple.startswith(("x86_64", "amd64", "AMD64")) and str(tt.get("mcpu", "")) not in ("", "x86-64"):
+        return "pshufb"
+    return ""
+
+
+def table_value_lanes(nib: Any, lane: Any, lut: str, isa: str) -> Any:
+    """uint8 ``LUT_U8[lut][nib]`` inside a loop over ``lane`` vectorized by 16: one ``pshufb`` / ``tbl``
+    (``isa``, :func:`lookup_isa`) of the table as a 16-byte vector (the vectorizer widens the call and
+    folds the per-lane table into a constant), else :func:`table_value`'s select chain."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    if not isa:
+        return table_value(nib, lut)
+    vals = [v - 256 if v > 127 else v for v in LUT_U8[lut]]
+    table = tirx.const(vals[15], "int8")
+    for i in range(14, -1, -1):
+        table = tirx.Select(lane == i, tirx.const(vals[i], "int8"), table)
+    name = "llvm.x86.ssse3.pshuf.b.128" if isa == "pshufb" else "llvm.aarch64.neon.tbl1"
+    return T.reinterpret("uint8", T.call_llvm_pure_intrin("int8", name, table, T.reinterpret("int8", nib)))
+
+
 def lut_bytes(lut: str, nib: Any) -> Any:
     """uint8x64: ``LUT_U8[lut][nib]`` for 64 indices 0..15 (uint8x64): one ``vpshufb`` of a constant
     register holding the 16 table bytes in each 128-bit lane (the shuffle indexes within a lane by

@@ -56,7 +56,8 @@ def write_plan(artifact: Path, plan: Path) -> None:
     for _ in range(kv["count"]):
         lines.append(f"f32 {len(kv['shape'])} {' '.join(map(str, kv['shape']))} - 0 0")
     for w in manifest["weights"]:
-        dt = {"float32": "f32", "int64": "i64"}[w["dtype"]]
+        dt = {"float32": "f32", "float16": "f16", "int64": "i64", "int32": "i32", "uint32": "u32", "int8": "i8",
+              "uint8": "u8"}[w["dtype"]]
         shape = w["shape"]
         lines.append(
             f"{dt} {len(shape)} {' '.join(map(str, shape))} {artifact / 'weights.bin'} {w['offset']} {w['nbytes']}"

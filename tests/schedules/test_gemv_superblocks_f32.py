@@ -16,7 +16,7 @@ from perfx_compiler.formats.vnni import NIBBLE_TYPES
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
 
-PLANE_TYPES = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "Q3_K": 3, "Q2_K": 2}  # CPU codes in bit planes (formats/bitplanes.py)
+PLANE_TYPES = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "Q3_K": 3, "Q2_K": 2, "IQ4_XS": 4, "IQ4_NL": 4}  # CPU codes in bit planes (formats/bitplanes.py)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_layout_and_facts(qtype):
         assert pk.nbytes <= 1.04 * (8 * 512 // fmt.block_weights * fmt.block_bytes), pk.nbytes
 
 
-@pytest.mark.parametrize("bits", [2, 3, 5, 6])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6])
 @pytest.mark.parametrize("k", [32, 576, 2304])
 def test_bit_planes_round_trip(bits, k):
     """pack_planes / unpack_planes give the codes back exactly (K = 576: a partial last run), at
@@ -226,14 +226,14 @@ def test_reference_dequant_is_exact(host, qtype):
 
 @pytest.mark.parametrize("name", ["arm64-neon", "riscv64-rvv"])
 def test_bit_plane_gemv_builds_for_arm_and_riscv(name):
-    """The CPUs this layout is for: the bit-plane GEMVs (Q6_K, Q2_K, and Q5_1's variable-shift fallback)
-    cross-compile with LLVM for the target's triple into code using its FMA (whole models run under
-    qemu in tests/targets)."""
+    """The CPUs this layout is for: the bit-plane GEMVs (Q6_K, Q2_K, Q5_1's variable-shift fallback and
+    IQ4_XS's table lookup: one ``tbl`` per 16 codes on arm64, a select chain on RISC-V) cross-compile with
+    LLVM for the target's triple into code using its FMA (whole models run under qemu in tests/targets)."""
     import tvm
 
     target = load_target(name)
     fma = {"arm64-neon": ("fmla",), "riscv64-rvv": ("vfmacc", "vfmadd")}[name]
-    for qtype, k in (("Q6_K", 512), ("Q2_K", 512), ("Q5_1", 576)):
+    for qtype, k in (("Q6_K", 512), ("Q2_K", 512), ("Q5_1", 576), ("IQ4_XS", 512)):
         sub, _ = fake_subscaled(qtype, 16, k, np.random.default_rng(0))
         pk = subscaled_packed(sub, qtype)
         func = pk.compute("matmul", (1, 1))
@@ -243,3 +243,5 @@ def test_bit_plane_gemv_builds_for_arm_and_riscv(name):
         ex = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target.tvm())
         asm = ex.mod.inspect_source("asm")
         assert any(op in asm for op in fma), (name, qtype)
+        if qtype == "IQ4_XS" and name == "arm64-neon":
+            assert "tbl\t" in asm, "IQ4 indices are looked up with tbl"

@@ -4,7 +4,7 @@
 //   vm_decode MODEL.so PLAN.txt OUT.bin TOKEN...
 //
 // PLAN.txt: one line per Relax argument after (input_ids, past_len), in order:
-//   <dtype: f32|i64> <ndim> <dims...> <file|-> <byte offset> <nbytes>      ("-": zeros)
+//   <dtype: f32|f16|i64|i32|u32|i8|u8> <ndim> <dims...> <file|-> <byte offset> <nbytes>      ("-": zeros)
 // OUT.bin: the float32 logits of every step, concatenated.
 #include <tvm/ffi/container/array.h>
 #include <tvm/ffi/container/tensor.h>
@@ -49,7 +49,9 @@ static Tensor Wrap(Buf* b) {
 static Buf* NewBuf(const std::string& dt, std::vector<int64_t> shape) {
   auto* b = new Buf();
   b->shape = std::move(shape);
-  b->dtype = dt == "i64" ? DLDataType{kDLInt, 64, 1} : DLDataType{kDLFloat, 32, 1};
+  // dtype names as the plan writes them (targets_exec/qemu.py): f32, f16, i64, i32, u32, i8, u8
+  const uint8_t code = dt[0] == 'f' ? kDLFloat : dt[0] == 'u' ? kDLUInt : kDLInt;
+  b->dtype = DLDataType{code, static_cast<uint8_t>(std::stoi(dt.substr(1))), 1};
   size_t n = 1;
   for (int64_t d : b->shape) n *= static_cast<size_t>(d);
   b->nbytes = n * (b->dtype.bits / 8);
