@@ -38,7 +38,8 @@ def int4_codes(K: int, L: int) -> OnceCodes:  # noqa: N803
 
 
 def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offset: bool = False,
-              batch: bool = False, sb: int = 0, codes: OnceCodes | None = None, nibbles: bool = False) -> Any:
+              batch: bool = False, sb: int = 0, codes: OnceCodes | None = None, nibbles: bool = False,
+              sym: bool = False) -> Any:
     """Int4 GEMV over several rows of x (static M in 2..8, or paged_decode's symbolic batch), each
     weight unpacked once per MB rows: per L-code vector the nibbles are shifted, masked, converted
     and scaled (``w = q * s + c``, c = -z * s or the Q4_1 min) once into R registers, then FMAed
@@ -47,12 +48,12 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
     A symbolic batch runs in chunks of MB rows, the last one through a body unrolled for its row
     count (MB bodies in all). ``sb``: superblock scales (``gemv_int4_cpu.Scales``). ``codes``: the code
     reader (:class:`OnceCodes`; int4 by default, whose ``value`` takes the vector index g * VPG + u);
-    ``nibbles``: Q2_K's scale bytes (``gemv_int4_cpu.Scales``)."""
+    ``nibbles``: Q2_K's scale bytes, ``sym``: int4 zero point 8 without an array (``gemv_int4_cpu.Scales``)."""
     from tvm.script import tirx as T
 
     from schedules.gemv_int4_cpu import Scales
 
-    F = Scales(N, K, G, offset, sb, nibbles)
+    F = Scales(N, K, G, offset, sb, nibbles, sym=sym and codes is None)
     NG, SW, ST, ZT, ZW = F.NG, F.SW, F.ST, F.ZT, F.ZW
     VPG = G // L
     NV = K // L
@@ -105,7 +106,7 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
                     elif ZA:
                         acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
                             accg[r * L + lane]
-                            - T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[c * MB * NG * L + g * L + lane])
+                            - F.zero(Z, t * PER + nj * R + r, g) * xs[c * MB * NG * L + g * L + lane])
                     else:
                         acc[r * L + lane] = acc[r * L + lane] + F.scale(
                             S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
@@ -125,7 +126,7 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
                 if offset:
                     sc[r * 2 + 1] = F.min(S, Z, Zd, t * PER + nj * R + r, g)
                 elif ZA:
-                    sc[r * 2 + 1] = -T.Cast("float32", Z[t * PER + nj * R + r, g]) * sc[r * 2]
+                    sc[r * 2 + 1] = -F.zero(Z, t * PER + nj * R + r, g) * sc[r * 2]
             for u in T.unroll(VPG):
                 # the unpack, once per weight: R vectors of dequantized weights
                 for r in T.unroll(R):
@@ -199,4 +200,4 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
         views(body, S, Z, X, Q, Y, b, m)  # Sd / Zd: the superblock d / dmin (Scales.views)
 
-    return q4_gemv_once
+    return F.signature(q4_gemv_once)

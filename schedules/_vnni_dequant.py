@@ -30,8 +30,8 @@ class _Layout:
         self.ZT = self.ST if offset else "uint8"
         self.SW = self.NGP + (2 * (K // sb) if sb and bits != 3 else 0)  # (3-bit: d in the values' low bits)
         self.ZW = min_width(bits, K, sb, self.SW)  # (Q2_K: dmin alone; the mins are the scale bytes' high nibbles)
-        # int8 codes without a min, and table indices (IQ4), take no zero/min array
-        self.has_z = (bits == 4 and not lut) or offset
+        # int8 codes without a min, table indices (IQ4) and symmetric int4 (zero point 8) take no zero/min array
+        self.has_z = (bits == 4 and not lut and not sym) or offset
 
     def factor(self, A: Any, Ad: Any, row: Any, g: Any) -> Any:  # noqa: N803
         """Group g's scale (or min factor) as float32: the float16 value, or sc * d (superblocks)."""

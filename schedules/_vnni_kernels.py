@@ -131,7 +131,8 @@ def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple
     make_x, chunk_scales = _x_macros(g, e)
     body = _body_macro(g, e, make_x, chunk_scales, _row_task_macro(g, e))
     func = _gemv_prim_func(g, body)
-    return func if (g.pair and not g.lut) or g.offset else _without_zero(func)
+    # symmetric int4 (zero point 8), int8 codes and table indices take no zero array
+    return func if (g.pair and not g.lut and not g.sym) or g.offset else _without_zero(func)
 
 
 def _take(ns: SimpleNamespace, names: str) -> tuple[Any, ...]:

@@ -402,8 +402,9 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                             tiles(XQ32, DX, SQ, PK, SP, ZP, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
                                   0, 0)
 
-    if prepacked or pair or offset:
-        # (x, weights, scales, zero|min, y): the row layout's arrays, or ``prepack``'s panels
+    if prepacked or asym or offset:
+        # (x, weights, scales, zero|min, y): the row layout's arrays, or ``prepack``'s panels (symmetric
+        # int4, int8 and table indices take no zero array: the form below)
         i64 = T.int64
         if prepacked:
             W_SHAPE, W_DT = (i64(NB * S * nr * 16),), "uint32"

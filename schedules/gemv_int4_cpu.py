@@ -74,7 +74,9 @@ class Scales:
     same buffer, as ``schedules/_vnni_dequant._Layout.factor`` does. Without ``sb`` the expressions are
     the classic kernels' own (their generated code does not change)."""
 
-    def __init__(self, N: int, K: int, G: int, offset: bool, sb: int = 0, nibbles: bool = False) -> None:  # noqa: N803
+    def __init__(self, N: int, K: int, G: int, offset: bool, sb: int = 0, nibbles: bool = False,  # noqa: N803
+                 sym: bool = False) -> None:
+        self.sym = bool(sym and not offset)  # int4 zero point 8 everywhere: no zero array
         self.NG = -(-K // G)
         self.G, self.sb, self.offset, self.nibbles = G, sb, bool(offset), bool(nibbles and sb and offset)
         self.SW = self.NG + 2 * (K // sb) if sb else self.NG
@@ -108,6 +110,19 @@ class Scales:
             return -(T.Cast("float32", m) * T.Cast("float32", Zd[row * (self.ZW // 2) + g // (self.sb // self.G)]))
         return -self.scale(Z, Zd, row, g)
 
+    def zero(self, Z: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's int4 zero point as float32: 8 for symmetric formats (no array), else Z's uint8."""
+        from tvm.script import tirx as T
+
+        return T.float32(8) if self.sym else T.Cast("float32", Z[row, g])
+
+    def signature(self, func: Any) -> Any:
+        """A kernel as built, or without its zero parameter for symmetric formats (bound to the scales,
+        never read: ``_vnni_kernels._without_zero``)."""
+        from schedules._vnni_kernels import _without_zero
+
+        return _without_zero(func, scales="S") if self.sym else func
+
     def views(self) -> Any:
         """The macro ``views(body, S, Z, *rest)`` every kernel's PrimFunc ends with: it calls
         ``body(S, Z, Sd, Zd, *rest)``, Sd / Zd the float16 views of the scale / min buffers (the
@@ -133,13 +148,13 @@ class Scales:
 
 
 def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool = False, batch: bool = False,
-          sb: int = 0) -> Any:
+          sb: int = 0, sym: bool = False) -> Any:
     """Int4 GEMV over the rows of x [b, m, K]. One row after another, each a parallel launch; with
     ``batch`` (paged_decode's symbolic batch) one parallel launch with the rows innermost, so each
     task's R-row weight block is read from memory once per call and from L1 per row."""
     from tvm.script import tirx as T
 
-    F = Scales(N, K, G, offset, sb)
+    F = Scales(N, K, G, offset, sb, sym=sym)
     NG, SW, ST, ZT = F.NG, F.SW, F.ST, F.ZT  # offset (GGUF Q4_1): w = code * s + min
     VPG = G // L  # vectors per full group
     NV = K // L
@@ -200,7 +215,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
                 for r in T.unroll(R):
                     for lane in T.vectorized(L):
                         acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
-                            accg[r * L + lane] - T.Cast("float32", Z[t * PER + nj * R + r, g]) * xs[xs0 + g * L + lane]
+                            accg[r * L + lane] - F.zero(Z, t * PER + nj * R + r, g) * xs[xs0 + g * L + lane]
                         )
         for r in T.unroll(R):
             Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
@@ -248,13 +263,13 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
         Y = T.match_buffer(y_h, (b, m, T.int64(N)), "float32")
         views(body, S, Z, X, Q, Y, b, m)
 
-    return q4_gemv
+    return F.signature(q4_gemv)
 
 
-def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, sb: int = 0) -> Any:
+def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, sb: int = 0, sym: bool = False) -> Any:
     from tvm.script import tirx as T
 
-    F = Scales(N, K, G, offset, sb)
+    F = Scales(N, K, G, offset, sb, sym=sym)
     SW, ST, ZT = F.SW, F.ST, F.ZT
     views = F.views()
     NV = K // L
@@ -290,7 +305,7 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
                                         ),
                                     ),
                                 )
-                                - T.Cast("float32", Z[t * PER + nj, v * L // G])
+                                - F.zero(Z, t * PER + nj, v * L // G)
                             ) * T.Cast("float32", S[t * PER + nj, v * L // G])
 
     @T.prim_func(private=True)
@@ -302,10 +317,11 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
         Out = T.match_buffer(o_h, (T.int64(N), T.int64(K)), "float32")
         views(body, S, Z, Q, Out)
 
-    return q4_dequant
+    return F.signature(q4_dequant)
 
 
-def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = False, sb: int = 0) -> Any:
+def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = False, sb: int = 0,
+                    sym: bool = False) -> Any:
     """W written as [N / nb, K, nb] panels (the packed GEMM's layout, see weight_layout): an
     L x L tile is widened with the row kernel's contiguous loads, then stored transposed (L
     columns of L contiguous rows) through ``transpose_tile``'s shuffles."""
@@ -313,7 +329,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
 
     from schedules._vnni_kernels import transpose_tile
 
-    F = Scales(N, K, G, offset, sb)
+    F = Scales(N, K, G, offset, sb, sym=sym)
     SW, ST, ZT = F.SW, F.ST, F.ZT
     views = F.views()
     TR = L
@@ -326,7 +342,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
         q = T.Cast("float32", T.Cast("int32", T.bitwise_and(T.shift_right(Q[row, word], shift), T.uint32(15))))
         if offset:
             return q * F.scale(S, Sd, row, col // G) + F.min(S, Z, Zd, row, col // G)
-        return (q - T.Cast("float32", Z[row, col // G])) * T.Cast("float32", S[row, col // G])
+        return (q - F.zero(Z, row, col // G)) * T.Cast("float32", S[row, col // G])
 
     @T.macro
     def body(S, Z, Sd, Zd, Q, Out):
@@ -350,13 +366,13 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
         Out = T.match_buffer(o_h, (T.int64(N // nb), T.int64(K), T.int64(nb)), "float32")
         views(body, S, Z, Q, Out)
 
-    return q4_dequant_panels
+    return F.signature(q4_dequant_panels)
 
 
-def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> Any:
+def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0, sym: bool = False) -> Any:
     from tvm.script import tirx as T
 
-    F = Scales(N, K, G, offset, sb)
+    F = Scales(N, K, G, offset, sb, sym=sym)
     SW, ST, ZT = F.SW, F.ST, F.ZT
     views = F.views()
     NV = K // L
@@ -384,7 +400,7 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> 
                                     T.uint32(15),
                                 ),
                             )
-                            - T.Cast("float32", Z[ID[bm // m, bm % m], v * L // G])
+                            - F.zero(Z, ID[bm // m, bm % m], v * L // G)
                         ) * T.Cast("float32", S[ID[bm // m, bm % m], v * L // G])
 
     @T.prim_func(private=True)
@@ -399,7 +415,7 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0) -> 
         Out = T.match_buffer(o_h, (b, m, T.int64(K)), "float32")
         views(body, S, Z, Q, ID, Out, b, m)
 
-    return q4_take
+    return F.signature(q4_take)
 
 
 def rows_divisor(n: int, want: int) -> int:
@@ -427,8 +443,9 @@ class GemvInt4CPU(ScheduleTemplate):
         return out
 
     def _weight_arrays(self, info: dict[str, Any]) -> int:
-        """Weight arrays of this format's functions (the gather's ids follow them)."""
-        return self.weight_arrays
+        """Weight arrays of this format's functions (the gather's ids follow them): symmetric int4 has
+        no zero array."""
+        return self.weight_arrays - 1 if info.get("sym") and not info.get("offset") else self.weight_arrays
 
     def _fits(self, N: int, K: int, G: int, L: int) -> bool:
         return K % (8 * L) == 0 and G % L == 0  # 8 codes per uint32 word, whole vectors per group
@@ -441,7 +458,7 @@ class GemvInt4CPU(ScheduleTemplate):
 
     def _kernels(self, workload: Workload, target: TargetDescription) -> tuple[Any, Any, Any, Any, dict[str, Any]]:
         """(gemv, dequant, dequant_panels, take builders, their format keyword arguments)."""
-        fmt: dict[str, Any] = {"offset": bool(workload.info.get("offset"))}
+        fmt: dict[str, Any] = {"offset": bool(workload.info.get("offset")), "sym": bool(workload.info.get("sym"))}
         if workload.info.get("sb"):
             fmt["sb"] = int(workload.info["sb"])
         return _gemv, _dequant, _dequant_panels, _take, fmt

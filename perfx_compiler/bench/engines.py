@@ -52,40 +52,14 @@ class BenchEngine(ABC):
 
 
 # ----------------------------------------------------------------------------------------- PerfX
-def _unread_sym_zeros(manifest: dict[str, Any], artifact: str | Path | None) -> set[str]:
-    """Names of int4 zero-point arrays the decode GEMVs never read: with int8 activations (the VNNI
-    GEMV) a symmetric format's zero point is the constant 8 in the kernel (``_vnni_kernels.gemv``,
-    ``sym``), so its ``*_q4_zero`` array (uint8, all 8: e.g. GGUF Q4_0, 1 byte per 32 weights) is
-    stored but not streamed. Counting it would overstate the weight GB/s by 1/18."""
-    if artifact is None or manifest.get("activations") != "int8":
-        return set()
-    path = Path(artifact) / "weights.bin"
-    if not path.is_file():
-        return set()
-    out = set()
-    blob = np.memmap(path, dtype=np.uint8, mode="r")
-    for w in manifest["weights"]:
-        if w["name"].endswith("_q4_zero") and is_unread_sym_zero(manifest, blob[int(w["offset"]) : int(w["offset"]) + int(w["nbytes"])]):
-            out.add(w["name"])
-    return out
-
-
-def is_unread_sym_zero(manifest: dict[str, Any], zero: np.ndarray) -> bool:
-    """Whether an int4 zero-point array is one the decode GEMVs never read (see ``_unread_sym_zeros``):
-    int8 activations and uint8 zeros that are all 8 (a symmetric format)."""
-    return (manifest.get("activations") == "int8" and zero.dtype == np.uint8 and zero.size > 0
-            and bool(np.all(zero == 8)))
-
-
 def perfx_weight_bytes(manifest: dict[str, Any], artifact: str | Path | None = None) -> int:
-    """Decode-step weight bytes of an artifact: everything but RoPE tables, an untied embedding and
-    (given the artifact folder) zero-point arrays the kernels do not read (``_unread_sym_zeros``)."""
+    """Decode-step weight bytes of an artifact: everything but RoPE tables and an untied embedding
+    (symmetric int4 formats store no zero-point array: every stored array is read)."""
     tied = bool(manifest["model"].get("tie_word_embeddings", True))
-    skip = _unread_sym_zeros(manifest, artifact)
     total = 0
     for w in manifest["weights"]:
         name = w["name"]
-        if name.startswith("rope_") or (not tied and name.startswith("model_embed_tokens")) or name in skip:
+        if name.startswith("rope_") or (not tied and name.startswith("model_embed_tokens")):
             continue
         total += int(w["nbytes"])
     return total

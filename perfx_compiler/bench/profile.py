@@ -19,7 +19,6 @@ Bytes and FLOPs per call are estimated from the arguments (the artifact carries 
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -94,13 +93,7 @@ class _Estimator:
         nbytes = 0.0
         weight: tuple[int, ...] | None = None
         lookup = False
-        # symmetric int4 in the VNNI layout (tag g<G>sv): the kernels use the constant zero point 8 and
-        # never read the uint8 zero array (same shape as the float16 scales)
-        sym_vnni = re.search(r"_g\d+sv(?:_|$)", name) is not None
-        scale_shapes = {s for s, d in arrays if d == "float16"}
         for i, (s, d) in enumerate(arrays):
-            if sym_vnni and d == "uint8" and s in scale_shapes:
-                continue
             size = _nbytes(s, d)
             if s == self.cache_shape:
                 size = size * ctx / self.max_ctx

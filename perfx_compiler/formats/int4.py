@@ -7,7 +7,8 @@ Packed layout (what ``schedules/gemv_int4_cpu.py`` reads), for W [N, K]:
   column ``k = kb * B + j * L + l``. So one vector load of L words + a constant shift + mask gives
   L *consecutive* columns: unpacking is three vector ops and x is read contiguously.
 * ``scale``: float16 [N, ceil(K/G)], ``zero``: uint8 [N, ceil(K/G)]; w = (code - zero) * scale.
-  Symmetric quantization stores zero = 8 (codes -8..7 shifted). A group size that does not divide
+  Symmetric formats (GGUF Q4_0, q4 ``s`` groups, ONNX MatMulNBits without zero points) have zero = 8
+  everywhere and store no zero array: their kernels take the constant. A group size that does not divide
   K leaves a shorter last group (K = 576 with g128: 4 groups of 128 + one of 64).
 * Offset variant (``Int4Format.offset``, GGUF Q4_1 as it is): the third array is ``min``, float16
   [N, ceil(K/G)], and w = code * scale + min.
@@ -156,12 +157,12 @@ def int4_packed(
             words=words,
         )
 
+    arrays = [("_q4", pack_int4(codes, lanes)), ("_q4_scale", np.ascontiguousarray(scale, dtype=np.float16))]
     if fmt.offset:
-        third_arr = ("_q4_min", np.ascontiguousarray(third, dtype=np.float16))
-    else:
+        arrays.append(("_q4_min", np.ascontiguousarray(third, dtype=np.float16)))
+    elif not fmt.symmetric:  # (symmetric: zero point 8, no array)
         zero = np.ascontiguousarray(third, dtype=np.uint8)
-        third_arr = ("_q4_zero", zero_words(zero) if words else zero)
-    arrays = [("_q4", pack_int4(codes, lanes)), ("_q4_scale", np.ascontiguousarray(scale, dtype=np.float16)), third_arr]
+        arrays.append(("_q4_zero", zero_words(zero) if words else zero))
 
     def vnni() -> Any:
         from perfx_compiler.formats.vnni import q4_vnni_packed
@@ -215,8 +216,12 @@ def int4_matmul_compute(
     else:
         s = te.placeholder((n, ng), "float16", name="scale")
         z = te.placeholder((n, ng), "float16" if offset else "uint8", name="min" if offset else "zero")
+    if symmetric and not offset:  # zero point 8 everywhere: no array
+        z = None
 
     def zero(row: Any, g: Any) -> Any:
+        if z is None:
+            return tirx.const(8.0, "float32")
         if not words:
             return z[row, g].astype("float32")
         byte = (z[row, g // 4] >> ((g % 4) * 8).astype("uint32")) & tirx.const(255, "uint32")
@@ -237,7 +242,7 @@ def int4_matmul_compute(
 
     b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
     m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
-    ws = [q, s, z] if sd is None else [q, s, sd, z, zd]
+    ws = ([q, s] if z is None else [q, s, z]) if sd is None else [q, s, sd, z, zd]
     if kind == "dequant":
         out = te.compute((n, k), lambda row, col: w(row, col), name="dequant_q4")
         func = te.create_prim_func([*ws, out])

@@ -152,9 +152,11 @@ def q4_vnni_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt:
     n, k = codes.shape
     n2 = n + n % 2
     arrays = [("_q4", pack_q4_pairs(codes)),
-              ("_q4_scale", pad_groups(np.asarray(scale, dtype=np.float16), k, fmt.group, n2)),
-              ("_q4_min", pad_groups(np.asarray(third, dtype=np.float16), k, fmt.group, n2)) if fmt.offset
-              else ("_q4_zero", pad_groups(np.asarray(third, dtype=np.uint8), k, fmt.group, n2))]
+              ("_q4_scale", pad_groups(np.asarray(scale, dtype=np.float16), k, fmt.group, n2))]
+    if fmt.offset:
+        arrays.append(("_q4_min", pad_groups(np.asarray(third, dtype=np.float16), k, fmt.group, n2)))
+    elif not fmt.symmetric:  # (symmetric: zero point 8, no array)
+        arrays.append(("_q4_zero", pad_groups(np.asarray(third, dtype=np.uint8), k, fmt.group, n2)))
 
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
         return vnni_compute(n, k, fmt.group, 4, fmt.symmetric, fmt.offset, kind, rows, ids_dtype)
@@ -376,7 +378,7 @@ def vnni_compute(
     sw = scale_width(k, group, 0 if bits == 3 else sb)  # (3-bit: d in the values' low bits, no d tail)
     s = te.placeholder((nu * rpu, sw), "int8" if sb else "float16", name="scale")
     z = None
-    if (bits == 4 and not lut) or offset:
+    if (bits == 4 and not lut and not symmetric) or offset:  # (symmetric int4: zero point 8, no array)
         from perfx_compiler.formats.vnni_lowbit import min_width
 
         z = te.placeholder((nu * rpu, min_width(bits, k, sb, sw)), ("int8" if sb else "float16") if offset else "uint8",
@@ -427,7 +429,7 @@ def vnni_compute(
         code = nib.astype("float32")
         if offset:
             return code * sc + (-factor(z, row, g) if sb else factor(z, row, g))
-        return (code - z[row, g].astype("float32")) * sc
+        return (code - (z[row, g].astype("float32") if z is not None else tirx.const(8.0, "float32"))) * sc
 
     ins = [q, s] + ([z] if z is not None else [])
     b = tirx.Var("b", "int64") if rows[0] is None else rows[0]

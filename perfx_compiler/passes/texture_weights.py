@@ -206,8 +206,11 @@ class _Group:
             return {self.images[0]: gt.pack_image(w, self.layouts[0])}
         codes = np.ascontiguousarray(weights[self.names[0]])
         words = codes.view(np.uint32) if codes.dtype != np.uint32 else codes
+        columns = [np.asarray(weights[nm]) for nm in self.names[1:]]
+        if self.fmt == "q4" and len(columns) == 1:  # symmetric int4: zero point 8, no array in the table
+            columns.append(np.full(columns[0].shape, 8, np.float32))
         return {self.images[0]: gt.pack_image(words, self.layouts[0]),
-                self.images[1]: gt.pack_scales([weights[nm] for nm in self.names[1:]], self.layouts[1])}
+                self.images[1]: gt.pack_scales(columns, self.layouts[1])}
 
     def kernel(self, use: _Use, built: dict[str, Any]) -> tuple[str, Any]:
         """(name, PrimFunc) of the texture kernel replacing ``use``; TextureLimitError when none fits.

@@ -113,14 +113,8 @@ def pinned_inputs(func: Any) -> dict[str, int]:
     timed on a 10-token cache, its split count would tune nothing), by parameter name."""
     import json
 
-    from perfx_compiler.formats import read_quant_info
 
     pins: dict[str, int] = {}
-    info = read_quant_info(func) or {}
-    if info.get("sym") and info.get("bits") == 4 and not info.get("offset"):
-        # symmetric int4 (GGUF Q4_0, q4_*_sym): the kernels take the zero point as the constant 8 and
-        # never read the zero array; random zeros made every candidate "wrong" against the reference
-        pins["zero"] = 8
     attrs = func.attrs
     if attrs is not None and PINNED_ATTR in attrs:
         pins.update(json.loads(str(attrs[PINNED_ATTR])))

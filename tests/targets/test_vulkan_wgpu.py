@@ -182,8 +182,8 @@ def test_int4_zero_words_kernel_matches_numpy() -> None:
 def test_int4_zero_points_decode_on_lavapipe_matches_x86(
     qtype: str, quantization: str, launcher, tmp_path: Path
 ) -> None:
-    """GGUF Q4_0 (zero 8) and asymmetric q4_g32 (a zero per group) on vulkan: the zero points travel as
-    uint32 words (no 8-bit tensors in WGSL); decode logits through the WGSL launcher = the x86 build."""
+    """GGUF Q4_0 (zero 8, no array) and asymmetric q4_g32 (a zero per group) on vulkan: the zero points
+    travel as uint32 words (no 8-bit tensors in WGSL); decode logits through the WGSL launcher = the x86 build."""
     from perfx_compiler.model.testing import write_tiny_gguf
     from perfx_compiler.pipeline import compile_model
     from perfx_compiler.runtime.engine import Engine
@@ -202,9 +202,11 @@ def test_int4_zero_points_decode_on_lavapipe_matches_x86(
         dtypes = {str(p.ty.dtype) for p in f.params if hasattr(p.ty, "dtype") and hasattr(p.ty, "shape")}
         assert not dtypes & {"int8", "uint8", "int64"}, (name, dtypes)
     zeros = [np.asarray(v).view(np.uint8) for k, v in state.weights.items() if k.endswith("_q4_zero")]
-    assert zeros and all(z.dtype == np.uint8 for z in zeros)
     if quantization == "q4_g32":
+        assert zeros and all(z.dtype == np.uint8 for z in zeros)
         assert len(np.unique(np.concatenate([z.ravel() for z in zeros]))) > 3  # zeros differ per group
+    else:
+        assert not zeros  # Q4_0 is symmetric: zero point 8 in the kernels, no array
     got = np.stack(run_decode_steps(state, launcher, TOKENS, state.weights))
     host = compile_model(
         str(path), "host", tmp_path / "x86", progress=False, max_context=MAX_CONTEXT, activations="f32",

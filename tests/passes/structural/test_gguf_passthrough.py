@@ -106,7 +106,6 @@ class Expected:
     def decode(x: R.Tensor((1, 1, 32), "float32"), h: R.Tensor((1, 1, 64), "float32"), z: R.Tensor((1, 1, 16), "float32"),
                model_layers_0_self_attn_qkv_proj_weight_q4: R.Tensor((16, 4), "uint32"),
                model_layers_0_self_attn_qkv_proj_weight_q4_scale: R.Tensor((16, 1), "float16"),
-               model_layers_0_self_attn_qkv_proj_weight_q4_zero: R.Tensor((16, 1), "uint8"),
                model_layers_0_mlp_down_proj_weight_q8: R.Tensor((16, 64), "int8"),
                model_layers_0_mlp_down_proj_weight_q8_scale: R.Tensor((16, 2), "float16"),
                other_weight: R.Tensor((16, 16), "float32")):
@@ -114,8 +113,8 @@ class Expected:
         cls = Expected
         with R.dataflow():
             qkv = R.call_tir(cls.q4_matmul_16_32_g32s_1x1,
-                             (x, model_layers_0_self_attn_qkv_proj_weight_q4, model_layers_0_self_attn_qkv_proj_weight_q4_scale,
-                              model_layers_0_self_attn_qkv_proj_weight_q4_zero), out_ty=R.Tensor((1, 1, 16), "float32"))
+                             (x, model_layers_0_self_attn_qkv_proj_weight_q4, model_layers_0_self_attn_qkv_proj_weight_q4_scale),
+                             out_ty=R.Tensor((1, 1, 16), "float32"))
             down = R.call_tir(cls.q8_matmul_16_64_g32_1x1,
                               (h, model_layers_0_mlp_down_proj_weight_q8, model_layers_0_mlp_down_proj_weight_q8_scale),
                               out_ty=R.Tensor((1, 1, 16), "float32"))
@@ -135,12 +134,11 @@ def test_linears_read_the_gguf_blocks() -> None:
         q8_matmul_16_64_g32_1x1=opaque(int8_matmul_compute(16, 64, 32, kind="matmul", rows=(1, 1))),
     )
     tvm.ir.assert_structural_equal(after, expected)
-    assert list(new) == [QKV + "_q4", QKV + "_q4_scale", QKV + "_q4_zero", DOWN + "_q8", DOWN + "_q8_scale",
-                         "other_weight"]
+    # Q4_0 is symmetric: zero point 8 in the kernels, no zero array
+    assert list(new) == [QKV + "_q4", QKV + "_q4_scale", DOWN + "_q8", DOWN + "_q8_scale", "other_weight"]
     codes4, d4 = parts[QKV]
     np.testing.assert_array_equal(new[QKV + "_q4"], pack_int4(codes4, 4))
     np.testing.assert_array_equal(new[QKV + "_q4_scale"].view(np.uint16), d4.view(np.uint16))  # bit for bit
-    np.testing.assert_array_equal(new[QKV + "_q4_zero"], np.full((16, 1), 8, np.uint8))
     codes8, d8 = parts[DOWN]
     np.testing.assert_array_equal(new[DOWN + "_q8"], codes8)
     np.testing.assert_array_equal(new[DOWN + "_q8_scale"].view(np.uint16), d8.view(np.uint16))
@@ -191,7 +189,6 @@ class ExpectedVnni:
     def decode(x: R.Tensor((1, 1, 32), "float32"), h: R.Tensor((1, 1, 64), "float32"), z: R.Tensor((1, 1, 16), "float32"),
                model_layers_0_self_attn_qkv_proj_weight_q4: R.Tensor((8, 64), "uint8"),
                model_layers_0_self_attn_qkv_proj_weight_q4_scale: R.Tensor((16, 16), "float16"),
-               model_layers_0_self_attn_qkv_proj_weight_q4_zero: R.Tensor((16, 16), "uint8"),
                model_layers_0_mlp_down_proj_weight_q8: R.Tensor((16, 64), "uint8"),
                model_layers_0_mlp_down_proj_weight_q8_scale: R.Tensor((16, 16), "float16"),
                other_weight: R.Tensor((16, 16), "float32")):
@@ -199,8 +196,8 @@ class ExpectedVnni:
         cls = ExpectedVnni
         with R.dataflow():
             qkv = R.call_tir(cls.q4_matmul_16_32_g32sv_1x1,
-                             (x, model_layers_0_self_attn_qkv_proj_weight_q4, model_layers_0_self_attn_qkv_proj_weight_q4_scale,
-                              model_layers_0_self_attn_qkv_proj_weight_q4_zero), out_ty=R.Tensor((1, 1, 16), "float32"))
+                             (x, model_layers_0_self_attn_qkv_proj_weight_q4, model_layers_0_self_attn_qkv_proj_weight_q4_scale),
+                             out_ty=R.Tensor((1, 1, 16), "float32"))
             down = R.call_tir(cls.q8_matmul_16_64_g32v_1x1,
                               (h, model_layers_0_mlp_down_proj_weight_q8, model_layers_0_mlp_down_proj_weight_q8_scale),
                               out_ty=R.Tensor((1, 1, 16), "float32"))
@@ -226,7 +223,7 @@ def test_int8_activations_read_the_blocks_in_the_vnni_layout() -> None:
     pairs[:, :32] = codes4[0::2] | (codes4[1::2] << 4)  # rows 2p (low nibble) and 2p + 1 (high)
     np.testing.assert_array_equal(new[QKV + "_q4"], pairs)
     np.testing.assert_array_equal(new[QKV + "_q4_scale"], np.pad(d4, ((0, 0), (0, 15))))
-    np.testing.assert_array_equal(new[QKV + "_q4_zero"], np.pad(np.full((16, 1), 8, np.uint8), ((0, 0), (0, 15))))
+    assert QKV + "_q4_zero" not in new  # symmetric: no zero array
     codes8, d8 = parts[DOWN]
     np.testing.assert_array_equal(new[DOWN + "_q8"], (codes8.astype(np.int16) + 128).astype(np.uint8))
     np.testing.assert_array_equal(new[DOWN + "_q8_scale"], np.pad(d8, ((0, 0), (0, 14))))
