@@ -215,4 +215,6 @@ def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = 
 
         return q8_vnni_packed(codes, scale, group)
 
-    return Packed("q8", f"g{group}", n, k, arrays, compute, vnni)
+    # the code width is part of the kernel names: a Q5_0 / IQ4_NL weight must not share Q8_0's kernel
+    tag = f"g{group}" + (f"b{code_bits}" if code_bits != 8 else "")
+    return Packed("q8", tag, n, k, arrays, compute, vnni)

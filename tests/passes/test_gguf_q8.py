@@ -127,3 +127,17 @@ def test_q8_logits_match_dequantized_reference(compiled: Any) -> None:
         weights[name] = dequantize_int8(*quantize_int8(w, 32), 32) if w.ndim == 2 else w
     art = compiled("q8", desc, GGUF_PASSES, "q8")
     assert max_rel_err(Engine(art), ModelDescription(config=desc.config, weights=weights, source="q8")) < 1e-3
+
+
+def test_q5_0_and_q8_0_weights_of_one_shape_get_kernels_of_their_own() -> None:
+    """Kernels are named by family, shape and format tag: a Q5_0 weight (5-bit planes on CPUs) must not
+    share the name of a same-shape Q8_0 weight's kernel (byte codes), as Gemma 3's Q4_K_M file has them
+    (k_proj Q5_0, v_proj Q8_0: the compile once failed with their arrays crossed)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from perfx_compiler.formats.gguf_blocks import packed_from_blocks
+
+    w = np.random.default_rng(2).standard_normal((16, 640)).astype(np.float32)
+    tags = {q: packed_from_blocks(q, quantize(w, GGMLQuantizationType[q]), w.shape).tag for q in ("Q5_0", "Q8_0")}
+    assert tags["Q5_0"] != tags["Q8_0"], tags
