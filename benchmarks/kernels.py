@@ -47,6 +47,13 @@ machine: with more runnable threads than cores, ggml's OpenMP calls stall for mi
 
 Decode speed of whole models per activation type is an A/B of two builds:
 ``benchmarks/ab.py --compile smollm2-135m "--activations f32" "--activations int8" --labels f32,int8``.
+
+``bytes``: artifact bytes against GGUF file bytes per block type and weight layout (issue #25: <= 1.03x),
+no timing (the bytes depend only on the layouts). Each type's random blocks (``random_blocks``) at
+TinyLlama-1.1B's down projection (2048 x 5632) go through the GGUF passthrough's own packing
+(``passes/gguf_passthrough._pack``) into each layout a compile can choose: int8_act (x86 with AVX-512
+VNNI), float_act (CPUs without it: ARM, RISC-V, older x86), gpu. Writes
+benchmarks/results/format_bytes.csv and .png.
 """
 
 from __future__ import annotations
@@ -584,6 +591,42 @@ def ggml_main(args: argparse.Namespace) -> int:
     return 0
 
 
+BYTES_LAYOUTS = {"int8_act": {"vnni": True}, "float_act": {"vnni": False}, "gpu": {"vnni": False, "gpu": True}}
+
+
+def bytes_main(args: argparse.Namespace) -> int:
+    """``bytes``: artifact / file bytes per GGUF type and layout (module docstring)."""
+    from perfx_compiler.bench.ggml_mul_mat import BLOCKS, random_blocks
+    from perfx_compiler.passes.gguf_passthrough import _pack
+
+    n, k = 2048, 5632
+    rng = np.random.default_rng(0)
+    rows = []
+    for qtype in BLOCKS:
+        raw = random_blocks(qtype, n, k, rng)
+        row = {"type": qtype, "N": n, "K": k, "file_bytes": raw.nbytes}
+        for name, opts in BYTES_LAYOUTS.items():
+            pk = _pack(qtype, raw, (n, k), False, **opts)
+            row[f"{name}_bytes"] = pk.nbytes
+            row[f"{name}_vs_file"] = pk.nbytes / raw.nbytes
+        rows.append(row)
+        print(f"{qtype:7s} " + "  ".join(f"{nm} {row[f'{nm}_vs_file']:.3f}x" for nm in BYTES_LAYOUTS), flush=True)
+    out = Path(args.out) if args.out else RESULTS / "format_bytes.csv"
+    write_csv(out, rows, floats=".4f")
+    with figure(out.with_suffix(".png"), figsize=(10, 4)) as (_fig, ax):
+        x = np.arange(len(rows))
+        for i, name in enumerate(BYTES_LAYOUTS):
+            ax.bar(x + (i - 1) * 0.27, [r[f"{name}_vs_file"] for r in rows], 0.27, label=name)
+        ax.axhline(1.03, color="k", ls="--", lw=1, label="1.03x (issue #25)")
+        ax.set_xticks(x)
+        ax.set_xticklabels([r["type"] for r in rows])
+        ax.set_ylabel("artifact bytes / GGUF file bytes")
+        ax.set_title(f"Weight bytes per layout, {n} x {k} random blocks")
+        ax.legend(fontsize=8)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="kind", required=True)
@@ -614,7 +657,11 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--out", default=None, help="default: results/<machine>/kernels_vs_ggml.csv")
     q.add_argument("--merge", action="store_true",
                    help="replace only the rerun cases (type, shape, rows) in an existing CSV (after one format's kernels changed)")
+    by = sub.add_parser("bytes", help="artifact / GGUF file bytes per block type and weight layout (no timing)")
+    by.add_argument("--out", default=None, help="default: results/format_bytes.csv")
     args = ap.parse_args(argv)
+    if args.kind == "bytes":
+        return bytes_main(args)
     if args.kind == "ggml":
         return ggml_main(args)
     if args.kind == "gemm":
