@@ -53,12 +53,11 @@ def te_factor(a: Any, row: Any, g: Any, groups: int, group: int, sb: int) -> Any
 def te_nibble_factors(s: Any, z: Any, row: Any, g: Any, groups: int, group: int, sb: int) -> tuple[Any, Any]:
     """(TE reference, Q2_K: ``formats/vnni_lowbit.pack_q2_scales``) group ``g``'s (sc * d, m * dmin) from
     its scale byte sc | m << 4, d in the scale row's tail and dmin alone in the min array ``z``."""
-    from tvm import tirx
+    from perfx_compiler.formats.vnni_lowbit import group_nibble
 
     sup = 2 * (g // (sb // group))
-    sc = (s[row, g] & tirx.const(15, "int8")).astype("float32")
-    m = ((s[row, g] >> tirx.const(4, "int8")) & tirx.const(15, "int8")).astype("float32")
-    return sc * te_f16(s, row, groups + sup), m * te_f16(z, row, sup)
+    return (group_nibble(s[row, g], False).astype("float32") * te_f16(s, row, groups + sup),
+            group_nibble(s[row, g], True).astype("float32") * te_f16(z, row, sup))
 
 
 def d_words(d: np.ndarray) -> np.ndarray:

@@ -392,16 +392,12 @@ def vnni_compute(
             from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scale_times_4
 
             return scale_times_4(a[row, g]).astype("float32") * d_of_bytes(lambda r, c: a[r, c], row, g)
-        q2_min = bits == 2 and a is z  # Q2_K's min array holds only dmin; its m is the scale byte's high nibble
-        at = (0 if q2_min else ngp) + 2 * (g // (sb // group))
-        d16 = a[row, at].astype("uint8").astype("uint16") | (a[row, at + 1].astype("uint8").astype("uint16") << 8)
-        if bits == 2:
-            from perfx_compiler.formats.vnni_lowbit import group_nibble
+        from perfx_compiler.formats.superblocks import te_f16, te_nibble_factors
 
-            value = group_nibble(s[row, g], q2_min)
-        else:
-            value = a[row, g]
-        return value.astype("float32") * tirx.reinterpret("float16", d16).astype("float32")
+        if bits == 2:  # Q2_K: scale bytes sc | m << 4, the min array dmin alone
+            sc, mn = te_nibble_factors(s, z, row, g, ngp, group, sb)
+            return mn if a is z else sc
+        return a[row, g].astype("float32") * te_f16(a, row, ngp + 2 * (g // (sb // group)))
 
     def w(row: Any, col: Any) -> Any:
         g = col // group
