@@ -52,7 +52,7 @@ class BenchEngine(ABC):
 
 
 # ----------------------------------------------------------------------------------------- PerfX
-def perfx_weight_bytes(manifest: dict[str, Any], artifact: str | Path | None = None) -> int:
+def perfx_weight_bytes(manifest: dict[str, Any]) -> int:
     """Decode-step weight bytes of an artifact: everything but RoPE tables and an untied embedding
     (symmetric int4 formats store no zero-point array: every stored array is read)."""
     tied = bool(manifest["model"].get("tie_word_embeddings", True))
@@ -98,7 +98,7 @@ class PerfXEngine(BenchEngine):
         return self.engine.decode_greedy(token, n)[-1] if n > 0 else int(token)
 
     def weight_bytes_per_token(self) -> int:
-        return perfx_weight_bytes(self.engine.manifest, self.artifact)
+        return perfx_weight_bytes(self.engine.manifest)
 
     def info(self) -> dict[str, Any]:
         m = self.engine.manifest

@@ -119,7 +119,7 @@ def run_remote(args: argparse.Namespace, work: Path, prefill_lens: list[int]) ->
         raise PerfXError(f"the device of key {args.rpc_key!r} could not load {art}: "
                          f"{str(err).strip().splitlines()[-1][:300]}") from None
     print(f"{PROG}: {art.name} ({target.name}) loaded on rpc:{args.rpc_key} in {time.perf_counter() - t0:.1f} s")
-    weight_bytes = perfx_weight_bytes(manifest, art)
+    weight_bytes = perfx_weight_bytes(manifest)
     position = args.prompt_tokens + args.decode_tokens // 2
     probe = device_read_probe(sess, dev, target, mib=args.bw_size_mb)  # built and uploaded once
     rows: list[dict[str, Any]] = []
