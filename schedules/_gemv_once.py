@@ -46,12 +46,12 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
     into MB x R vector accumulators, one per (row, weight row). The per-row kernel (``_gemv``)
     repeats the unpack for every row, so M rows cost M times its ALU work on a memory-bound loop.
     A symbolic batch runs in chunks of MB rows, the last one through a body unrolled for its row
-    count (MB bodies in all). ``sb``: superblock scales (``gemv_int4_cpu.Scales``). ``codes``: the code
+    count (MB bodies in all). ``sb``: superblock scales (``_scales.Scales``). ``codes``: the code
     reader (:class:`OnceCodes`; int4 by default, whose ``value`` takes the vector index g * VPG + u);
-    ``nibbles``: Q2_K's scale bytes, ``sym``: int4 zero point 8 without an array (``gemv_int4_cpu.Scales``)."""
+    ``nibbles``: Q2_K's scale bytes, ``sym``: int4 zero point 8 without an array (``_scales.Scales``)."""
     from tvm.script import tirx as T
 
-    from schedules.gemv_int4_cpu import Scales
+    from schedules._scales import Scales
 
     F = Scales(N, K, G, offset, sb, nibbles, sym=sym and codes is None)
     NG, SW, ST, ZT, ZW = F.NG, F.SW, F.ST, F.ZT, F.ZW

@@ -41,6 +41,7 @@ from perfx_compiler.schedule_template import (
 )
 from perfx_compiler.targets import TargetDescription
 from schedules._gemv_once import gemv_once
+from schedules._scales import Scales
 
 GEMV_MAX_ROWS = 8
 quant_info = read_quant_info  # the name the other quantized templates import from here
@@ -64,87 +65,6 @@ def batch_rows(buf: Any) -> bool:
     m = getattr(shape[1], "value", None) if len(shape) == 3 else None
     return isinstance(m, int) and m <= GEMV_MAX_ROWS and not isinstance(getattr(shape[0], "value", None), int)
 
-
-
-class Scales:
-    """How a kernel reads a weight's scale and zero / min tables: float16 [N, NG] (uint8 zeros or
-    float16 mins), or with ``sb`` (superblock scales, ``formats/superblocks.py``) int8 [N, SW],
-    SW = NG + 2 K/sb, whose row tail holds the superblocks' float16 d (dmin), read through a
-    float16 view (``Ad``: ``decl_buffer((N * SW // 2,), "float16", data=A.data)``, :meth:`views`) of the
-    same buffer, as ``schedules/_vnni_dequant._Layout.factor`` does. Without ``sb`` the expressions are
-    the classic kernels' own (their generated code does not change)."""
-
-    def __init__(self, N: int, K: int, G: int, offset: bool, sb: int = 0, nibbles: bool = False,  # noqa: N803
-                 sym: bool = False) -> None:
-        self.sym = bool(sym and not offset)  # int4 zero point 8 everywhere: no zero array
-        self.NG = -(-K // G)
-        self.G, self.sb, self.offset, self.nibbles = G, sb, bool(offset), bool(nibbles and sb and offset)
-        self.SW = self.NG + 2 * (K // sb) if sb else self.NG
-        # nibbles (GGUF Q2_K, formats/vnni_lowbit.pack_q2_scales): scale bytes sc | m << 4, the min
-        # array only the superblocks' dmin
-        self.ZW = 2 * (K // sb) if self.nibbles else self.SW
-        self.ST = "int8" if sb else "float16"
-        self.ZT = "int8" if sb else ("float16" if offset else "uint8")
-        self.VIEW = N * self.SW // 2  # float16 elements of a view
-        self.ZVIEW = N * self.ZW // 2
-
-    def scale(self, A: Any, Ad: Any, row: Any, g: Any) -> Any:  # noqa: N803
-        """Group g's scale as float32: the float16 value, or sc * d."""
-        from tvm.script import tirx as T
-
-        if not self.sb:
-            return T.Cast("float32", A[row, g])
-        d = Ad[row * (self.SW // 2) + self.NG // 2 + g // (self.sb // self.G)]
-        sc = A[row, g] & T.int8(15) if self.nibbles else A[row, g]
-        return T.Cast("float32", sc) * T.Cast("float32", d)
-
-    def min(self, S: Any, Z: Any, Zd: Any, row: Any, g: Any) -> Any:  # noqa: N803
-        """Group g's additive min (offset variants) as float32: the float16 min, or -(m * dmin) (m the
-        high nibble of the scale byte ``S[row, g]`` with ``nibbles``)."""
-        from tvm.script import tirx as T
-
-        if not self.sb:
-            return T.Cast("float32", Z[row, g])
-        if self.nibbles:
-            m = T.shift_right(S[row, g], T.int8(4)) & T.int8(15)
-            return -(T.Cast("float32", m) * T.Cast("float32", Zd[row * (self.ZW // 2) + g // (self.sb // self.G)]))
-        return -self.scale(Z, Zd, row, g)
-
-    def zero(self, Z: Any, row: Any, g: Any) -> Any:  # noqa: N803
-        """Group g's int4 zero point as float32: 8 for symmetric formats (no array), else Z's uint8."""
-        from tvm.script import tirx as T
-
-        return T.float32(8) if self.sym else T.Cast("float32", Z[row, g])
-
-    def signature(self, func: Any) -> Any:
-        """A kernel as built, or without its zero parameter for symmetric formats (bound to the scales,
-        never read: ``_vnni_kernels._without_zero``)."""
-        from schedules._vnni_kernels import _without_zero
-
-        return _without_zero(func, scales="S") if self.sym else func
-
-    def views(self) -> Any:
-        """The macro ``views(body, S, Z, *rest)`` every kernel's PrimFunc ends with: it calls
-        ``body(S, Z, Sd, Zd, *rest)``, Sd / Zd the float16 views of the scale / min buffers (the
-        superblock d / dmin) with ``sb``, else S / Z themselves: no view is declared that the
-        kernel does not read (the classic kernels' TIR as it was; no Zd without a min)."""
-        from tvm.script import tirx as T
-
-        SB, OFF, VIEW, ZVIEW = bool(self.sb), self.offset, self.VIEW, self.ZVIEW
-
-        @T.macro
-        def views(body, S, Z, *rest):
-            if SB and OFF:
-                Sd = T.decl_buffer((VIEW,), "float16", data=S.data)
-                Zd = T.decl_buffer((ZVIEW,), "float16", data=Z.data)
-                body(S, Z, Sd, Zd, *rest)
-            elif SB:
-                Sd = T.decl_buffer((VIEW,), "float16", data=S.data)
-                body(S, Z, Sd, Z, *rest)
-            else:
-                body(S, Z, S, Z, *rest)
-
-        return views
 
 
 def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool = False, batch: bool = False,
@@ -176,47 +96,63 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
             for lane in T.vectorized(L):
                 xs[xs0 + (c * L // G) * L + lane] = xs[xs0 + (c * L // G) * L + lane] + xr[xr0 + c * L + lane]
 
+    GPS = F.GPS  # superblock factors from a table (Scales.fill_table)
+    BY_SB = GPS > 0
+    fill_table = F.fill_table(R)
+
+    @T.macro
+    def one_group(Q, S, Z, Sd, Zd, xr, xs, xr0, xs0, acc, accg, fac, fmin, t, nj, g):
+        for r in T.unroll(R):
+            for lane in T.vectorized(L):
+                accg[r * L + lane] = T.float32(0)
+        for u in T.unroll(VPG):
+            for r in T.unroll(R):
+                for lane in T.vectorized(L):
+                    accg[r * L + lane] = accg[r * L + lane] + (
+                        T.Cast(
+                            "float32",
+                            T.Cast(
+                                "int32",
+                                T.bitwise_and(
+                                    T.shift_right(
+                                        Q[t * PER + nj * R + r, T.min((g * VPG + u) // 8, NB - 1) * L + lane],
+                                        T.Cast("uint32", ((g * VPG + u) % 8) * 4),
+                                    ),
+                                    T.uint32(15),
+                                ),
+                            ),
+                        ) * xr[xr0 + (g * VPG + u) * L + lane]
+                    )
+        if offset:
+            for r in T.unroll(R):
+                for lane in T.vectorized(L):
+                    acc[r * L + lane] = acc[r * L + lane] + (
+                        F.table_scale(S, Sd, fac, t * PER + nj * R, r, g) * accg[r * L + lane]
+                        + F.table_min(S, Z, Zd, fmin, t * PER + nj * R, r, g) * xs[xs0 + g * L + lane]
+                    )
+        else:
+            for r in T.unroll(R):
+                for lane in T.vectorized(L):
+                    acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
+                        accg[r * L + lane] - F.zero(Z, t * PER + nj * R + r, g) * xs[xs0 + g * L + lane]
+                    )
+
     @T.macro
     def row_block(Q, S, Z, Sd, Zd, Y, xr, xs, xr0, xs0, acc, accg, t, nj, bm, m):
         # R weight rows against one row of x: R independent FMA chains sharing each x load
         for r in T.unroll(R):
             for lane in T.vectorized(L):
                 acc[r * L + lane] = T.float32(0)
-        for g in T.serial(NG):
-            for r in T.unroll(R):
-                for lane in T.vectorized(L):
-                    accg[r * L + lane] = T.float32(0)
-            for u in T.unroll(VPG):
-                for r in T.unroll(R):
-                    for lane in T.vectorized(L):
-                        accg[r * L + lane] = accg[r * L + lane] + (
-                            T.Cast(
-                                "float32",
-                                T.Cast(
-                                    "int32",
-                                    T.bitwise_and(
-                                        T.shift_right(
-                                            Q[t * PER + nj * R + r, T.min((g * VPG + u) // 8, NB - 1) * L + lane],
-                                            T.Cast("uint32", ((g * VPG + u) % 8) * 4),
-                                        ),
-                                        T.uint32(15),
-                                    ),
-                                ),
-                            ) * xr[xr0 + (g * VPG + u) * L + lane]
-                        )
-            if offset:
-                for r in T.unroll(R):
-                    for lane in T.vectorized(L):
-                        acc[r * L + lane] = acc[r * L + lane] + (
-                            F.scale(S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
-                            + F.min(S, Z, Zd, t * PER + nj * R + r, g) * xs[xs0 + g * L + lane]
-                        )
-            else:
-                for r in T.unroll(R):
-                    for lane in T.vectorized(L):
-                        acc[r * L + lane] = acc[r * L + lane] + T.Cast("float32", S[t * PER + nj * R + r, g]) * (
-                            accg[r * L + lane] - F.zero(Z, t * PER + nj * R + r, g) * xs[xs0 + g * L + lane]
-                        )
+        if BY_SB:
+            fac = T.decl_buffer((R * GPS,), "float32", scope="local")
+            fmin = T.decl_buffer((R * GPS,), "float32", scope="local")
+            for sbi in T.serial(NG // GPS):
+                fill_table(S, Z, Sd, Zd, fac, fmin, t * PER + nj * R, sbi)
+                for gi in T.serial(GPS):
+                    one_group(Q, S, Z, Sd, Zd, xr, xs, xr0, xs0, acc, accg, fac, fmin, t, nj, sbi * GPS + gi)
+        else:
+            for g in T.serial(NG):
+                one_group(Q, S, Z, Sd, Zd, xr, xs, xr0, xs0, acc, accg, acc, acc, t, nj, g)
         for r in T.unroll(R):
             Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 

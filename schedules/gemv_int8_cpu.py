@@ -13,7 +13,7 @@ GGUF superblock types kept as they are (``formats/superblocks.py``; info ``offse
 on the classic format): unsigned codes with a min (Q5_K, Q5_1: one more weight array, the GEMV adds
 ``min_g * sum_g(x)``, the group's x summed beside the codes) and superblock scales (Q6_K, Q3_K,
 IQ4_XS, Q5_K: int8 sc times the row's float16 d read through a float16 view of the scale buffer,
-``gemv_int4_cpu.Scales``). Every kernel above reads them.
+``_scales.Scales``). Every kernel above reads them.
 
 Q2_K (``code_bits`` 2) keeps the file's scale bytes ``sc | m << 4`` and a min array of dmin alone
 (``Scales``' nibbles, ``formats/vnni_lowbit.pack_q2_scales``).
@@ -35,8 +35,9 @@ from perfx_compiler.formats.vnni import lookup_isa, table_value_lanes
 from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.schedule_template import ScheduleConfigError, Workload
 from schedules._gemv_once import OnceCodes, gemv_once
+from schedules._scales import Scales
 from schedules._vnni_kernels import _without_zero
-from schedules.gemv_int4_cpu import GemvInt4CPU, Scales
+from schedules.gemv_int4_cpu import GemvInt4CPU
 
 
 class Codes:
@@ -98,9 +99,13 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
     PER = N // tasks
 
     GU = C.groups_per_step(G, NG)
+    GPS = F.GPS  # superblock factors from a table (_scales.Scales.fill_table)
+    GU = GU if not GPS or GPS % GU == 0 else 1
+    BY_SB = GPS > 0
+    fill_table = F.fill_table(R)
 
     @T.macro
-    def one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, t, nj, bm, m, g):
+    def one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, fac, fmin, t, nj, bm, m, g):
         for r in T.unroll(R):
             for lane in T.vectorized(L):
                 accg[r * L + lane] = T.float32(0)
@@ -119,14 +124,13 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
             for r in T.unroll(R):
                 for lane in T.vectorized(L):
                     acc[r * L + lane] = acc[r * L + lane] + (
-                        F.scale(S, Sd, t * PER + nj * R + r, g) * accg[r * L + lane]
-                        + F.min(S, Z, Zd, t * PER + nj * R + r, g) * accx[lane])
+                        F.table_scale(S, Sd, fac, t * PER + nj * R, r, g) * accg[r * L + lane]
+                        + F.table_min(S, Z, Zd, fmin, t * PER + nj * R, r, g) * accx[lane])
         else:
             for r in T.unroll(R):
                 for lane in T.vectorized(L):
-                    acc[r * L + lane] = acc[r * L + lane] + F.scale(
-                        S, Sd, t * PER + nj * R + r, g
-                    ) * accg[r * L + lane]
+                    acc[r * L + lane] = acc[r * L + lane] + F.table_scale(S, Sd, fac, t * PER + nj * R, r, g) * accg[
+                        r * L + lane]
 
     @T.macro
     def row_block(X, Q, S, Z, Sd, Zd, Y, acc, accg, accx, t, nj, bm, m):
@@ -134,13 +138,22 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
         for r in T.unroll(R):
             for lane in T.vectorized(L):
                 acc[r * L + lane] = T.float32(0)
-        if GU == 1:
+        if BY_SB:  # superblock by superblock: its factors, then its groups (GU at a time for bit planes)
+            fac = T.decl_buffer((R * GPS,), "float32", scope="local")
+            fmin = T.decl_buffer((R * GPS,), "float32", scope="local")
+            for sbi in T.serial(NG // GPS):
+                fill_table(S, Z, Sd, Zd, fac, fmin, t * PER + nj * R, sbi)
+                for go in T.serial(GPS // GU):
+                    for gi in T.unroll(GU):
+                        one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, fac, fmin, t, nj, bm, m,
+                                  sbi * GPS + go * GU + gi)
+        elif GU == 1:
             for g in T.serial(NG):
-                one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, t, nj, bm, m, g)
+                one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, acc, acc, t, nj, bm, m, g)
         else:  # bit-plane codes: GU groups unrolled, so each plane field's shift is a constant
             for go in T.serial(NG // GU):
                 for gi in T.unroll(GU):
-                    one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, t, nj, bm, m, go * GU + gi)
+                    one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, acc, acc, t, nj, bm, m, go * GU + gi)
         for r in T.unroll(R):
             Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 

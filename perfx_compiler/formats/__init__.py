@@ -7,7 +7,9 @@ attribute below).
     gguf_blocks.py  GGUF blocks read as they are (Q4_0, Q4_1, Q8_0) into the int4 / int8 tables
     vnni.py         the x86 AVX-512 VNNI layouts of the int4 / int8 tables (int8 activations)
     superblocks.py  GGUF superblock types (formats/ggml: K-quants, IQ4, Q5_1) in the int4 / int8 tables
-    bitplanes.py    2- to 6-bit codes (Q6_K, Q5_K, Q5_1, Q5_0, Q3_K, Q2_K) as bit planes in the int8 tables (CPU)
+    bitplanes.py    2- to 6-bit codes (Q6_K, Q5_K, Q5_1, Q5_0, Q3_K, Q2_K) as bit planes in the int8 tables
+                    (per row on CPUs, a uint32 array a plane on GPUs)
+    gpu_factors.py  the GPU layout of the superblock factors (group values as bit planes, d | dmin words)
     half.py         f16 / bf16 weights
     panels.py       the [N / nb, K, nb] panels CPU GEMMs / GEMVs read float and half weights in
 

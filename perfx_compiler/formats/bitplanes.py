@@ -45,14 +45,20 @@ def row_bytes(k: int, bits: int) -> int:
     return at + -(-k // _span(width)) * WIDTH
 
 
+def _checked(codes: np.ndarray, bits: int, who: str) -> np.ndarray:
+    """``codes`` as an array, after checking they are unsigned ``bits``-bit values with a plane layout."""
+    codes = np.asarray(codes)
+    if bits not in PLANES:
+        raise ValueError(f"{who}: {bits}-bit codes have no plane layout ({', '.join(map(str, sorted(PLANES)))})")
+    if codes.size and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
+        raise ValueError(f"{who}: codes must be unsigned {bits}-bit values")
+    return codes
+
+
 def pack_planes(codes: np.ndarray, bits: int) -> np.ndarray:
     """Unsigned codes [N, K] (0..2^bits-1) -> uint8 [N, row_bytes(K, bits)] (module docstring)."""
-    codes = np.asarray(codes)
+    codes = _checked(codes, bits, "pack_planes")
     n, k = codes.shape
-    if bits not in PLANES:
-        raise ValueError(f"pack_planes: {bits}-bit codes have no plane layout ({', '.join(map(str, sorted(PLANES)))})")
-    if codes.size and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
-        raise ValueError(f"pack_planes: codes must be unsigned {bits}-bit values")
     out = np.zeros((n, row_bytes(k, bits)), dtype=np.uint8)
     low = 0
     for width, at in plane_offsets(k, bits):
@@ -101,6 +107,57 @@ def plane_code(load: Any, row: Any, base: Any, lane: Any, k: int, bits: int) -> 
         shift = shift if isinstance(shift, int) else shift.astype("int32")
         # the field lands at bit ``low`` of the code: (byte << low) >> shift, masked there
         field = ((byte << low) if low else byte) >> shift & tirx.const(((1 << width) - 1) << low, "int32")
+        code = field if code is None else code | field
+        low += width
+    return code
+
+
+# GPU layout: each plane an array of its own, fields in consecutive order (no runs). dlight's GEMV rules
+# need one read per array per weight and no interleave: column c of a w-bit plane is field c % (32/w) of
+# uint32 word c // (32/w), as the int4 GPU layout's eight consecutive columns a word.
+
+
+def pack_word_planes(codes: np.ndarray, bits: int) -> list[np.ndarray]:
+    """Unsigned codes [N, K] (0..2^bits-1) -> one uint32 [N, K * w / 32] array per plane of
+    ``PLANES[bits]`` (low bits first); K * w must be a multiple of 32."""
+    codes = _checked(codes, bits, "pack_word_planes")
+    n, k = codes.shape
+    out, low = [], 0
+    for width in PLANES[bits]:
+        per = 32 // width
+        if k % per:
+            raise ValueError(f"pack_word_planes: K={k} is not a multiple of {per} ({width}-bit fields a word)")
+        field = ((codes.astype(np.uint32) >> np.uint32(low)) & np.uint32((1 << width) - 1)).reshape(n, k // per, per)
+        shifts = (np.arange(per, dtype=np.uint32) * np.uint32(width)).reshape(1, 1, per)
+        out.append(np.ascontiguousarray(np.bitwise_or.reduce(field << shifts, axis=2), dtype=np.uint32))
+        low += width
+    return out
+
+
+def unpack_word_planes(planes: list[np.ndarray], k: int, bits: int) -> np.ndarray:
+    """The inverse of :func:`pack_word_planes`: uint8 codes [N, K]."""
+    out, low = None, 0
+    for width, words in zip(PLANES[bits], planes, strict=True):
+        per = 32 // width
+        shifts = (np.arange(per, dtype=np.uint32) * np.uint32(width)).reshape(1, 1, per)
+        field = (words[:, :, None] >> shifts) & np.uint32((1 << width) - 1)
+        part = field.reshape(words.shape[0], -1)[:, :k] << np.uint32(low)
+        out = part if out is None else out | part
+        low += width
+    return out.astype(np.uint8)
+
+
+def word_plane_code(planes: list[Any], row: Any, col: Any, bits: int) -> Any:
+    """(TE) int32 code of column ``col`` of row ``row`` from the uint32 plane placeholders of
+    :func:`pack_word_planes`: one read of each plane."""
+    from tvm import tirx
+
+    code, low = None, 0
+    for width, plane in zip(PLANES[bits], planes, strict=True):
+        per = 32 // width
+        shift = ((col % per) * width).astype("uint32")
+        field = ((plane[row, col // per] >> shift) & tirx.const((1 << width) - 1, "uint32")).astype("int32")
+        field = field << low if low else field
         code = field if code is None else code | field
         low += width
     return code

@@ -94,8 +94,8 @@ def packed_from_blocks(
     qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool = False, vnni: bool = False, gpu: bool = False
 ) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor (``words8``: Q8_0 codes and Q4_0 zeros as uint32 words, for WGSL;
-    ``vnni``: its int8-activation variant directly, the same arrays ``Packed.vnni()`` would give; on CPUs
-    (not ``gpu``) Q5_0's codes in 5-bit planes, ``formats/bitplanes.py``)."""
+    ``vnni``: its int8-activation variant directly, the same arrays ``Packed.vnni()`` would give; Q5_0's codes
+    in 5-bit planes, ``formats/bitplanes.py``, per row on CPUs, a uint32 array a plane with ``gpu``)."""
     parts = unpack_blocks(qtype, raw, shape)
     if qtype == "Q5_0" and vnni:
         from perfx_compiler.formats.ggml._format import SubScaled
@@ -109,8 +109,8 @@ def packed_from_blocks(
             from perfx_compiler.formats.vnni import q8_vnni_packed
 
             return q8_vnni_packed(parts[0], parts[1], BLOCK)
-        bits = 5 if qtype == "Q5_0" and not gpu else 8
-        return int8_packed(parts[0], parts[1], BLOCK, words=words8, code_bits=bits)
+        bits = 5 if qtype == "Q5_0" else 8
+        return int8_packed(parts[0], parts[1], BLOCK, words=words8, code_bits=bits, word_planes=gpu)
     fmt = Q4_0 if qtype == "Q4_0" else Q4_1
     if vnni:
         from perfx_compiler.formats.vnni import q4_vnni_packed

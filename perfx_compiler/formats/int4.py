@@ -12,12 +12,11 @@ Packed layout (what ``schedules/gemv_int4_cpu.py`` reads), for W [N, K]:
   K leaves a shorter last group (K = 576 with g128: 4 groups of 128 + one of 64).
 * Offset variant (``Int4Format.offset``, GGUF Q4_1 as it is): the third array is ``min``, float16
   [N, ceil(K/G)], and w = code * scale + min.
-* Superblock scales (info ``sb: 256``, GGUF Q4_K / Q2_K as they are, ``formats/superblocks.py``;
+* Superblock scales (info ``sb: 256``, GGUF Q4_K as it is, ``formats/superblocks.py``;
   offset only): ``scale`` and ``min`` are int8 [N, NG + 2 * K/256]: the group values (sub-block
   scale ``sc``, min ``m``), then the row's superblock ``d`` (``dmin``) as little-endian float16 bytes;
-  w = code * (sc * d) - (m * dmin), every product exact in float32. GPU layout (info ``d_words``):
-  group values int8 [N, NG] (uint32 words on WGSL), each followed by d as float32 bits, uint32 [N, K/256]
-  (``formats.superblocks.subscaled_packed``'s ``gpu``).
+  w = code * (sc * d) - (m * dmin), every product exact in float32. GPU layout (info ``gpu_factors``):
+  the factors in ``formats/gpu_factors.py``'s uint32 arrays (``formats.superblocks.subscaled_packed``'s ``gpu``).
 * Zero words (``words``, GPU targets without 8-bit types: WGSL): ``zero`` is uint32 [N, ceil(ng/4)],
   the uint8 zeros' own bytes (4 groups a word, little-endian, the last word zero-padded), as the int8
   codes of ``formats.int8`` are.
@@ -175,7 +174,7 @@ def int4_packed(
 def int4_matmul_compute(
     n: int, k: int, group: int, lanes: int, symmetric: bool, kind: str = "matmul",
     rows: tuple[int | None, int | None] = (1, None), offset: bool = False, ids_dtype: str = "int64",
-    words: bool = False, sb: int = 0, d_words: bool = False,
+    words: bool = False, sb: int = 0, gpu_factors: Any = None,
 ) -> Any:
     """Reference PrimFunc ``y[0, m, n] = sum_k x[0, m, k] * dequant(W)[n, k]`` (M symbolic), tagged
     with ``perfx.quant`` so the int4 template can replace it with its scheduled kernel. Correct
@@ -184,27 +183,21 @@ def int4_matmul_compute(
     ``rows``: the two leading dims of x (ids), each static or None for symbolic; ``ids_dtype``: the
     graph's index dtype (int32 on targets without 64-bit integers, where shapes are int32 too);
     ``words``: the zeros arrive as uint32 words (:func:`zero_words`) and the info says ``"words": true``;
-    ``sb``: superblock scales (module docstring; offset only); ``d_words``: their GPU layout
-    (``formats.superblocks.subscaled_packed``'s ``gpu``: group values int8 [N, NG], or uint32 words with
-    ``words``, and d as float32 bits, uint32 [N, K/sb], after each; info ``"d_words": true``)."""
+    ``sb``: superblock scales (module docstring; offset only); ``gpu_factors``: their GPU layout (a
+    ``formats.gpu_factors.GpuFactors``, every array uint32; info ``"gpu_factors": true``)."""
     from tvm import te, tirx
 
     ng = -(-k // group)
     block = 8 * lanes
-    if sb and (not offset or (words and not d_words) or k % sb):
+    gpu_sb = bool(sb and gpu_factors is not None)
+    if sb and (not offset or (words and not gpu_sb) or k % sb):
         raise PerfXError(f"internal: int4 superblock scales need the min variant and K % {sb} == 0 (K={k})")
     q = te.placeholder((n, k // 8), "uint32", name="q")
-    words = words and (not offset or bool(sb and d_words))
-    d_words = bool(sb and d_words)
-    sd = zd = None
-    if d_words:
-        from perfx_compiler.formats.superblocks import te_factor_apart
-
-        cols, dt = (-(-ng // 4), "uint32") if words else (ng, "int8")
-        s = te.placeholder((n, cols), dt, name="scale")
-        sd = te.placeholder((n, k // sb), "uint32", name="scale_d")
-        z = te.placeholder((n, cols), dt, name="min")
-        zd = te.placeholder((n, k // sb), "uint32", name="min_d")
+    words = words and (not offset or gpu_sb)
+    fs: list[Any] = []
+    if gpu_sb:
+        s = z = None
+        fs = gpu_factors.placeholders()
     elif sb:
         from perfx_compiler.formats.superblocks import te_factor
 
@@ -231,9 +224,9 @@ def int4_matmul_compute(
         word = q[row, (col // block) * lanes + col % lanes]
         code = (word >> ((col % block) // lanes * 4).astype("uint32")) & tirx.const(15, "uint32")
         g = col // group
-        if d_words:  # code * (sc * d) - (m * dmin), sc / m and d / dmin in arrays of their own
-            return (code.astype("float32") * te_factor_apart(s, sd, row, g, group, sb, words)
-                    - te_factor_apart(z, zd, row, g, group, sb, words))
+        if gpu_sb:  # code * (sc * d) - (m * dmin), the factors in arrays of their own
+            sc, mn = gpu_factors.factors(fs, row, g)
+            return code.astype("float32") * sc - mn
         if sb:  # code * (sc * d) - (m * dmin)
             return code.astype("float32") * te_factor(s, row, g, ng, group, sb) - te_factor(z, row, g, ng, group, sb)
         if offset:
@@ -242,7 +235,7 @@ def int4_matmul_compute(
 
     b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
     m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
-    ws = ([q, s] if z is None else [q, s, z]) if sd is None else [q, s, sd, z, zd]
+    ws = [q, *fs] if gpu_sb else [q, s] if z is None else [q, s, z]
     if kind == "dequant":
         out = te.compute((n, k), lambda row, col: w(row, col), name="dequant_q4")
         func = te.create_prim_func([*ws, out])
@@ -259,6 +252,6 @@ def int4_matmul_compute(
     info["kind"] = kind
     if words:
         info["words"] = True
-    if d_words:
-        info["d_words"] = True
+    if gpu_sb:
+        info["gpu_factors"] = True
     return func.with_attr(QUANT_ATTR, json.dumps(info, sort_keys=True))

@@ -19,9 +19,8 @@ Variants for the GGUF superblock types kept as they are (``formats/superblocks.p
   codes (Q2_K) the scale bytes are the file's sc | m << 4 and the min array [N, 2 K/256] holds dmin alone.
   ``code_bits`` 4 (IQ4_NL, IQ4_XS): 4-bit indices into ggml's non-linear table, the kernels look the
   value up (``formats/vnni.table_value``).
-* their GPU layout (info ``d_words: true``): ``scale`` (``min``) int8 [N, K/G] group values, each
-  followed by ``scale_d`` (``min_d``) uint32 [N, K/256], d's float32 bits; with ``words`` (WGSL) the
-  codes and group values as uint32 words.
+* their GPU layout (info ``gpu_factors: true``): the codes' planes as uint32 arrays of their own
+  (``bitplanes.pack_word_planes``: ``q``, ``q_hi``), the factors in ``formats/gpu_factors.py``'s arrays.
 """
 
 from __future__ import annotations
@@ -70,17 +69,18 @@ def lanes8(k: int, group: int) -> int:
 
 def int8_matmul_compute(
     n: int, k: int, group: int, kind: str = "matmul", rows: tuple[int | None, int | None] = (1, None),
-    ids_dtype: str = "int64", words: bool = False, offset: bool = False, sb: int = 0, d_words: bool = False,
-    code_bits: int = 8,
+    ids_dtype: str = "int64", words: bool = False, offset: bool = False, sb: int = 0, gpu_factors: Any = None,
+    code_bits: int = 8, word_planes: bool = False,
 ) -> Any:
     """Reference PrimFunc of an int8 linear (``kind``: matmul / dequant / take, as in ``formats.int4``),
     tagged ``perfx.quant`` with bits = 8. Correct (slow) on any target as it is. ``words``: the codes
     arrive as uint32 [N, K/4] (4 codes per word, little-endian: the int8 array's own bytes), for
     targets without 8-bit types (WGSL); the info then says ``"words": true``. ``offset`` / ``sb``:
-    the superblock variants of the module docstring; ``d_words``: the superblock arrays' GPU layout
-    (``formats.int4.int4_matmul_compute``; group values and d apart, info ``"d_words": true``). With
+    the superblock variants of the module docstring; ``gpu_factors``: the superblock factors' GPU layout
+    (a ``formats.gpu_factors.GpuFactors``; info ``"gpu_factors": true``). With
     ``words`` the offset variant's uint8 codes (and the group values) are words too. ``code_bits`` 2 / 3 / 5 / 6:
-    the codes in bit planes (module docstring; never with ``words`` or ``d_words``)."""
+    the codes in bit planes (module docstring; on CPUs never with ``words``); with ``word_planes`` (GPU
+    layouts) each plane a uint32 array of its own (``bitplanes.pack_word_planes``: ``q``, then ``q_hi``)."""
     from tvm import te, tirx
 
     from perfx_compiler.formats import bitplanes
@@ -90,25 +90,21 @@ def int8_matmul_compute(
     ng = k // group
     if words and k % 4:
         raise PerfXError(f"q8: K={k} is not a multiple of 4; the codes cannot be read as 32-bit words")
-    d_words = bool(sb and d_words)
-    if (offset or sb) and ((words and sb and not d_words) or (sb and k % sb)):
+    gpu_sb = bool(sb and gpu_factors is not None)
+    if (offset or sb) and ((words and sb and not gpu_sb) or (sb and k % sb)):
         raise PerfXError(f"internal: q8 superblock / min variants take byte codes and K % {sb} == 0 (K={k})")
-    if code_bits != 8 and (words or d_words or code_bits not in bitplanes.PLANES):
+    word_planes = word_planes and code_bits != 8
+    if code_bits != 8 and (code_bits not in bitplanes.PLANES or (not word_planes and (words or gpu_sb))):
         raise PerfXError(f"internal: q8 bit-plane codes take 2 to 6 bits and byte arrays (got {code_bits})")
     qshape, qdtype = ((n, bitplanes.row_bytes(k, code_bits)), "uint8") if code_bits != 8 else ((n, k), None)
-    nibbles = code_bits == 2 and bool(sb) and offset and not d_words  # Q2_K: scale bytes sc | m << 4
-    z = sd = zd = None
-    if d_words:
-        from perfx_compiler.formats.superblocks import te_factor_apart
-
-        cols, dt = (-(-ng // 4), "uint32") if words else (ng, "int8")
-        q = te.placeholder((n, -(-k // 4)) if words else (n, k), "uint32" if words else "uint8" if offset else "int8",
-                           name="q")
-        s = te.placeholder((n, cols), dt, name="scale")
-        sd = te.placeholder((n, k // sb), "uint32", name="scale_d")
-        if offset:
-            z = te.placeholder((n, cols), dt, name="min")
-            zd = te.placeholder((n, k // sb), "uint32", name="min_d")
+    nibbles = code_bits == 2 and bool(sb) and offset and not gpu_sb  # Q2_K: scale bytes sc | m << 4
+    z = None
+    fs: list[Any] = []
+    if gpu_sb:  # codes in word planes (below), factors in gpu_factors' arrays
+        if not word_planes:
+            raise PerfXError("internal: the GPU superblock layout takes codes in word planes")
+        q = s = None
+        fs = gpu_factors.placeholders()
     elif offset or sb:
         from perfx_compiler.formats.superblocks import te_factor, te_nibble_factors
 
@@ -122,7 +118,17 @@ def int8_matmul_compute(
         q = te.placeholder((n, k // 4) if words else qshape, "uint32" if words else qdtype or "int8", name="q")
         s = te.placeholder((n, ng), "float16", name="scale")
 
+    qs = [q]
+    if word_planes:
+        qs = [te.placeholder((n, k * width // 32), "uint32", name="q_hi" if i else "q")
+              for i, width in enumerate(bitplanes.PLANES[code_bits])]
+
     def code(row: Any, col: Any) -> Any:
+        if word_planes:
+            c = bitplanes.word_plane_code(qs, row, col, code_bits)
+            if code_bits == 4:  # IQ4 table indices
+                return table_value(c, "iq4nl", "int32")
+            return c if offset else c - (1 << (code_bits - 1))
         if code_bits != 8:  # unsigned codes; signed ones (no min) stored + 2^(bits-1)
             c = bitplanes.plane_code(lambda r, i: q[r, i], row, col, 0, k, code_bits)
             if code_bits == 4:  # IQ4 table indices
@@ -136,10 +142,10 @@ def int8_matmul_compute(
         return (byte.astype("int32") ^ 128) - 128  # sign-extend without 8-bit types
 
     def w(row: Any, col: Any) -> Any:
-        if d_words:  # code * (sc * d) [- (m * dmin)], sc / m and d / dmin in arrays of their own
-            g = col // group
-            v = code(row, col).astype("float32") * te_factor_apart(s, sd, row, g, group, sb, words)
-            return v - te_factor_apart(z, zd, row, g, group, sb, words) if offset else v
+        if gpu_sb:  # code * (sc * d) [- (m * dmin)], the factors in arrays of their own
+            sc, mn = gpu_factors.factors(fs, row, col // group)
+            v = code(row, col).astype("float32") * sc
+            return v - mn if offset else v
         if nibbles:  # code * (sc * d) - (m * dmin), sc and m the nibbles of one scale byte
             sc, mn = te_nibble_factors(s, z, row, col // group, ng, group, sb)
             return code(row, col).astype("float32") * sc - mn
@@ -153,7 +159,7 @@ def int8_matmul_compute(
             return code(row, col).astype("float32") * sc + z[row, g].astype("float32")
         return code(row, col).astype("float32") * s[row, col // group].astype("float32")
 
-    ws = [q, s] + ([sd] if sd is not None else []) + ([z] if z is not None else []) + ([zd] if zd is not None else [])
+    ws = [*qs, *fs] if gpu_sb else [*qs, s] + ([z] if z is not None else [])
     b = tirx.Var("b", "int64") if rows[0] is None else rows[0]
     m = tirx.Var("m", "int64") if rows[1] is None else rows[1]
     if kind == "dequant":
@@ -175,18 +181,22 @@ def int8_matmul_compute(
         info["offset"] = True
     if sb:
         info["sb"] = sb
-    if d_words:
-        info["d_words"] = True
+    if gpu_sb:
+        info["gpu_factors"] = True
     if code_bits != 8:
         info["code_bits"] = code_bits
+    if word_planes:
+        info["word_planes"] = True
     return func.with_attr(QUANT_ATTR, json.dumps(info, sort_keys=True))
 
 
-def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = False, code_bits: int = 8) -> Any:
+def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = False, code_bits: int = 8,
+                word_planes: bool = False) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of int8 codes [N, K] + float16 scales [N, K/G]; ``words``: the codes
     stored as uint32 [N, K/4] (same bytes; see :func:`int8_matmul_compute`); ``code_bits`` 5: signed codes
     of that many bits (GGUF Q5_0: -16..15) stored + 2^(bits-1) in bit planes (``formats/bitplanes.py``); 4: the
-    codes are IQ4_NL table values, stored as their 4-bit indices."""
+    codes are IQ4_NL table values, stored as their 4-bit indices; ``word_planes`` (GPU layouts): the planes as
+    uint32 arrays of their own (``bitplanes.pack_word_planes``)."""
     from perfx_compiler.formats import Packed
 
     n, k = codes.shape
@@ -194,20 +204,25 @@ def int8_packed(codes: np.ndarray, scale: np.ndarray, group: int, words: bool = 
 
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
         return int8_matmul_compute(n, k, group, kind=kind, rows=rows, ids_dtype=ids_dtype, words=words,
-                                   code_bits=code_bits)
+                                   code_bits=code_bits, word_planes=word_planes)
 
     q = np.ascontiguousarray(codes, dtype=np.int8)
+    planes: list[tuple[str, np.ndarray]] = []
     if code_bits != 8:
-        from perfx_compiler.formats.bitplanes import pack_planes
+        from perfx_compiler.formats.bitplanes import pack_planes, pack_word_planes
         from perfx_compiler.formats.vnni import table_indices
 
         unsigned = table_indices(q, "iq4nl") if code_bits == 4 else q.astype(np.int16) + (1 << (code_bits - 1))
-        q = pack_planes(unsigned, code_bits)
+        if word_planes:
+            q, *hi = pack_word_planes(unsigned, code_bits)
+            planes = [("_q8_hi", h) for h in hi]
+        else:
+            q = pack_planes(unsigned, code_bits)
     elif words:
         if k % 4:
             raise PerfXError(f"q8: K={k} is not a multiple of 4; the codes cannot be read as 32-bit words")
         q = q.view(np.uint32)
-    arrays = [("_q8", q),
+    arrays = [("_q8", q), *planes,
               ("_q8_scale", np.ascontiguousarray(scale, dtype=np.float16))]
 
     def vnni() -> Any:

@@ -17,7 +17,8 @@ Superblock scale arrays are int8 [N, NG + 2 * K/sb]: the group values (sc, or m)
 superblock factor (d, or dmin) as little-endian float16 bytes; the kernels read the float16 through a
 view of the same buffer, as the VNNI kernels do. Every product (sc * d, m * dmin, code * (sc * d)) is
 exact in float32, so dequantize and gather reproduce ``ggml.weights`` bit for bit. GPU targets take
-another layout of the same values (Q2_K and Q3_K as int4 codes there, Q3_K's zero as a min) (:func:`subscaled_packed`'s ``gpu``; docs/decisions/gguf-superblocks.md).
+another layout of the same values: codes in word planes, factors in ``formats/gpu_factors.py``'s arrays
+(:func:`subscaled_packed`'s ``gpu``; docs/decisions/gguf-superblocks.md).
 """
 
 from __future__ import annotations
@@ -60,11 +61,6 @@ def te_nibble_factors(s: Any, z: Any, row: Any, g: Any, groups: int, group: int,
             group_nibble(s[row, g], True).astype("float32") * te_f16(z, row, sup))
 
 
-def d_words(d: np.ndarray) -> np.ndarray:
-    """float16 superblock factors [N, K/sb] -> uint32 [N, K/sb]: each one's float32 bits (exact)."""
-    return np.ascontiguousarray(np.asarray(d, dtype=np.float16).astype(np.float32)).view(np.uint32)
-
-
 def byte_words(a: np.ndarray) -> np.ndarray:
     """int8 / uint8 [N, C] -> uint32 [N, ceil(C/4)]: the bytes as they are, column c in byte c % 4 of word
     c // 4 (little-endian, the last word zero-padded): ``formats.int4.zero_words`` of any byte array."""
@@ -83,16 +79,6 @@ def te_byte(a: Any, row: Any, col: Any, words: bool, signed: bool) -> Any:
     return (byte ^ 128) - 128 if signed else byte  # sign-extend without 8-bit types
 
 
-def te_factor_apart(a: Any, ad: Any, row: Any, g: Any, group: int, sb: int, words: bool = False) -> Any:
-    """(TE reference, GPU layout) group ``g``'s factor sc * d: sc from the int8 group values ``a`` (or
-    their words), d the float32 bits in uint32 ``ad`` [N, K/sb] (:func:`d_words`). One read per array
-    per weight, as dlight's GEMV rules need, and no float16 (OpenCL without cl_khr_fp16, WGSL)."""
-    from tvm import tirx
-
-    d = tirx.reinterpret("float32", ad[row, g // (sb // group)])
-    return te_byte(a, row, g, words, True).astype("float32") * d
-
-
 # CPU codes in formats/bitplanes.py (4: IQ4 table indices)
 PLANE_BITS = {"Q6_K": 6, "Q5_K": 5, "Q5_1": 5, "Q3_K": 3, "Q2_K": 2, "IQ4_XS": 4, "IQ4_NL": 4}
 
@@ -102,21 +88,19 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
     float-activation CPU kernels (module docstring); ``.vnni()`` is :func:`~perfx_compiler.formats.vnni.subscaled_vnni_packed`.
 
     ``gpu``: the GPU layout (dlight's GEMV rules need one read per array per weight, and OpenCL
-    devices without cl_khr_fp16 cannot read float16): each superblock scale (min) array is split into
-    the int8 group values [N, K/G] (``_scale`` / ``_min``) and the superblock d (dmin) as float32 bits,
-    uint32 [N, K/sb] (``_scale_d`` / ``_min_d``, right after each); info ``d_words: true``; int4 codes
-    with lanes 1 (eight consecutive columns a word). ``words``
-    (with ``gpu``; WGSL, no 8-bit types): every 8-bit array (int8 / uint8 codes, group values) as
-    uint32 words (:func:`byte_words`); info ``words: true``. The one-level types keep their float16
+    devices without cl_khr_fp16 cannot read float16): codes in uint32 word planes, one array a plane
+    (``bitplanes.pack_word_planes``; Q4_K: int4 lanes 1, eight consecutive columns a word), the superblock
+    factors in ``formats/gpu_factors.py``'s uint32 arrays (info ``gpu_factors: true``). ``words`` (with
+    ``gpu``; WGSL, no 8-bit types): marks the kernels ``words: true`` (every array is uint32 already). The
+    one-level types keep their float16
     tables (IQ4_NL: the classic int8 layout, Q5_1: float16 scale and min)."""
     from perfx_compiler.formats import Packed
-    from perfx_compiler.formats.bitplanes import pack_planes
+    from perfx_compiler.formats.bitplanes import pack_planes, pack_word_planes
+    from perfx_compiler.formats.gpu_factors import GpuFactors
     from perfx_compiler.formats.int4 import Int4Format, int4_matmul_compute, pack_int4
     from perfx_compiler.formats.int8 import int8_matmul_compute, int8_packed
     from perfx_compiler.formats.vnni import (
         NIBBLE_TYPES,
-        SIGNED_NIBBLE_TYPES,
-        signed_nibbles_with_min,
         subscaled_vnni_packed,
         table_indices,
     )
@@ -127,11 +111,9 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
     def vnni() -> Any:
         return subscaled_vnni_packed(vnni_of, qtype)
 
-    # CPU: 2-, 3-, 5- and 6-bit codes in bit planes (signed ones + 2^(bits-1)), the file's bits a
-    # weight, read by the int8 kernels; GPUs read a byte (int4: a nibble) a code
-    code_bits = 8 if gpu else PLANE_BITS.get(qtype, 8)
-    if qtype in SIGNED_NIBBLE_TYPES and code_bits == 8:
-        sub = signed_nibbles_with_min(sub, SIGNED_NIBBLE_TYPES[qtype])
+    # 2-, 3-, 5- and 6-bit codes in bit planes (signed ones + 2^(bits-1)), the file's bits a weight, read
+    # by the int8 kernels: per row in runs on CPUs, a uint32 array a plane on GPUs (word planes)
+    code_bits = PLANE_BITS.get(qtype, 8)
     n, k = sub.codes.shape
     g, offset = int(sub.group), sub.mins is not None
     sb = 0 if int(sub.sb) == g else int(sub.sb)
@@ -140,17 +122,12 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
     words = words and gpu
     if not sb and not offset:  # IQ4_NL: w = code * d, the classic int8 layout
         pk = int8_packed(np.asarray(sub.codes, dtype=np.int8), np.asarray(sub.d, dtype=np.float16), g, words=words,
-                         code_bits=code_bits)
+                         code_bits=code_bits, word_planes=gpu)
         pk.vnni = vnni
         return pk
-    split = gpu and bool(sb)
-    if split:  # (group values, d bits) per array
-        def apart(values: np.ndarray, d: np.ndarray) -> list[np.ndarray]:
-            v = np.ascontiguousarray(values, dtype=np.int8)
-            return [byte_words(v) if words else v, d_words(d)]
-
-        scale = apart(sub.scales, sub.d)
-        third = apart(sub.mins, sub.dmin) if offset else None
+    factors = GpuFactors.of(qtype, n, k, g, sb, offset) if gpu and sb else None
+    if factors is not None:  # every factor array uint32 (formats/gpu_factors.py)
+        scale = third = None
     elif sb and code_bits == 2:  # Q2_K: the file's scale bytes sc | m << 4, the min array dmin alone
         scale, third = pack_q2_scales(sub.scales, sub.mins, sub.d, sub.dmin, ng, n)
     elif sb:
@@ -161,33 +138,36 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
         third = np.ascontiguousarray(-np.asarray(sub.dmin, dtype=np.float16))
     tag = qtype.lower().replace("_", "")
 
-    def named(prefix: str, what: str, a: Any) -> list[tuple[str, np.ndarray]]:
-        return [(f"{prefix}_{what}", a[0]), (f"{prefix}_{what}_d", a[1])] if split else [(f"{prefix}_{what}", a)]
+    def factor_arrays(prefix: str) -> list[tuple[str, np.ndarray]]:
+        if factors is not None:
+            packed = factors.pack(sub.scales, sub.mins, sub.d, sub.dmin)
+            return [(f"{prefix}_{name}", a) for name, a in zip(factors.names(), packed, strict=True)]
+        return [(f"{prefix}_scale", scale)] + ([(f"{prefix}_min", third)] if offset else [])
 
     if qtype in NIBBLE_TYPES and code_bits == 8:
         if not (sb and offset):
             raise ValueError(f"internal: {qtype} in the int4 layout needs superblock scales and mins")
         # GPU: 8 consecutive columns a word (lanes 1): dlight's GEMV rules split K only so
         lanes = 1 if gpu else Int4Format(g, False, True).lanes(k)
-        arrays = [("_q4", pack_int4(np.asarray(sub.codes, dtype=np.uint8), lanes)), *named("_q4", "scale", scale),
-                  *named("_q4", "min", third)]
+        arrays = [("_q4", pack_int4(np.asarray(sub.codes, dtype=np.uint8), lanes)), *factor_arrays("_q4")]
 
         def compute4(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
             return int4_matmul_compute(n, k, g, lanes, False, kind=kind, rows=rows, offset=True,
-                                       ids_dtype=ids_dtype, sb=sb, words=words, d_words=split)
+                                       ids_dtype=ids_dtype, sb=sb, words=words, gpu_factors=factors)
 
         return Packed("q4", tag, n, k, arrays, compute4, vnni)
+    if qtype not in PLANE_BITS:
+        raise ValueError(f"internal: {qtype} has no bit-plane code layout")
     codes = np.ascontiguousarray(sub.codes, dtype=np.uint8 if offset else np.int8)
     if code_bits == 4:  # IQ4_XS: the table values' indices
-        codes = pack_planes(table_indices(codes, "iq4nl"), 4)
-    elif code_bits != 8:
-        codes = pack_planes(codes.astype(np.int16) + (0 if offset else 1 << (code_bits - 1)), code_bits)
-    if words:
-        codes = byte_words(codes)
-    arrays = [("_q8", codes), *named("_q8", "scale", scale)] + (named("_q8", "min", third) if offset else [])
+        codes = table_indices(codes, "iq4nl")
+    else:
+        codes = codes.astype(np.int16) + (0 if offset else 1 << (code_bits - 1))
+    planes = pack_word_planes(codes, code_bits) if gpu else [pack_planes(codes, code_bits)]
+    arrays = [("_q8", planes[0]), *[("_q8_hi", p) for p in planes[1:]], *factor_arrays("_q8")]
 
     def compute8(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
         return int8_matmul_compute(n, k, g, kind=kind, rows=rows, ids_dtype=ids_dtype, offset=offset, sb=sb,
-                                   words=words, d_words=split, code_bits=code_bits)
+                                   words=words, gpu_factors=factors, code_bits=code_bits, word_planes=gpu)
 
     return Packed("q8", tag, n, k, arrays, compute8, vnni)

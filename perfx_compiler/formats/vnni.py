@@ -249,15 +249,8 @@ def table_indices(codes: np.ndarray, lut: str) -> np.ndarray:
     if idx.max(initial=0) > 15 or not np.array_equal(table[np.minimum(idx, 15)], codes):
         raise PerfXError(f"internal: codes outside the {lut} table")
     return idx.astype(np.uint8)
-SIGNED_NIBBLE_TYPES = {"Q3_K": 4}  # signed nibble types: their zero point
 
 
-def signed_nibbles_with_min(sub: Any, zero: int) -> Any:
-    """Signed codes (Q3_K: -4..3) as nibbles code + zero with the zero as a min, exactly:
-    (d*sc)*(c + z) - d*(z*sc) (z*sc fits int8); an int8 + 128 form would cancel 128 * sum(x)
-    against the small dot products of small codes."""
-    return type(sub)(**{**vars(sub), "codes": (np.asarray(sub.codes, np.int16) + zero).astype(np.uint8),
-                        "mins": (np.asarray(sub.scales, np.int16) * zero).astype(np.int8), "dmin": sub.d})
 SIXBIT_TYPES = ("Q6_K",)
 # 5-bit row octets: with their min (Q5_K, Q5_1), or signed with zero point 16 (Q5_0, formats/gguf_blocks.py)
 FIVEBIT_TYPES = ("Q5_K", "Q5_1", "Q5_0")
@@ -456,15 +449,16 @@ def vnni_compute(
                                                    lut))
 
 
-def table_value(nib: Any, lut: str) -> Any:
+def table_value(nib: Any, lut: str, dtype: str = "uint8") -> Any:
     """uint8 ``LUT_U8[lut][nib]`` of a uint8 index expression (scalar or vector) as a select chain
-    (the references, dequantize and gather; the GEMV / GEMM use ``vpshufb``)."""
+    (the references, dequantize and gather; the GEMV / GEMM use ``vpshufb``). ``dtype`` "int32": an int32
+    index and the signed table value (``LUT_U8 - 128``; GPUs, WGSL has no 8-bit types)."""
     from tvm import tirx
 
-    vals = LUT_U8[lut]
-    out = tirx.const(vals[15], "uint8")
+    vals = LUT_U8[lut] if dtype == "uint8" else [v - 128 for v in LUT_U8[lut]]
+    out = tirx.const(vals[15], dtype)
     for i in range(14, -1, -1):
-        out = tirx.Select(nib == tirx.const(i, "uint8"), tirx.const(vals[i], "uint8"), out)
+        out = tirx.Select(nib == tirx.const(i, dtype), tirx.const(vals[i], dtype), out)
     return out
 
 

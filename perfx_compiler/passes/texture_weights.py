@@ -112,8 +112,9 @@ def _uses(mod: tvm.IRModule, info: FuncInfo, weights: dict[str, Any]) -> list[_U
         if found is not None:
             pf, q = found
             args = list(value.args[1].fields)
-            # superblock weights (info sb: K-quants, IQ4_XS) have no image layout: they stay buffers
-            if (q.get("words") or q.get("sb") or q.get("kind") not in ("matmul", "take", "dequant")
+            # superblock weights (info sb: K-quants, IQ4_XS) and bit-plane codes (Q5_0, Q5_1, IQ4_NL) have no
+            # image layout: they stay buffers
+            if (q.get("words") or q.get("sb") or q.get("code_bits") or q.get("kind") not in ("matmul", "take", "dequant")
                     or q.get("bits") not in (4, 8)):
                 continue
             skip: tuple[Any, ...] = ()

@@ -282,7 +282,7 @@ def test_per_task_quantization_is_the_one_row_default(template, target):
 def test_long_rows_default_is_hinib_and_matches_reference(template, target, fmt, n, k):
     """One-unit ("long") rows default to split=1, hinib=1 (docs/decisions/gemv-qvnni-cpu.md); the
     searched alternatives (split=1, hinib=0 and split=2, hinib=1) compute the same. Each against the
-    numpy references on fresh weights (K=5632: a tail chunk); short rows (two units) keep split=2, hinib=1."""
+    numpy references on fresh weights (K=5632: a tail chunk); short rows (one unit too) keep split=2, hinib=1."""
     rng = np.random.default_rng()
     packed, wd = vnni_weights(fmt, n, k, rng)
     wl = template.match(packed.compute("matmul", (1, 1)), target)
@@ -303,7 +303,7 @@ def test_long_rows_default_is_hinib_and_matches_reference(template, target, fmt,
         assert multi["hinib"] == 1, rows
     short = template.match(vnni_weights(fmt, 64, 576, rng)[0].compute("matmul", (1, 1)), target)
     assert {k: template.builtin_default(short, target)[k] for k in ("units", "split", "hinib", "nta")} == \
-        {"units": 2, "split": 2, "hinib": 1, "nta": 0}
+        {"units": 1, "split": 2, "hinib": 1, "nta": 0}
 
 
 def _prologue_x(prologue: str, inputs: list[np.ndarray], k: int) -> np.ndarray:

@@ -21,15 +21,30 @@ KINDS = {"matmul": (1, 1), "take": (1, None), "dequant": (None, None)}
 
 
 def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Uniformly random block bytes, d / dmin finite float16 of realistic size (1e-4..0.1, either sign)."""
+    """Uniformly random block bytes, d / dmin finite float16 of realistic size (1e-4..0.1, either sign;
+    some subnormal, some zero)."""
     from perfx_compiler.formats import ggml
 
-    fmt = ggml.FORMATS[qtype]
-    b = rng.integers(0, 256, size=(n, k // fmt.block_weights, fmt.block_bytes), dtype=np.uint8)
-    for at in fmt.f16_fields:
-        val = (10.0 ** rng.uniform(-4, -1, size=b.shape[:2]) * rng.choice([-1.0, 1.0], size=b.shape[:2]))
+    fmt = ggml.FORMATS.get(qtype)
+    weights, nbytes, fields = (fmt.block_weights, fmt.block_bytes, fmt.f16_fields) if fmt else (32, 22, (0,))  # Q5_0
+    b = rng.integers(0, 256, size=(n, k // weights, nbytes), dtype=np.uint8)
+    for at in fields:
+        val = (10.0 ** rng.uniform(-6, -1, size=b.shape[:2]) * rng.choice([-1.0, 1.0, 0.0], size=b.shape[:2],
+                                                                          p=[0.45, 0.45, 0.1]))
         b[:, :, at : at + 2] = val.astype(np.float16)[..., None].view(np.uint8)
     return b.reshape(n, -1)
+
+
+def gpu_packed(qtype: str, raw: np.ndarray, shape: tuple[int, int], words: bool):
+    """(the GPU layout's Packed, float64 weights) of random blocks."""
+    from perfx_compiler.formats import ggml
+    from perfx_compiler.formats.gguf_blocks import dequantize_blocks, packed_from_blocks
+    from perfx_compiler.formats.superblocks import subscaled_packed
+
+    if qtype not in ggml.FORMATS:
+        return packed_from_blocks(qtype, raw, shape, words, gpu=True), dequantize_blocks(qtype, raw, shape)
+    return (subscaled_packed(ggml.unpack(qtype, raw, shape), qtype, gpu=True, words=words),
+            ggml.dequantize(qtype, raw, shape).astype(np.float64))
 
 
 def scheduled(func, target_name: str):
@@ -51,32 +66,30 @@ def scheduled(func, target_name: str):
     return mod["q"], target
 
 
-def check_kernel(qtype: str, kind: str, target_name: str, launcher, seed: int | None = None) -> str:
-    """Compile ``kind`` of a random ``qtype`` weight for the target, run it, compare with float64 numpy;
-    returns the kernel source."""
-    from perfx_compiler.formats import ggml
-    from perfx_compiler.formats.superblocks import subscaled_packed
+def check_kernel(qtype: str, kind: str, target_name: str, launcher, seed: int | None = None, k: int = K) -> str:
+    """Compile ``kind`` of a random ``qtype`` weight [N, k] for the target, run it, compare with float64
+    numpy; returns the kernel source."""
     from perfx_compiler.targets_exec.kernels import compile_primfunc
 
     seed = int(np.random.default_rng().integers(1 << 30)) if seed is None else seed
     rng = np.random.default_rng(seed)
     words = target_name == "vulkan"
-    raw = random_blocks(qtype, N, K, rng)
-    w = ggml.dequantize(qtype, raw, (N, K)).astype(np.float64)
-    pk = subscaled_packed(ggml.unpack(qtype, raw, (N, K)), qtype, gpu=True, words=words)
+    raw = random_blocks(qtype, N, k, rng)
+    pk, w = gpu_packed(qtype, raw, (N, k), words)
+    w = w.astype(np.float64)
     ids_dtype = "int32" if words else "int64"
     func = pk.compute(kind, KINDS[kind], ids_dtype)
     info = json.loads(str(func.attrs["perfx.quant"]))
-    assert info.get("d_words", False) == bool(info.get("sb")) and info.get("words", False) == words
+    assert info.get("gpu_factors", False) == bool(info.get("sb")) and info.get("words", False) == words
     gpu, target = scheduled(func, target_name)
     cf = compile_primfunc("q", gpu, target.tvm())
     assert cf.launches
     arrays = dict(pk.arrays)
-    x = rng.standard_normal((1, 3, K)).astype(np.float32)
+    x = rng.standard_normal((1, 3, k)).astype(np.float32)
     ids = np.array([[0, N - 1, 17]], dtype=ids_dtype)
-    args, shapes = [], {"matmul": (1, 1, N), "take": (1, 3, K), "dequant": (N, K)}
+    args, shapes = [], {"matmul": (1, 1, N), "take": (1, 3, k), "dequant": (N, k)}
     for name, _, dtype in cf.param_info():
-        suffix = name.replace("scale", "_scale").replace("min", "_min")
+        suffix = name.replace("scale", "_scale").replace("min", "_min").replace("q_hi", "_hi")
         if name == "x":
             args.append(x[:, :1])
         elif name == "ids":
@@ -113,12 +126,66 @@ def test_other_superblock_gemvs(target: str, qtype: str) -> None:
     check_kernel(qtype, "matmul", target, gpu_launcher(target))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "IQ4_XS"])
+def test_rows_of_whole_superblocks_not_words(qtype: str) -> None:
+    """K = 2816 (TinyLlama's FFN down: 88 groups of 32, not a whole number of 2-bit plane words): the
+    group-value planes are padded to whole words and read right."""
+    check_kernel(qtype, "matmul", "mali", gpu_launcher("mali"), k=2816)
+
+
 @pytest.mark.parametrize("kind", ["matmul", "take"])
-@pytest.mark.parametrize("qtype", ["IQ4_NL", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "Q5_1", "Q5_0"])
 def test_one_level_types_on_lavapipe(qtype: str, kind: str) -> None:
-    """IQ4_NL (the classic int8 layout) and Q5_1 (uint8 codes as words, float16 scale and min) on WGSL.
+    """IQ4_NL (table indices), Q5_1 and Q5_0 (5-bit word planes), float16 scale (and min) tables, on WGSL.
     (Not on PoCL: their float16 tables need cl_khr_fp16, as Q4_1 / Q8_0 do.)"""
     check_kernel(qtype, kind, "vulkan", gpu_launcher("vulkan"))
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL", "Q5_1", "Q5_0"])
+def test_gpu_layout_holds_the_files_bytes(qtype: str) -> None:
+    """The GPU layout's arrays (codes in word planes, factors in gpu_factors' uint32 arrays) take at most
+    1.03x the blocks' bytes (issue #25's bound), every array 32-bit (WGSL) but the one-level types' float16
+    tables; the codes come back from the planes exactly."""
+    from perfx_compiler.formats import bitplanes, ggml
+
+    n, k = 8, 2816
+    raw = random_blocks(qtype, n, k, np.random.default_rng(3))
+    pk, _ = gpu_packed(qtype, raw, (n, k), False)
+    assert pk.nbytes <= 1.03 * raw.nbytes, (qtype, pk.nbytes / raw.nbytes)
+    assert all(a.dtype in (np.uint32, np.float16) for _, a in pk.arrays), [(nm, a.dtype) for nm, a in pk.arrays]
+    info = json.loads(str(pk.compute("matmul", (1, 1)).attrs["perfx.quant"]))
+    if qtype in ggml.FORMATS and pk.family == "q8":
+        bits = info["code_bits"]
+        planes = [a for nm, a in pk.arrays if nm in ("_q8", "_q8_hi")]
+        codes = bitplanes.unpack_word_planes(planes, k, bits).astype(np.int16)
+        want = ggml.unpack(qtype, raw, (n, k)).codes.astype(np.int16)
+        if bits == 4:
+            from perfx_compiler.formats.vnni import table_indices
+
+            want = table_indices(want.astype(np.int8), "iq4nl")
+        elif not info.get("offset"):
+            want = want + (1 << (bits - 1))
+        assert np.array_equal(codes, want)
+
+
+def test_half_bits_every_finite_float16() -> None:
+    """gpu_factors.te_half (float16 bits -> float32 by integer operations, for devices without float16)
+    equals numpy's conversion for every finite float16, subnormals and both zeros included."""
+    import tvm
+    from tvm import te
+
+    from perfx_compiler.formats.gpu_factors import te_half
+
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    bits = bits[np.isfinite(bits.astype(np.uint16).view(np.float16))]
+    h = te.placeholder((bits.size,), "uint32", name="h")
+    out = te.compute((bits.size,), lambda i: te_half(h[i]), name="out")
+    f = tvm.compile(te.create_prim_func([h, out]), target="llvm")
+    dev = tvm.cpu()
+    got = tvm.runtime.tensor(np.zeros(bits.size, np.float32), dev)
+    f(tvm.runtime.tensor(bits, dev), got)
+    want = bits.astype(np.uint16).view(np.float16).astype(np.float32)
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
 
 
 def test_gemv_is_the_dlight_gemv() -> None:
@@ -267,3 +334,20 @@ def test_q4_k_m_cuda_bundle_no_spills(q4_k_m_gguf: Path, tmp_path: Path) -> None
     hot = {k: v for k, v in stats.items() if any(h in k for h in ("matmul", "attention", "gemv", "take"))}
     assert any("q4" in k for k in hot) and any("q8" in k for k in hot), sorted(stats)
     assert not {k: v for k, v in hot.items() if v["spill_stores"] or v["spill_loads"]}
+
+
+def test_adreno_keeps_bit_plane_weights_in_buffers(tmp_path: Path) -> None:
+    """Q5_0 codes travel in word planes on GPUs (``code_bits`` 5): Adreno's image path (texture_weights) has no
+    layout for them and leaves them buffers, read by the buffer GEMVs. (PoCL has no cl_khr_fp16 to run Q5_0's float16 scales: lavapipe runs them, above.)"""
+    from perfx_compiler.kernels.tir_queries import has_texture_params
+    from perfx_compiler.model.testing import write_tiny_gguf
+    from perfx_compiler.targets_exec.reference import lowered_module
+
+    path, _ = write_tiny_gguf(tmp_path / "q5_0.gguf", qtype="Q5_0", hidden=128, ffn=256, vocab=320)
+    state, funcs = lowered_module(str(path), "adreno", max_context=MAX_CONTEXT)
+    quant = {n: json.loads(str(f.attrs["perfx.quant"])) for n, f in funcs.items()
+             if f.attrs is not None and "perfx.quant" in f.attrs}
+    planes = [n for n, q in quant.items() if q.get("code_bits") == 5]
+    assert planes, sorted(quant)
+    assert not any(has_texture_params(funcs[n]) for n in planes), planes
+    assert not any(n.endswith("__tex") for n in state.weights), sorted(state.weights)

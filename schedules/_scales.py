@@ -1,0 +1,124 @@
+"""How the CPU kernels of ``gemv_int4_cpu`` / ``gemv_int8_cpu`` / ``_gemv_once`` read a weight's scale
+and zero / min tables (classic float16 tables, or GGUF superblock scales), and the GEMVs' per-superblock
+factor table."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Scales:
+    """How a kernel reads a weight's scale and zero / min tables: float16 [N, NG] (uint8 zeros or
+    float16 mins), or with ``sb`` (superblock scales, ``formats/superblocks.py``) int8 [N, SW],
+    SW = NG + 2 K/sb, whose row tail holds the superblocks' float16 d (dmin), read through a
+    float16 view (``Ad``: ``decl_buffer((N * SW // 2,), "float16", data=A.data)``, :meth:`views`) of the
+    same buffer, as ``schedules/_vnni_dequant._Layout.factor`` does. Without ``sb`` the expressions are
+    the classic kernels' own (their generated code does not change)."""
+
+    def __init__(self, N: int, K: int, G: int, offset: bool, sb: int = 0, nibbles: bool = False,  # noqa: N803
+                 sym: bool = False) -> None:
+        self.sym = bool(sym and not offset)  # int4 zero point 8 everywhere: no zero array
+        self.NG = -(-K // G)
+        self.G, self.sb, self.offset, self.nibbles = G, sb, bool(offset), bool(nibbles and sb and offset)
+        self.SW = self.NG + 2 * (K // sb) if sb else self.NG
+        # nibbles (GGUF Q2_K, formats/vnni_lowbit.pack_q2_scales): scale bytes sc | m << 4, the min
+        # array only the superblocks' dmin
+        self.ZW = 2 * (K // sb) if self.nibbles else self.SW
+        self.ST = "int8" if sb else "float16"
+        self.ZT = "int8" if sb else ("float16" if offset else "uint8")
+        self.VIEW = N * self.SW // 2  # float16 elements of a view
+        self.ZVIEW = N * self.ZW // 2
+
+    def scale(self, A: Any, Ad: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's scale as float32: the float16 value, or sc * d."""
+        from tvm.script import tirx as T
+
+        if not self.sb:
+            return T.Cast("float32", A[row, g])
+        d = Ad[row * (self.SW // 2) + self.NG // 2 + g // (self.sb // self.G)]
+        sc = A[row, g] & T.int8(15) if self.nibbles else A[row, g]
+        return T.Cast("float32", sc) * T.Cast("float32", d)
+
+    def min(self, S: Any, Z: Any, Zd: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's additive min (offset variants) as float32: the float16 min, or -(m * dmin) (m the
+        high nibble of the scale byte ``S[row, g]`` with ``nibbles``)."""
+        from tvm.script import tirx as T
+
+        if not self.sb:
+            return T.Cast("float32", Z[row, g])
+        if self.nibbles:
+            m = T.shift_right(S[row, g], T.int8(4)) & T.int8(15)
+            return -(T.Cast("float32", m) * T.Cast("float32", Zd[row * (self.ZW // 2) + g // (self.sb // self.G)]))
+        return -self.scale(Z, Zd, row, g)
+
+    # The GEMVs' superblock factor table: the R rows' sc * d (and m * dmin) of the next superblock as
+    # vectors into a local table [R * GPS], read back by one broadcast a group. A group of 16 or 32 weights
+    # is one or two code vectors, so a scalar int8 load, conversion and product a group and row cost as
+    # much as the codes (docs/decisions/gguf-superblocks.md: decode x1.19-1.27).
+
+    @property
+    def GPS(self) -> int:  # noqa: N802
+        """Groups per superblock (0 without superblock scales: no table)."""
+        return self.sb // self.G if self.sb else 0
+
+    def fill_table(self, R: int) -> Any:  # noqa: N803
+        """Macro ``fill(S, Z, Sd, Zd, fac, fmin, row0, sbi)``: superblock ``sbi``'s factors of rows row0 .. row0 + R - 1."""
+        from tvm.script import tirx as T
+
+        GPS, OFF = self.GPS, self.offset
+        F = self
+
+        @T.macro
+        def fill(S, Z, Sd, Zd, fac, fmin, row0, sbi):
+            for r in T.unroll(R):
+                for gi in T.vectorized(GPS):
+                    fac[r * GPS + gi] = F.scale(S, Sd, row0 + r, sbi * GPS + gi)
+                if OFF:
+                    for gi in T.vectorized(GPS):
+                        fmin[r * GPS + gi] = F.min(S, Z, Zd, row0 + r, sbi * GPS + gi)
+
+        return fill
+
+    def table_scale(self, S: Any, Sd: Any, fac: Any, row0: Any, r: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's scale of row row0 + r: from the table (superblocks), else ``scale``."""
+        return fac[r * self.GPS + g % self.GPS] if self.GPS else self.scale(S, Sd, row0 + r, g)
+
+    def table_min(self, S: Any, Z: Any, Zd: Any, fmin: Any, row0: Any, r: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's min of row row0 + r: from the table (superblocks), else ``min``."""
+        return fmin[r * self.GPS + g % self.GPS] if self.GPS else self.min(S, Z, Zd, row0 + r, g)
+
+    def zero(self, Z: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """Group g's int4 zero point as float32: 8 for symmetric formats (no array), else Z's uint8."""
+        from tvm.script import tirx as T
+
+        return T.float32(8) if self.sym else T.Cast("float32", Z[row, g])
+
+    def signature(self, func: Any) -> Any:
+        """A kernel as built, or without its zero parameter for symmetric formats (bound to the scales,
+        never read: ``_vnni_kernels._without_zero``)."""
+        from schedules._vnni_kernels import _without_zero
+
+        return _without_zero(func, scales="S") if self.sym else func
+
+    def views(self) -> Any:
+        """The macro ``views(body, S, Z, *rest)`` every kernel's PrimFunc ends with: it calls
+        ``body(S, Z, Sd, Zd, *rest)``, Sd / Zd the float16 views of the scale / min buffers (the
+        superblock d / dmin) with ``sb``, else S / Z themselves: no view is declared that the
+        kernel does not read (the classic kernels' TIR as it was; no Zd without a min)."""
+        from tvm.script import tirx as T
+
+        SB, OFF, VIEW, ZVIEW = bool(self.sb), self.offset, self.VIEW, self.ZVIEW
+
+        @T.macro
+        def views(body, S, Z, *rest):
+            if SB and OFF:
+                Sd = T.decl_buffer((VIEW,), "float16", data=S.data)
+                Zd = T.decl_buffer((ZVIEW,), "float16", data=Z.data)
+                body(S, Z, Sd, Zd, *rest)
+            elif SB:
+                Sd = T.decl_buffer((VIEW,), "float16", data=S.data)
+                body(S, Z, Sd, Z, *rest)
+            else:
+                body(S, Z, S, Z, *rest)
+
+        return views
