@@ -39,7 +39,7 @@ def int4_codes(K: int, L: int) -> OnceCodes:  # noqa: N803
 
 def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offset: bool = False,
               batch: bool = False, sb: int = 0, codes: OnceCodes | None = None, nibbles: bool = False,
-              sym: bool = False) -> Any:
+              sym: bool = False, d_low: bool = False) -> Any:
     """Int4 GEMV over several rows of x (static M in 2..8, or paged_decode's symbolic batch), each
     weight unpacked once per MB rows: per L-code vector the nibbles are shifted, masked, converted
     and scaled (``w = q * s + c``, c = -z * s or the Q4_1 min) once into R registers, then FMAed
@@ -48,12 +48,13 @@ def gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, offse
     A symbolic batch runs in chunks of MB rows, the last one through a body unrolled for its row
     count (MB bodies in all). ``sb``: superblock scales (``_scales.Scales``). ``codes``: the code
     reader (:class:`OnceCodes`; int4 by default, whose ``value`` takes the vector index g * VPG + u);
-    ``nibbles``: Q2_K's scale bytes, ``sym``: int4 zero point 8 without an array (``_scales.Scales``)."""
+    ``nibbles``: Q2_K's scale bytes, ``d_low``: Q3_K's, ``sym``: int4 zero point 8 without an array
+    (``_scales.Scales``)."""
     from tvm.script import tirx as T
 
     from schedules._scales import Scales
 
-    F = Scales(N, K, G, offset, sb, nibbles, sym=sym and codes is None)
+    F = Scales(N, K, G, offset, sb, nibbles, sym=sym and codes is None, d_low=d_low)
     NG, SW, ST, ZT, ZW = F.NG, F.SW, F.ST, F.ZT, F.ZW
     VPG = G // L
     NV = K // L

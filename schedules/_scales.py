@@ -16,11 +16,14 @@ class Scales:
     the classic kernels' own (their generated code does not change)."""
 
     def __init__(self, N: int, K: int, G: int, offset: bool, sb: int = 0, nibbles: bool = False,  # noqa: N803
-                 sym: bool = False) -> None:
+                 sym: bool = False, d_low: bool = False) -> None:
         self.sym = bool(sym and not offset)  # int4 zero point 8 everywhere: no zero array
         self.NG = -(-K // G)
         self.G, self.sb, self.offset, self.nibbles = G, sb, bool(offset), bool(nibbles and sb and offset)
-        self.SW = self.NG + 2 * (K // sb) if sb else self.NG
+        # d_low (GGUF Q3_K, formats/vnni_lowbit.pack_scales_d_low): 4 sc in each value's high 6 bits,
+        # the superblock's float16 d in the low 2 bits of its first 8 values; no d tail, no view
+        self.d_low = bool(d_low and sb and not offset)
+        self.SW = self.NG + 2 * (K // sb) if sb and not self.d_low else self.NG
         # nibbles (GGUF Q2_K, formats/vnni_lowbit.pack_q2_scales): scale bytes sc | m << 4, the min
         # array only the superblocks' dmin
         self.ZW = 2 * (K // sb) if self.nibbles else self.SW
@@ -35,9 +38,24 @@ class Scales:
 
         if not self.sb:
             return T.Cast("float32", A[row, g])
+        if self.d_low:
+            return self.d_low_value(A, row, g) * self.superblock_d(Ad, row, g // (self.sb // self.G))
         d = Ad[row * (self.SW // 2) + self.NG // 2 + g // (self.sb // self.G)]
         sc = A[row, g] & T.int8(15) if self.nibbles else A[row, g]
         return T.Cast("float32", sc) * T.Cast("float32", d)
+
+    def d_low_value(self, A: Any, row: Any, g: Any) -> Any:  # noqa: N803
+        """(``d_low``) group g's 4 sc as float32: its scale byte with d's 2 bits cleared."""
+        from tvm.script import tirx as T
+
+        return T.Cast("float32", A[row, g] & T.int8(-4))
+
+    def superblock_d(self, Aw: Any, row: Any, sbi: Any) -> Any:  # noqa: N803
+        """(``d_low``) superblock ``sbi``'s d / 4 as float32, folded from the low bits of its first 8
+        values, read as one uint64 of the scale buffer's word view ``Aw`` (:meth:`views`)."""
+        from perfx_compiler.formats.vnni_lowbit import d_of_word_folded
+
+        return d_of_word_folded(Aw[(row * self.SW + sbi * (self.sb // self.G)) // 8])
 
     def min(self, S: Any, Z: Any, Zd: Any, row: Any, g: Any) -> Any:  # noqa: N803
         """Group g's additive min (offset variants) as float32: the float16 min, or -(m * dmin) (m the
@@ -65,14 +83,19 @@ class Scales:
         """Macro ``fill(S, Z, Sd, Zd, fac, fmin, row0, sbi)``: superblock ``sbi``'s factors of rows row0 .. row0 + R - 1."""
         from tvm.script import tirx as T
 
-        GPS, OFF = self.GPS, self.offset
+        GPS, OFF, D_LOW = self.GPS, self.offset, self.d_low
         F = self
 
         @T.macro
         def fill(S, Z, Sd, Zd, fac, fmin, row0, sbi):
             for r in T.unroll(R):
-                for gi in T.vectorized(GPS):
-                    fac[r * GPS + gi] = F.scale(S, Sd, row0 + r, sbi * GPS + gi)
+                if D_LOW:  # d once a superblock and row, not per lane
+                    d = F.superblock_d(Sd, row0 + r, sbi)
+                    for gi in T.vectorized(GPS):
+                        fac[r * GPS + gi] = F.d_low_value(S, row0 + r, sbi * GPS + gi) * d
+                else:
+                    for gi in T.vectorized(GPS):
+                        fac[r * GPS + gi] = F.scale(S, Sd, row0 + r, sbi * GPS + gi)
                 if OFF:
                     for gi in T.vectorized(GPS):
                         fmin[r * GPS + gi] = F.min(S, Z, Zd, row0 + r, sbi * GPS + gi)
@@ -103,15 +126,19 @@ class Scales:
     def views(self) -> Any:
         """The macro ``views(body, S, Z, *rest)`` every kernel's PrimFunc ends with: it calls
         ``body(S, Z, Sd, Zd, *rest)``, Sd / Zd the float16 views of the scale / min buffers (the
-        superblock d / dmin) with ``sb``, else S / Z themselves: no view is declared that the
+        superblock d / dmin) with ``sb`` (``d_low``: Sd a uint64 view of S), else S / Z themselves: no view is declared that the
         kernel does not read (the classic kernels' TIR as it was; no Zd without a min)."""
         from tvm.script import tirx as T
 
-        SB, OFF, VIEW, ZVIEW = bool(self.sb), self.offset, self.VIEW, self.ZVIEW
+        SB, OFF, VIEW, ZVIEW, D_LOW = bool(self.sb), self.offset, self.VIEW, self.ZVIEW, self.d_low
+        WORDS = self.VIEW // 4  # (d_low: uint64 words, SW a multiple of 16)
 
         @T.macro
         def views(body, S, Z, *rest):
-            if SB and OFF:
+            if D_LOW:
+                Sw = T.decl_buffer((WORDS,), "uint64", data=S.data)
+                body(S, Z, Sw, Z, *rest)
+            elif SB and OFF:
                 Sd = T.decl_buffer((VIEW,), "float16", data=S.data)
                 Zd = T.decl_buffer((ZVIEW,), "float16", data=Z.data)
                 body(S, Z, Sd, Zd, *rest)

@@ -16,7 +16,8 @@ IQ4_XS, Q5_K: int8 sc times the row's float16 d read through a float16 view of t
 ``_scales.Scales``). Every kernel above reads them.
 
 Q2_K (``code_bits`` 2) keeps the file's scale bytes ``sc | m << 4`` and a min array of dmin alone
-(``Scales``' nibbles, ``formats/vnni_lowbit.pack_q2_scales``).
+(``Scales``' nibbles, ``formats/vnni_lowbit.pack_q2_scales``); Q3_K (``code_bits`` 3) holds d in its
+group values' low bits (``Scales``' d_low, ``formats/vnni_lowbit.pack_scales_d_low``).
 
 Codes in bit planes (info ``code_bits`` 6 / 5 / 3 / 2: Q6_K, Q5_K, Q5_1, Q5_0, Q3_K, Q2_K; ``formats/bitplanes.py``): each
 kernel reads an L-lane vector of codes as one load, shift and mask per plane (``Codes``), the signed
@@ -89,7 +90,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
     and a min (``y += s_g * sum_g(q x) + min_g * sum_g(x)``); ``sb``: superblock scales."""
     from tvm.script import tirx as T
 
-    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
+    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2, d_low=code_bits == 3)
     SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
     C = Codes(K, L, offset, code_bits, lookup)
     QT, QW = C.QT, C.W
@@ -205,7 +206,7 @@ def _dequant(N: int, K: int, G: int, L: int, tasks: int, offset: bool = False, s
              code_bits: int = 8, lookup: str = "") -> Any:
     from tvm.script import tirx as T
 
-    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
+    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2, d_low=code_bits == 3)
     SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
     C = Codes(K, L, offset, code_bits, lookup)
     QT, QW = C.QT, C.W
@@ -248,7 +249,7 @@ def _dequant_panels(N: int, K: int, G: int, L: int, nb: int, offset: bool = Fals
 
     from schedules._vnni_kernels import transpose_tile
 
-    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
+    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2, d_low=code_bits == 3)
     SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
     C = Codes(K, L, offset, code_bits, lookup)
     QT, QW = C.QT, C.W
@@ -291,7 +292,7 @@ def _take(N: int, K: int, G: int, L: int, offset: bool = False, sb: int = 0, cod
           lookup: str = "") -> Any:
     from tvm.script import tirx as T
 
-    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2)
+    F = Scales(N, K, G, offset, sb, nibbles=code_bits == 2, d_low=code_bits == 3)
     SW, ST, ZT, ZW = F.SW, F.ST, F.ZT, F.ZW
     C = Codes(K, L, offset, code_bits, lookup)
     QT, QW = C.QT, C.W
@@ -334,7 +335,7 @@ def _gemv_once(N: int, K: int, G: int, L: int, tasks: int, R: int, MB: int, batc
     C = Codes(K, L, offset, code_bits, lookup)
     codes = OnceCodes(C.QT, C.W, lambda Q, row, g, u, lane: C.value(Q, row, g * G + u * L, lane), False)
     return _signature(gemv_once(N, K, G, L, tasks, R, MB, offset=offset, batch=batch, sb=sb, codes=codes,
-                                nibbles=code_bits == 2), offset)
+                                nibbles=code_bits == 2, d_low=code_bits == 3), offset)
 
 
 class GemvInt8CPU(GemvInt4CPU):

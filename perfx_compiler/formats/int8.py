@@ -16,7 +16,9 @@ Variants for the GGUF superblock types kept as they are (``formats/superblocks.p
   layouts only): ``q`` uint8 [N, bitplanes.row_bytes(K, bits)], the unsigned codes in the planes of
   ``formats/bitplanes.py`` (as many bits a code as in the file, where bytes took 8); signed codes
   (Q6_K, Q5_0, Q3_K: no min) are stored + 2^(bits-1) and the kernels take that zero point off. With 2-bit
-  codes (Q2_K) the scale bytes are the file's sc | m << 4 and the min array [N, 2 K/256] holds dmin alone.
+  codes (Q2_K) the scale bytes are the file's sc | m << 4 and the min array [N, 2 K/256] holds dmin alone;
+  with 3-bit codes (Q3_K) ``scale`` is int8 [N, K/16], 4 sc with d's bits in the low 2 bits of each
+  superblock's first 8 values (``vnni_lowbit.pack_scales_d_low``, its VNNI layout's array).
   ``code_bits`` 4 (IQ4_NL, IQ4_XS): 4-bit indices into ggml's non-linear table, the kernels look the
   value up (``formats/vnni.table_value``).
 * their GPU layout (info ``gpu_factors: true``): the codes' planes as uint32 arrays of their own
@@ -98,6 +100,7 @@ def int8_matmul_compute(
         raise PerfXError(f"internal: q8 bit-plane codes take 2 to 6 bits and byte arrays (got {code_bits})")
     qshape, qdtype = ((n, bitplanes.row_bytes(k, code_bits)), "uint8") if code_bits != 8 else ((n, k), None)
     nibbles = code_bits == 2 and bool(sb) and offset and not gpu_sb  # Q2_K: scale bytes sc | m << 4
+    d_low = code_bits == 3 and bool(sb) and not offset and not gpu_sb  # Q3_K: d in the values' low bits
     z = None
     fs: list[Any] = []
     if gpu_sb:  # codes in word planes (below), factors in gpu_factors' arrays
@@ -106,9 +109,9 @@ def int8_matmul_compute(
         q = s = None
         fs = gpu_factors.placeholders()
     elif offset or sb:
-        from perfx_compiler.formats.superblocks import te_factor, te_nibble_factors
+        from perfx_compiler.formats.superblocks import te_factor, te_factor_d_low, te_nibble_factors
 
-        width = ng + (2 * (k // sb) if sb else 0)
+        width = ng + (2 * (k // sb) if sb and not d_low else 0)
         q = te.placeholder((n, -(-k // 4)) if words else qshape, "uint32" if words else qdtype or (
             "uint8" if offset else "int8"), name="q")
         s = te.placeholder((n, width), "int8" if sb else "float16", name="scale")
@@ -151,7 +154,8 @@ def int8_matmul_compute(
             return code(row, col).astype("float32") * sc - mn
         if offset or sb:
             g = col // group
-            sc = te_factor(s, row, g, ng, group, sb) if sb else s[row, g].astype("float32")
+            sc = (te_factor_d_low(s, row, g) if d_low else te_factor(s, row, g, ng, group, sb) if sb
+                  else s[row, g].astype("float32"))
             if not offset:
                 return code(row, col).astype("float32") * sc
             if sb:  # code * (sc * d) - (m * dmin)

@@ -5,6 +5,8 @@ are (never requantized); ``.vnni`` gives the same weight in the VNNI layout (``f
 * Q4_K: the int4 interleaved codes, min variant with superblock scales.
 * Q6_K, Q3_K, IQ4_XS: int8 signed codes, superblock scales: w = code * (sc * d); Q6_K's and Q3_K's codes
   in 6- and 3-bit planes (``formats/bitplanes.py``, stored + 32 / + 4), IQ4_XS's the table values as int8.
+  Q3_K's d lies in its group values' low bits (``vnni_lowbit.pack_scales_d_low``, as its VNNI layout):
+  its scale array is int8 [N, K/16], no d tail.
 * Q5_K, Q2_K: int8 offset variant (5- / 2-bit plane codes and a min), superblock scales:
   w = code * (sc * d) - (m * dmin); Q2_K's scale bytes are the file's sc | m << 4 (then d), its min
   array dmin alone (``vnni_lowbit.pack_q2_scales``, as the VNNI layout).
@@ -49,6 +51,16 @@ def te_f16(a: Any, row: Any, at: Any) -> Any:
 def te_factor(a: Any, row: Any, g: Any, groups: int, group: int, sb: int) -> Any:
     """(TE reference) group ``g``'s factor sc * d of an int8 superblock scale array as float32."""
     return a[row, g].astype("float32") * te_f16(a, row, groups + 2 * (g // (sb // group)))
+
+
+def te_factor_d_low(a: Any, row: Any, g: Any) -> Any:
+    """(TE reference, Q3_K: ``formats/vnni_lowbit.pack_scales_d_low``) group ``g``'s factor sc * d, as
+    (4 sc) * (d / 4), from int8 group values whose low 2 bits hold their superblock's d."""
+    from tvm import tirx
+
+    from perfx_compiler.formats.vnni_lowbit import d_of_bytes
+
+    return (a[row, g] & tirx.const(-4, "int8")).astype("float32") * d_of_bytes(lambda r, c: a[r, c], row, g)
 
 
 def te_nibble_factors(s: Any, z: Any, row: Any, g: Any, groups: int, group: int, sb: int) -> tuple[Any, Any]:
@@ -104,7 +116,7 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
         subscaled_vnni_packed,
         table_indices,
     )
-    from perfx_compiler.formats.vnni_lowbit import pack_q2_scales
+    from perfx_compiler.formats.vnni_lowbit import pack_q2_scales, pack_scales_d_low
 
     vnni_of = sub
 
@@ -130,6 +142,8 @@ def subscaled_packed(sub: Any, qtype: str, gpu: bool = False, words: bool = Fals
         scale = third = None
     elif sb and code_bits == 2:  # Q2_K: the file's scale bytes sc | m << 4, the min array dmin alone
         scale, third = pack_q2_scales(sub.scales, sub.mins, sub.d, sub.dmin, ng, n)
+    elif sb and code_bits == 3:  # Q3_K: d in the group values' low bits (as its VNNI layout), no d tail
+        scale, third = pack_scales_d_low(sub.scales, sub.d, n), None
     elif sb:
         scale = pack_superblock_scales(sub.scales, sub.d, ng, n)
         third = pack_superblock_scales(sub.mins, sub.dmin, ng, n) if offset else None

@@ -195,6 +195,18 @@ def d_of_word(word: Any) -> Any:
     return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", bits))) * T.float32(0.25)
 
 
+def d_of_word_folded(word: Any) -> Any:
+    """float32 d / 4 as :func:`d_of_word`, without ``pext`` (any ISA): the 2-bit fields folded together by
+    three shift-or-mask steps (8-bit stride -> 4 bits a 16-bit lane -> 8 bits a 32-bit half -> 16 bits)."""
+    from tvm.script import tirx as T
+
+    w = word & T.uint64(D_LOW_MASK)
+    w = (w | T.shift_right(w, T.uint64(6))) & T.uint64(0x000F000F000F000F)
+    w = (w | T.shift_right(w, T.uint64(12))) & T.uint64(0x000000FF000000FF)
+    w = (w | T.shift_right(w, T.uint64(24))) & T.uint64(0xFFFF)
+    return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", w))) * T.float32(0.25)
+
+
 def d_of_bytes(load: Any, row: Any, g: Any) -> Any:
     """float32 d / 4 of group g's superblock from its first 8 scale bytes (``load(row, col)``; scalar)."""
     from tvm import tirx
