@@ -52,8 +52,9 @@ Decode speed of whole models per activation type is an A/B of two builds:
 no timing (the bytes depend only on the layouts). Each type's random blocks (``random_blocks``) at
 TinyLlama-1.1B's down projection (2048 x 5632) go through the GGUF passthrough's own packing
 (``passes/gguf_passthrough._pack``) into each layout a compile can choose: int8_act (x86 with AVX-512
-VNNI), float_act (CPUs without it: ARM, RISC-V, older x86), gpu. Writes
-benchmarks/results/format_bytes.csv and .png.
+VNNI), float_act (CPUs without it: ARM, RISC-V, older x86), gpu (buffers), and adreno_images (Adreno's
+texture path, ``passes/texture_weights.py``: the types it keeps as images; the others stay buffers, the gpu
+layout). Writes benchmarks/results/format_bytes.csv and .png.
 """
 
 from __future__ import annotations
@@ -597,10 +598,15 @@ BYTES_LAYOUTS = {"int8_act": {"vnni": True}, "float_act": {"vnni": False}, "gpu"
 def bytes_main(args: argparse.Namespace) -> int:
     """``bytes``: artifact / file bytes per GGUF type and layout (module docstring)."""
     from perfx_compiler.bench.ggml_mul_mat import BLOCKS, random_blocks
+    from perfx_compiler.formats import read_quant_info
     from perfx_compiler.passes.gguf_passthrough import _pack
+    from perfx_compiler.passes.texture_weights import quant_images, takes_images, texture_options
+    from perfx_compiler.targets import load_target
 
     n, k = 2048, 5632
     rng = np.random.default_rng(0)
+    textures = texture_options(load_target("adreno"))
+    layouts = [*BYTES_LAYOUTS, "adreno_images"]
     rows = []
     for qtype in BLOCKS:
         raw = random_blocks(qtype, n, k, rng)
@@ -609,14 +615,18 @@ def bytes_main(args: argparse.Namespace) -> int:
             pk = _pack(qtype, raw, (n, k), False, **opts)
             row[f"{name}_bytes"] = pk.nbytes
             row[f"{name}_vs_file"] = pk.nbytes / raw.nbytes
+        q = read_quant_info(pk.compute("matmul", (1, 1)))  # (pk: the gpu layout)
+        images = (sum(a.nbytes for a in quant_images(q, [a for _, a in pk.arrays], textures))
+                  if takes_images(q) else pk.nbytes)
+        row["adreno_images_bytes"], row["adreno_images_vs_file"] = images, images / raw.nbytes
         rows.append(row)
-        print(f"{qtype:7s} " + "  ".join(f"{nm} {row[f'{nm}_vs_file']:.3f}x" for nm in BYTES_LAYOUTS), flush=True)
+        print(f"{qtype:7s} " + "  ".join(f"{nm} {row[f'{nm}_vs_file']:.3f}x" for nm in layouts), flush=True)
     out = Path(args.out) if args.out else RESULTS / "format_bytes.csv"
     write_csv(out, rows, floats=".4f")
     with figure(out.with_suffix(".png"), figsize=(10, 4)) as (_fig, ax):
         x = np.arange(len(rows))
-        for i, name in enumerate(BYTES_LAYOUTS):
-            ax.bar(x + (i - 1) * 0.27, [r[f"{name}_vs_file"] for r in rows], 0.27, label=name)
+        for i, name in enumerate(layouts):
+            ax.bar(x + (i - 1.5) * 0.2, [r[f"{name}_vs_file"] for r in rows], 0.2, label=name)
         ax.axhline(1.03, color="k", ls="--", lw=1, label="1.03x (issue #25)")
         ax.set_xticks(x)
         ax.set_xticklabels([r["type"] for r in rows])

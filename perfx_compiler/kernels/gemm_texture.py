@@ -27,19 +27,22 @@ from perfx_compiler.kernels.gemv_texture import (
     TEXEL,
     ImageLayout,
     TextureLimitError,
+    group_scale,
     q4_col0,
+    q4_columns,
     q4_weight,
     q8_code,
+    scale_texel,
 )
 
 ROWS = 4  # rows of x per thread
 
 
-def _q4_parts(info: dict[str, Any]) -> tuple[int, int, int, int, bool]:
+def _q4_parts(info: dict[str, Any]) -> tuple[int, int, int, int, bool, int]:
     N, K, G, L = int(info["N"]), int(info["K"]), int(info["group"]), int(info["lanes"])
     if K % 64 or L % TEXEL or G % TEXEL:
         raise TextureLimitError(f"texture q4 kernels need K % 64 == 0 and lanes, group multiples of 4 (K={K})")
-    return N, K, G, L, bool(info.get("offset"))
+    return N, K, G, L, bool(info.get("offset")), q4_columns(info)
 
 
 # -- multi-row matmuls --------------------------------------------------------------------------
@@ -98,14 +101,14 @@ def _quant_image_gemm(N: int, K: int, texels: int, per: int, codes: ImageLayout,
         s = T.int64()
         X = T.match_buffer(x_h, (b, s, K), "float32")
         Q = T.match_buffer(q_h, codes.shape, "uint32", scope="global.texture")
-        S = T.match_buffer(s_h, scales.shape, "float32", scope="global.texture")
+        S = T.match_buffer(s_h, scales.shape, "uint32", scope="global.texture")
         Y = T.match_buffer(y_h, (b, s, N), "float32")
         for by in T.thread_binding((b * s + R - 1) // R, thread="blockIdx.y"):
             for bx in T.thread_binding(T.int64(BLOCKS), thread="blockIdx.x"):
                 for tx in T.thread_binding(T.int64(TH), thread="threadIdx.x"):
                     acc = T.decl_buffer((R,), "float32", scope="local")
                     word = T.decl_buffer((TEXEL,), "uint32", scope="local")
-                    sv = T.decl_buffer((TEXEL,), "float32", scope="local")
+                    sv = T.decl_buffer((TEXEL,), "uint32", scope="local")
                     wv = T.decl_buffer((per,), "float32", scope="local")
                     if bx * TH + tx < N:
                         for i in T.unroll(R):
@@ -128,19 +131,19 @@ def _quant_image_gemm(N: int, K: int, texels: int, per: int, codes: ImageLayout,
 def texture_q4_gemm_kernel(info: dict[str, Any], codes: ImageLayout, scales: ImageLayout, threads: int = 64,
                            rows: int = ROWS) -> Any:
     """int4 (``formats/int4.py`` layout) W with codes and (scale, min|zero) in images; x [b, s, K]."""
-    N, K, G, L, offset = _q4_parts(info)
+    N, K, G, L, offset, cols = _q4_parts(info)
     texels = K // 8 // TEXEL
     if texels % 2:
         raise TextureLimitError(f"texture q4 GEMM needs an even number of code texels per row (K={K})")
 
     @T.macro
     def dequant(S, word, sz, wv, row, t, HS):
-        # wv[4 j + c] = weight of column col0(t, j) + c; sz = (scale, zero|min) of that group and the next
+        # wv[4 j + c] = weight of column col0(t, j) + c; sz = the scale texel holding its group
         for j in T.unroll(8):
             for c in T.vectorized(TEXEL):
-                sz[c] = S[row // HS, row % HS, q4_col0(t, j, L) // G // 2, c]
+                sz[c] = S[row // HS, row % HS, scale_texel(q4_col0(t, j, L) // G, cols), c]
             for c in range(TEXEL):
-                wv[j * TEXEL + c] = q4_weight(word[c], j, sz, q4_col0(t, j, L) // G, offset)
+                wv[j * TEXEL + c] = q4_weight(word[c], j, sz, q4_col0(t, j, L) // G, offset, cols)
 
     @T.macro
     def dot(X, wv, acc, mb, ms, i, t):
@@ -163,10 +166,10 @@ def texture_q8_gemm_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
     def dequant(S, word, sc, wv, row, t, HS):
         # 16 columns a texel, one group: wv = codes * the group's scale
         for c in T.vectorized(TEXEL):
-            sc[c] = S[row // HS, row % HS, t * 16 // G // 4, c]
+            sc[c] = S[row // HS, row % HS, scale_texel(t * 16 // G, 1), c]
         for c in range(TEXEL):
             for bb in T.unroll(4):
-                wv[c * 4 + bb] = q8_code(word[c], bb) * sc[t * 16 // G % 4]
+                wv[c * 4 + bb] = q8_code(word[c], bb) * group_scale(sc, t * 16 // G, 1)
 
     @T.macro
     def dot(X, wv, acc, mb, ms, i, t):
@@ -188,7 +191,7 @@ def texture_take_kernel(fmt: str, k: int, codes: ImageLayout, scales: ImageLayou
     texels = codes.width
     BLOCKS = -(-texels // TH)
     if fmt == "q4":
-        _, K, G, L, offset = _q4_parts(info or {})
+        _, K, G, L, offset, cols = _q4_parts(info or {})
     elif fmt == "q8":
         K, G = int((info or {})["K"]), int((info or {})["group"])
         if K % 16 or G % 16:
@@ -197,7 +200,8 @@ def texture_take_kernel(fmt: str, k: int, codes: ImageLayout, scales: ImageLayou
         raise TextureLimitError(f"texture gather: format {fmt}, K={k}")
 
     @T.macro
-    def row_texel(Q, S, Out, r, t, ob, os, sv, word):
+    def row_texel(Q, S, Out, r, t, ob, os, sv, word, sw):
+        # sv: a float32 texel (f32 weights), word / sw: the code and scale texels
         if fmt == "f32":
             for c in T.vectorized(TEXEL):
                 sv[c] = Q[r // HC, r % HC, t, c]
@@ -207,18 +211,18 @@ def texture_take_kernel(fmt: str, k: int, codes: ImageLayout, scales: ImageLayou
             for c in T.vectorized(TEXEL):
                 word[c] = Q[r // HC, r % HC, t, c]
             for c in T.vectorized(TEXEL):
-                sv[c] = S[r // HS, r % HS, t * 16 // G // 4, c]
+                sw[c] = S[r // HS, r % HS, scale_texel(t * 16 // G, 1), c]
             for c in range(TEXEL):
                 for bb in T.unroll(4):
-                    Out[ob, os, t * 16 + c * 4 + bb] = q8_code(word[c], bb) * sv[t * 16 // G % 4]
+                    Out[ob, os, t * 16 + c * 4 + bb] = q8_code(word[c], bb) * group_scale(sw, t * 16 // G, 1)
         else:
             for c in T.vectorized(TEXEL):
                 word[c] = Q[r // HC, r % HC, t, c]
             for j in T.unroll(8):
                 for c in T.vectorized(TEXEL):
-                    sv[c] = S[r // HS, r % HS, q4_col0(t, j, L) // G // 2, c]
+                    sw[c] = S[r // HS, r % HS, scale_texel(q4_col0(t, j, L) // G, cols), c]
                 for c in range(TEXEL):
-                    Out[ob, os, q4_col0(t, j, L) + c] = q4_weight(word[c], j, sv, q4_col0(t, j, L) // G, offset)
+                    Out[ob, os, q4_col0(t, j, L) + c] = q4_weight(word[c], j, sw, q4_col0(t, j, L) // G, offset, cols)
 
     if fmt == "f32":
 
@@ -237,7 +241,7 @@ def texture_take_kernel(fmt: str, k: int, codes: ImageLayout, scales: ImageLayou
                         word = T.decl_buffer((TEXEL,), "uint32", scope="local")
                         if bx * TH + tx < texels:
                             row_texel(Q, Q, Out, T.Cast("int64", ids[by // s, by % s]), bx * TH + tx,
-                                      by // s, by % s, sv, word)
+                                      by // s, by % s, sv, word, word)
 
         return texture_take
 
@@ -247,16 +251,16 @@ def texture_take_kernel(fmt: str, k: int, codes: ImageLayout, scales: ImageLayou
         b = T.int64()
         s = T.int64()
         Q = T.match_buffer(q_h, codes.shape, "uint32", scope="global.texture")
-        S = T.match_buffer(s_h, scales.shape, "float32", scope="global.texture")
+        S = T.match_buffer(s_h, scales.shape, "uint32", scope="global.texture")
         ids = T.match_buffer(i_h, (b, s), ids_dtype)
         Out = T.match_buffer(o_h, (b, s, k), "float32")
         for by in T.thread_binding(b * s, thread="blockIdx.y"):
             for bx in T.thread_binding(T.int64(BLOCKS), thread="blockIdx.x"):
                 for tx in T.thread_binding(T.int64(TH), thread="threadIdx.x"):
-                    sv = T.decl_buffer((TEXEL,), "float32", scope="local")
                     word = T.decl_buffer((TEXEL,), "uint32", scope="local")
+                    sw = T.decl_buffer((TEXEL,), "uint32", scope="local")
                     if bx * TH + tx < texels:
                         row_texel(Q, S, Out, T.Cast("int64", ids[by // s, by % s]), bx * TH + tx,
-                                  by // s, by % s, sv, word)
+                                  by // s, by % s, sw, word, sw)
 
     return texture_quant_take

@@ -8,9 +8,15 @@ texel ``t`` of a row holds the row's 4 consecutive 32-bit words ``4t .. 4t+3``:
 
 * ``f32``: the float weights (RGBA32F); texel t = ``W[n, 4t:4t+4]``.
 * ``q4`` (int4 codes, ``formats/int4.py`` layout): the uint32 code words (RGBA32UI), 32 codes a texel;
-  scales and zeros/mins go to a second RGBA32F image, texel i = (scale, zero|min) of groups 2i, 2i+1.
+  scales (and zeros / mins) go to a second image.
 * ``q8`` (int8 codes, ``formats/int8.py``): the codes' bytes as uint32 words (RGBA32UI), 16 codes a
-  texel; scales to an RGBA32F image, texel i = the scales of groups 4i .. 4i+3.
+  texel; scales to a second image.
+
+Scale images hold the float16 values' own bits (RGBA32UI, :func:`pack_scales`), decoded to float32 by
+integer operations (``formats/gpu_factors.te_half``): OpenCL reads float16 only with cl_khr_fp16, and
+float32 images took twice the scale bytes (Q4_0 on images was 1.33x the file with its column of 8s, now
+1.0x). One column (q8, symmetric q4): 8 scales a texel, two a word, low half first; two columns (scale
+and zero | min): 4 groups a texel, a word each, the scale in the low half.
 
 The buffers are declared in scope ``global.texture``: TVM's ``TextureFlatten`` turns their loads into
 ``texture2d_load`` and the OpenCL codegen into image reads. For uint32 images TVM 0.27 prints
@@ -122,15 +128,48 @@ def pack_image(words: np.ndarray, layout: ImageLayout) -> np.ndarray:
     return out.reshape(layout.shape)
 
 
+def scale_groups_per_texel(columns: int) -> int:
+    """Groups a scale texel holds: 8 scales alone, 4 (scale, zero | min) pairs (module docstring)."""
+    return 8 if columns == 1 else 4
+
+
+def scale_layout(rows: int, groups: int, columns: int, limits: dict[str, int]) -> ImageLayout:
+    """The RGBA32UI image of ``rows`` rows of ``groups`` groups, ``columns`` float16 values a group."""
+    return image_layout(rows, -(-groups // scale_groups_per_texel(columns)), "RGBA32UI", limits)
+
+
 def pack_scales(columns: list[np.ndarray], layout: ImageLayout) -> np.ndarray:
-    """Per-group arrays [rows, ng] interleaved per texel ((s0, z0, s1, z1) for two arrays; (s0..s3) for
-    one) as float32 [layers, height, width, 4]; missing groups zero."""
+    """Per-group arrays [rows, ng] (float16 scales / mins, or uint8 zeros: all exact in float16) as
+    their float16 bits in uint32 [layers, height, width, 4] (module docstring); missing groups zero."""
     rows, ng = columns[0].shape
-    per = TEXEL // len(columns)
-    flat = np.zeros((rows, layout.width * per, len(columns)), np.float32)
+    halves = np.zeros((rows, layout.width * scale_groups_per_texel(len(columns)), len(columns)), np.float16)
     for i, c in enumerate(columns):
-        flat[:, :ng, i] = np.asarray(c, np.float32)
-    return pack_image(flat.reshape(rows, -1), layout)
+        c = np.asarray(c)
+        if c.dtype != np.float16 and not np.array_equal(c.astype(np.float16).astype(c.dtype), c):
+            raise ValueError(f"scale image: {c.dtype} values not exact in float16")
+        halves[:, :ng, i] = c
+    return pack_image(halves.reshape(rows, -1).view(np.uint32), layout)
+
+
+def scale_texel(g: Any, columns: int) -> Any:
+    """Texel (column of the scale image) of group ``g``."""
+    return g // scale_groups_per_texel(columns)
+
+
+def group_scale(sv: Any, g: Any, columns: int) -> Any:
+    """float32 scale of group ``g`` from its scale texel ``sv`` (4 uint32 words)."""
+    from perfx_compiler.formats.gpu_factors import te_half
+
+    if columns == 1:
+        return te_half((sv[g // 2 % 4] >> T.uint32(16) * T.Cast("uint32", g % 2)) & T.uint32(0xFFFF))
+    return te_half(sv[g % 4] & T.uint32(0xFFFF))
+
+
+def group_second(sv: Any, g: Any) -> Any:
+    """float32 zero | min of group ``g`` (two-column texels)."""
+    from perfx_compiler.formats.gpu_factors import te_half
+
+    return te_half(sv[g % 4] >> T.uint32(16))
 
 
 # -- kernels ------------------------------------------------------------------------------------
@@ -180,14 +219,14 @@ def _quant_image_gemv(N: int, K: int, texels: int, codes: ImageLayout, scales: I
         T.func_attr({"tirx.noalias": True, "tirx.is_scheduled": True, "op_pattern": 8})
         X = T.match_buffer(x_h, (1, 1, K), "float32")
         Q = T.match_buffer(q_h, codes.shape, "uint32", scope="global.texture")
-        S = T.match_buffer(s_h, scales.shape, "float32", scope="global.texture")
+        S = T.match_buffer(s_h, scales.shape, "uint32", scope="global.texture")
         Y = T.match_buffer(y_h, (1, 1, N), "float32")
         for bx in T.thread_binding(BLOCKS, thread="blockIdx.x"):
             for tx in T.thread_binding(TH, thread="threadIdx.x"):
                 acc = T.decl_buffer((1,), "float32", scope="local")
                 part = T.decl_buffer((1,), "float32", scope="local")
                 word = T.decl_buffer((TEXEL,), "uint32", scope="local")
-                sv = T.decl_buffer((TEXEL,), "float32", scope="local")
+                sv = T.decl_buffer((TEXEL,), "uint32", scope="local")
                 if bx * TH + tx < N:
                     acc[0] = T.float32(0)
                     for ko in range(texels // 2):
@@ -208,13 +247,19 @@ def q4_col0(t: Any, j: int, L: int) -> Any:
     return (t * TEXEL // L) * (8 * L) + j * L + t * TEXEL % L
 
 
-def q4_weight(word: Any, j: int, sz: Any, g: Any, offset: bool) -> Any:
-    """Weight of nibble ``j`` of ``word`` in group ``g``; sz = (scale, zero|min) of that group and the next:
-    code * scale + min (``offset``) or (code - zero) * scale."""
+def q4_columns(info: dict[str, Any]) -> int:
+    """Scale-image values a group of an int4 weight: 1 (symmetric: zero point 8, no array), else 2."""
+    return 1 if info.get("sym") and not info.get("offset") else 2
+
+
+def q4_weight(word: Any, j: int, sz: Any, g: Any, offset: bool, columns: int) -> Any:
+    """Weight of nibble ``j`` of ``word`` in group ``g``; sz = the scale texel holding that group:
+    code * scale + min (``offset``) or (code - zero) * scale (zero 8 with one column)."""
     code = T.Cast("float32", (word >> T.uint32(4) * T.Cast("uint32", j)) & T.uint32(15))
     if offset:
-        return code * sz[g % 2 * 2] + sz[g % 2 * 2 + 1]
-    return (code - sz[g % 2 * 2 + 1]) * sz[g % 2 * 2]
+        return code * group_scale(sz, g, columns) + group_second(sz, g)
+    zero = T.float32(8) if columns == 1 else group_second(sz, g)
+    return (code - zero) * group_scale(sz, g, columns)
 
 
 def q8_code(w: Any, b: Any) -> Any:
@@ -226,7 +271,7 @@ def texture_q4_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
     """int4 GEMV (``perfx.quant`` info of ``formats/int4.py``) with codes and scales in images:
     w = code * scale + min (``offset``) or (code - zero) * scale."""
     N, K, G, L = int(info["N"]), int(info["K"]), int(info["group"]), int(info["lanes"])
-    offset = bool(info.get("offset"))
+    offset, cols = bool(info.get("offset")), q4_columns(info)
     texels = K // 8 // TEXEL
     if K % 32 or texels % 2 or L % TEXEL or G % TEXEL:
         raise TextureLimitError(f"texture q4 GEMV needs K % 64 == 0 and lanes, group multiples of 4 (K={K})")
@@ -234,12 +279,13 @@ def texture_q4_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
     @T.macro
     def accumulate(X, S, word, sz, part, acc, row, t, HS):
         # the texel's 4 words share block kb and lanes l0..l0+3: per nibble j they hold 4 consecutive
-        # columns of one group; sz = (scale, zero|min) of that group and the next
+        # columns of one group; sz = the scale texel holding that group
         for j in T.unroll(8):
             for c in T.vectorized(TEXEL):
-                sz[c] = S[row // HS, row % HS, q4_col0(t, j, L) // G // 2, c]
+                sz[c] = S[row // HS, row % HS, scale_texel(q4_col0(t, j, L) // G, cols), c]
             for c in range(TEXEL):
-                acc[0] = acc[0] + X[0, 0, q4_col0(t, j, L) + c] * q4_weight(word[c], j, sz, q4_col0(t, j, L) // G, offset)
+                acc[0] = acc[0] + X[0, 0, q4_col0(t, j, L) + c] * q4_weight(
+                    word[c], j, sz, q4_col0(t, j, L) // G, offset, cols)
 
     return _quant_image_gemv(N, K, texels, codes, scales, threads, accumulate)
 
@@ -255,12 +301,12 @@ def texture_q8_gemv_kernel(info: dict[str, Any], codes: ImageLayout, scales: Ima
     def accumulate(X, S, word, sc, part, acc, row, t, HS):
         # 16 columns a texel, all in one group: sum them, then one multiply by the group's scale
         for c in T.vectorized(TEXEL):
-            sc[c] = S[row // HS, row % HS, t * 16 // G // 4, c]
+            sc[c] = S[row // HS, row % HS, scale_texel(t * 16 // G, 1), c]
         part[0] = T.float32(0)
         for c in range(TEXEL):
             for b in T.unroll(4):
                 part[0] = part[0] + X[0, 0, t * 16 + c * 4 + b] * q8_code(word[c], b)
-        acc[0] = acc[0] + part[0] * sc[t * 16 // G % 4]
+        acc[0] = acc[0] + part[0] * group_scale(sc, t * 16 // G, 1)
 
     return _quant_image_gemv(N, K, texels, codes, scales, threads, accumulate)
 

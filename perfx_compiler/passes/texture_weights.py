@@ -10,8 +10,9 @@ for the layers of an image array). It is packed at compile time into ``<name>__t
 
 * float32 weights (``R.matmul(x, permute_dims(W))``, ``R.take(W, ids)``) -> one RGBA32F image;
 * int4 / int8 weights (``call_tir`` of a ``perfx.quant`` PrimFunc: GGUF Q4_0/Q4_1/Q8_0 passthrough,
-  q4_* and q8) -> the code words as RGBA32UI and their scales (+ zeros / mins) as RGBA32F
-  (``<scale name>__tex``: OpenCL reads fp16 buffers only with cl_khr_fp16, images of float32 without it).
+  q4_* and q8) -> the code words as RGBA32UI and their float16 scales (+ zeros / mins) as their bits
+  in RGBA32UI (``<scale name>__tex``: OpenCL reads float16 only with cl_khr_fp16; the kernels decode
+  the bits by integer operations).
 
 Every read of the group in every exported function is rewritten: one-token matmuls to the texture
 GEMVs (``kernels/gemv_texture.py``), multi-row matmuls of prefill and the batched paged functions to
@@ -19,8 +20,8 @@ the texture GEMMs, embedding gathers of a tied embedding to the texture gathers
 (``kernels/gemm_texture.py``). The buffer form is then dropped from the weight table, so the
 artifact and the device hold one copy. A group with a read that no texture kernel replaces (another
 operator, a shape that does not fit) keeps its buffer form only, with its buffer GEMV: never both.
-The only growth is the scales widened from fp16 to fp32 (and padding: rows of the last layer, a
-texel's missing groups).
+The only growth is padding (rows of the last layer, a texel's missing groups): the images hold the
+weight's own bytes.
 """
 
 from __future__ import annotations
@@ -112,10 +113,7 @@ def _uses(mod: tvm.IRModule, info: FuncInfo, weights: dict[str, Any]) -> list[_U
         if found is not None:
             pf, q = found
             args = list(value.args[1].fields)
-            # superblock weights (info sb: K-quants, IQ4_XS) and bit-plane codes (Q5_0, Q5_1, IQ4_NL) have no
-            # image layout: they stay buffers
-            if (q.get("words") or q.get("sb") or q.get("code_bits") or q.get("kind") not in ("matmul", "take", "dequant")
-                    or q.get("bits") not in (4, 8)):
+            if not takes_images(q):
                 continue
             skip: tuple[Any, ...] = ()
             if q["kind"] == "dequant":  # prefill on GPUs: matmul(x, permute_dims(dequantize(W)))
@@ -160,6 +158,23 @@ def _uses(mod: tvm.IRModule, info: FuncInfo, weights: dict[str, Any]) -> list[_U
     return out
 
 
+def takes_images(q: dict[str, Any]) -> bool:
+    """Whether a ``perfx.quant`` kernel's weight has an image layout: int4 / int8 codes with float16 group
+    tables. Superblock weights (info sb: K-quants, IQ4_XS) and bit-plane codes (Q5_0, Q5_1, IQ4_NL)
+    have none: they stay buffers."""
+    return not (q.get("words") or q.get("sb") or q.get("code_bits") or q.get("kind") not in ("matmul", "take", "dequant")
+                or q.get("bits") not in (4, 8))
+
+
+def quant_images(q: dict[str, Any], arrays: list[np.ndarray], opts: dict[str, Any]) -> list[np.ndarray]:
+    """The images one quantized weight's arrays (codes, then scale [, zero | min]) become, packed as this
+    pass packs them (``opts``: :func:`texture_options`); for reports (``benchmarks/kernels.py bytes``)."""
+    names = [f"w{i}" for i in range(len(arrays))]
+    weights = dict(zip(names, arrays, strict=True))
+    group = _Group(_Use("qmm", names, None, None, q=q), weights, opts)
+    return list(group.pack(weights).values())
+
+
 def _only_reader(info: FuncInfo, var: Any, op: str) -> Any:
     """The binding var of the one ``op`` call that reads ``var`` (read nowhere else), or None."""
     readers = info.users(var)
@@ -194,9 +209,13 @@ class _Group:
             q = use.q
             self.fmt, self.n, self.k = f"q{q['bits']}", int(q["N"]), int(q["K"])
             ng = np.asarray(weights[use.names[1]]).shape[1]
-            per_texel = 32 if q["bits"] == 4 else 16  # codes a texel; scale groups a texel: 2 (q4) or 4 (q8)
+            per_texel = 32 if q["bits"] == 4 else 16  # codes a texel
+            columns = gt.q4_columns(q) if q["bits"] == 4 else 1  # float16 values a group (scale [, zero | min])
+            if len(use.names) - 1 != columns:
+                raise ValueError(f"internal: texture {self.fmt} weight {use.names[0]} has {len(use.names) - 1} "
+                                 f"scale arrays, its format {columns}")
             self.layouts = [gt.image_layout(self.n, self.k // per_texel, "RGBA32UI", opts),
-                            gt.image_layout(self.n, -(-ng // (2 if q["bits"] == 4 else 4)), "RGBA32F", opts)]
+                            gt.scale_layout(self.n, ng, columns, opts)]
         self.images = [nm + TEX_SUFFIX for nm in self.names[: len(self.layouts)]]
 
     def pack(self, weights: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -208,8 +227,6 @@ class _Group:
         codes = np.ascontiguousarray(weights[self.names[0]])
         words = codes.view(np.uint32) if codes.dtype != np.uint32 else codes
         columns = [np.asarray(weights[nm]) for nm in self.names[1:]]
-        if self.fmt == "q4" and len(columns) == 1:  # symmetric int4: zero point 8, no array in the table
-            columns.append(np.full(columns[0].shape, 8, np.float32))
         return {self.images[0]: gt.pack_image(words, self.layouts[0]),
                 self.images[1]: gt.pack_scales(columns, self.layouts[1])}
 
@@ -360,9 +377,10 @@ def _content(source: str) -> str:
     if source.endswith("_q8"):
         return "int8 codes as little-endian uint32 words (16 codes a texel)"
     if source.endswith("_q4_scale"):
-        return "per group (scale, min|zero) as fp32; texel i = groups 2i, 2i+1"
+        return ("per group float16 bits, (scale, min|zero) a uint32 word, texel i = groups 4i .. 4i+3; "
+                "symmetric int4 (zero 8): two scales a word, texel i = groups 8i .. 8i+7")
     if source.endswith("_q8_scale"):
-        return "per group scale as fp32; texel i = groups 4i .. 4i+3"
+        return "per group scale's float16 bits, two a uint32 word; texel i = groups 8i .. 8i+7"
     return "float32 weights W[N, K]; texel x = W[n, 4x : 4x+4]"
 
 

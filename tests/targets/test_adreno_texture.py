@@ -55,32 +55,47 @@ def _check(got: np.ndarray, want: np.ndarray, k: int) -> None:
     assert err <= 2e-6 * max(1.0, float(np.abs(want).max())) * np.sqrt(k), err
 
 
-# N x K of SmolLM2's decode GEMVs (qkv, o, gate_up, down); small ones fold rows into layers
-@pytest.mark.parametrize(("n", "k", "max_height"), [(960, 576, 16384), (576, 576, 16384), (3072, 576, 1000),
-                                                     (576, 1536, 16384), (100, 64, 30)])
-@pytest.mark.parametrize("offset", [True, False])
-def test_q4_texture_gemv(n: int, k: int, max_height: int, offset: bool, launcher) -> None:
+def _q4_case(rng, n: int, k: int, variant: str, lim: dict[str, int]):
+    """A random int4 weight with group 32 in one of its variants (``offset``: Q4_1's min, ``zero``: a
+    uint8 zero point, ``sym``: Q4_0's zero point 8 and no array): (info, images, float64 W)."""
     from perfx_compiler.formats.int4 import Int4Format, pack_int4
     from perfx_compiler.kernels import gemv_texture as gt
 
-    lim = _limits(launcher, max_height)
-    fmt = Int4Format(32, False, offset)
-    lanes = fmt.lanes(k)
-    rng = np.random.default_rng(n * 7 + k + offset)
+    offset = variant == "offset"
+    lanes = Int4Format(32, variant == "sym", offset).lanes(k)
     codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
     scale = rng.standard_normal((n, k // 32)).astype(np.float16)
-    third = (rng.standard_normal((n, k // 32)) if offset else rng.integers(0, 16, (n, k // 32))).astype(np.float16)
+    third = (rng.standard_normal((n, k // 32)).astype(np.float16) if offset
+             else rng.integers(0, 16, (n, k // 32)).astype(np.uint8))
+    columns = [scale] if variant == "sym" else [scale, third]
     words = pack_int4(codes, lanes)
     cl = gt.image_layout(n, words.shape[1] // 4, "RGBA32UI", lim)
-    sl = gt.image_layout(n, -(-(k // 32) // 2), "RGBA32F", lim)
+    sl = gt.scale_layout(n, k // 32, len(columns), lim)
+    info = {"N": n, "K": k, "group": 32, "lanes": lanes, "offset": offset, "sym": variant == "sym"}
+    s, t = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (scale, third))
+    c = codes.astype(np.float64)
+    w = c * s + t if offset else (c - (8 if variant == "sym" else t)) * s
+    return info, (cl, sl), [gt.pack_image(words, cl), gt.pack_scales(columns, sl)], w
+
+
+Q4_VARIANTS = ["offset", "zero", "sym"]
+
+
+# N x K of SmolLM2's decode GEMVs (qkv, o, gate_up, down); small ones fold rows into layers
+@pytest.mark.parametrize(("n", "k", "max_height"), [(960, 576, 16384), (576, 576, 16384), (3072, 576, 1000),
+                                                     (576, 1536, 16384), (100, 64, 30)])
+@pytest.mark.parametrize("variant", Q4_VARIANTS)
+def test_q4_texture_gemv(n: int, k: int, max_height: int, variant: str, launcher) -> None:
+    from perfx_compiler.kernels import gemv_texture as gt
+
+    lim = _limits(launcher, max_height)
+    rng = np.random.default_rng(n * 7 + k + len(variant))
+    info, (cl, sl), images, w = _q4_case(rng, n, k, variant, lim)
     assert cl.layers == -(-n // lim["max_height"])
-    cf = _compile(gt.texture_q4_gemv_kernel({"N": n, "K": k, "group": 32, "lanes": lanes, "offset": offset}, cl, sl))
+    cf = _compile(gt.texture_q4_gemv_kernel(info, cl, sl))
     assert "read_imageui" in cf.source and "as_uint4(READ_IMAGEF" not in cf.source
     x = rng.standard_normal((1, 1, k)).astype(np.float32)
-    got = launcher.run_numpy(cf, [x, gt.pack_image(words, cl), gt.pack_scales([scale, third], sl),
-                                  np.zeros((1, 1, n), np.float32)])[3]
-    s, t = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (scale, third))
-    w = codes * s + t if offset else (codes - t) * s
+    got = launcher.run_numpy(cf, [x, *images, np.zeros((1, 1, n), np.float32)])[3]
     _check(got, w @ x.reshape(-1).astype(np.float64), k)
 
 
@@ -92,7 +107,7 @@ def test_q8_texture_gemv(n: int, k: int, launcher) -> None:
     codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
     scale = rng.standard_normal((n, k // 32)).astype(np.float16)
     cl = gt.image_layout(n, k // 16, "RGBA32UI", _limits(launcher))
-    sl = gt.image_layout(n, -(-(k // 32) // 4), "RGBA32F", _limits(launcher))
+    sl = gt.scale_layout(n, k // 32, 1, _limits(launcher))
     cf = _compile(gt.texture_q8_gemv_kernel({"N": n, "K": k, "group": 32}, cl, sl))
     x = rng.standard_normal((1, 1, k)).astype(np.float32)
     got = launcher.run_numpy(cf, [x, gt.pack_image(codes.view(np.uint32), cl), gt.pack_scales([scale], sl),
@@ -135,25 +150,14 @@ def _run_rows(launcher, cf, images: list[np.ndarray], k: int, n: int, want_w: np
 # SmolLM2's prefill GEMMs (qkv, gate_up folded into 4 layers, down) and a small odd one (rows not a multiple of 4)
 @pytest.mark.parametrize(("n", "k", "max_height"), [(960, 576, 16384), (3072, 576, 1000), (576, 1536, 16384),
                                                      (102, 64, 30)])
-@pytest.mark.parametrize("offset", [True, False])
-def test_q4_texture_gemm(n: int, k: int, max_height: int, offset: bool, launcher) -> None:
-    from perfx_compiler.formats.int4 import Int4Format, pack_int4
+@pytest.mark.parametrize("variant", Q4_VARIANTS)
+def test_q4_texture_gemm(n: int, k: int, max_height: int, variant: str, launcher) -> None:
     from perfx_compiler.kernels import gemm_texture as gm
-    from perfx_compiler.kernels import gemv_texture as gt
 
-    lim = _limits(launcher, max_height)
-    lanes = Int4Format(32, False, offset).lanes(k)
-    rng = np.random.default_rng(n * 5 + k + offset)
-    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
-    scale = rng.standard_normal((n, k // 32)).astype(np.float16)
-    third = (rng.standard_normal((n, k // 32)) if offset else rng.integers(0, 16, (n, k // 32))).astype(np.float16)
-    words = pack_int4(codes, lanes)
-    cl = gt.image_layout(n, words.shape[1] // 4, "RGBA32UI", lim)
-    sl = gt.image_layout(n, -(-(k // 32) // 2), "RGBA32F", lim)
-    cf = _compile(gm.texture_q4_gemm_kernel({"N": n, "K": k, "group": 32, "lanes": lanes, "offset": offset}, cl, sl))
-    s, t = (np.repeat(a.astype(np.float64), 32, axis=1) for a in (scale, third))
-    w = codes * s + t if offset else (codes - t) * s
-    _run_rows(launcher, cf, [gt.pack_image(words, cl), gt.pack_scales([scale, third], sl)], k, n, w, n + k)
+    rng = np.random.default_rng(n * 5 + k + len(variant))
+    info, (cl, sl), images, w = _q4_case(rng, n, k, variant, _limits(launcher, max_height))
+    cf = _compile(gm.texture_q4_gemm_kernel(info, cl, sl))
+    _run_rows(launcher, cf, images, k, n, w, n + k)
 
 
 @pytest.mark.parametrize(("n", "k", "max_height"), [(49152, 576, 16384), (300, 64, 128)])
@@ -166,7 +170,7 @@ def test_q8_texture_gemm(n: int, k: int, max_height: int, launcher) -> None:
     codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
     scale = rng.standard_normal((n, k // 32)).astype(np.float16)
     cl = gt.image_layout(n, k // 16, "RGBA32UI", lim)
-    sl = gt.image_layout(n, -(-(k // 32) // 4), "RGBA32F", lim)
+    sl = gt.scale_layout(n, k // 32, 1, lim)
     cf = _compile(gm.texture_q8_gemm_kernel({"N": n, "K": k, "group": 32}, cl, sl))
     w = codes * np.repeat(scale.astype(np.float64), 32, axis=1)
     _run_rows(launcher, cf, [gt.pack_image(codes.view(np.uint32), cl), gt.pack_scales([scale], sl)], k, n, w, n)
@@ -183,11 +187,10 @@ def test_f32_texture_gemm(n: int, k: int, max_height: int, launcher) -> None:
     _run_rows(launcher, cf, [gt.pack_image(w, lay)], k, n, w.astype(np.float64), n + 2)
 
 
-@pytest.mark.parametrize("fmt", ["f32", "q4", "q8"])
+@pytest.mark.parametrize("fmt", ["f32", "q8", *(f"q4-{v}" for v in Q4_VARIANTS)])
 @pytest.mark.parametrize(("n", "k", "max_height"), [(49152, 576, 16384), (300, 640, 128)])
 def test_texture_take(fmt: str, n: int, k: int, max_height: int, launcher) -> None:
     """Embedding gather from the images (a tied embedding: SmolLM2's Q8_0 token_embd is its lm_head)."""
-    from perfx_compiler.formats.int4 import Int4Format, pack_int4
     from perfx_compiler.kernels import gemm_texture as gm
     from perfx_compiler.kernels import gemv_texture as gt
 
@@ -200,19 +203,13 @@ def test_texture_take(fmt: str, n: int, k: int, max_height: int, launcher) -> No
         cf, images, want = _compile(gm.texture_take_kernel("f32", k, lay)), [gt.pack_image(w, lay)], w
     elif fmt == "q8":
         codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
-        cl, sl = gt.image_layout(n, k // 16, "RGBA32UI", lim), gt.image_layout(n, -(-(k // 32) // 4), "RGBA32F", lim)
+        cl, sl = gt.image_layout(n, k // 16, "RGBA32UI", lim), gt.scale_layout(n, k // 32, 1, lim)
         cf = _compile(gm.texture_take_kernel("q8", k, cl, sl, {"N": n, "K": k, "group": 32}))
         images = [gt.pack_image(codes.view(np.uint32), cl), gt.pack_scales([scale], sl)]
         want = codes * np.repeat(scale.astype(np.float64), 32, axis=1)
     else:
-        lanes = Int4Format(32, False, True).lanes(k)
-        codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
-        mins = rng.standard_normal((n, k // 32)).astype(np.float16)
-        words = pack_int4(codes, lanes)
-        cl, sl = gt.image_layout(n, words.shape[1] // 4, "RGBA32UI", lim), gt.image_layout(n, -(-(k // 32) // 2), "RGBA32F", lim)
-        cf = _compile(gm.texture_take_kernel("q4", k, cl, sl, {"N": n, "K": k, "group": 32, "lanes": lanes, "offset": True}))
-        images = [gt.pack_image(words, cl), gt.pack_scales([scale, mins], sl)]
-        want = codes * np.repeat(scale.astype(np.float64), 32, axis=1) + np.repeat(mins.astype(np.float64), 32, axis=1)
+        info, (cl, sl), images, want = _q4_case(rng, n, k, fmt.split("-")[1], lim)
+        cf = _compile(gm.texture_take_kernel("q4", k, cl, sl, info))
     for b, s in ROWS:
         ids = rng.integers(0, n, (b, s)).astype(np.int64)
         ids.flat[0] = n - 1  # the last row: the last layer of a folded image
@@ -336,22 +333,26 @@ def _device_bytes(launcher, weights: dict) -> int:
 
 
 def _image_growth(weights: dict, buffers: dict) -> tuple[int, int]:
-    """(bytes the images add over the buffers they replace, bytes of the scales / zeros / mins among those
-    buffers). Code and float images must be exactly their buffers' bytes; scale images hold the fp16
-    scales / mins and uint8 zeros as fp32, texels padded up with missing groups (q8: 4 groups a texel)."""
+    """(bytes the images add over the buffers they replace, the most they may add). Code and float images
+    must be exactly their buffers' bytes; scale images hold the float16 scales / mins as they are and
+    uint8 zeros as float16, each row padded to whole texels (q8: 8 groups a texel, q4: 4 pairs)."""
     from perfx_compiler.passes.texture_weights import texture_manifest
 
-    growth = scale_bytes = 0
+    growth = allowed = 0
     for name, t in texture_manifest(weights).items():
         src = t["source"]
         parts = [src]
         if src.endswith("_scale"):
             parts += [p for p in (src.removesuffix("_scale") + s for s in ("_min", "_zero")) if p in buffers]
-            scale_bytes += sum(np.asarray(buffers[p]).nbytes for p in parts)
+            # float16 bits as they are: only uint8 zeros widened to float16 and the padding to a whole
+            # last texel a row (and the last layer's rows) may grow
+            zeros = src.removesuffix("_scale") + "_zero"
+            allowed += (np.asarray(buffers[zeros]).nbytes if zeros in buffers else 0) + 16 * t["layers"] * t["height"]
+            allowed += (t["layers"] * t["height"] - np.asarray(buffers[src]).shape[0]) * 16 * t["width"]
         grew = weights[name].nbytes - sum(np.asarray(buffers[p]).nbytes for p in parts)
         assert src.endswith("_scale") or grew == 0, (name, grew)
         growth += grew
-    return growth, scale_bytes
+    return growth, allowed
 
 
 def _assert_one_copy(weights: dict, buffers: dict) -> int:
@@ -365,18 +366,19 @@ def _assert_one_copy(weights: dict, buffers: dict) -> int:
     stems = {s.removesuffix("_scale") for s in sources}  # scale, min, zero of an imaged linear go too
     left = sorted(k for k in weights if not k.endswith("__tex") and k.rsplit("_", 1)[0] in stems)
     assert not left, left
-    growth, scale_bytes = _image_growth(weights, buffers)
+    growth, allowed = _image_growth(weights, buffers)
     have = sum(np.asarray(w).nbytes for w in weights.values())
     assert have == sum(np.asarray(w).nbytes for w in buffers.values()) + growth, (have, growth)
-    # fp16 -> fp32 doubles, uint8 -> fp32 quadruples; a q8 texel holds 4 groups (SmolLM2: 18 -> 20)
-    assert 0 <= growth <= 4 * scale_bytes, (growth, scale_bytes)
+    # (a q8 scale texel holds 8 groups, SmolLM2's 18 -> 24; a q4 one 4 pairs, 18 -> 20; float32 scale
+    # images grew 1x-3x the scale bytes)
+    assert 0 <= growth <= allowed, (growth, allowed)
     return have
 
 
 def test_texture_weights_are_one_copy(adreno_tiny, launcher) -> None:
     """No weight is both an image and a buffer: the adreno weight table (= weights.bin) and the device
-    hold the buffer-only mali build's bytes (the model's quantized weight bytes), plus only the fp32
-    widening of the image scales. The duplicate (PR #5: images as a second copy) doubled them."""
+    hold the buffer-only mali build's bytes (the model's quantized weight bytes), plus only the image
+    scales' padding to whole texels. The duplicate (PR #5: images as a second copy) doubled them."""
     from perfx_compiler.passes.texture_weights import texture_manifest
     from perfx_compiler.targets_exec.reference import lowered_module
 
@@ -444,7 +446,7 @@ def test_every_texture_kernel_of_smollm2_on_pocl(launcher, monkeypatch: pytest.M
     ``decode`` (121 GEMVs and the embedding gather), with the model's own packed images, matches numpy on
     the buffer weights they were packed from; so does each distinct texture kernel of ``prefill`` (the
     multi-row GEMMs, 3 rows). The build keeps one copy: no buffer of an imaged weight, and the table
-    holds the quantized weights' bytes plus only the fp32 widening of the image scales."""
+    holds the quantized weights' bytes plus only the image scales' padding to whole texels."""
     from tvm import relax
 
     from perfx_compiler.kernels.tir_queries import has_texture_params

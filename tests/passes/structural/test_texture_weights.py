@@ -1,7 +1,7 @@
 """texture_weights (Adreno, ``templates.gpu_gemv.texture``): a weight that decode's GEMV reads becomes one
 RGBA32F image ``<W>__tex`` ([layers, height, width, 4]) and only that: decode's linear calls the texture
 GEMV, prefill's the texture GEMM. An int4 weight (quantize_int4's kernels) becomes an RGBA32UI image of its
-code words and an RGBA32F one of its (scale, zero) pairs, read by the texture int4 GEMV / GEMM. A weight
+code words and an RGBA32UI one of its (scale, zero) pairs as float16 bits, read by the texture int4 GEMV / GEMM. A weight
 with a read no texture kernel replaces keeps its buffer.
 
 The kernels are compared by identity to their generators (``kernels.gemv_texture.texture_gemv_kernel``,
@@ -180,7 +180,7 @@ class Int4Images:
 
     @R.function
     def decode(x: R.Tensor((1, 1, 64), "float32"), w_q4__tex: R.Tensor((1, 8, 2, 4), "uint32"),
-               w_q4_scale__tex: R.Tensor((1, 8, 1, 4), "float32")):
+               w_q4_scale__tex: R.Tensor((1, 8, 1, 4), "uint32")):
         R.func_attr({"num_input": 1})
         cls = Int4Images
         with R.dataflow():
@@ -191,7 +191,7 @@ class Int4Images:
 
     @R.function
     def prefill(x: R.Tensor((1, "seq", 64), "float32"), w_q4__tex: R.Tensor((1, 8, 2, 4), "uint32"),
-                w_q4_scale__tex: R.Tensor((1, 8, 1, 4), "float32")):
+                w_q4_scale__tex: R.Tensor((1, 8, 1, 4), "uint32")):
         R.func_attr({"num_input": 1})
         seq = T.int64()
         cls = Int4Images
@@ -211,7 +211,7 @@ def test_int4_weights_live_only_as_images() -> None:
     after, weights = run_pass(texture_weights, with_kernels(Int4, q4_matmul_8_64_g32_1x1=matmul,
                                                             q4_dequant_8_64_g32=dequant), w, context("adreno"))
     codes = ImageLayout(rows=8, width=2, height=8, layers=1, fmt="RGBA32UI")  # 64 codes = 8 words = 2 texels
-    scales = ImageLayout(rows=8, width=1, height=8, layers=1, fmt="RGBA32F")  # (s0, z0, s1, z1)
+    scales = ImageLayout(rows=8, width=1, height=8, layers=1, fmt="RGBA32UI")  # (s0 | z0 << 16, s1 | z1 << 16, 0, 0)
     info = {kind: json.loads(str(f.attrs["perfx.quant"])) for kind, f in (("matmul", matmul), ("dequant", dequant))}
     expected = with_kernels(
         Int4Images, q4_matmul_8_64_g32_1x1=matmul, q4_dequant_8_64_g32=dequant,
@@ -221,5 +221,7 @@ def test_int4_weights_live_only_as_images() -> None:
     tvm.ir.assert_structural_equal(after, expected)
     assert list(weights) == ["w_q4__tex", "w_q4_scale__tex"]
     np.testing.assert_array_equal(weights["w_q4__tex"], w["w_q4"].reshape(1, 8, 2, 4))
-    pairs = np.stack([w["w_q4_scale"].astype(np.float32), w["w_q4_zero"].astype(np.float32)], axis=2)
-    np.testing.assert_array_equal(weights["w_q4_scale__tex"], pairs.reshape(1, 8, 1, 4))
+    # the float16 bits, a group a word: the scale in the low half, the zero (exact in float16) in the high
+    pairs = np.zeros((8, 4, 2), np.float16)
+    pairs[:, :2, 0], pairs[:, :2, 1] = w["w_q4_scale"], w["w_q4_zero"]
+    np.testing.assert_array_equal(weights["w_q4_scale__tex"], pairs.reshape(8, 8).view(np.uint32).reshape(1, 8, 1, 4))
