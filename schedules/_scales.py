@@ -21,7 +21,8 @@ class Scales:
         self.NG = -(-K // G)
         self.G, self.sb, self.offset, self.nibbles = G, sb, bool(offset), bool(nibbles and sb and offset)
         # d_low (GGUF Q3_K, formats/vnni_lowbit.pack_scales_d_low): 4 sc in each value's high 6 bits,
-        # the superblock's float16 d in the low 2 bits of its first 8 values; no d tail, no view
+        # the superblock's float16 d in the low 2 bits of its first 8 values, read through a uint64 view;
+        # no d tail
         self.d_low = bool(d_low and sb and not offset)
         self.SW = self.NG + 2 * (K // sb) if sb and not self.d_low else self.NG
         # nibbles (GGUF Q2_K, formats/vnni_lowbit.pack_q2_scales): scale bytes sc | m << 4, the min
@@ -126,8 +127,9 @@ class Scales:
     def views(self) -> Any:
         """The macro ``views(body, S, Z, *rest)`` every kernel's PrimFunc ends with: it calls
         ``body(S, Z, Sd, Zd, *rest)``, Sd / Zd the float16 views of the scale / min buffers (the
-        superblock d / dmin) with ``sb`` (``d_low``: Sd a uint64 view of S), else S / Z themselves: no view is declared that the
-        kernel does not read (the classic kernels' TIR as it was; no Zd without a min)."""
+        superblock d / dmin) with ``sb`` (``d_low``: Sd a uint64 view of S), else S / Z themselves: no
+        view is declared that the kernel does not read (the classic kernels' TIR as it was; no Zd without
+        a min)."""
         from tvm.script import tirx as T
 
         SB, OFF, VIEW, ZVIEW, D_LOW = bool(self.sb), self.offset, self.VIEW, self.ZVIEW, self.d_low
