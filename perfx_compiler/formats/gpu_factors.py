@@ -11,7 +11,7 @@ float16, and WGSL has no 8-bit types. So, per weight [N, K] with groups of G and
   + 2^(bits-1). Columns are padded to whole words.
 * ``min`` (``min_hi``): the min values m likewise (Q4_K, Q5_K, Q2_K).
 * ``scale_d`` uint32 [N, K/256]: d's float32 bits, or with a min d's float16 bits | dmin's << 16,
-  decoded with integer operations (:func:`te_half`).
+  decoded with integer operations (``kernels/half_bits.te_half``).
 
 Bytes against the file: Q6_K 1.0095 (d as 32 bits), Q3_K 1.018, IQ4_XS 1.015, Q4_K, Q5_K, Q2_K 1.0.
 Every product (sc * d, m * dmin) is exact in float32, as on CPUs.
@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.formats import bitplanes
+from perfx_compiler.kernels.half_bits import te_half
 
 # bits of a group value (sc, m) per type; signed ones are stored + 2^(bits-1)
 VALUE_BITS = {"Q6_K": 8, "Q5_K": 6, "Q4_K": 6, "Q3_K": 6, "Q2_K": 4, "IQ4_XS": 6}
@@ -114,20 +115,3 @@ class GpuFactors:
         d = te_half(dw & tirx.const(0xFFFF, "uint32"))
         dmin = te_half(dw >> tirx.const(16, "uint32"))
         return value(arrays[:nv]) * d, value(arrays[nv: 2 * nv]) * dmin
-
-
-def te_half(h: Any) -> Any:
-    """(TE) float32 of the float16 bits in the low half of a uint32 expression, by integer operations
-    (no float16 type needed). Finite values only: the loader rejects inf / NaN factors."""
-    from tvm import tirx
-
-    def u(v: int) -> Any:
-        return tirx.const(v, "uint32")
-
-    e = (h >> u(10)) & u(31)
-    m = h & u(0x3FF)
-    sign = (h & u(0x8000)) << u(16)
-    normal = tirx.reinterpret("float32", sign | ((e + u(112)) << u(23)) | (m << u(13)))
-    tiny = m.astype("float32") * tirx.const(2.0**-24, "float32")  # zero and subnormals
-    tiny = tirx.Select((h & u(0x8000)) != u(0), -tiny, tiny)
-    return tirx.Select(e == u(0), tiny, normal)

@@ -13,7 +13,7 @@ texel ``t`` of a row holds the row's 4 consecutive 32-bit words ``4t .. 4t+3``:
   texel; scales to a second image.
 
 Scale images hold the float16 values' own bits (RGBA32UI, :func:`pack_scales`), decoded to float32 by
-integer operations (``formats/gpu_factors.te_half``): OpenCL reads float16 only with cl_khr_fp16, and
+integer operations (``kernels/half_bits.te_half``): OpenCL reads float16 only with cl_khr_fp16, and
 float32 images took twice the scale bytes (Q4_0 on images was 1.33x the file with its column of 8s, now
 1.0x). One column (q8, symmetric q4): 8 scales a texel, two a word, low half first; two columns (scale
 and zero | min): 4 groups a texel, a word each, the scale in the low half.
@@ -158,7 +158,7 @@ def scale_texel(g: Any, columns: int) -> Any:
 
 def group_scale(sv: Any, g: Any, columns: int) -> Any:
     """float32 scale of group ``g`` from its scale texel ``sv`` (4 uint32 words)."""
-    from perfx_compiler.formats.gpu_factors import te_half
+    from perfx_compiler.kernels.half_bits import te_half
 
     if columns == 1:
         return te_half((sv[g // 2 % 4] >> T.uint32(16) * T.Cast("uint32", g % 2)) & T.uint32(0xFFFF))
@@ -167,7 +167,7 @@ def group_scale(sv: Any, g: Any, columns: int) -> Any:
 
 def group_second(sv: Any, g: Any) -> Any:
     """float32 zero | min of group ``g`` (two-column texels)."""
-    from perfx_compiler.formats.gpu_factors import te_half
+    from perfx_compiler.kernels.half_bits import te_half
 
     return te_half(sv[g % 4] >> T.uint32(16))
 

@@ -169,12 +169,12 @@ def test_gpu_layout_holds_the_files_bytes(qtype: str) -> None:
 
 
 def test_half_bits_every_finite_float16() -> None:
-    """gpu_factors.te_half (float16 bits -> float32 by integer operations, for devices without float16)
+    """kernels/half_bits.te_half (float16 bits -> float32 by integer operations, for devices without float16)
     equals numpy's conversion for every finite float16, subnormals and both zeros included."""
     import tvm
     from tvm import te
 
-    from perfx_compiler.formats.gpu_factors import te_half
+    from perfx_compiler.kernels.half_bits import te_half
 
     bits = np.arange(1 << 16, dtype=np.uint32)
     bits = bits[np.isfinite(bits.astype(np.uint16).view(np.float16))]
