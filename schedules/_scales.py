@@ -49,7 +49,9 @@ class Scales:
         """(``d_low``) group g's 4 sc as float32: its scale byte with d's 2 bits cleared."""
         from tvm.script import tirx as T
 
-        return T.Cast("float32", A[row, g] & T.int8(-4))
+        from perfx_compiler.formats.vnni_lowbit import scale_times_4
+
+        return T.Cast("float32", scale_times_4(A[row, g]))
 
     def superblock_d(self, Aw: Any, row: Any, sbi: Any) -> Any:  # noqa: N803
         """(``d_low``) superblock ``sbi``'s d / 4 as float32, folded from the low bits of its first 8

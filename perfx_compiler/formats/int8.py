@@ -109,7 +109,8 @@ def int8_matmul_compute(
         q = s = None
         fs = gpu_factors.placeholders()
     elif offset or sb:
-        from perfx_compiler.formats.superblocks import te_factor, te_factor_d_low, te_nibble_factors
+        from perfx_compiler.formats.superblocks import te_factor, te_nibble_factors
+        from perfx_compiler.formats.vnni_lowbit import te_factor_d_low
 
         width = ng + (2 * (k // sb) if sb and not d_low else 0)
         q = te.placeholder((n, -(-k // 4)) if words else qshape, "uint32" if words else qdtype or (

@@ -53,16 +53,6 @@ def te_factor(a: Any, row: Any, g: Any, groups: int, group: int, sb: int) -> Any
     return a[row, g].astype("float32") * te_f16(a, row, groups + 2 * (g // (sb // group)))
 
 
-def te_factor_d_low(a: Any, row: Any, g: Any) -> Any:
-    """(TE reference, Q3_K: ``formats/vnni_lowbit.pack_scales_d_low``) group ``g``'s factor sc * d, as
-    (4 sc) * (d / 4), from int8 group values whose low 2 bits hold their superblock's d."""
-    from tvm import tirx
-
-    from perfx_compiler.formats.vnni_lowbit import d_of_bytes
-
-    return (a[row, g] & tirx.const(-4, "int8")).astype("float32") * d_of_bytes(lambda r, c: a[r, c], row, g)
-
-
 def te_nibble_factors(s: Any, z: Any, row: Any, g: Any, groups: int, group: int, sb: int) -> tuple[Any, Any]:
     """(TE reference, Q2_K: ``formats/vnni_lowbit.pack_q2_scales``) group ``g``'s (sc * d, m * dmin) from
     its scale byte sc | m << 4, d in the scale row's tail and dmin alone in the min array ``z``."""

@@ -382,9 +382,9 @@ def vnni_compute(
         if not sb:
             return a[row, g].astype("float32")
         if bits == 3:
-            from perfx_compiler.formats.vnni_lowbit import d_of_bytes, scale_times_4
+            from perfx_compiler.formats.vnni_lowbit import te_factor_d_low
 
-            return scale_times_4(a[row, g]).astype("float32") * d_of_bytes(lambda r, c: a[r, c], row, g)
+            return te_factor_d_low(a, row, g)
         from perfx_compiler.formats.superblocks import te_f16, te_nibble_factors
 
         if bits == 2:  # Q2_K: scale bytes sc | m << 4, the min array dmin alone

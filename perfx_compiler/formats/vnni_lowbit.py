@@ -207,6 +207,12 @@ def d_of_word_folded(word: Any) -> Any:
     return T.Cast("float32", T.reinterpret("float16", T.Cast("uint16", w))) * T.float32(0.25)
 
 
+def te_factor_d_low(a: Any, row: Any, g: Any) -> Any:
+    """(TE reference) group ``g``'s factor sc * d of a scale array laid out by :func:`pack_scales_d_low`,
+    as (4 sc) * (d / 4): exact, as sc * d."""
+    return scale_times_4(a[row, g]).astype("float32") * d_of_bytes(lambda r, c: a[r, c], row, g)
+
+
 def d_of_bytes(load: Any, row: Any, g: Any) -> Any:
     """float32 d / 4 of group g's superblock from its first 8 scale bytes (``load(row, col)``; scalar)."""
     from tvm import tirx
