@@ -105,6 +105,35 @@ class Scales:
 
         return fill
 
+    def group_loop(self, R: int, NG: int, GU: int = 1) -> Any:  # noqa: N803
+        """Macro ``loop(S, Z, Sd, Zd, row0, spare, one, *args)``: the GEMVs' walk over a row block's NG
+        groups, calling ``one(*args, fac, fmin, g)`` for each, GU groups unrolled. With superblock
+        scales it goes superblock by superblock, filling the R rows' factor table (``fac`` / ``fmin``,
+        :meth:`fill_table`) first; without, ``spare`` stands for both (never read)."""
+        from tvm.script import tirx as T
+
+        GPS, BY_SB = self.GPS, self.GPS > 0
+        fill = self.fill_table(R)
+        if GPS and GPS % GU:
+            raise ValueError(f"internal: {GU} groups a step do not divide a superblock's {GPS}")
+
+        @T.macro
+        def loop(S, Z, Sd, Zd, row0, spare, one, *args):
+            if BY_SB:
+                fac = T.decl_buffer((R * GPS,), "float32", scope="local")
+                fmin = T.decl_buffer((R * GPS,), "float32", scope="local")
+                for sbi in T.serial(NG // GPS):
+                    fill(S, Z, Sd, Zd, fac, fmin, row0, sbi)
+                    for go in T.serial(GPS // GU):
+                        for gi in T.unroll(GU):
+                            one(*args, fac, fmin, sbi * GPS + go * GU + gi)
+            else:
+                for go in T.serial(NG // GU):
+                    for gi in T.unroll(GU):
+                        one(*args, spare, spare, go * GU + gi)
+
+        return loop
+
     def table_scale(self, S: Any, Sd: Any, fac: Any, row0: Any, r: Any, g: Any) -> Any:  # noqa: N803
         """Group g's scale of row row0 + r: from the table (superblocks), else ``scale``."""
         return fac[r * self.GPS + g % self.GPS] if self.GPS else self.scale(S, Sd, row0 + r, g)

@@ -96,12 +96,10 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
             for lane in T.vectorized(L):
                 xs[xs0 + (c * L // G) * L + lane] = xs[xs0 + (c * L // G) * L + lane] + xr[xr0 + c * L + lane]
 
-    GPS = F.GPS  # superblock factors from a table (Scales.fill_table)
-    BY_SB = GPS > 0
-    fill_table = F.fill_table(R)
+    groups = F.group_loop(R, NG)  # superblock factors from a table (Scales.fill_table)
 
     @T.macro
-    def one_group(Q, S, Z, Sd, Zd, xr, xs, xr0, xs0, acc, accg, fac, fmin, t, nj, g):
+    def one_group(Q, S, Z, Sd, Zd, xr, xs, xr0, xs0, acc, accg, t, nj, fac, fmin, g):
         for r in T.unroll(R):
             for lane in T.vectorized(L):
                 accg[r * L + lane] = T.float32(0)
@@ -143,16 +141,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int = 4, offset: bool =
         for r in T.unroll(R):
             for lane in T.vectorized(L):
                 acc[r * L + lane] = T.float32(0)
-        if BY_SB:
-            fac = T.decl_buffer((R * GPS,), "float32", scope="local")
-            fmin = T.decl_buffer((R * GPS,), "float32", scope="local")
-            for sbi in T.serial(NG // GPS):
-                fill_table(S, Z, Sd, Zd, fac, fmin, t * PER + nj * R, sbi)
-                for gi in T.serial(GPS):
-                    one_group(Q, S, Z, Sd, Zd, xr, xs, xr0, xs0, acc, accg, fac, fmin, t, nj, sbi * GPS + gi)
-        else:
-            for g in T.serial(NG):
-                one_group(Q, S, Z, Sd, Zd, xr, xs, xr0, xs0, acc, accg, acc, acc, t, nj, g)
+        groups(S, Z, Sd, Zd, t * PER + nj * R, acc, one_group, Q, S, Z, Sd, Zd, xr, xs, xr0, xs0, acc, accg, t, nj)
         for r in T.unroll(R):
             Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 

@@ -100,13 +100,13 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
     PER = N // tasks
 
     GU = C.groups_per_step(G, NG)
-    GPS = F.GPS  # superblock factors from a table (_scales.Scales.fill_table)
-    GU = GU if not GPS or GPS % GU == 0 else 1
-    BY_SB = GPS > 0
-    fill_table = F.fill_table(R)
+    GU = GU if not F.GPS or F.GPS % GU == 0 else 1
+    # superblock by superblock (factors from a table, _scales.Scales.fill_table), GU groups at a time:
+    # bit-plane codes unroll a plane run's groups so each field's shift is a constant
+    groups = F.group_loop(R, NG, GU)
 
     @T.macro
-    def one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, fac, fmin, t, nj, bm, m, g):
+    def one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, t, nj, bm, m, fac, fmin, g):
         for r in T.unroll(R):
             for lane in T.vectorized(L):
                 accg[r * L + lane] = T.float32(0)
@@ -139,22 +139,7 @@ def _gemv(N: int, K: int, G: int, L: int, tasks: int, R: int, batch: bool = Fals
         for r in T.unroll(R):
             for lane in T.vectorized(L):
                 acc[r * L + lane] = T.float32(0)
-        if BY_SB:  # superblock by superblock: its factors, then its groups (GU at a time for bit planes)
-            fac = T.decl_buffer((R * GPS,), "float32", scope="local")
-            fmin = T.decl_buffer((R * GPS,), "float32", scope="local")
-            for sbi in T.serial(NG // GPS):
-                fill_table(S, Z, Sd, Zd, fac, fmin, t * PER + nj * R, sbi)
-                for go in T.serial(GPS // GU):
-                    for gi in T.unroll(GU):
-                        one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, fac, fmin, t, nj, bm, m,
-                                  sbi * GPS + go * GU + gi)
-        elif GU == 1:
-            for g in T.serial(NG):
-                one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, acc, acc, t, nj, bm, m, g)
-        else:  # bit-plane codes: GU groups unrolled, so each plane field's shift is a constant
-            for go in T.serial(NG // GU):
-                for gi in T.unroll(GU):
-                    one_group(X, Q, S, Z, Sd, Zd, acc, accg, accx, acc, acc, t, nj, bm, m, go * GU + gi)
+        groups(S, Z, Sd, Zd, t * PER + nj * R, acc, one_group, X, Q, S, Z, Sd, Zd, acc, accg, accx, t, nj, bm, m)
         for r in T.unroll(R):
             Y[bm // m, bm % m, t * PER + nj * R + r] = lanes_sum(acc, r * L, L)
 
