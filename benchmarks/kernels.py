@@ -611,13 +611,14 @@ def bytes_main(args: argparse.Namespace) -> int:
     for qtype in BLOCKS:
         raw = random_blocks(qtype, n, k, rng)
         row = {"type": qtype, "N": n, "K": k, "file_bytes": raw.nbytes}
-        for name, opts in BYTES_LAYOUTS.items():
-            pk = _pack(qtype, raw, (n, k), False, **opts)
+        packs = {name: _pack(qtype, raw, (n, k), False, **opts) for name, opts in BYTES_LAYOUTS.items()}
+        for name, pk in packs.items():
             row[f"{name}_bytes"] = pk.nbytes
             row[f"{name}_vs_file"] = pk.nbytes / raw.nbytes
-        q = read_quant_info(pk.compute("matmul", (1, 1)))  # (pk: the gpu layout)
-        images = (sum(a.nbytes for a in quant_images(q, [a for _, a in pk.arrays], textures))
-                  if takes_images(q) else pk.nbytes)
+        gpu = packs["gpu"]  # Adreno packs its images from the GPU layout; the types without images stay in it
+        q = read_quant_info(gpu.compute("matmul", (1, 1)))
+        images = (sum(a.nbytes for a in quant_images(q, [a for _, a in gpu.arrays], textures))
+                  if takes_images(q) else gpu.nbytes)
         row["adreno_images_bytes"], row["adreno_images_vs_file"] = images, images / raw.nbytes
         rows.append(row)
         print(f"{qtype:7s} " + "  ".join(f"{nm} {row[f'{nm}_vs_file']:.3f}x" for nm in layouts), flush=True)
