@@ -56,9 +56,9 @@ class Scales:
     def superblock_d(self, Aw: Any, row: Any, sbi: Any) -> Any:  # noqa: N803
         """(``d_low``) superblock ``sbi``'s d / 4 as float32, folded from the low bits of its first 8
         values, read as one uint64 of the scale buffer's word view ``Aw`` (:meth:`views`)."""
-        from perfx_compiler.formats.vnni_lowbit import d_of_word_folded
+        from perfx_compiler.formats.vnni_lowbit import d_of_word
 
-        return d_of_word_folded(Aw[(row * self.SW + sbi * (self.sb // self.G)) // 8])
+        return d_of_word(Aw[(row * self.SW + sbi * (self.sb // self.G)) // 8])
 
     def min(self, S: Any, Z: Any, Zd: Any, row: Any, g: Any) -> Any:  # noqa: N803
         """Group g's additive min (offset variants) as float32: the float16 min, or -(m * dmin) (m the
