@@ -88,11 +88,12 @@ def _check(what: str, got: tuple, want: tuple, others: dict[str, np.ndarray]) ->
 
 def _assert_variant_matters(what: str, window: int, gaps: list[dict[str, float]]) -> None:
     """The inputs tell the variant from the plain kernel: a kernel ignoring the window or the cap would
-    be 10 x TOL or more off. Per case for the cap and for window 5 (it hides most keys of every case);
-    window 19 hides only keys 0-1 from the decode step at 20, whose weight can be negligible: some case."""
+    be 10 x TOL or more off. Per case for window 5 (it hides most keys of every case); window 19 hides
+    only keys 0-1 from the decode step at 20, whose weight can be negligible, and the cap barely moves a
+    case whose one key dominates with or without it (seen: 2.4e-4 over window 5's keys): some case."""
     for other in sorted({o for g in gaps for o in g}):
         per_case = [g[other] for g in gaps if other in g]
-        need = per_case if other == "uncapped" or window <= 5 else [max(per_case)]
+        need = per_case if other == "unwindowed" and window <= 5 else [max(per_case)]
         assert min(need) > 10 * TOL, f"{what}: out within {min(need):.1e} of the {other} output"
 
 
