@@ -67,7 +67,8 @@ def test_bench_cli_writes_csv(tmp_path):
     r0 = rounds[0]
     assert float(r0["bw_before_gbs"]) > 0 and float(r0["bw_after_gbs"]) > 0
     ceiling = (float(r0["bw_before_gbs"]) + float(r0["bw_after_gbs"])) / 2
-    assert float(r0["bw_fraction"]) == pytest.approx(float(r0["achieved_gbs"]) / ceiling, rel=2e-2)
+    # the CSV keeps 4 decimals: a tiny model's fraction (0.0013) is only that exact
+    assert float(r0["bw_fraction"]) == pytest.approx(float(r0["achieved_gbs"]) / ceiling, rel=2e-2, abs=6e-5)
     machine = json.loads((out / "bench_tiny_machine.json").read_text())
     assert machine["bw_start_gbs"] > 1.0 and machine["cores"] >= 1
 

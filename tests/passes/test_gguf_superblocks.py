@@ -1,9 +1,10 @@
 """GGUF files as llama.cpp's own quantizer makes them (K-quant mixes, IQ4, Q5_1, Q5_0) compiled with int8
 activations: every block type stays blocks (``formats/ggml`` unpacked, ``formats/vnni`` packed, no
 float32 matrix in the artifact) and the logits follow the float64 reference on the same file's weights
-(gguf-py's dequantization) up to the int8 activations: bound 5e-2 of max |logit|, as
-test_quantize_kquant.py (at hidden 256 its random models gave 0.8e-2 to 2.2e-2; a wrong superblock
-scale or sub-block order gives order 1). All passes run, the decode GEMVs' fused prologues included."""
+(gguf-py's dequantization) up to the int8 activations: bound 8e-2 of max |logit|. Over runs the nine
+files gave 1.5e-2 to 3.1e-2, with a tail: Q6_K once reached 5.01e-2 (PERFX_TEST_SEED=1330581447), so
+test_quantize_kquant.py's 5e-2 sits in this test's noise; a wrong superblock scale or sub-block order
+gives order 1. All passes run, the decode GEMVs' fused prologues included."""
 
 from __future__ import annotations
 
@@ -72,4 +73,4 @@ def test_llamacpp_file_runs_as_blocks(f32_file, ftype, tmp_path):
     for tok in ids[:3]:  # both continue from their caches
         errs.append(rel(eng.decode(tok), ref.forward([tok])[-1]))
     print(f"{ftype}: max rel logit error vs the float64 reference: {max(errs):.2e}")
-    assert max(errs) < 5e-2, (types, errs)
+    assert max(errs) < 8e-2, (types, errs)
