@@ -22,10 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import perfx_compiler.tvm_compiler  # noqa: F401, I001  (first: TVM without torch, one line if runtime-only)
+
+# isort: split
 import tvm
 
-import perfx_compiler.tvm_compiler  # noqa: F401  (before tvm.relax: one line if TVM is runtime-only)
 from perfx_compiler.errors import PerfXError
+from perfx_compiler.heap import trim_heap
 from perfx_compiler.model.description import ModelDescription
 from perfx_compiler.progress import pop_console, push_console
 from perfx_compiler.targets import TargetDescription, index_dtype_of, load_target
@@ -478,6 +481,7 @@ def compile_model(
                     "(rerun with --debug for the traceback)"
                 ) from err
             state.timings[name] = time.perf_counter() - start
+            trim_heap()  # what the phase freed leaves the process, not the next phase's peak
             _dump(state, i, name)
             if bar is not None:
                 bar.update(1)

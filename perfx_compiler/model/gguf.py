@@ -26,6 +26,7 @@ from perfx_compiler.errors import (
 )
 from perfx_compiler.formats.ggml import FORMATS as SUPERBLOCK_FORMATS
 from perfx_compiler.formats.ggml import check_finite
+from perfx_compiler.heap import trim_heap
 from perfx_compiler.model.description import (
     ModelConfig,
     ModelDescription,
@@ -259,10 +260,11 @@ def config_from_metadata(
     return cfg
 
 
-# Above this many bytes of float32 passthrough-type matrices the loader keeps them lazy (see lazy.py):
-# Gemma 3 270M Q4_K_M (253 MB) compiles in a 1.3 GB peak lazily, 4.1 GB eagerly; below it the eager
-# path's check of every packed weight against gguf-py's floats is cheap enough to keep.
-LAZY_FLOAT_BYTES = 1 << 30
+# Above this many bytes of float32 passthrough-type matrices the loader keeps them lazy (see lazy.py),
+# which every real model is: eagerly Gemma 3 270M Q4_K_M (253 MB) compiled in a 4.0 GB peak, SmolLM2 Q4_1
+# in 1.5 GB. Below it (the tests' tiny models) the eager path's check of every packed weight against
+# gguf-py's floats is cheap enough to keep.
+LAZY_FLOAT_BYTES = 64 << 20
 
 
 def _want_lazy(tensors: Mapping[str, GGUFTensor], lazy: bool | None) -> bool:
@@ -365,4 +367,5 @@ def load_gguf(
         chat_template=str(template) if template else None, source=source, quantized=quantized,
     )
     desc.validate()
+    trim_heap()  # building a large vocabulary's tokenizer freed ~200 MB that the compile would otherwise keep
     return desc

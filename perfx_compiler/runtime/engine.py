@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from perfx_compiler.tvm_import import torch_hidden
+
 # TVM's thread pool assumes SMT and takes half the logical CPUs (ONE thread on a 2-vCPU machine);
 # it is created on first use, so size it before any kernel runs.
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
@@ -24,18 +26,11 @@ if "tvm" not in sys.modules and "TVM_USE_RUNTIME_LIB" not in os.environ:
     # Load only TVM's runtime library: a deployed runtime needs no compiler (and skips its import cost).
     # Set for this import only: a child process (a compile) inheriting it would load no compiler.
     os.environ["TVM_USE_RUNTIME_LIB"] = "1"
-    # tvm_ffi imports torch whenever it is installed (~200 MB resident, ~1.5 s) for torch-tensor
-    # interop; the runtime hands TVM only numpy arrays and TVM tensors, so torch is hidden from this
-    # import (and importable again right after).
-    hide_torch = "torch" not in sys.modules
-    if hide_torch:
-        sys.modules["torch"] = None  # type: ignore[assignment]  # makes `import torch` raise ImportError
     try:
-        import tvm.runtime
+        with torch_hidden():  # (tvm_ffi would import it: ~200 MB)
+            import tvm.runtime
     finally:
         del os.environ["TVM_USE_RUNTIME_LIB"]
-        if hide_torch:
-            del sys.modules["torch"]
 import tvm.runtime  # noqa: E402
 from tvm.runtime.vm import VirtualMachine  # noqa: E402
 

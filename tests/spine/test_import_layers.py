@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 # lowest first; a unit is a subpackage of perfx_compiler, a module at its top level, or schedules
 LAYERS: list[set[str]] = [
-    {"perfx_compiler", "errors", "artifact_hash", "environment", "progress", "tvmscript_speedups",
+    {"perfx_compiler", "errors", "artifact_hash", "environment", "progress", "tvmscript_speedups", "tvm_import", "heap",
      "tvm_compiler"},  # no PerfX imports
     {"targets"},  # target descriptions
     {"runtime"},  # the thin runtime: loads and runs artifacts, imports no compiler code

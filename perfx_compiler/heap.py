@@ -1,0 +1,30 @@
+"""Hand freed heap memory back to the OS.
+
+glibc keeps memory freed by Python and by native libraries (the ``tokenizers`` build of a 262k-token
+vocabulary, TVM's passes) in its arenas, so the process stays that large for the rest of a compile and
+the next phase's peak lands on top of it. ``malloc_trim`` returns it; elsewhere this does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+from typing import Any
+
+
+@functools.cache
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        lib = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return lib if lib is not None and hasattr(lib, "malloc_trim") else None
+
+
+def trim_heap() -> None:
+    """Return the heap's free memory to the OS (glibc ``malloc_trim``; a no-op without it)."""
+    lib = _libc()
+    if lib is not None:
+        lib.malloc_trim(0)
