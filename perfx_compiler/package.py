@@ -36,7 +36,7 @@ def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> list[dict[str,
             pad = (-offset) % ALIGN
             f.write(b"\0" * pad)
             offset += pad
-            f.write(arr.tobytes())
+            f.write(arr.reshape(-1).view(np.uint8))  # (not tobytes(): a copy as large as the weight)
             index.append(
                 {"name": name, "shape": list(arr.shape), "dtype": str(arr.dtype), "offset": offset, "nbytes": arr.nbytes}
             )
