@@ -96,6 +96,11 @@ def packed_from_blocks(
     """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor (``words8``: Q8_0 codes and Q4_0 zeros as uint32 words, for WGSL;
     ``vnni``: its int8-activation variant directly, the same arrays ``Packed.vnni()`` would give; Q5_0's codes
     in 5-bit planes, ``formats/bitplanes.py``, per row on CPUs, a uint32 array a plane with ``gpu``)."""
+    if qtype == "Q8_0" and vnni:  # the blocks' code bytes as a view, no int8 [N, K] copy (Gemma 3's embedding: 168 MB)
+        from perfx_compiler.formats.vnni import q8_vnni_packed
+
+        b = _blocks(qtype, raw, shape)
+        return q8_vnni_packed(b[:, :, 2:].view(np.int8), _f16(b, 0), BLOCK)
     parts = unpack_blocks(qtype, raw, shape)
     if qtype == "Q5_0" and vnni:
         from perfx_compiler.formats.ggml._format import SubScaled

@@ -88,10 +88,13 @@ def unpack_q4_pairs(packed: np.ndarray, n: int, k: int) -> np.ndarray:
 
 
 def pack_q8_offset(codes: np.ndarray) -> np.ndarray:
-    """int8 codes [N, K] -> uint8 [N, KP] = code + 128 (padding columns hold 128: weight 0)."""
-    n, k = codes.shape
+    """int8 codes [N, K] (or [N, K / 32, 32]: a view of the GGUF blocks' code bytes) -> uint8 [N, KP] =
+    code + 128 (padding columns hold 128: weight 0), with no [N, K] temporary."""
+    n, k = codes.shape[0], int(np.prod(codes.shape[1:]))
     out = np.full((n, padded_k(k)), 128, dtype=np.uint8)
-    out[:, :k] = codes.view(np.uint8) ^ np.uint8(0x80)
+    dst = out[:, :k].reshape(codes.shape)  # (splits the last axis: a view)
+    assert np.may_share_memory(dst, out), "internal: the code view of the packed array was copied"
+    np.bitwise_xor(codes.view(np.uint8), np.uint8(0x80), out=dst)
     return out
 
 
@@ -167,7 +170,7 @@ def q4_vnni_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt:
 def q8_vnni_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
     from perfx_compiler.formats import Packed
 
-    n, k = codes.shape
+    n, k = codes.shape[0], int(np.prod(codes.shape[1:]))  # (codes [N, K] or [N, K / 32, 32])
     arrays = [("_q8", pack_q8_offset(np.asarray(codes, dtype=np.int8))),
               ("_q8_scale", pad_groups(np.asarray(scale, dtype=np.float16), k, group, n))]
 
