@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -44,6 +45,28 @@ def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> list[dict[str,
     return index
 
 
+class SpilledWeights(dict):
+    """``weights.bin`` written ahead of packaging, its arrays mapped back read-only (``spill_weights``)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], path: Path, index: list[dict[str, Any]]) -> None:
+        super().__init__(arrays)
+        self.path, self.index = path, index
+
+
+def spill_weights(weights: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
+    """Write ``weights`` as ``weights.bin`` to ``path`` now and return them mapped from it: the packed
+    weights leave the heap before codegen (LLVM's peak would otherwise land on top of them), and packaging
+    moves the file in place instead of writing it again."""
+    index = _write_weights(path, weights)
+    if not any(e["nbytes"] for e in index):
+        path.unlink()
+        return weights
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    arrays = {e["name"]: mm[e["offset"] : e["offset"] + e["nbytes"]].view(np.asarray(weights[e["name"]]).dtype)
+              .reshape(e["shape"]) for e in index}
+    return SpilledWeights(arrays, path, index)
+
+
 def write_artifact(state: Any, functions: list[str]) -> Path:
     """Write ``state`` (a pipeline CompileState after build), which exports ``functions``, to
     ``state.options.output_dir``."""
@@ -65,7 +88,12 @@ def _write_into(state: Any, functions: list[str], tmp: Path, out: Path) -> Path:
 
     desc, target = state.desc, state.target
     state.executable.export_library(str(tmp / "model.so"), **_export_kwargs(target))
-    weight_index = _write_weights(tmp / "weights.bin", state.weights)
+    weights = state.weights
+    if isinstance(weights, SpilledWeights) and weights.path.exists() and [e["name"] for e in weights.index] == list(weights):
+        os.replace(weights.path, tmp / "weights.bin")  # written before codegen (spill_weights)
+        weight_index = weights.index
+    else:
+        weight_index = _write_weights(tmp / "weights.bin", weights)
     if desc.tokenizer_json:
         (tmp / "tokenizer.json").write_text(desc.tokenizer_json)
     cfg = desc.config

@@ -480,6 +480,12 @@ def compile_model(
                     f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''} "
                     "(rerun with --debug for the traceback)"
                 ) from err
+            if name == "passes":  # the weights are final: to disk before codegen, not under its peak
+                from perfx_compiler.package import spill_weights
+
+                opts.output_dir.parent.mkdir(parents=True, exist_ok=True)
+                spill = opts.output_dir.parent / f".{opts.output_dir.name}.weights-{os.getpid()}.bin"
+                state.weights = spill_weights(state.weights, spill)
             state.timings[name] = time.perf_counter() - start
             trim_heap()  # what the phase freed leaves the process, not the next phase's peak
             _dump(state, i, name)
@@ -488,4 +494,7 @@ def compile_model(
     finally:
         if bar is not None:
             bar.close()
+        path = getattr(state.weights, "path", None)
+        if path is not None and path.exists():  # (packaging moved it in, unless a phase failed)
+            path.unlink()
     return opts.output_dir
