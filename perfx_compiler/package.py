@@ -57,7 +57,11 @@ def spill_weights(weights: dict[str, np.ndarray], path: Path) -> dict[str, np.nd
     """Write ``weights`` as ``weights.bin`` to ``path`` now and return them mapped from it: the packed
     weights leave the heap before codegen (LLVM's peak would otherwise land on top of them), and packaging
     moves the file in place instead of writing it again."""
-    index = _write_weights(path, weights)
+    try:
+        index = _write_weights(path, weights)
+    except BaseException:
+        path.unlink(missing_ok=True)  # (a full disk: no partial file left behind)
+        raise
     if not any(e["nbytes"] for e in index):
         path.unlink()
         return weights

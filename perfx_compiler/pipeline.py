@@ -472,6 +472,12 @@ def compile_model(
             try:
                 with _native_log(state):
                     fn(state)
+                if name == "passes":  # the weights are final: to disk before codegen, not under its peak
+                    from perfx_compiler.package import spill_weights
+
+                    opts.output_dir.parent.mkdir(parents=True, exist_ok=True)
+                    spill = opts.output_dir.parent / f".{opts.output_dir.name}.weights-{os.getpid()}.bin"
+                    state.weights = spill_weights(state.weights, spill)
             except PerfXError:
                 raise
             except Exception as err:  # a TVM failure is our bug, but say where it happened
@@ -480,12 +486,6 @@ def compile_model(
                     f"{type(err).__name__}: {str(err).strip().splitlines()[-1] if str(err).strip() else ''} "
                     "(rerun with --debug for the traceback)"
                 ) from err
-            if name == "passes":  # the weights are final: to disk before codegen, not under its peak
-                from perfx_compiler.package import spill_weights
-
-                opts.output_dir.parent.mkdir(parents=True, exist_ok=True)
-                spill = opts.output_dir.parent / f".{opts.output_dir.name}.weights-{os.getpid()}.bin"
-                state.weights = spill_weights(state.weights, spill)
             state.timings[name] = time.perf_counter() - start
             trim_heap()  # what the phase freed leaves the process, not the next phase's peak
             _dump(state, i, name)
