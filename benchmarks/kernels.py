@@ -77,8 +77,8 @@ if "--keep-openblas-env" not in sys.argv:
 
 import numpy as np  # noqa: E402
 from _common import L3_BYTES, RESULTS, figure, write_csv  # noqa: E402
-from kernels_bytes import bytes_main  # noqa: E402
-from kernels_ggml import GGML_QTYPES, TINYLLAMA, ggml_main  # noqa: E402
+from _kernels_bytes import bytes_main  # noqa: E402
+from _kernels_ggml import GGML_QTYPES, TINYLLAMA, ggml_main  # noqa: E402
 
 from perfx_compiler.bench.machine import read_bandwidth  # noqa: E402
 from perfx_compiler.formats.gguf_blocks import Q4_0, Q4_1  # noqa: E402
