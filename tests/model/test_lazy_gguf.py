@@ -171,3 +171,17 @@ def test_auto_lazy_by_size(files: dict[str, Path], monkeypatch: pytest.MonkeyPat
     assert any(is_lazy(w) for w in gguf_mod.load_gguf(files["Q4_0"]).weights.values())
     monkeypatch.setenv("PERFX_LAZY_WEIGHTS", "0")
     assert not any(is_lazy(w) for w in gguf_mod.load_gguf(files["Q4_0"]).weights.values())
+
+
+def test_real_size_models_load_lazily_by_default(tmp_path: Path) -> None:
+    """Above LAZY_FLOAT_BYTES (64 MiB of float32 matrices) a default load keeps blocks: at 1 GiB, Gemma 3
+    270M (1023 MiB) loaded eagerly and compiled in a 3964 MB peak. This file holds ~100 MiB of floats."""
+    import perfx_compiler.model.gguf as gguf_mod
+
+    path = _write(tmp_path / "mid.gguf", "Q4_0", hidden=1024, ffn=2816, layers=2, heads=8, kv_heads=4,
+                  vocab=4096, tied=False, seed=5)
+    desc = gguf_mod.load_gguf(path)
+    floats = sum(4 * w.size for w in desc.weights.values() if len(w.shape) == 2)
+    assert floats > gguf_mod.LAZY_FLOAT_BYTES
+    mats = [n for n, s in expected_weight_shapes(desc.config).items() if len(s) == 2]
+    assert all(is_lazy(desc.weights[n]) for n in mats)
