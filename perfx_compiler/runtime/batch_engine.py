@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from perfx_compiler.errors import ArtifactError
-from perfx_compiler.runtime.engine import Engine, tvm
+from perfx_compiler.runtime import tvm_runtime as rt
+from perfx_compiler.runtime.engine import Engine
 from perfx_compiler.runtime.prefix_cache import PagePool, PrefixHit
 
 
@@ -48,7 +49,7 @@ class BatchEngine:
         self.num_pages = num_pages or max_batch * self.pages_per_sequence
         dev = self._base.device
         zeros = np.zeros([self.num_pages, *paged["page_shape"]], dtype=paged["dtype"])
-        self._pools = [tvm.runtime.tensor(zeros, dev) for _ in range(paged["count"])]
+        self._pools = [rt.tensor(zeros, dev) for _ in range(paged["count"])]
         self._tail = [*self._pools, *self._base._weights]
         self._prefill = self._base.vm[self.manifest["functions"]["paged_prefill"]]
         self._decode = self._base.vm[self.manifest["functions"]["paged_decode"]]
@@ -113,12 +114,12 @@ class BatchEngine:
         dev = self._base.device
         pos = np.array([self.page_pool.length(seq_id)], dtype=self.index_dtype)
         out = self._prefill(
-            tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(pos, dev),
-            tvm.runtime.tensor(self._table([seq_id]), dev), *self._tail,
+            rt.tensor(ids, dev), rt.tensor(pos, dev),
+            rt.tensor(self._table([seq_id]), dev), *self._tail,
         )
         self.page_pool.commit(seq_id, ids[0].tolist(), prefill=True)
         self.prefilled_tokens += ids.shape[1]
-        return out[0].numpy()[0, -1]
+        return rt.to_numpy(out[0])[0, -1]
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         """One token for each listed sequence in one batched step; logits [len(seq_ids), vocab]."""
@@ -132,9 +133,9 @@ class BatchEngine:
         ids = np.asarray(token_ids, dtype=self.index_dtype).reshape(-1, 1)
         pos = np.array([self.page_pool.length(s) for s in seq_ids], dtype=self.index_dtype)
         out = self._decode(
-            tvm.runtime.tensor(ids, dev), tvm.runtime.tensor(pos, dev),
-            tvm.runtime.tensor(self._table(seq_ids), dev), *self._tail,
+            rt.tensor(ids, dev), rt.tensor(pos, dev),
+            rt.tensor(self._table(seq_ids), dev), *self._tail,
         )
         for sid, tok in zip(seq_ids, token_ids, strict=True):
             self.page_pool.commit(sid, [tok], prefill=False)
-        return out[0].numpy()[:, 0]
+        return rt.to_numpy(out[0])[:, 0]

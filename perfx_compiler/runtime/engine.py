@@ -1,6 +1,7 @@
 """Load an artifact and run prefill/decode on a KV cache allocated once.
 
-Imports only the TVM runtime, numpy and ``perfx_compiler.errors``. The caches
+Imports only TVM's runtime library through tvm_ffi (``tvm_runtime.py``: not the ``tvm`` package on
+a CPU), numpy and ``perfx_compiler.errors``. The caches
 are tensors created at load time; the compiled attention kernel writes new
 keys/values into them in place, so a step allocates nothing but its logits.
 """
@@ -10,33 +11,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from perfx_compiler.tvm_import import torch_hidden
-
 # TVM's thread pool assumes SMT and takes half the logical CPUs (ONE thread on a 2-vCPU machine);
 # it is created on first use, so size it before any kernel runs.
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
-if "tvm" not in sys.modules and "TVM_USE_RUNTIME_LIB" not in os.environ:
-    # Load only TVM's runtime library: a deployed runtime needs no compiler (and skips its import cost).
-    # Set for this import only: a child process (a compile) inheriting it would load no compiler.
-    os.environ["TVM_USE_RUNTIME_LIB"] = "1"
-    try:
-        with torch_hidden():  # (tvm_ffi would import it: ~200 MB)
-            import tvm.runtime
-    finally:
-        del os.environ["TVM_USE_RUNTIME_LIB"]
-import tvm.runtime  # noqa: E402
-from tvm.runtime.vm import VirtualMachine  # noqa: E402
 
 from perfx_compiler.artifact_hash import MANIFEST_DIGEST_KEY, manifest_digest, sha256_file  # noqa: E402
 from perfx_compiler.errors import ArtifactError, ContextLengthError  # noqa: E402
 from perfx_compiler.runtime import decode_replay, thread_team  # noqa: E402
+from perfx_compiler.runtime import tvm_runtime as rt  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +100,10 @@ class Engine:
         model = self.manifest["model"]
         self.max_context = int(model["max_context"])
         self.vocab_size = int(model["vocab_size"])
-        self.device = tvm.runtime.device(device)
-        self._cpu = self.device.dlpack_device_type() == 1  # kDLCPU: tensors are host memory
-        lib = tvm.runtime.load_module(str(self.root / "model.so"))
-        self.vm = VirtualMachine(lib, self.device)
+        self.device = rt.device(device)
+        self._cpu = self.device.dlpack_device_type() == rt.CPU  # tensors are host memory
+        lib = rt.load_module(self.root / "model.so")
+        self.vm = rt.VirtualMachine(lib, self.device)
         # the kernels' parallel loops: PerfX's spinning team where the artifact has one, else TVM's pool
         self.thread_pool = (thread_team.install(self.root / "model.so")
                             if self._cpu else "tvm (not a CPU device)")
@@ -123,7 +111,7 @@ class Engine:
         kv = self.manifest["kv_cache"]
         zeros = np.zeros(kv["shape"] if kv_cache else [0], dtype=kv["dtype"])
         # kv_cache=False: a BatchEngine brings its own paged pool and uses only the weights.
-        self._caches = [tvm.runtime.tensor(zeros, self.device) for _ in range(kv["count"] if kv_cache else 0)]
+        self._caches = [rt.tensor(zeros, self.device) for _ in range(kv["count"] if kv_cache else 0)]
         # Look the functions up once; per-step Python work stays minimal.
         fns = self.manifest["functions"]
         self._prefill = self.vm[fns["prefill"]]
@@ -135,8 +123,8 @@ class Engine:
         self._one_token = np.zeros((1, 1), dtype=self.index_dtype)
         self._pos = np.zeros((1,), dtype=self.index_dtype)
         # Device tensors reused every step: a decode step allocates nothing but its logits.
-        self._one_token_dev = tvm.runtime.tensor(self._one_token, self.device)
-        self._pos_dev = tvm.runtime.tensor(self._pos, self.device)
+        self._one_token_dev = rt.tensor(self._one_token, self.device)
+        self._pos_dev = rt.tensor(self._pos, self.device)
         self.position = 0
         # Decode runs on arguments bound once (VM set_input + invoke_stateful): a step passes no
         # argument list (~490 tensors) and reads back only the logits, not the 61-entry result tuple.
@@ -145,8 +133,8 @@ class Engine:
         self._decode_name = fns["decode"]
         if kv_cache:  # a BatchEngine's base (no caches) never runs decode: its arguments would not match
             self.vm.set_input(self._decode_name, self._one_token_dev, self._pos_dev, *self._tail)
-        self._invoke_stateful = self.vm._invoke_stateful
-        self._get_output = self.vm._get_output
+        self._invoke_stateful = self.vm.invoke_stateful
+        self._get_output = self.vm.get_output
         if self._cpu:
             self._token_view = np.from_dlpack(self._one_token_dev)
             self._pos_view = np.from_dlpack(self._pos_dev)
@@ -177,7 +165,7 @@ class Engine:
             # pages resident next to the arena while loading (TinyLlama dims: peak RSS 1372 MB for
             # 1095 MB loaded, docs/decisions/long-context.md)
             with open(self.root / "weights.bin", "rb", buffering=0) as f:
-                return [tvm.runtime.from_dlpack(arena.read(f, w)) for w in self.manifest["weights"]]
+                return [rt.from_dlpack(arena.read(f, w)) for w in self.manifest["weights"]]
         blob = np.memmap(self.root / "weights.bin", dtype=np.uint8, mode="r")
         # Adreno texture path: these weights exist only as images (passes/texture_weights.py); a GPU
         # allocates them in texture memory (not verified on a device: no TVM OpenCL runtime here)
@@ -187,11 +175,11 @@ class Engine:
             raw = blob[w["offset"] : w["offset"] + w["nbytes"]]
             arr = np.frombuffer(raw, dtype=w["dtype"]).reshape(w["shape"])
             if w["name"] in textures:
-                t = tvm.runtime.empty(arr.shape, arr.dtype, self.device, mem_scope="global.texture")
-                t.copyfrom(arr)
+                t = rt.empty(arr.shape, arr.dtype, self.device, mem_scope="global.texture")
+                rt.copy_from(t, arr)
                 out.append(t)
                 continue
-            out.append(tvm.runtime.tensor(arr, self.device))
+            out.append(rt.tensor(arr, self.device))
         return out
 
     def reset(self) -> None:
@@ -209,16 +197,16 @@ class Engine:
         for start in range(0, n, PREFILL_CHUNK):
             chunk = ids[:, start : start + PREFILL_CHUNK]  # (a [1, c] slice: contiguous)
             self._pos[0] = self.position
-            self._pos_dev.copyfrom(self._pos)
+            rt.copy_from(self._pos_dev, self._pos)
             if chunk.shape[1] == 1:
-                self._one_token_dev.copyfrom(chunk)
+                rt.copy_from(self._one_token_dev, chunk)
                 ids_dev = self._one_token_dev
             else:
-                ids_dev = tvm.runtime.tensor(chunk, self.device)
+                ids_dev = rt.tensor(chunk, self.device)
             out = fn(ids_dev, self._pos_dev, *self._tail)[0]
             self.position += chunk.shape[1]
             if every_position or start + PREFILL_CHUNK >= n:  # prefill: only the last chunk's logits
-                outs.append(out.numpy()[0])
+                outs.append(rt.to_numpy(out)[0])
         return np.concatenate(outs) if every_position else outs[-1]
 
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
@@ -245,12 +233,12 @@ class Engine:
         else:
             self._one_token[0, 0] = tok
             self._pos[0] = self.position
-            self._one_token_dev.copyfrom(self._one_token)
-            self._pos_dev.copyfrom(self._pos)
+            rt.copy_from(self._one_token_dev, self._one_token)
+            rt.copy_from(self._pos_dev, self._pos)
         logits = self._vm_decode_step()
         self.position += 1
         # A view keeps the VM's output buffer alive, so the next step allocates a fresh one.
-        return (np.from_dlpack(logits) if self._cpu else logits.numpy())[0, 0]
+        return (np.from_dlpack(logits) if self._cpu else rt.to_numpy(logits))[0, 0]
 
     def decode_greedy(self, token_id: int, max_tokens: int, stop_ids: Iterable[int] = ()) -> list[int]:
         """Greedy decoding: feed ``token_id``, then each step's argmax, for up to ``max_tokens`` steps;

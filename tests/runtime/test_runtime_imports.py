@@ -112,7 +112,7 @@ def test_tvm_import_leaves_torch_out_and_importable(module: str) -> None:
         f"""
         import sys
         import {module}  # noqa: F401
-        assert "tvm" in sys.modules and "torch" not in sys.modules, "importing TVM loaded torch"
+        assert "tvm_ffi" in sys.modules and "torch" not in sys.modules, "importing TVM loaded torch"
         import torch
         assert torch.zeros(2).sum().item() == 0.0
         """
@@ -122,18 +122,24 @@ def test_tvm_import_leaves_torch_out_and_importable(module: str) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def test_compiler_after_runtime_in_one_process_says_what_to_do() -> None:
-    """The engine imported first leaves TVM runtime-only; importing the compiler then is one clear
-    ImportError naming the fix, not an AttributeError from deep inside tvm.relax. The other order works."""
+def test_compiler_after_runtime_in_one_process() -> None:
+    """On the CPU the engine imports no ``tvm`` package (tvm_ffi and TVM's runtime library alone), so the
+    compiler imports after it in one process and both run. A non-CPU device imports TVM runtime-only (its
+    device backends); importing the compiler then is one clear ImportError naming the fix, not an
+    AttributeError from deep inside tvm.relax. The other order works."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
     def run(code: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
+    cpu = run("import sys, perfx_compiler.runtime.engine\nassert 'tvm' not in sys.modules\n"
+              "import perfx_compiler.pipeline, tvm\nprint(tvm.runtime.tensor([1.0, 2.0]).numpy().sum())")
+    assert cpu.returncode == 0 and cpu.stdout.strip() == "3.0", cpu.stderr[-2000:]
+    gpu = "import perfx_compiler.runtime.engine\nfrom perfx_compiler.runtime import tvm_runtime\ntvm_runtime.device('opencl')\n"
     # every compiler-side package a script may import on its own, not only the pipeline
     for module in ("perfx_compiler.pipeline", "perfx_compiler.passes.fuse_add_norm", "perfx_compiler.tune.session",
                    "perfx_compiler.frontend.onnx_import", "schedules.gemv_qvnni_cpu"):
-        late = run(f"import perfx_compiler.runtime.engine\nimport {module}")
+        late = run(f"{gpu}import {module}")
         assert late.returncode != 0, module
         last = late.stderr.strip().splitlines()[-1]
         assert last.startswith("ImportError:") and "import perfx_compiler.pipeline before perfx_compiler.runtime" in last, (
