@@ -61,6 +61,7 @@ GRAPH_PASSES: list[str] = [
     "quantize_int8",
     "cast_weights",  # acts only for quantization f16 / bf16
     "fuse_gemv_prologue",  # after the weight formats (which emit the VNNI GEMVs)
+    "fuse_gemm_swiglu",  # after fuse_gemv_prologue (decode's GEMVs take swiglu there first)
     "texture_weights",  # after quantization; before weight_layout, whose FuseTransposeMatmul hides float linears
     "weight_layout",  # after fusions and quantization, right before lowering
 ]

@@ -53,6 +53,7 @@ import numpy as np
 from perfx_compiler.formats.vnni import code_row_bytes, has_avx512_vnni, lut_bytes
 from perfx_compiler.formats.vnni_lowbit import d_of_bytes, group_nibble, min_width, scale_times_4, unit_codes
 from perfx_compiler.kernels import _lanes
+from perfx_compiler.kernels.fastmath import fast_exp
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -76,6 +77,20 @@ def _info(func: Any) -> dict[str, Any] | None:
     return info if ok else None
 
 
+def _plain_gemm(info: dict[str, Any], func: Any) -> Any:
+    """The GEMM without the epilogue, of ``func``'s shape and rows (the function a record's key hashes)."""
+    from perfx_compiler.formats.vnni import vnni_compute
+
+    rows = tuple(getattr(d, "value", None) for d in list(func.params[0].shape)[:2])
+    return vnni_compute(int(info["N"]), int(info["K"]), int(info["group"]), int(info["bits"]), bool(info.get("sym")),
+                        bool(info.get("offset")), "matmul", rows, sb=int(info.get("sb", 0)), lut=str(info.get("lut", "")))
+
+
+def _out_tiles(workload: Workload) -> int:
+    """16-column tiles of the output (with the swiglu epilogue: h, the gate half)."""
+    return workload.dims["N"] // (32 if workload.info.get("epilogue") else 16)
+
+
 def _static_rows(func: Any) -> int | None:
     return static_rows_of(func.params[0])
 
@@ -84,6 +99,13 @@ def activation_group(bits: int, G: int, sb: int) -> int:
     """Columns per int8 activation scale (dx) in the GEMM: the superblock for 6-bit superblock codes
     (Q6_K, as llama.cpp's Q8_K), else the weight group (``formats.vnni.quantize_activations``' group)."""
     return sb if sb and bits == 6 else G
+
+
+def silu_mul(g: Any, u: Any) -> Any:
+    """``silu(g) * u`` in the elementwise swiglu kernel's float ops (its polynomial sigmoid): bit-equal h."""
+    from tvm.script import tirx as T
+
+    return g * (T.float32(1) / (T.float32(1) + fast_exp(-g))) * u
 
 
 def _vdot(acc: Any, w: Any, x: Any) -> Any:
@@ -95,9 +117,11 @@ def _vdot(acc: Any, w: Any, x: Any) -> Any:
 
 
 def _register_tiles(*, mr: int, nr: int, pair: bool, G: int, KS: int, KP: int, NG: int, NSB: int, GPS: int,
-                    offset: bool, asym: bool, zconst: int, steps: Any) -> tuple[Any, Any]:
+                    offset: bool, asym: bool, zconst: int, steps: Any, store: str = "y") -> tuple[Any, Any]:
     """(tiles_fold, tiles): step 3 of the GEMM, the ``mr x nr`` register tiles over one block's panel
-    (``tiles_fold``: Q6_K's per-superblock activation scales; ``tiles``: every other format)."""
+    (``tiles_fold``: Q6_K's per-superblock activation scales; ``tiles``: every other format). ``store``:
+    where a finished tile goes: "y" (Y's columns n0..), "gate" (the task's scratch GS, a gate block of
+    the swiglu epilogue), "h" (``silu(GS) * tile`` into Y = h's columns n0..: the matching up block)."""
     from tvm.script import tirx as T
 
     vdot = _vdot
@@ -107,6 +131,20 @@ def _register_tiles(*, mr: int, nr: int, pair: bool, G: int, KS: int, KP: int, N
 
     def at(mt: Any, i: int, M: Any, g: Any) -> Any:  # (row, group) index of DX / SQ; rows past M repeat the last
         return T.min(mt * mr + i, M - 1) * NG + g
+
+    @T.macro
+    def put(acc, Y, GS, MM, M, mt, n0):
+        for i in T.unroll(mr):
+            for t in T.unroll(nr):
+                if store == "gate":
+                    GS[T.Ramp((T.min(mt * mr + i, M - 1) * nr + t) * 16, 1, 16)] = acc.vload([lane(i, t)], "float32x16")
+                elif store == "h":
+                    for ln in T.vectorized(16):
+                        Y[T.min(mt * mr + i, M - 1) // MM, T.min(mt * mr + i, M - 1) % MM, n0 + t * 16 + ln] = silu_mul(
+                            GS[(T.min(mt * mr + i, M - 1) * nr + t) * 16 + ln], acc[lane(i, t) + ln])
+                else:
+                    Y[T.min(mt * mr + i, M - 1) // MM, T.min(mt * mr + i, M - 1) % MM,
+                      T.Ramp(n0 + t * 16, 1, 16)] = acc.vload([lane(i, t)], "float32x16")
 
     @T.macro
     def dots(ia, XQ32, PKB, M, mt, wbase, g, n):
@@ -125,7 +163,7 @@ def _register_tiles(*, mr: int, nr: int, pair: bool, G: int, KS: int, KP: int, N
                                 XQ32[T.min(mt * mr + i, M - 1) * (KP // 4) + (g * G + s * KS) // 4 + h], 16)))
 
     @T.macro
-    def tiles_fold(XQ32, DX, SQ, PKB, SPB, Y, MM, M, n0, wbase, sbase):
+    def tiles_fold(XQ32, DX, SQ, PKB, SPB, Y, GS, MM, M, n0, wbase, sbase):
         # 3. (fold) per superblock: per group, int32 sums from -zconst sum(q) (SQ) + G/4 vpdpbusd, one FMA
         # with the group's sc * d into the superblock's float accumulators; then one FMA with the row's dx
         acc = T.decl_buffer((mr * nr * 16,), "float32", scope="local")
@@ -151,13 +189,10 @@ def _register_tiles(*, mr: int, nr: int, pair: bool, G: int, KS: int, KP: int, N
                     for t in T.unroll(nr):
                         acc[T.Ramp(lane(i, t), 1, 16)] = acc.vload([lane(i, t)], "float32x16") + asb.vload(
                             [lane(i, t)], "float32x16") * T.Broadcast(DX[T.min(mt * mr + i, M - 1) * NSB + a], 16)
-            for i in T.unroll(mr):
-                for t in T.unroll(nr):
-                    Y[T.min(mt * mr + i, M - 1) // MM, T.min(mt * mr + i, M - 1) % MM,
-                      T.Ramp(n0 + t * 16, 1, 16)] = acc.vload([lane(i, t)], "float32x16")
+            put(acc, Y, GS, MM, M, mt, n0)
 
     @T.macro
-    def tiles(XQ32, DX, SQ, PKB, SPB, ZPB, Y, MM, M, n0, wbase, sbase):
+    def tiles(XQ32, DX, SQ, PKB, SPB, ZPB, Y, GS, MM, M, n0, wbase, sbase):
         # 3. mr x nr register tiles over the block's panel: word (s, t, c) at wbase + (s nr + t) 16 + c,
         # scales of group g at sbase + (g nr + t) 16 + c
         acc = T.decl_buffer((mr * nr * 16,), "float32", scope="local")
@@ -190,10 +225,7 @@ def _register_tiles(*, mr: int, nr: int, pair: bool, G: int, KS: int, KP: int, N
                             acc[T.Ramp(lane(i, t), 1, 16)] = acc.vload([lane(i, t)], "float32x16") + T.reinterpret(
                                 "float32x16", ZPB.vload([sbase + g * nr * 16 + t * 16], "int32x16")) * T.Broadcast(
                                 DX[at(mt, i, M, g)] * T.Cast("float32", SQ[at(mt, i, M, g)]), 16)
-            for i in T.unroll(mr):
-                for t in T.unroll(nr):
-                    Y[T.min(mt * mr + i, M - 1) // MM, T.min(mt * mr + i, M - 1) % MM,
-                      T.Ramp(n0 + t * 16, 1, 16)] = acc.vload([lane(i, t)], "float32x16")
+            put(acc, Y, GS, MM, M, mt, n0)
 
     return tiles_fold, tiles
 
@@ -278,16 +310,21 @@ def _repack(*, bits: int, lut: str, pair: bool, S: int, nr: int, RPU: int, KP: i
 
 
 def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, nr: int, tasks: int,
-           prepacked: bool = False, sb: int = 0, lut: str = "") -> Any:
+           prepacked: bool = False, sb: int = 0, lut: str = "", epilogue: str = "") -> Any:
     """The GEMM PrimFunc (x, q, scale[, zero|min], y) for one configuration; with ``prepacked``
     (x, panels, panel_scales[, panel_zero|panel_min], y) over ``prepack``'s arrays. ``sb``: superblock
     scales (int8 [N2, SW] scale / min arrays, see formats/vnni.py); not with ``prepacked``. ``lut``
     (IQ4: int4 row pairs of table indices): the repack maps each row's nibbles to code + 128 with
-    ``vpshufb`` (``formats.vnni.lut_bytes``) and the rest is the int8 kernel."""
+    ``vpshufb`` (``formats.vnni.lut_bytes``) and the rest is the int8 kernel. ``epilogue="swiglu"``
+    (W = [gate | up], N even): the output is ``h = silu(gate) * up`` [.., N/2] alone; a task takes a gate
+    block into a scratch tile (rows x 16 nr floats), then the up block of the same columns, and writes h
+    (gate|up's y, twice h's size, is never stored)."""
     from tvm.script import tirx as T
 
-    if (sb or lut) and prepacked:
-        raise ValueError("prepacked VNNI GEMM panels take float16 group scales, not superblock (sb) scales")
+    if (sb or lut or epilogue) and prepacked:
+        raise ValueError("prepacked VNNI GEMM panels take float16 group scales and no epilogue")
+    if epilogue not in ("", "swiglu") or (epilogue and N % 32):
+        raise ValueError(f"VNNI GEMM epilogue {epilogue!r}: swiglu over gate|up halves of whole 16-column tiles")
 
     quantize_group = quantize_group_macro()
     KP = plan(K, G)["KP"]
@@ -296,7 +333,9 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     pair = bits == 4 and not lut  # int4 panels; table indices become int8 codes in the repack
     KS = 8 if pair else 4  # k per 64-byte panel vector (per tile)
     S = KP // KS  # panel steps per row
-    NT = N // 16  # column tiles
+    EPI = bool(epilogue)  # (TVMScript's conditions take bools)
+    NOUT = N // 2 if EPI else N  # output columns (h: the gate half's)
+    NT = NOUT // 16  # column tiles (of the gate half with the epilogue: each block also takes its up tiles)
     NB = -(-NT // nr)  # blocks
     BPT = -(-NB // tasks)
     RPU = ROWS_PER_UNIT[bits]  # rows per code row: int4 pairs, 5-bit octets, 6-bit quads, int8 rows
@@ -368,8 +407,23 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
 
     repack = _repack(bits=bits, lut=lut, pair=pair, S=S, nr=nr, RPU=RPU, KP=KP, NG=NG, offset=offset, asym=asym,
                      factor=factor, minf=minf)
-    tiles_fold, tiles = _register_tiles(mr=mr, nr=nr, pair=pair, G=G, KS=KS, KP=KP, NG=NG, NSB=NSB, GPS=GPS,
-                                        offset=offset, asym=asym, zconst=zconst, steps=steps)
+    def block_tiles(store: str) -> Any:
+        """Macro: the register tiles of one repacked block, ``store`` as in :func:`_register_tiles`."""
+        tiles_fold, tiles = _register_tiles(mr=mr, nr=nr, pair=pair, G=G, KS=KS, KP=KP, NG=NG, NSB=NSB, GPS=GPS,
+                                            offset=offset, asym=asym, zconst=zconst, steps=steps, store=store)
+
+        @T.macro
+        def run(XQ32, DX, SQ, PK, SP, ZP, Y, GS, MM, M, n0):
+            if fold:
+                tiles_fold(XQ32, DX, SQ, PK, SP, Y, GS, MM, M, n0, 0, 0)
+            else:
+                tiles(XQ32, DX, SQ, PK, SP, ZP, Y, GS, MM, M, n0, 0, 0)
+
+        return tiles, run
+
+    tiles, tiles_y = block_tiles("y")
+    _, tiles_gate = block_tiles("gate")
+    _, tiles_h = block_tiles("h")
 
     @T.macro
     def body(X, W, Sc, Z, Y, B, MM):
@@ -383,7 +437,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
             for tk in T.parallel(tasks):
                 for bb in T.serial(BPT):
                     if tk * BPT + bb < NB:
-                        tiles(XQ32, DX, SQ, W, Sc, Z, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
+                        tiles(XQ32, DX, SQ, W, Sc, Z, Y, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
                               (tk * BPT + bb) * (S * nr * 16), (tk * BPT + bb) * (NG * nr * 16))
         else:
             Q32 = T.decl_buffer((QW, QKW // 4), "uint32", data=W.data)
@@ -392,15 +446,16 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
                 PK = T.decl_buffer((S * nr * 16,), "uint32")
                 SP = T.decl_buffer((NG * nr * 16,), "float32")
                 ZP = T.decl_buffer((NG * nr * 16,), "int32")
+                GS = T.decl_buffer((B * MM * nr * 16 if EPI else 16,), "float32")  # the gate tile (epilogue)
                 for bb in T.serial(BPT):
                     if tk * BPT + bb < NB:
                         repack(Q32, Q8, Sc, Z, PK, SP, ZP, T.min((tk * BPT + bb) * nr, NT - nr) * 16)
-                        if fold:
-                            tiles_fold(XQ32, DX, SQ, PK, SP, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
-                                       0, 0)
+                        if EPI:
+                            tiles_gate(XQ32, DX, SQ, PK, SP, ZP, Y, GS, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16)
+                            repack(Q32, Q8, Sc, Z, PK, SP, ZP, NOUT + T.min((tk * BPT + bb) * nr, NT - nr) * 16)
+                            tiles_h(XQ32, DX, SQ, PK, SP, ZP, Y, GS, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16)
                         else:
-                            tiles(XQ32, DX, SQ, PK, SP, ZP, Y, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16,
-                                  0, 0)
+                            tiles_y(XQ32, DX, SQ, PK, SP, ZP, Y, GS, MM, B * MM, T.min((tk * BPT + bb) * nr, NT - nr) * 16)
 
     if prepacked or asym or offset:
         # (x, weights, scales, zero|min, y): the row layout's arrays, or ``prepack``'s panels (symmetric
@@ -424,7 +479,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
             W = T.match_buffer(w_h, W_SHAPE, W_DT)
             Sc = T.match_buffer(s_h, S_SHAPE, S_DT)
             Z = T.match_buffer(z_h, Z_SHAPE, Z_DT)
-            Y = T.match_buffer(y_h, (B, MM, T.int64(N)), "float32")
+            Y = T.match_buffer(y_h, (B, MM, T.int64(NOUT)), "float32")
             body(X, W, Sc, Z, Y, B, MM)
 
         return qv_gemm
@@ -437,7 +492,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
         X = T.match_buffer(x_h, (B, MM, T.int64(K)), "float32")
         Q = T.match_buffer(q_h, (T.int64(QW), T.int64(QKW)), "uint8")
         Sc = T.match_buffer(s_h, (T.int64(N2), T.int64(SW)), ST)
-        Y = T.match_buffer(y_h, (B, MM, T.int64(N)), "float32")
+        Y = T.match_buffer(y_h, (B, MM, T.int64(NOUT)), "float32")
         body(X, Q, Sc, Sc, Y, B, MM)
 
     return qv_gemm8
@@ -497,18 +552,25 @@ class GemmQVnniCPU(ScheduleTemplate):
         sb = int(info.get("sb", 0))
         if dims["G"] % 16 or (sb and (sb % dims["G"] or dims["K"] % sb)):
             return None  # see the module docstring: whole 16-lane groups, whole groups per superblock
-        return make_workload(self.name, func, target, dims, symbolic=None if rows else "M",
+        epilogue = str(info.get("epilogue", ""))
+        if epilogue and (epilogue != "swiglu" or dims["N"] % 32):
+            return None
+        # a GEMM with the swiglu epilogue is keyed as the plain GEMM of its shape (passes/fuse_gemm_swiglu.py):
+        # the same blocks and tiles, so the records tuned for it apply
+        keyed = _plain_gemm(info, func) if epilogue else func
+        return make_workload(self.name, keyed, target, dims, symbolic=None if rows else "M",
                              info={"sym": bool(info.get("sym")), "offset": bool(info.get("offset")), "sb": sb,
-                                   **({"lut": str(info["lut"])} if info.get("lut") else {})},
+                                   **({"lut": str(info["lut"])} if info.get("lut") else {}),
+                                   **({"epilogue": epilogue} if epilogue else {})},
                              version=self.version)
 
     def space(self, workload: Workload, target: TargetDescription) -> dict[str, list]:
-        nt = workload.dims["N"] // 16
+        nt = _out_tiles(workload)
         return {"mr": [1, 2, 4, 6, 8], "nr": [n for n in (1, 2, 3, 4) if n <= nt],
                 "tasks": [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= nt]}
 
     def builtin_default(self, workload: Workload, target: TargetDescription) -> dict[str, Any]:
-        nt = workload.dims["N"] // 16
+        nt = _out_tiles(workload)
         nr = 2 if nt >= 2 else 1
         return {"mr": 4, "nr": nr, "tasks": min(32, -(-nt // nr))}
 
@@ -520,8 +582,8 @@ class GemmQVnniCPU(ScheduleTemplate):
         mr, nr, tasks = (int(config.get(k, 0)) for k in ("mr", "nr", "tasks"))
         if mr < 1 or nr < 1 or tasks < 1:
             return "mr, nr and tasks must be >= 1"
-        if nr > d["N"] // 16:
-            return f"nr={nr} tiles of 16 columns exceed N={d['N']}"
+        if nr > _out_tiles(workload):
+            return f"nr={nr} tiles of 16 columns exceed the {16 * _out_tiles(workload)} output columns"
         wv = 2 * nr if d["bits"] == 4 else nr
         if 2 * mr * nr + wv > MAX_ZMM:
             return f"mr={mr} x nr={nr} needs {2 * mr * nr + wv} zmm registers (> {MAX_ZMM})"
@@ -533,7 +595,8 @@ class GemmQVnniCPU(ScheduleTemplate):
             raise ScheduleConfigError(f"invalid VNNI GEMM config {config} for {workload.dims}: {why}")
         d, info = workload.dims, workload.info
         k = kernel(d["bits"], d["N"], d["K"], d["G"], info["sym"], info["offset"], int(config["mr"]),
-                   int(config["nr"]), int(config["tasks"]), sb=int(info.get("sb", 0)), lut=str(info.get("lut", "")))
+                   int(config["nr"]), int(config["tasks"]), sb=int(info.get("sb", 0)), lut=str(info.get("lut", "")),
+                   epilogue=str(info.get("epilogue", "")))
         return _like(k, func)
 
 

@@ -363,7 +363,8 @@ def vnni_compute(
     the kernel to its own semantics. ``prologue`` (matmul of one row): x is made in the same function,
     ``"add_rms_norm"`` from (a, b, w) (and ``a + b`` is returned too: (a, b, w, codes..., sum, y)),
     ``"swiglu"`` from [gate | up] (x [1, 1, 2K]): see ``passes/fuse_gemv_prologue.py``. ``epilogue``
-    ``"swiglu"`` (one row, y = [gate | up]): ``h = silu(gate) * up`` [1, 1, N/2] is returned after y."""
+    ``"swiglu"`` (y = [gate | up]): ``h = silu(gate) * up`` [.., N/2], returned after y for one row (the
+    GEMV), alone for more (the GEMM: ``passes/fuse_gemm_swiglu.py``)."""
     from tvm import te, tirx
 
     kp = padded_k(k)
@@ -440,14 +441,16 @@ def vnni_compute(
         xq = _int8_activations(x, b, m, k, group)
         r = te.reduce_axis((0, k), name="k")
         out = te.compute((b, m, n), lambda bi, i, j: te.sum(xq[bi, i, r] * w(j, r), axis=r), name="matmul_vnni")
-        after = []
+        outs = [out]
         if epilogue:
-            if epilogue != "swiglu" or (b, m) != (1, 1) or n % 2:
-                raise PerfXError(f"internal: GEMV epilogue {epilogue!r} needs one activation row and an even N")
+            if epilogue != "swiglu" or n % 2:
+                raise PerfXError(f"internal: VNNI matmul epilogue {epilogue!r} needs swiglu and an even N")
             f = n // 2
-            after = [te.compute((1, 1, f), lambda bi, i, c: out[bi, i, c] * tirx.sigmoid(out[bi, i, c])
-                                * out[bi, i, c + f], name="swiglu")]
-        func = te.create_prim_func([*head, *ins, *tail, out, *after])
+            h = te.compute((b, m, f), lambda bi, i, c: out[bi, i, c] * tirx.sigmoid(out[bi, i, c])
+                           * out[bi, i, c + f], name="swiglu")
+            # the one-row GEMV returns y too (its tasks read their y rows back); more rows: h alone
+            outs = [out, h] if (b, m) == (1, 1) else [h]
+        func = te.create_prim_func([*head, *ins, *tail, *outs])
     return func.with_attr(QUANT_ATTR, vnni_info(n, k, group, bits, symmetric, offset, kind, prologue, eps, epilogue, sb,
                                                    lut))
 

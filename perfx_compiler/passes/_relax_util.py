@@ -3,6 +3,7 @@ weight-parameter surgery that keeps every exported function and the weight table
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -304,3 +305,29 @@ def drop_uncalled_primfuncs(mod: tvm.IRModule, droppable: Callable[[Any, Any], b
         for gv in dead:
             del mod[gv]
     return mod
+
+
+def call_tir_callee(mod: tvm.IRModule, value: Any) -> tuple[str, Any] | None:
+    """(name, PrimFunc) of a ``call_tir`` binding's callee, else None."""
+    if not isinstance(value, relax.Call) or getattr(value.op, "name", "") != "relax.call_tir":
+        return None
+    gv = value.args[0]
+    func = mod[gv] if isinstance(gv, relax.GlobalVar) and gv in mod.functions else None
+    return (gv.name_hint, func) if isinstance(func, tvm.tirx.PrimFunc) else None
+
+
+def json_attr(func: Any, key: str) -> dict[str, Any] | None:
+    """A PrimFunc's JSON attribute ``key`` (``perfx.quant``, ``perfx.fused_op``) parsed, else None."""
+    if func.attrs is None or key not in func.attrs:
+        return None
+    return json.loads(str(func.attrs[key]))
+
+
+def swiglu_reader(mod: tvm.IRModule, info: FuncInfo, y: Any) -> Any | None:
+    """The var of ``h = swiglu(y)`` when that call is ``y``'s only reader, else None."""
+    readers = info.users(y)
+    if len(readers) != 1 or info.uses.get(y, 0) != 1 or info.used_outside(y):
+        return None
+    callee = call_tir_callee(mod, info.value(readers[0]))
+    op = json_attr(callee[1], FUSED_OP_ATTR) if callee else None
+    return readers[0] if op and op.get("op") == "swiglu" else None

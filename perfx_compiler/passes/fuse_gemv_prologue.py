@@ -21,7 +21,6 @@ everything else is left as is. Measurements: docs/decisions/quantized-linears.md
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import tvm
@@ -29,29 +28,23 @@ from tvm import relax
 
 from perfx_compiler.formats import QUANT_ATTR
 from perfx_compiler.formats.vnni import vnni_compute
-from perfx_compiler.passes._relax_util import FUSED_OP_ATTR, SKIP, FuncInfo, exported, rewrite_functions
+from perfx_compiler.passes._relax_util import (
+    FUSED_OP_ATTR,
+    SKIP,
+    FuncInfo,
+    call_tir_callee,
+    exported,
+    json_attr,
+    rewrite_functions,
+    swiglu_reader,
+)
 
 NAME = "fuse_gemv_prologue"
 
 
-def _callee(mod: tvm.IRModule, value: Any) -> tuple[str, Any] | None:
-    """(name, PrimFunc) of a ``call_tir`` binding's callee."""
-    if not isinstance(value, relax.Call) or getattr(value.op, "name", "") != "relax.call_tir":
-        return None
-    gv = value.args[0]
-    func = mod[gv] if isinstance(gv, relax.GlobalVar) and gv in mod.functions else None
-    return (gv.name_hint, func) if isinstance(func, tvm.tirx.PrimFunc) else None
-
-
-def _attr(func: Any, key: str) -> dict[str, Any] | None:
-    if func.attrs is None or key not in func.attrs:
-        return None
-    return json.loads(str(func.attrs[key]))
-
-
 def _one_row_gemv(func: Any) -> dict[str, Any] | None:
     """The ``perfx.quant`` facts of a VNNI GEMV (int4 or int8 codes) with x of shape [1, 1, K], else None."""
-    info = _attr(func, QUANT_ATTR)
+    info = json_attr(func, QUANT_ATTR)
     if not info or info.get("layout") != "vnni" or info.get("kind") != "matmul" or info.get("bits") not in (4, 8):
         return None
     if info.get("prologue") or int(info["K"]) % 16:
@@ -72,7 +65,7 @@ def _gemvs(mod: tvm.IRModule, info: FuncInfo) -> dict[Any, tuple[str, dict[str, 
     """var -> (callee name, quant facts) of the function's one-row VNNI GEMVs over weight codes."""
     out = {}
     for var, value in info.values.items():
-        gemv = _callee(mod, value)
+        gemv = call_tir_callee(mod, value)
         q = _one_row_gemv(gemv[1]) if gemv else None
         # codes computed in the function (not weights) are left alone: the fused call may move before them
         if q is not None and not any(c in info.values for c in value.args[1].fields[1:]):
@@ -91,8 +84,8 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         for var, (_, q) in gemvs.items():
             # y splits into gate and up halves of whole row units (int4: row pairs)
             if int(q["N"]) % (4 if int(q["bits"]) == 4 else 2) == 0:
-                if (t := _match_swiglu_of(mod, info, var)) is not None:
-                    tails[var] = t
+                if (h := swiglu_reader(mod, info, var)) is not None:
+                    tails[var] = {"out": h}
         taken = {t["out"] for t in tails.values()}
         found = []
         for var, (callee, q) in gemvs.items():
@@ -162,8 +155,8 @@ def _match_add_norm(mod: tvm.IRModule, info: FuncInfo, x: Any, gemv: Any) -> dic
     if not isinstance(get, relax.TupleGetItem) or get.index != 1 or not _only_reader(info, x, gemv):
         return None
     norm = get.tuple_value
-    callee = _callee(mod, info.value(norm))
-    op = _attr(callee[1], FUSED_OP_ATTR) if callee else None
+    callee = call_tir_callee(mod, info.value(norm))
+    op = json_attr(callee[1], FUSED_OP_ATTR) if callee else None
     if not op or op.get("op") != "add_rms_norm":
         return None
     readers = info.users(norm)
@@ -174,20 +167,10 @@ def _match_add_norm(mod: tvm.IRModule, info: FuncInfo, x: Any, gemv: Any) -> dic
             "norm": norm, "sum": sums[0], "skip": [x, sums[0]]}
 
 
-def _match_swiglu_of(mod: tvm.IRModule, info: FuncInfo, y: Any) -> dict[str, Any] | None:
-    """``h = swiglu(y)``, the only reader of the GEMV output ``y`` (and h's own var)."""
-    readers = info.users(y)
-    if len(readers) != 1 or info.uses.get(y, 0) != 1 or info.used_outside(y):
-        return None
-    callee = _callee(mod, info.value(readers[0]))
-    op = _attr(callee[1], FUSED_OP_ATTR) if callee else None
-    return {"out": readers[0]} if op and op.get("op") == "swiglu" else None
-
-
 def _match_swiglu(mod: tvm.IRModule, info: FuncInfo, x: Any, gemv: Any) -> dict[str, Any] | None:
     """``x = swiglu(gate_up)`` read only by the GEMV."""
-    callee = _callee(mod, info.value(x))
-    op = _attr(callee[1], FUSED_OP_ATTR) if callee else None
+    callee = call_tir_callee(mod, info.value(x))
+    op = json_attr(callee[1], FUSED_OP_ATTR) if callee else None
     if not op or op.get("op") != "swiglu" or not _only_reader(info, x, gemv):
         return None
     return {"op": "swiglu", "eps": 0.0, "inputs": list(info.value(x).args[1].fields), "skip": [x]}

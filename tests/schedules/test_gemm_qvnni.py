@@ -12,6 +12,8 @@ Each GEMM runs against two numpy references:
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from sched_helpers import needs_vnni, vnni_weights
@@ -47,11 +49,11 @@ def _check(got: np.ndarray, x: np.ndarray, wd: np.ndarray, k: int, group: int, w
     assert np.abs(got - ref_f).max() > 0  # int8 activations really are in use
 
 
-def _run(rt, packed, x):
+def _run(rt, packed, x, n_out=None):
     import tvm
 
     dev = tvm.cpu()
-    y = tvm.runtime.tensor(np.zeros((*x.shape[:-1], packed.n), np.float32), dev)
+    y = tvm.runtime.tensor(np.zeros((*x.shape[:-1], n_out or packed.n), np.float32), dev)
     rt["main"](tvm.runtime.tensor(x, dev), *[tvm.runtime.tensor(a, dev) for _, a in packed.arrays], y)
     return y.numpy()
 
@@ -172,3 +174,36 @@ def test_invalid_configs_are_rejected_and_targets_declined(template, target):
         assert template.match(func, load_target(name)) is None
     odd, _ = vnni_weights("Q4_0", 40, 576, np.random.default_rng(0))  # N not a multiple of 16
     assert template.match(odd.compute("matmul", (1, None)), target) is None
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt,n,k", [("Q4_1", 160, 576), ("Q4_0", 128, 1536), ("Q8_0", 96, 576)])
+def test_swiglu_epilogue_is_silu_gate_times_up(template, target, fmt, n, k):
+    """``epilogue="swiglu"`` (passes/fuse_gemm_swiglu.py): the output is h = silu(gate) * up of the plain
+    GEMM's y = [gate | up], up to the polynomial sigmoid's ~1e-7 (a wrong block pairing or scratch row
+    gives order 1); keyed as the plain GEMM (its records apply); nr is bounded by h's tiles, not y's.
+    n = 160: h has 5 tiles, so nr = 2 overlaps the last block."""
+    from perfx_compiler.formats.vnni import vnni_compute
+
+    rng = np.random.default_rng()
+    packed, _ = vnni_weights(fmt, n, k, rng)
+    plain = packed.compute("matmul", (1, None))
+    q = json.loads(str(plain.attrs["perfx.quant"]))
+    fused = vnni_compute(n, k, q["group"], q["bits"], q["sym"], q["offset"], "matmul", (1, None), epilogue="swiglu",
+                         sb=q.get("sb", 0), lut=q.get("lut", ""))
+    assert len(fused.params) == len(plain.params)  # h replaces y: no y output
+    wl, wl_plain = template.match(fused, target), template.match(plain, target)
+    assert wl.key == wl_plain.key and wl.info["epilogue"] == "swiglu"
+    assert not template.is_valid(wl, {"mr": 4, "nr": n // 32 + 1, "tasks": 2}, target)
+    rt_y = build_func(template.apply(plain, wl_plain, {"mr": 4, "nr": 2, "tasks": 2}, target), target)
+    f = n // 2
+    for config in (template.default_config(wl, target), {"mr": 4, "nr": 2, "tasks": 2}, {"mr": 1, "nr": 1, "tasks": 3},
+                   {"mr": 6, "nr": 2, "tasks": 2}):
+        assert template.is_valid(wl, config, target), config
+        rt_h = build_func(template.apply(fused, wl, config, target), target)
+        for m in (1, 5, 37):
+            x = rng.standard_normal((1, m, k)).astype(np.float32)
+            y = _run(rt_y, packed, x).astype(np.float64)
+            ref = y[..., :f] / (1 + np.exp(-y[..., :f])) * y[..., f:]
+            err = np.abs(_run(rt_h, packed, x, f) - ref).max() / np.abs(ref).max()
+            assert err < 1e-6, (config, m, err)
