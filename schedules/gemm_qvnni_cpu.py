@@ -36,6 +36,11 @@ G must be a multiple of 16 (activation groups are quantized 16 lanes at a time; 
 number of panel steps); with ``sb``, G must divide sb and sb divide K (the layout's own rules): the
 template declines other workloads.
 
+``epilogue="swiglu"`` (``passes/fuse_gemm_swiglu.py``; W = [gate | up]): the output is h = silu(gate) * up
+alone; a block's gate tiles go to a per-task scratch of rows x 16 nr floats, then the up tiles of the same
+columns are computed and written as h, so gate|up's output (twice h) is never stored. Keyed as the plain
+GEMM: its records apply (nr bounded by h's tiles).
+
 ``prepacked=True`` builds the same GEMM reading panels made at compile time (``prepack``) instead
 of repacking per call: the benchmark compares the two (the model uses the in-call repack, which
 keeps one copy of the weights).
