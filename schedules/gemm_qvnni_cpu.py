@@ -85,10 +85,12 @@ def _info(func: Any) -> dict[str, Any] | None:
 def _plain_gemm(info: dict[str, Any], func: Any) -> Any:
     """The GEMM without the epilogue, of ``func``'s shape and rows (the function a record's key hashes)."""
     from perfx_compiler.formats.vnni import vnni_compute
+    from perfx_compiler.kernels.tir_queries import OPAQUE
 
     rows = tuple(getattr(d, "value", None) for d in list(func.params[0].shape)[:2])
     return vnni_compute(int(info["N"]), int(info["K"]), int(info["group"]), int(info["bits"]), bool(info.get("sym")),
-                        bool(info.get("offset")), "matmul", rows, sb=int(info.get("sb", 0)), lut=str(info.get("lut", "")))
+                        bool(info.get("offset")), "matmul", rows, sb=int(info.get("sb", 0)),
+                        lut=str(info.get("lut", ""))).with_attr("op_pattern", OPAQUE)
 
 
 def _out_tiles(workload: Workload) -> int:
@@ -327,7 +329,7 @@ def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, 
     from tvm.script import tirx as T
 
     if (sb or lut or epilogue) and prepacked:
-        raise ValueError("prepacked VNNI GEMM panels take float16 group scales and no epilogue")
+        raise ValueError("prepacked VNNI GEMM panels take float16 group scales (no superblock scales, tables or epilogue)")
     if epilogue not in ("", "swiglu") or (epilogue and N % 32):
         raise ValueError(f"VNNI GEMM epilogue {epilogue!r}: swiglu over gate|up halves of whole 16-column tiles")
 
