@@ -2,7 +2,9 @@
 
 glibc keeps memory freed by Python and by native libraries (the ``tokenizers`` build of a 262k-token
 vocabulary, TVM's passes) in its arenas, so the process stays that large for the rest of a compile and
-the next phase's peak lands on top of it. ``malloc_trim`` returns it; elsewhere this does nothing.
+the next phase's peak lands on top of it. ``malloc_trim`` returns it. The runtime also maps its large
+buffers on their own (``map_large_allocations``), so that a freed one leaves the process at once. Without
+glibc both do nothing.
 """
 
 from __future__ import annotations
@@ -28,3 +30,16 @@ def trim_heap() -> None:
     lib = _libc()
     if lib is not None:
         lib.malloc_trim(0)
+
+
+M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
+
+
+def map_large_allocations(threshold: int = 1 << 20) -> None:
+    """Serve every allocation of ``threshold`` bytes or more from a mapping of its own (glibc ``mallopt``),
+    so freeing it unmaps it. By default glibc raises that bound to the size of each such block freed (up to
+    32 MiB), after which the VM's prefill activations (0.5-11 MiB each) come from the heap and, freed, stay
+    there: docs/decisions/long-context.md."""
+    lib = _libc()
+    if lib is not None:
+        lib.mallopt(M_MMAP_THRESHOLD, int(threshold))

@@ -113,6 +113,7 @@ class BatchEngine:
         self.page_pool.reserve(seq_id, ids.shape[1])
         dev = self._base.device
         pos = np.array([self.page_pool.length(seq_id)], dtype=self.index_dtype)
+        self._base.pool_for(("prefill", ids.shape[1]))
         out = self._prefill(
             rt.tensor(ids, dev), rt.tensor(pos, dev),
             rt.tensor(self._table([seq_id]), dev), *self._tail,
@@ -132,6 +133,7 @@ class BatchEngine:
         dev = self._base.device
         ids = np.asarray(token_ids, dtype=self.index_dtype).reshape(-1, 1)
         pos = np.array([self.page_pool.length(s) for s in seq_ids], dtype=self.index_dtype)
+        self._base.pool_for(("decode", len(seq_ids)))
         out = self._decode(
             rt.tensor(ids, dev), rt.tensor(pos, dev),
             rt.tensor(self._table(seq_ids), dev), *self._tail,

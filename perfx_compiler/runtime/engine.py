@@ -21,6 +21,7 @@ import numpy as np
 # it is created on first use, so size it before any kernel runs.
 os.environ.setdefault("TVM_NUM_THREADS", str(os.cpu_count() or 1))
 
+from perfx_compiler import heap  # noqa: E402
 from perfx_compiler.artifact_hash import MANIFEST_DIGEST_KEY, manifest_digest, sha256_file  # noqa: E402
 from perfx_compiler.errors import ArtifactError, ContextLengthError  # noqa: E402
 from perfx_compiler.runtime import decode_replay, thread_team  # noqa: E402
@@ -102,6 +103,9 @@ class Engine:
         self.vocab_size = int(model["vocab_size"])
         self.device = rt.device(device)
         self._cpu = self.device.dlpack_device_type() == rt.CPU  # tensors are host memory
+        if self._cpu:
+            heap.map_large_allocations()  # freed activations leave the process (see _run)
+        self._pooled: tuple[str, int] | None = None  # the calls whose buffers the VM's pool holds (pool_for)
         lib = rt.load_module(self.root / "model.so")
         self.vm = rt.VirtualMachine(lib, self.device)
         # the kernels' parallel loops: PerfX's spinning team where the artifact has one, else TVM's pool
@@ -196,6 +200,7 @@ class Engine:
         outs = []
         for start in range(0, n, PREFILL_CHUNK):
             chunk = ids[:, start : start + PREFILL_CHUNK]  # (a [1, c] slice: contiguous)
+            self.pool_for(("prefill", chunk.shape[1]))
             self._pos[0] = self.position
             rt.copy_from(self._pos_dev, self._pos)
             if chunk.shape[1] == 1:
@@ -208,6 +213,16 @@ class Engine:
             if every_position or start + PREFILL_CHUNK >= n:  # prefill: only the last chunk's logits
                 outs.append(rt.to_numpy(out)[0])
         return np.concatenate(outs) if every_position else outs[-1]
+
+    def pool_for(self, call: tuple[str, int]) -> None:
+        """Before a VM call of another kind or size than the last (``call``: its function and rows): drop
+        the buffers the VM's allocator pooled for the last one. The pool keeps every buffer it gets back,
+        keyed by size, and a call's activations are sized by its rows, so each new prompt length or batch
+        size would add its own set for good (a server with varied requests grew by hundreds of MiB:
+        docs/decisions/long-context.md). Buffers a tensor still holds (the decode replay's) stay."""
+        if self._cpu and call != self._pooled:
+            rt.clear_pool()
+            self._pooled = call
 
     def prefill(self, token_ids: Sequence[int]) -> np.ndarray:
         """Run tokens (in calls of at most ``PREFILL_CHUNK``); return the last position's logits as [1, vocab]."""

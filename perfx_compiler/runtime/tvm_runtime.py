@@ -134,3 +134,8 @@ class VirtualMachine:
     def set_input(self, func_name: str, *args: Any) -> None:
         """Bind ``args`` (tensors) as ``func_name``'s arguments for :meth:`invoke_stateful`."""
         self._set_input(func_name, *args)
+
+
+def clear_pool() -> None:
+    """Free the VM allocators' pooled buffers that no tensor holds."""
+    _fn("vm.builtin.memory_manager.clear")()
