@@ -52,17 +52,18 @@ class BenchEngine(ABC):
 
 
 # ----------------------------------------------------------------------------------------- PerfX
-def perfx_weight_bytes(manifest: dict[str, Any]) -> int:
-    """Decode-step weight bytes of an artifact: everything but RoPE tables and an untied embedding
+def streamed_weight_names(manifest: dict[str, Any]) -> set[str]:
+    """The weights a decode step reads whole: everything but RoPE tables and an untied embedding
     (symmetric int4 formats store no zero-point array: every stored array is read)."""
     tied = bool(manifest["model"].get("tie_word_embeddings", True))
-    total = 0
-    for w in manifest["weights"]:
-        name = w["name"]
-        if name.startswith("rope_") or (not tied and name.startswith("model_embed_tokens")):
-            continue
-        total += int(w["nbytes"])
-    return total
+    return {w["name"] for w in manifest["weights"]
+            if not (w["name"].startswith("rope_") or (not tied and w["name"].startswith("model_embed_tokens")))}
+
+
+def perfx_weight_bytes(manifest: dict[str, Any]) -> int:
+    """Decode-step weight bytes of an artifact (``streamed_weight_names``)."""
+    streamed = streamed_weight_names(manifest)
+    return sum(int(w["nbytes"]) for w in manifest["weights"] if w["name"] in streamed)
 
 
 def weight_format(manifest: dict[str, Any]) -> str:

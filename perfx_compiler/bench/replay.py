@@ -77,12 +77,19 @@ def nbytes(a: Any) -> int:
     return int(np.prod([int(s) for s in shape])) * np.dtype(str(a.dtype)).itemsize
 
 
+def _ptr(a: Any) -> int | None:
+    """A tensor argument's data address (None for scalars and other arguments)."""
+    data_ptr = getattr(a, "data_ptr", None)
+    return data_ptr() if callable(data_ptr) else None
+
+
 class TracedStep:
     """One artifact loaded in this process: its engine, one token fed at ``position`` (after the first
     ``position`` ids of ``prompt``, taken modulo the vocabulary), and the kernel calls of that decode
     step (``calls``; their kernel symbols in ``names``, the weight bytes each reads in ``weight_bytes``)."""
 
     def __init__(self, label: str, art: str | Path, prompt: list[int], position: int):
+        from perfx_compiler.bench.engines import streamed_weight_names
         from perfx_compiler.runtime import decode_replay
         from perfx_compiler.runtime.engine import Engine
 
@@ -96,8 +103,13 @@ class TracedStep:
         tr = decode_replay.trace(e.vm, lambda: e.decode(self.token))
         e.position = self.position
         self.calls, self.names = tr.calls, tr.names
-        # weights: the big arguments (a decode GEMV's codes / scales); outputs and x are small
-        self.weight_bytes = [sum(b for b in map(nbytes, c[1:]) if b >= (1 << 20)) for c in tr.calls]
+        # weights: the arguments that are the weights a decode step streams (codes, scales and mins: a
+        # K-quant's small int8 scale arrays too), as perfx-bench counts them; not the KV cache (sized by
+        # capacity, read by position) nor an untied embedding table (a gather reads one row)
+        streamed = streamed_weight_names(e.manifest)
+        weights = {_ptr(w) for m, w in zip(e.manifest["weights"], e._weights, strict=True) if m["name"] in streamed}
+        self.weight_bytes = [0 if "take" in name else sum(nbytes(a) for a in c[1:] if _ptr(a) in weights)
+                             for c, name in zip(tr.calls, tr.names, strict=True)]  # (a gather reads one row)
 
     def time_engine_step(self, steps: int) -> float:
         """Median seconds of ``Engine.decode`` + argmax (a greedy token) at the traced position."""

@@ -59,11 +59,14 @@ def tiny_artifact(tmp_path_factory):
 
 
 def test_traced_step_replays_the_decode_step_kernels(tiny_artifact):
+    from perfx_compiler.bench.engines import perfx_weight_bytes
     from perfx_compiler.bench.replay import TracedStep, build_replay_module
 
     prompt = [int(t) for t in np.random.default_rng(0).integers(1, 200, 12)]
     step = TracedStep("a", tiny_artifact, prompt, 8)
     assert step.position == 8 and len(step.calls) == len(step.names) == len(step.weight_bytes) > 0
+    # every streamed weight read once a step, as perfx-bench counts them (small scale arrays included)
+    assert sum(step.weight_bytes) == perfx_weight_bytes(step.engine.manifest)
     mod = build_replay_module()
     assert len(list(mod.replay(step.calls, 3))) == 3
     med, low = step.per_kernel(mod.replay_each, 4)
