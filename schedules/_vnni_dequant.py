@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from perfx_compiler.formats.vnni import code_row_bytes
+from perfx_compiler.formats.vnni import code_row_bytes, q6_byte
 from perfx_compiler.formats.vnni_lowbit import d_of_bytes, group_nibble, min_width, scalar_code, scale_times_4
 from schedules._vnni_kernels import ROWS_PER_UNIT, _without_zero, plan, transpose_tile
 
@@ -61,10 +61,10 @@ class _Layout:
         s = self.factor(Sc, Sd, row, g)
         if self.offset:
             mn = self.min_factor(Sc, Z, Zd, row, g)
-        if self.bits == 6:  # the row's nibble in its pair row, 2 high bits in the quad's last row
-            lo = T.bitwise_and(T.shift_right(Q[row // 4, (row % 4) // 2 * self.KP + col], T.Cast("uint8", (row % 2) * 4)),
+        if self.bits == 6:  # the row's nibble in its pair's part of the step, 2 high bits in the step's third part
+            lo = T.bitwise_and(T.shift_right(Q[row // 4, q6_byte((row % 4) // 2, col)], T.Cast("uint8", (row % 2) * 4)),
                                T.uint8(15))
-            hb = T.bitwise_and(T.shift_right(Q[row // 4, 2 * self.KP + col], T.Cast("uint8", (row % 4) * 2)), T.uint8(3))
+            hb = T.bitwise_and(T.shift_right(Q[row // 4, q6_byte(2, col)], T.Cast("uint8", (row % 4) * 2)), T.uint8(3))
             return (T.Cast("float32", T.bitwise_or(lo, T.shift_left(hb, T.uint8(4)))) - T.float32(32)) * s
         if self.bits in (2, 3, 5):  # the row's low bits in its quad / pair row, (3, 5) its top bit in the octet's last row
             code = T.Cast("float32", scalar_code(self.bits, lambda u, at: Q[u, at], row, col, self.KP))

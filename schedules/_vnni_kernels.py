@@ -231,13 +231,13 @@ def _gemv_exprs(g: SimpleNamespace) -> SimpleNamespace:
 
     def codes(Q: Any, unit: Any, s_abs: Any, h: Any) -> Any:
         """uint8x64: the 64 codes of row h of ``unit`` in step ``s_abs`` (int4: its nibble of the pair's
-        bytes; 6-bit: the nibble of its pair row, with bits 2h..2h+1 of the high-bits row; 5-bit: bit h)."""
+        bytes; 6-bit: the nibble of its pair's part of the step, with bits 2h..2h+1 of its high-bits part; 5-bit: bit h)."""
         if bits in (2, 3, 5):
             return unit_codes(bits, Q, unit, s_abs * STEP, h, KP, scaled=True)
         if bits == 6:
-            lo = T.shift_right(Q.vload([unit, (h // 2) * KP + s_abs * STEP], "uint8x64"),
+            lo = T.shift_right(Q.vload([unit, s_abs * (3 * STEP) + (h // 2) * STEP], "uint8x64"),  # (q6_byte)
                                T.Broadcast(T.Cast("uint8", 4 * (h % 2)), 64)) & T.Broadcast(T.uint8(15), 64)
-            hb = T.shift_right(Q.vload([unit, 2 * KP + s_abs * STEP], "uint8x64"),
+            hb = T.shift_right(Q.vload([unit, s_abs * (3 * STEP) + 2 * STEP], "uint8x64"),
                                T.Broadcast(T.Cast("uint8", 2 * h), 64)) & T.Broadcast(T.uint8(3), 64)
             return lo | T.shift_left(hb, T.Broadcast(T.uint8(4), 64))
         if lut:
@@ -467,6 +467,11 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
                                     (ubase(t, it) + u + (c * SPC + so * unroll + si + prefetch) // S) * QKW
                                     + j * KP + ((c * SPC + so * unroll + si + prefetch) % S) * STEP,
                                     QW * QKW - STEP)]), PF_LOC))
+                        elif prefetch > 0 and bits == 6:  # a quad's one stream: its step's three lines, `prefetch` lines ahead
+                            for j in T.unroll(3):
+                                T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * QKW
+                                                      + (c * SPC + so * unroll + si) * 3 * STEP + (j + prefetch) * STEP,
+                                                      QW * QKW - STEP)]), PF_LOC))
                         elif prefetch > 0:
                             T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * QKW
                                                       + (c * SPC + so * unroll + si + prefetch) * STEP,

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from perfx_compiler.formats.vnni import code_row_bytes, has_avx512_vnni, lut_bytes
+from perfx_compiler.formats.vnni import code_row_bytes, has_avx512_vnni, lut_bytes, q6_byte
 from perfx_compiler.formats.vnni_lowbit import d_of_bytes, group_nibble, min_width, scale_times_4, unit_codes
 from perfx_compiler.kernels import _lanes
 from perfx_compiler.kernels.fastmath import fast_exp
@@ -252,8 +252,8 @@ def _repack(*, bits: int, lut: str, pair: bool, S: int, nr: int, RPU: int, KP: i
         """uint8x64: the codes of row r (0..3) of row quad q, columns col..col+63, from the 6-bit row-quad
         layout. ``r`` must fold to a constant once the loops unroll: a shift by a variable count has no
         byte-vector instruction (it would cost more than the whole GEMM)."""
-        lo = T.shift_right(Q8.vload([q, (r // 2) * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 4 * (r % 2)), 64))
-        hb = T.shift_right(Q8.vload([q, 2 * KP + col], "uint8x64"), T.Broadcast(T.Cast("uint8", 2 * r), 64))
+        lo = T.shift_right(Q8.vload([q, q6_byte(r // 2, col)], "uint8x64"), T.Broadcast(T.Cast("uint8", 4 * (r % 2)), 64))
+        hb = T.shift_right(Q8.vload([q, q6_byte(2, col)], "uint8x64"), T.Broadcast(T.Cast("uint8", 2 * r), 64))
         return (lo & T.Broadcast(T.uint8(15), 64)) | T.shift_left(hb & T.Broadcast(T.uint8(3), 64),
                                                                   T.Broadcast(T.uint8(4), 64))
 

@@ -17,10 +17,12 @@ Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
   groups, zero-padded: the kernel reads 16 groups with one vector load (the last chunk of a
   row overlaps the one before it instead of reading past the row).
 
-* 6-bit (``q6v``, GGUF Q6_K): codes uint8 [ceil(N/4), 3 * KP], one code row per quad of rows: two
-  int4 pair rows of the codes' low nibbles (rows 4q, 4q+1, then 4q+2, 4q+3, as ``q4v``), then one row
-  whose byte k holds the four rows' high 2 bits of column k (row 4q+r in bits 2r..2r+1): 6 bits a
-  weight, where int8 codes would take 8. Codes are unsigned (zero point 32).
+* 6-bit (``q6v``, GGUF Q6_K): codes uint8 [ceil(N/4), 3 * KP], one code row per quad of rows, in
+  three parts per 64-column step, side by side (``q6_byte``): the codes' low nibbles of rows 4q, 4q+1
+  (as ``q4v``), those of rows 4q+2, 4q+3, then a part whose byte k holds the four rows' high 2 bits of
+  column k (row 4q+r in bits 2r..2r+1): 6 bits a weight, where int8 codes would take 8. A quad is one
+  forward stream, as a row pair is (three streams a KP apart read 16% slower, Q6_K ffn_down,
+  docs/decisions/gemv-qvnni-cpu.md). Codes are unsigned (zero point 32).
 * 5-bit (``q5v``, GGUF Q5_K / Q5_1 with their min, Q5_0 with zero point 16): codes uint8
   [ceil(N/8), 5 * KP], one code row per octet of rows: four int4 pair rows of the codes' low nibbles
   (rows 8o, 8o+1, then 8o+2, 8o+3, ... as ``q4v``), then one row whose byte k holds the eight rows'
@@ -189,13 +191,16 @@ def pack_q6_quads(codes: np.ndarray) -> np.ndarray:
     lo = pack_q4_pairs(c & np.uint8(15)).reshape(n4 // 4, 2 * kp)
     hi = c >> np.uint8(4)
     high = hi[0::4] | (hi[1::4] << np.uint8(2)) | (hi[2::4] << np.uint8(4)) | (hi[3::4] << np.uint8(6))
-    return np.ascontiguousarray(np.concatenate([lo, high], axis=1))
+    parts = [lo[:, :kp], lo[:, kp:], high]  # each [quads, KP]; stored step by step, the three parts together
+    return np.ascontiguousarray(np.stack([p.reshape(n4 // 4, kp // STEP, STEP) for p in parts], axis=2).reshape(n4 // 4, 3 * kp))
 
 
 def unpack_q6_quads(packed: np.ndarray, n: int, k: int) -> np.ndarray:
-    kp = packed.shape[1] // 3
-    lo = unpack_q4_pairs(packed[:, : 2 * kp].reshape(-1, kp), packed.shape[0] * 4, kp)
-    high = packed[:, 2 * kp :]
+    q, kp = packed.shape[0], packed.shape[1] // 3
+    steps = packed.reshape(q, kp // STEP, 3, STEP)
+    lo = unpack_q4_pairs(np.stack([steps[:, :, 0].reshape(q, kp), steps[:, :, 1].reshape(q, kp)], axis=1).reshape(-1, kp),
+                         q * 4, kp)
+    high = steps[:, :, 2].reshape(q, kp)
     hi = np.stack([(high >> np.uint8(2 * r)) & np.uint8(3) for r in range(4)], axis=1).reshape(-1, kp)
     return np.ascontiguousarray((lo | (hi << np.uint8(4)))[:n, :k])
 
@@ -220,6 +225,13 @@ def unpack_q5_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
     high = packed[:, 4 * kp :]
     hi = np.stack([(high >> np.uint8(r)) & np.uint8(1) for r in range(8)], axis=1).reshape(-1, kp)
     return np.ascontiguousarray((lo | (hi << np.uint8(4)))[:n, :k])
+
+
+def q6_byte(part: Any, col: Any) -> Any:
+    """Offset in a 6-bit quad's code row of column ``col``'s byte of ``part`` (0, 1: the low nibbles of
+    rows 4q, 4q+1 / 4q+2, 4q+3; 2: the four rows' high bits). Ints or TIR expressions; ``col`` a multiple
+    of 64 (a vector load) gives the step's 64 bytes of that part."""
+    return (col // STEP) * (3 * STEP) + part * STEP + col % STEP
 
 
 def code_row_bytes(bits: int, kp: int) -> int:
@@ -400,8 +412,8 @@ def vnni_compute(
         g = col // group
         sc = factor(s, row, g)
         if bits == 6:
-            lo = (q[row // 4, (row % 4) // 2 * kp + col] >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")
-            hi = (q[row // 4, 2 * kp + col] >> ((row % 4) * 2).astype("uint8")) & tirx.const(3, "uint8")
+            lo = (q[row // 4, q6_byte((row % 4) // 2, col)] >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")
+            hi = (q[row // 4, q6_byte(2, col)] >> ((row % 4) * 2).astype("uint8")) & tirx.const(3, "uint8")
             return ((lo | (hi << tirx.const(4, "uint8"))).astype("float32") - tirx.const(32.0, "float32")) * sc
         if bits in (2, 3, 5):
             from perfx_compiler.formats.vnni_lowbit import scalar_code

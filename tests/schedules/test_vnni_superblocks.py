@@ -12,7 +12,15 @@ import pytest
 from sched_helpers import needs_vnni
 
 from perfx_compiler.formats.ggml.iq4_nl import KVALUES
-from perfx_compiler.formats.vnni import pack_q5_octets, quantize_activations, subscaled_vnni_packed, unpack_q5_octets
+from perfx_compiler.formats.vnni import (
+    pack_q5_octets,
+    pack_q6_quads,
+    q6_byte,
+    quantize_activations,
+    subscaled_vnni_packed,
+    unpack_q5_octets,
+    unpack_q6_quads,
+)
 from perfx_compiler.formats.vnni_lowbit import pack_q2_quads, pack_q3_octets, unpack_q2_quads, unpack_q3_octets
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
@@ -112,6 +120,28 @@ def test_gemv_matches_int8_reference(template, target, qtype, n, k, rows):
         rt = build_func(template.apply(func, wl, cfg, target), target)
         rt["main"](tvm.runtime.tensor(x, dev), *[tvm.runtime.tensor(a, dev) for _, a in pk.arrays], y)
         assert np.abs(y.numpy() - ref).max() <= 2e-5 * np.abs(ref).max(), (qtype, cfg)
+
+
+@pytest.mark.parametrize("n,k", [(1, 5), (4, 64), (13, 100), (37, 2304)])
+def test_q6_quads_are_one_stream_and_round_trip(n, k):
+    """pack_q6_quads: per 4 rows and 64-column step, the two nibble pair parts and the high-bits part
+    side by side (``q6_byte``), checked by that formula per row: the bytes of one step are 192
+    consecutive bytes (a quad is read as one forward stream); unpacked back to the codes."""
+    rng = np.random.default_rng()
+    codes = rng.integers(0, 64, (n, k)).astype(np.uint8)
+    packed = pack_q6_quads(codes)
+    kp = -(-k // 64) * 64
+    assert packed.shape == (-(-n // 4), 3 * kp) and packed.dtype == np.uint8
+    cols = np.arange(k)
+    assert q6_byte(2, 64) == 3 * 64 + 2 * 64 and q6_byte(1, 70) == 3 * 64 + 64 + 6
+    for row in range(n):
+        q, r = divmod(row, 4)
+        lo = (packed[q, q6_byte(r // 2, cols)] >> (4 * (r % 2))) & 15
+        hb = (packed[q, q6_byte(2, cols)] >> (2 * r)) & 3
+        np.testing.assert_array_equal(lo | (hb << 4), codes[row])
+    np.testing.assert_array_equal(unpack_q6_quads(packed, n, k), codes)
+    pad = np.arange(k, kp)
+    assert not any(packed[:, q6_byte(part, pad)].any() for part in range(3))  # padding columns hold 0
 
 
 @pytest.mark.parametrize("n,k", [(1, 5), (8, 64), (13, 100), (37, 2304)])
