@@ -48,10 +48,12 @@ def plan(K: int, G: int) -> dict[str, int]:
 
 
 @functools.cache
-def quantize_group_macro() -> Any:
+def quantize_group_macro(lane_groups: bool = False) -> Any:
     """The TVMScript macro ``quantize_group`` shared by the VNNI GEMV and GEMM (built on first use:
     this module imports without TVM). The 16-lane max and code sum are folded in registers
-    (``_lanes``: 4 shuffle steps; max and integer sums are exact in any order)."""
+    (``_lanes``: 4 shuffle steps; max and integer sums are exact in any order). ``lane_groups`` (G = 16,
+    the 6-bit GEMV): the codes go into the layout's lane-group order (formats.vnni.q6_lane_order), column
+    4s + j of group g to byte 64 s + 4 (g % 16) + j of its 256-column chunk."""
     from tvm.script import tirx as T
 
     from perfx_compiler.kernels import _lanes
@@ -82,7 +84,14 @@ def quantize_group_macro() -> Any:
         inv[0] = T.Select(mx[0] > T.float32(0), T.float32(127) / mx[0], T.float32(0))
         for c in T.serial(GV):
             if g * G + c * 16 < KP:
-                if g * G + c * 16 < K:
+                if lane_groups:  # (whole chunks: K == KP)
+                    for s in T.unroll(4):
+                        for j in T.vectorized(4):
+                            XQ[bm * KP + (g // 16) * 256 + s * 64 + (g % 16) * 4 + j] = T.Cast(
+                                "int8", T.round(X[bm // MM, bm % MM, x0 + s * 4 + j] * inv[0]))
+                            sm[s * 4 + j] = sm[s * 4 + j] + T.Cast(
+                                "int32", XQ[bm * KP + (g // 16) * 256 + s * 64 + (g % 16) * 4 + j])
+                elif g * G + c * 16 < K:
                     for ln in T.vectorized(16):
                         XQ[bm * KP + g * G + c * 16 + ln] = T.Cast(
                             "int8", T.round(X[bm // MM, bm % MM, x0 + c * 16 + ln] * inv[0]))
@@ -179,7 +188,12 @@ def _gemv_plan(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows:
     QKW = code_row_bytes(bits, KP)  # bytes of a code row (6-bit / 5-bit: 2 / 4 nibble rows, the high bits)
     zconst = 128.0 if lut else {8: 128.0, 6: 32.0, 5: 16.0, 4: 8.0, 3: 4.0}.get(bits, 0.0)
     GV = G // 16  # 16-lane vectors per group
-    A = split
+    # 6-bit: lane-group order (formats.vnni.q6_lane_order): a lane sums one group over a chunk's steps in
+    # int32 (vpdpbusd accumulating), scaled once a chunk; whole chunks only (Q6_K rows are)
+    LG = bits == 6
+    if LG and (G != 16 or TS or SPC != 4):
+        raise ValueError(f"gemv: the 6-bit layout needs G = 16 and whole 256-column chunks (G={G}, K={K})")
+    A = 1 if LG else split  # (one float accumulator a row: its FMA is once a chunk)
     hi = pair and hinib and not lut  # (a table index must stay a nibble)
     # before a task quantizes x: its first `prefetch` steps of codes (flat: over row ends, as the row loop's
     # own prefetch runs) and the scale lines of those rows (64 bytes = 32 scales a line)
@@ -293,10 +307,11 @@ def _gemv_exprs(g: SimpleNamespace) -> SimpleNamespace:
             return -svec(Sc, Zd, row, c0, mins=True)
         return -svec(Z, Zd, row, c0) if sb else svec(Z, Zd, row, c0)
 
-    def vdot(w: Any, x: Any) -> Any:
+    def vdot(w: Any, x: Any, into: Any = None) -> Any:
+        """vpdpbusd: the 16 lanes' sums of 4 products of w (u8) and x (s8), added to ``into`` (or to 0)."""
         return T.call_llvm_pure_intrin(
-            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"), T.Broadcast(T.int32(0), 16),
-            w, x, dtype="int32x16")
+            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
+            T.Broadcast(T.int32(0), 16) if into is None else into, w, x, dtype="int32x16")
 
     def perm(v: Any, idx: Any) -> Any:
         return T.call_llvm_pure_intrin(
@@ -312,7 +327,7 @@ def _x_macros(g: SimpleNamespace, e: SimpleNamespace) -> Any:
 
     BT, F, G, GV, K, KP, M, MM, NCH, NGE, eps, prologue = _take(g, "BT F G GV K KP M MM NCH NGE eps prologue")
     codes, silu_mul = _take(e, "codes silu_mul")
-    quantize_group = quantize_group_macro()
+    quantize_group = quantize_group_macro(g.LG)
 
     @T.macro
     def quantize_x(X, XQ, gdx, gds):
@@ -395,7 +410,7 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
     """Macro ``row_task``: one task's rows (its iterations of ``units`` units), then the epilogue's h."""
     from tvm.script import tirx as T
 
-    A, BT, ECH, F, FR, ITERS, KP, M, MM, N, N2, NCH, NGP = _take(g, "A BT ECH F FR ITERS KP M MM N N2 NCH NGP")
+    A, BT, ECH, F, FR, ITERS, KP, LG, M, MM, N, N2, NCH, NGP = _take(g, "A BT ECH F FR ITERS KP LG M MM N N2 NCH NGP")
     PF_LOC, QKW, QW, RPU, RW, S, SPC, SPD, SW, TS, UG, bits = _take(g, "PF_LOC QKW QW RPU RW S SPC SPD SW TS UG bits")
     epilogue, offset, prefetch, split, sym, units, unroll = _take(g, "epilogue offset prefetch split sym units unroll")
     zconst, ZW = g.zconst, g.ZW
@@ -414,6 +429,24 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
                     "float32x16",
                     vdot(codes(Q, unit, s_abs, h), XQ.vload([bm * KP + s_abs * STEP], "int8x64")),
                 ) * perm(cb.vload([((bm * units + u) * RPU + h) * 16], "float32x16"), idx)
+
+    @T.macro
+    def step_dot(iacc, Q, XQ, unit, u, s_abs):
+        # 6-bit (lane-group order): one step's vpdpbusd added into the rows' int32 lanes, each lane one
+        # group of the chunk
+        for bm in T.unroll(M):
+            for h in T.unroll(RPU):
+                iacc[T.Ramp(((bm * units + u) * RPU + h) * 16, 1, 16)] = vdot(
+                    codes(Q, unit, s_abs, h), XQ.vload([bm * KP + s_abs * STEP], "int8x64"),
+                    iacc.vload([((bm * units + u) * RPU + h) * 16], "int32x16"))
+
+    @T.macro
+    def chunk_fold(acc, cb, iacc):
+        # 6-bit: the chunk's group sums scaled once (lane l is group l, as in cb: no permute), then reset
+        for i in T.unroll(M * RW):
+            acc[T.Ramp(i * A * 16, 1, 16)] = acc.vload([i * A * 16], "float32x16") + T.Cast(
+                "float32x16", iacc.vload([i * 16], "int32x16")) * cb.vload([i * 16], "float32x16")
+            iacc[T.Ramp(i * 16, 1, 16)] = T.Broadcast(T.int32(0), 16)
 
     @T.macro
     def chunk_terms(t, it, c, acc, cb, Sc, Z, DXC, DSC, Scf, Zf, Sdf, Zdf):
@@ -455,7 +488,7 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
                         ) * DSC.vload([(bm * NCH + c) * 16], "float32x16")
 
     @T.macro
-    def chunk_steps(t, it, c, acc, cb, Q, XQ, Qf):
+    def chunk_steps(t, it, c, acc, cb, iacc, Q, XQ, Qf):
         # chunk c's 64-column steps (a full chunk: unrolled by `unroll`, codes prefetched; the tail: TS steps)
         if c < F:
             for so in T.serial(SPC // unroll):
@@ -467,17 +500,24 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
                                     (ubase(t, it) + u + (c * SPC + so * unroll + si + prefetch) // S) * QKW
                                     + j * KP + ((c * SPC + so * unroll + si + prefetch) % S) * STEP,
                                     QW * QKW - STEP)]), PF_LOC))
-                        elif prefetch > 0 and bits == 6:  # a quad's one stream: its step's three lines, `prefetch` lines ahead
+                        elif prefetch > 0 and bits == 6:
+                            # a quad's one stream: its step's three lines, `prefetch` lines ahead; unclamped
+                            # (a prefetch past the array never faults, and a clamp costs 4 instructions a line)
                             for j in T.unroll(3):
-                                T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * QKW
-                                                      + (c * SPC + so * unroll + si) * 3 * STEP + (j + prefetch) * STEP,
-                                                      QW * QKW - STEP)]), PF_LOC))
+                                T.evaluate(prefetch_at(T.address_of(Qf[(ubase(t, it) + u) * QKW
+                                                      + (c * SPC + so * unroll + si) * 3 * STEP + (j + prefetch) * STEP]),
+                                                       PF_LOC))
                         elif prefetch > 0:
                             T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * QKW
                                                       + (c * SPC + so * unroll + si + prefetch) * STEP,
                                                       QW * QKW - STEP)]), PF_LOC))
-                        step_fma(acc, cb, Q, XQ, ubase(t, it) + u, u,
-                                 c * SPC + so * unroll + si, si, idx_vec(so * UG, si))
+                        if LG:
+                            step_dot(iacc, Q, XQ, ubase(t, it) + u, u, c * SPC + so * unroll + si)
+                        else:
+                            step_fma(acc, cb, Q, XQ, ubase(t, it) + u, u,
+                                     c * SPC + so * unroll + si, si, idx_vec(so * UG, si))
+            if LG:
+                chunk_fold(acc, cb, iacc)
         else:
             for si in T.unroll(TS):
                 for u in T.unroll(units):
@@ -524,14 +564,18 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
         # task t's rows: its ITERS iterations of `units` units each (ubase), then the epilogue's h
         acc = T.decl_buffer((M * RW * A * 16,), "float32", scope="local")
         cb = T.decl_buffer((M * RW * 16,), "float32", scope="local")
+        iacc = T.decl_buffer((M * RW * 16,), "int32", scope="local")  # (6-bit: the chunk's int32 group sums)
         red = T.decl_buffer((4,), "float32", scope="local")
         for it in T.serial(ITERS):
             if uvalid(t, it):
                 for i in T.unroll(M * RW * A):
                     acc[T.Ramp(i * 16, 1, 16)] = T.Broadcast(T.float32(0), 16)
+                if LG:
+                    for i in T.unroll(M * RW):
+                        iacc[T.Ramp(i * 16, 1, 16)] = T.Broadcast(T.int32(0), 16)
                 for c in T.serial(NCH):
                     chunk_terms(t, it, c, acc, cb, Sc, Z, DXC, DSC, Scf, Zf, Sdf, Zdf)
-                    chunk_steps(t, it, c, acc, cb, Q, XQ, Qf)
+                    chunk_steps(t, it, c, acc, cb, iacc, Q, XQ, Qf)
                 row_sums(t, it, acc, red, Y)
         if epilogue == "swiglu":
             swiglu_h(t, Y, H)

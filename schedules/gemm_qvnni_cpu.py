@@ -248,12 +248,20 @@ def _repack(*, bits: int, lut: str, pair: bool, S: int, nr: int, RPU: int, KP: i
     EVEN_ODD = [i if i % 2 == 0 else 16 + i for i in range(16)]  # even lanes of a, odd lanes of b
     table = lut != ""  # (a bool for TVMScript's `if`)
 
+    def natural_step(Q8: Any, q: Any, part: int, col: Any) -> Any:
+        """uint8x64: ``part``'s bytes of natural columns col..col+63 of quad q. The 6-bit layout keeps a
+        chunk's columns in lane-group order (formats.vnni.q6_lane_order): their 16 words are 4 words of
+        each of the chunk's 4 stored steps, transposed back into column order."""
+        at = q6_byte(part, col)  # the first word's byte: stored step 0, lane 4 * ((col % 256) // 64)
+        pieces = [T.reinterpret("uint32x4", Q8.vload([q, at + s * 3 * 64], "uint8x16")) for s in range(4)]
+        return T.reinterpret("uint8x64", T.Shuffle(pieces, [s * 4 + a for a in range(4) for s in range(4)]))
+
     def six_bit_codes(Q8: Any, q: Any, r: Any, col: Any) -> Any:
-        """uint8x64: the codes of row r (0..3) of row quad q, columns col..col+63, from the 6-bit row-quad
-        layout. ``r`` must fold to a constant once the loops unroll: a shift by a variable count has no
-        byte-vector instruction (it would cost more than the whole GEMM)."""
-        lo = T.shift_right(Q8.vload([q, q6_byte(r // 2, col)], "uint8x64"), T.Broadcast(T.Cast("uint8", 4 * (r % 2)), 64))
-        hb = T.shift_right(Q8.vload([q, q6_byte(2, col)], "uint8x64"), T.Broadcast(T.Cast("uint8", 2 * r), 64))
+        """uint8x64: the codes of row r (0..3) of row quad q, columns col..col+63 (natural order), from the
+        6-bit row-quad layout. ``r`` must fold to a constant once the loops unroll: a shift by a variable
+        count has no byte-vector instruction (it would cost more than the whole GEMM)."""
+        lo = T.shift_right(natural_step(Q8, q, r // 2, col), T.Broadcast(T.Cast("uint8", 4 * (r % 2)), 64))
+        hb = T.shift_right(natural_step(Q8, q, 2, col), T.Broadcast(T.Cast("uint8", 2 * r), 64))
         return (lo & T.Broadcast(T.uint8(15), 64)) | T.shift_left(hb & T.Broadcast(T.uint8(3), 64),
                                                                   T.Broadcast(T.uint8(4), 64))
 

@@ -19,10 +19,14 @@ Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
 
 * 6-bit (``q6v``, GGUF Q6_K): codes uint8 [ceil(N/4), 3 * KP], one code row per quad of rows, in
   three parts per 64-column step, side by side (``q6_byte``): the codes' low nibbles of rows 4q, 4q+1
-  (as ``q4v``), those of rows 4q+2, 4q+3, then a part whose byte k holds the four rows' high 2 bits of
-  column k (row 4q+r in bits 2r..2r+1): 6 bits a weight, where int8 codes would take 8. A quad is one
+  (as ``q4v``), those of rows 4q+2, 4q+3, then a part whose byte holds the four rows' high 2 bits of
+  its column (row 4q+r in bits 2r..2r+1): 6 bits a weight, where int8 codes would take 8. A quad is one
   forward stream, as a row pair is (three streams a KP apart read 16% slower, Q6_K ffn_down,
-  docs/decisions/gemv-qvnni-cpu.md). Codes are unsigned (zero point 32).
+  docs/decisions/gemv-qvnni-cpu.md). Columns are in lane-group order (``q6_lane_order``): in each
+  256-column chunk (16 groups of 16), step s's lane l (4 bytes, one ``vpdpbusd`` sum) holds columns
+  4s..4s+3 of group l, so a lane sums one group over the chunk's 4 steps in int32 and the GEMV scales
+  once a chunk instead of once a step (x is quantized into the same order). KP must be whole chunks
+  (Q6_K rows are). Codes are unsigned (zero point 32).
 * 5-bit (``q5v``, GGUF Q5_K / Q5_1 with their min, Q5_0 with zero point 16): codes uint8
   [ceil(N/8), 5 * KP], one code row per octet of rows: four int4 pair rows of the codes' low nibbles
   (rows 8o, 8o+1, then 8o+2, 8o+3, ... as ``q4v``), then one row whose byte k holds the eight rows'
@@ -182,12 +186,33 @@ def q8_vnni_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
     return Packed("q8", f"g{group}v", n, k, arrays, compute)
 
 
+Q6_CHUNK = 256  # columns of a 6-bit lane-group chunk: 16 groups of 16, one a lane, over 4 steps
+
+
+def q6_lane_order(codes: np.ndarray) -> np.ndarray:
+    """[..., KP] columns in natural order -> the 6-bit layout's order: in each 256-column chunk, step s
+    (0..3) holds in its lane l (4 bytes) columns 4s..4s+3 of group l (``q6_byte``)."""
+    lead, kp = codes.shape[:-1], codes.shape[-1]
+    if kp % Q6_CHUNK:
+        raise ValueError(f"the 6-bit layout takes rows of whole {Q6_CHUNK}-column chunks (got {kp})")
+    c = codes.reshape(*lead, kp // Q6_CHUNK, 16, 4, 4)  # chunk, group l, step s, byte j
+    return np.ascontiguousarray(np.swapaxes(c, -3, -2).reshape(*lead, kp))
+
+
+def q6_natural_order(codes: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`q6_lane_order`."""
+    lead, kp = codes.shape[:-1], codes.shape[-1]
+    c = codes.reshape(*lead, kp // Q6_CHUNK, 4, 16, 4)  # chunk, step s, lane l, byte j
+    return np.ascontiguousarray(np.swapaxes(c, -3, -2).reshape(*lead, kp))
+
+
 def pack_q6_quads(codes: np.ndarray) -> np.ndarray:
     """Unsigned 6-bit codes [N, K] (0..63) -> uint8 [ceil(N/4), 3 * KP] (see the module docstring)."""
     n, k = codes.shape
     kp, n4 = padded_k(k), -(-n // 4) * 4
     c = np.zeros((n4, kp), dtype=np.uint8)
     c[:n, :k] = codes
+    c = q6_lane_order(c)
     lo = pack_q4_pairs(c & np.uint8(15)).reshape(n4 // 4, 2 * kp)
     hi = c >> np.uint8(4)
     high = hi[0::4] | (hi[1::4] << np.uint8(2)) | (hi[2::4] << np.uint8(4)) | (hi[3::4] << np.uint8(6))
@@ -202,7 +227,7 @@ def unpack_q6_quads(packed: np.ndarray, n: int, k: int) -> np.ndarray:
                          q * 4, kp)
     high = steps[:, :, 2].reshape(q, kp)
     hi = np.stack([(high >> np.uint8(2 * r)) & np.uint8(3) for r in range(4)], axis=1).reshape(-1, kp)
-    return np.ascontiguousarray((lo | (hi << np.uint8(4)))[:n, :k])
+    return q6_natural_order(lo | (hi << np.uint8(4)))[:n, :k]
 
 
 def pack_q5_octets(codes: np.ndarray) -> np.ndarray:
@@ -228,10 +253,11 @@ def unpack_q5_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
 
 
 def q6_byte(part: Any, col: Any) -> Any:
-    """Offset in a 6-bit quad's code row of column ``col``'s byte of ``part`` (0, 1: the low nibbles of
-    rows 4q, 4q+1 / 4q+2, 4q+3; 2: the four rows' high bits). Ints or TIR expressions; ``col`` a multiple
-    of 64 (a vector load) gives the step's 64 bytes of that part."""
-    return (col // STEP) * (3 * STEP) + part * STEP + col % STEP
+    """Offset in a 6-bit quad's code row of (natural) column ``col``'s byte of ``part`` (0, 1: the low
+    nibbles of rows 4q, 4q+1 / 4q+2, 4q+3; 2: the four rows' high bits): chunk col // 256, its step
+    (col % 16) // 4, lane (col % 256) // 16 (the group), byte col % 4. Ints or TIR expressions."""
+    return ((col // Q6_CHUNK) * (12 * STEP) + ((col % 16) // 4) * (3 * STEP) + part * STEP
+            + ((col % Q6_CHUNK) // 16) * 4 + col % 4)
 
 
 def code_row_bytes(bits: int, kp: int) -> int:

@@ -122,26 +122,30 @@ def test_gemv_matches_int8_reference(template, target, qtype, n, k, rows):
         assert np.abs(y.numpy() - ref).max() <= 2e-5 * np.abs(ref).max(), (qtype, cfg)
 
 
-@pytest.mark.parametrize("n,k", [(1, 5), (4, 64), (13, 100), (37, 2304)])
-def test_q6_quads_are_one_stream_and_round_trip(n, k):
+@pytest.mark.parametrize("n,k", [(1, 256), (4, 512), (13, 768), (37, 2304)])
+def test_q6_quads_are_one_stream_in_lane_group_order_and_round_trip(n, k):
     """pack_q6_quads: per 4 rows and 64-column step, the two nibble pair parts and the high-bits part
-    side by side (``q6_byte``), checked by that formula per row: the bytes of one step are 192
-    consecutive bytes (a quad is read as one forward stream); unpacked back to the codes."""
+    side by side (``q6_byte``), the columns in lane-group order (step s of a 256-column chunk holds in
+    its lane l columns 4s..4s+3 of group l), checked by that formula per row; unpacked back to the codes."""
     rng = np.random.default_rng()
     codes = rng.integers(0, 64, (n, k)).astype(np.uint8)
     packed = pack_q6_quads(codes)
     kp = -(-k // 64) * 64
     assert packed.shape == (-(-n // 4), 3 * kp) and packed.dtype == np.uint8
     cols = np.arange(k)
-    assert q6_byte(2, 64) == 3 * 64 + 2 * 64 and q6_byte(1, 70) == 3 * 64 + 64 + 6
+    # column 4s + j of group l of chunk c: stored step 4c + s, part p, lane l, byte j
+    assert q6_byte(2, 16 * 5 + 4 * 3 + 1) == 3 * 192 + 2 * 64 + 5 * 4 + 1
+    assert q6_byte(0, 256 + 16 * 15 + 2) == 4 * 192 + 15 * 4 + 2
+    with pytest.raises(ValueError, match="whole 256-column chunks"):
+        pack_q6_quads(codes[:, :64])
     for row in range(n):
         q, r = divmod(row, 4)
         lo = (packed[q, q6_byte(r // 2, cols)] >> (4 * (r % 2))) & 15
         hb = (packed[q, q6_byte(2, cols)] >> (2 * r)) & 3
         np.testing.assert_array_equal(lo | (hb << 4), codes[row])
     np.testing.assert_array_equal(unpack_q6_quads(packed, n, k), codes)
-    pad = np.arange(k, kp)
-    assert not any(packed[:, q6_byte(part, pad)].any() for part in range(3))  # padding columns hold 0
+    n4 = -(-n // 4) * 4
+    assert kp == k and not unpack_q6_quads(packed, n4, k)[n:].any()  # a quad's padding rows hold 0
 
 
 @pytest.mark.parametrize("n,k", [(1, 5), (8, 64), (13, 100), (37, 2304)])
