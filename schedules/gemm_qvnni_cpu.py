@@ -67,7 +67,8 @@ from perfx_compiler.schedule_template import (
     make_workload,
 )
 from perfx_compiler.targets import TargetDescription
-from schedules._vnni_kernels import ROWS_PER_UNIT, plan, quantize_group_macro, transpose_tile
+from schedules._vnni_kernels import ROWS_PER_UNIT, plan, transpose_tile
+from schedules._vnni_x import quantize_group_macro
 from schedules.gemv_int4_cpu import _like, quant_info, static_rows_of
 
 GEMV_MAX_ROWS = 8
