@@ -55,6 +55,7 @@ from typing import Any
 
 import numpy as np
 
+from perfx_compiler.formats import GEMV_MAX_ROWS
 from perfx_compiler.formats.vnni import code_row_bytes, has_avx512_vnni, lut_bytes, q6_byte
 from perfx_compiler.formats.vnni_lowbit import d_of_bytes, group_nibble, min_width, scale_times_4, unit_codes
 from perfx_compiler.kernels import _lanes
@@ -71,7 +72,6 @@ from schedules._vnni_kernels import ROWS_PER_UNIT, plan, transpose_tile
 from schedules._vnni_x import quantize_group_macro
 from schedules.gemv_int4_cpu import _like, quant_info, static_rows_of
 
-GEMV_MAX_ROWS = 8
 MAX_ZMM = 28  # 2 mr nr accumulators + the weight vectors of one step (32 zmm, some left to LLVM)
 
 

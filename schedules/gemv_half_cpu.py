@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from perfx_compiler.formats import GEMV_MAX_ROWS
 from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
@@ -30,8 +31,6 @@ from perfx_compiler.schedule_template import (
 )
 from perfx_compiler.targets import TargetDescription
 from schedules.gemv_int4_cpu import panel_of, quant_info, static_rows_of
-
-GEMV_MAX_ROWS = 8
 
 
 def _info(func: Any) -> dict[str, Any] | None:

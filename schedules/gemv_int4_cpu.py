@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from perfx_compiler.formats import QUANT_ATTR, read_quant_info
+from perfx_compiler.formats import GEMV_MAX_ROWS, QUANT_ATTR, read_quant_info
 from perfx_compiler.kernels._lanes import lanes_sum
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
@@ -43,7 +43,6 @@ from perfx_compiler.targets import TargetDescription
 from schedules._gemv_once import gemv_once
 from schedules._scales import Scales
 
-GEMV_MAX_ROWS = 8
 quant_info = read_quant_info  # the name the other quantized templates import from here
 
 

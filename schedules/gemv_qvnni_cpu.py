@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from perfx_compiler.formats import GEMV_MAX_ROWS
 from perfx_compiler.formats.vnni import has_avx512_vnni
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
@@ -37,7 +38,6 @@ from schedules import _vnni_dequant
 from schedules import _vnni_kernels as vk
 from schedules.gemv_int4_cpu import _like, panel_of, quant_info
 
-GEMV_MAX_ROWS = 8
 MAX_ACC = 16  # rows x activation rows held in zmm accumulators (x2 with the scale vectors)
 MAX_REGS = 24  # zmm registers for accumulators and scale vectors (of 32: the rest for codes/activations)
 

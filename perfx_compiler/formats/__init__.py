@@ -28,6 +28,9 @@ from typing import Any
 import numpy as np
 
 QUANT_ATTR = "perfx.quant"
+# static activation rows up to this run a decode GEMV (the passes route them, the GEMV templates take
+# them); more rows (prefill) go to the GEMM
+GEMV_MAX_ROWS = 8
 
 
 def read_quant_info(func: Any) -> dict[str, Any] | None:

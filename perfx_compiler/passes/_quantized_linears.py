@@ -34,7 +34,7 @@ import tvm
 from tvm import relax
 
 from perfx_compiler.errors import PerfXError
-from perfx_compiler.formats import Packed
+from perfx_compiler.formats import GEMV_MAX_ROWS, Packed
 from perfx_compiler.passes._relax_util import (
     SKIP,
     FuncInfo,
@@ -45,7 +45,6 @@ from perfx_compiler.passes._relax_util import (
     rewrite_functions,
 )
 
-GEMV_MAX_ROWS = 8  # more rows than this (prefill): dequantize once, then the float GEMM
 ACTIVATIONS = ("f32", "int8")
 _ACTIVATIONS: contextvars.ContextVar[str] = contextvars.ContextVar("perfx_activations", default="f32")
 

@@ -18,7 +18,7 @@ from typing import Any
 import tvm
 from tvm import relax
 
-from perfx_compiler.formats import QUANT_ATTR
+from perfx_compiler.formats import GEMV_MAX_ROWS, QUANT_ATTR
 from perfx_compiler.formats.vnni import vnni_compute
 from perfx_compiler.passes._relax_util import (
     SKIP,
@@ -31,7 +31,6 @@ from perfx_compiler.passes._relax_util import (
 )
 
 NAME = "fuse_gemm_swiglu"
-GEMV_MAX_ROWS = 8  # static rows up to this run the decode GEMV (schedules/gemv_qvnni_cpu.py)
 
 
 def _gemm_rows(func: Any) -> tuple[int | None, int | None] | None:

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from perfx_compiler.formats import GEMV_MAX_ROWS
 from perfx_compiler.targets import TargetDescription
 
-COLD_MAX_ROWS = 8  # the VNNI / int4 / int8 GEMV templates take up to 8 static rows
+COLD_MAX_ROWS = GEMV_MAX_ROWS  # the VNNI / int4 / int8 GEMV templates' static rows
 # A correct timing cannot beat these multiples of the target file's ceilings. Cold GEMVs measured
 # here reach ~1.4x the stated 30 GB/s (benchmarks of the VNNI GEMV); a timing bug is off by 100x+.
 MAX_BANDWIDTH_X = 4.0
