@@ -118,7 +118,7 @@ class GemvQVnniCPU(ScheduleTemplate):
             "tasks": tasks,
             "unroll": [1, 2, 4, 8],
             "prefetch": [0, 16, 64, 128, 256],  # software prefetch of the codes, in 64-byte steps ahead (0: off)
-            "split": [1, 2],
+            "split": [1] if d["bits"] == 6 else [1, 2],  # (6-bit: one float FMA a chunk, nothing to split)
             "hinib": [0, 1] if d["bits"] == 4 and not workload.info.get("lut") else [0],
             "sprefetch": [0, 1],  # scales (and zero/min) prefetched as far ahead as the codes
             # nta, ploc and tquant are default-config knobs, not searched: their gain shows in the whole
@@ -137,8 +137,9 @@ class GemvQVnniCPU(ScheduleTemplate):
         units = 1
         m = max(1, d["B"] * d["MM"])
         unroll = max(4, d["G"] // vk.STEP)
-        # two accumulators per row while they fit the registers with the scale vectors
-        split = 2 if units * rpu * m * 3 <= MAX_REGS else 1
+        # two accumulators per row while they fit the registers with the scale vectors (6-bit: int32 sums
+        # over a chunk, one float FMA a chunk: nothing to split)
+        split = 2 if units * rpu * m * 3 <= MAX_REGS and d["bits"] != 6 else 1
         hinib = 1 if d["bits"] == 4 and not workload.info.get("lut") else 0  # (no use on table indices)
         if long_rows and m == 1:  # decode's long rows: hinib alone
             split = 1
