@@ -216,8 +216,12 @@ def test_pool_exhausted_queues_and_queue_full_is_503(serve: Any) -> None:
     srv = serve(engine_kw=engine_kw, max_queue=2, retry_after=3)
     body = {"prompt": "abcdefghijklmnopqrst", "max_tokens": 15, "temperature": 0}
     with ThreadPoolExecutor(3) as pool:
-        futs = [pool.submit(httpx.post, f"{srv.url}/v1/completions", json=body, timeout=90) for _ in range(3)]
+        # the first request is running before the other two are sent: sent together on a loaded machine,
+        # the queue could hold all three at once and turn one away before the first was admitted
+        futs = [pool.submit(httpx.post, f"{srv.url}/v1/completions", json=body, timeout=90)]
         try:
+            assert wait_for(lambda: metric(srv, "perfx_running_sequences") == 1, 60), "the first request never ran"
+            futs += [pool.submit(httpx.post, f"{srv.url}/v1/completions", json=body, timeout=90) for _ in range(2)]
             assert wait_for(lambda: metric(srv, "perfx_queue_depth") == 2, 60), (  # one runs, two wait for pages
                 f"queue depth {metric(srv, 'perfx_queue_depth')}, running {metric(srv, 'perfx_running_sequences')}, "
                 f"pages used {metric(srv, 'perfx_kv_pages_used')}, requests done {[f.done() for f in futs]}"
