@@ -146,7 +146,9 @@ class GemvQVnniCPU(ScheduleTemplate):
         # one activation row (decode): one task per core, each quantizing x for itself after the fork
         tquant = int(m == 1)
         return {"units": units, "tasks": max(1, int(target.cores or 1)) if tquant else 16, "unroll": unroll,
-                "prefetch": 128,  # codes 128 64-byte steps (8 KiB) ahead
+                # codes 128 64-byte steps (8 KiB) ahead; 6-bit quads (one stream of 3 lines a step) 96
+                # lines (6 KiB): Q6_K ffn_down x1.08, lm_head x1.035 over 128 (docs/decisions/gemv-qvnni-cpu.md)
+                "prefetch": 96 if d["bits"] == 6 else 128,
                 "split": split, "hinib": hinib,
                 "sprefetch": int(d["N"] <= 4096),  # scale chunks prefetched with the codes, up to N = 4096
                 "nta": int(long_rows and m == 1),  # long decode rows: prefetchnta (targets may override)
