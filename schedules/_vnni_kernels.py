@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from perfx_compiler.formats.vnni import ROWS_PER_UNIT, code_row_bytes, lut_bytes  # (rows one code row holds)
+from perfx_compiler.formats.vnni import ROWS_PER_UNIT, code_row_bytes, lut_bytes, q6_step_byte
 from perfx_compiler.formats.vnni_lowbit import code_scale, d_of_word, group_nibble, min_width, scale_times_4, unit_codes
 from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
 from schedules._vnni_x import _take, _x_macros
@@ -188,9 +188,9 @@ def _gemv_exprs(g: SimpleNamespace) -> SimpleNamespace:
         if bits in (2, 3, 5):
             return unit_codes(bits, Q, unit, s_abs * STEP, h, KP, scaled=True)
         if bits == 6:
-            lo = T.shift_right(Q.vload([unit, s_abs * (3 * STEP) + (h // 2) * STEP], "uint8x64"),  # (q6_byte)
+            lo = T.shift_right(Q.vload([unit, q6_step_byte(s_abs, h // 2)], "uint8x64"),
                                T.Broadcast(T.Cast("uint8", 4 * (h % 2)), 64)) & T.Broadcast(T.uint8(15), 64)
-            hb = T.shift_right(Q.vload([unit, s_abs * (3 * STEP) + 2 * STEP], "uint8x64"),
+            hb = T.shift_right(Q.vload([unit, q6_step_byte(s_abs, 2)], "uint8x64"),
                                T.Broadcast(T.Cast("uint8", 2 * h), 64)) & T.Broadcast(T.uint8(3), 64)
             return lo | T.shift_left(hb, T.Broadcast(T.uint8(4), 64))
         if lut:
@@ -358,9 +358,8 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
                             # a quad's one stream: its step's three lines, `prefetch` lines ahead; unclamped
                             # (a prefetch past the array never faults, and a clamp costs 4 instructions a line)
                             for j in T.unroll(3):
-                                T.evaluate(prefetch_at(T.address_of(Qf[(ubase(t, it) + u) * QKW
-                                                      + (c * SPC + so * unroll + si) * 3 * STEP + (j + prefetch) * STEP]),
-                                                       PF_LOC))
+                                T.evaluate(prefetch_at(T.address_of(Qf[(ubase(t, it) + u) * QKW + q6_step_byte(
+                                    c * SPC + so * unroll + si, j + prefetch)]), PF_LOC))
                         elif prefetch > 0:
                             T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * QKW
                                                       + (c * SPC + so * unroll + si + prefetch) * STEP,

@@ -252,12 +252,18 @@ def unpack_q5_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
     return np.ascontiguousarray((lo | (hi << np.uint8(4)))[:n, :k])
 
 
+def q6_step_byte(step: Any, part: Any) -> Any:
+    """Offset in a 6-bit quad's code row of stored 64-column step ``step``'s ``part`` (0, 1: the low
+    nibbles of rows 4q, 4q+1 / 4q+2, 4q+3; 2: the four rows' high bits): the kernels read stored steps
+    in order. Ints or TIR expressions."""
+    return step * (3 * STEP) + part * STEP
+
+
 def q6_byte(part: Any, col: Any) -> Any:
-    """Offset in a 6-bit quad's code row of (natural) column ``col``'s byte of ``part`` (0, 1: the low
-    nibbles of rows 4q, 4q+1 / 4q+2, 4q+3; 2: the four rows' high bits): chunk col // 256, its step
-    (col % 16) // 4, lane (col % 256) // 16 (the group), byte col % 4. Ints or TIR expressions."""
-    return ((col // Q6_CHUNK) * (12 * STEP) + ((col % 16) // 4) * (3 * STEP) + part * STEP
-            + ((col % Q6_CHUNK) // 16) * 4 + col % 4)
+    """Offset in a 6-bit quad's code row of (natural) column ``col``'s byte of ``part``: stored step
+    4 (col // 256) + (col % 16) // 4, lane (col % 256) // 16 (the group), byte col % 4. Ints or TIR
+    expressions."""
+    return q6_step_byte((col // Q6_CHUNK) * 4 + (col % 16) // 4, part) + ((col % Q6_CHUNK) // 16) * 4 + col % 4
 
 
 def code_row_bytes(bits: int, kp: int) -> int:
