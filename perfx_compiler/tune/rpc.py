@@ -120,6 +120,7 @@ def remote_device(sess: Any, target: TargetDescription) -> Any:
     return sess.cpu(0) if target.family == "cpu" or kind in ("llvm", "c") else sess.device(kind, 0)
 
 
+_HANDSHAKE_GRACE_S = 15.0  # connecting to a server the tracker handed out: seconds at most when it is alive
 _TRANSPORT_ERRORS = ("RPCCode", "kShutdown", "Connection reset", "Broken pipe", "Socket")
 
 
@@ -209,10 +210,15 @@ class RPCMeasurer(LocalMeasurer):
             time.sleep(0.01)
             for index, (thread, job, start, box) in list(running.items()):
                 slot = self._slots[index]
-                late = box["phase"] == "run" and time.monotonic() - start > self.run_timeout_s
-                # a slot still waiting for a server while another slot idles with one: move the job
+                elapsed = time.monotonic() - start
+                late = box["phase"] == "run" and elapsed > self.run_timeout_s
+                # a slot still waiting for a server while another slot idles with one: move the job.
+                # A request past its timeout plus the handshake's grace is stuck too: the tracker
+                # handed it a server that accepts but never answers (stopped), and TVM's connect
+                # has no timeout; without this bound the batch waits for ever.
                 idle = any(s.sess is not None and s.index not in running and not s.dead for s in self._slots)
-                stolen = box["phase"] == "request" and not pending and idle
+                stuck = elapsed > self.request_timeout_s + _HANDSHAKE_GRACE_S
+                stolen = box["phase"] == "request" and ((not pending and idle) or stuck)
                 if thread.is_alive() and not (late or stolen):
                     continue
                 del running[index]

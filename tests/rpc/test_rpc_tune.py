@@ -108,6 +108,27 @@ def test_no_server_for_key_is_one_line(tmp_path, rpc_farm, capsys):
     assert len(db) == 0
 
 
+def test_stopped_server_handed_out_is_one_line_not_a_hang(tmp_path, rpc_farm, monkeypatch):
+    """The tracker hands out a server that is registered but stopped (SIGSTOP): its socket accepts and
+    TVM's connect then waits for ever. The request is abandoned after its timeout plus the handshake's
+    grace, and with no other server that is the one-line error (a CI run once hung here)."""
+    import os
+    import signal
+
+    from perfx_compiler.tune import rpc
+
+    monkeypatch.setattr(rpc, "_HANDSHAKE_GRACE_S", 3.0)
+    target = _host_target()
+    victim = rpc_farm.server("x86")
+    os.killpg(victim.pid, signal.SIGSTOP)
+    db = TuningDatabase(tmp_path / target.name / "m.jsonl")
+    start = time.monotonic()
+    with RPCMeasurer(target, rpc_farm.addr, "x86", parallel=1, request_timeout_s=2) as rm:
+        with pytest.raises(DeviceUnavailableError, match="no RPC server with key 'x86'"):
+            tune_groups(matmul_groups(target)[:1], target, db, rm, trials=2, show_progress=False)
+    assert time.monotonic() - start < 60 and len(db) == 0
+
+
 def test_bad_tracker_address_is_one_line(capsys):
     from perfx_compiler.cli import tune as tune_cli
 
