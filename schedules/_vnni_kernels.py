@@ -26,7 +26,14 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from perfx_compiler.formats.vnni import ROWS_PER_UNIT, code_row_bytes, lut_bytes, q6_step_byte
+from perfx_compiler.formats.vnni import (
+    ROWS_PER_UNIT,
+    code_row_bytes,
+    lane_groups,
+    lut_bytes,
+    q6_step_byte,
+    step_part_byte,
+)
 from perfx_compiler.formats.vnni_lowbit import code_scale, d_of_word, group_nibble, min_width, scale_times_4, unit_codes
 from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
 from schedules._vnni_x import _take, _x_macros
@@ -129,7 +136,7 @@ def _gemv_plan(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows:
     GV = G // 16  # 16-lane vectors per group
     # 6-bit: lane-group order (formats.vnni.q6_lane_order): a lane sums one group over a chunk's steps in
     # int32 (vpdpbusd accumulating), scaled once a chunk; whole chunks only (Q6_K rows are)
-    LG = bits == 6
+    LG = lane_groups(bits)
     if LG and (G != 16 or TS or SPC != 4):
         raise ValueError(f"gemv: the 6-bit layout needs G = 16 and whole 256-column chunks (G={G}, K={K})")
     A = 1 if LG else split  # (one float accumulator a row: its FMA is once a chunk)
@@ -348,18 +355,13 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
             for so in T.serial(SPC // unroll):
                 for si in T.unroll(unroll):
                     for u in T.unroll(units):
-                        if prefetch > 0 and bits in (3, 5):  # each of the octet's code streams
+                        if prefetch > 0 and QKW > KP:
+                            # a 6-bit quad's / 3-, 5-bit octet's one stream (formats.vnni.interleave_parts):
+                            # its step's lines, `prefetch` lines ahead; unclamped (a prefetch past the
+                            # array never faults, and a clamp costs 4 instructions a line)
                             for j in T.unroll(QKW // KP):
-                                T.evaluate(prefetch_at(T.address_of(Qf[T.min(
-                                    (ubase(t, it) + u + (c * SPC + so * unroll + si + prefetch) // S) * QKW
-                                    + j * KP + ((c * SPC + so * unroll + si + prefetch) % S) * STEP,
-                                    QW * QKW - STEP)]), PF_LOC))
-                        elif prefetch > 0 and bits == 6:
-                            # a quad's one stream: its step's three lines, `prefetch` lines ahead; unclamped
-                            # (a prefetch past the array never faults, and a clamp costs 4 instructions a line)
-                            for j in T.unroll(3):
-                                T.evaluate(prefetch_at(T.address_of(Qf[(ubase(t, it) + u) * QKW + q6_step_byte(
-                                    c * SPC + so * unroll + si, j + prefetch)]), PF_LOC))
+                                T.evaluate(prefetch_at(T.address_of(Qf[(ubase(t, it) + u) * QKW + step_part_byte(
+                                    QKW // KP, c * SPC + so * unroll + si, j + prefetch)]), PF_LOC))
                         elif prefetch > 0:
                             T.evaluate(prefetch_at(T.address_of(Qf[T.min((ubase(t, it) + u) * QKW
                                                       + (c * SPC + so * unroll + si + prefetch) * STEP,

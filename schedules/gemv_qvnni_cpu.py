@@ -25,7 +25,7 @@ import functools
 from typing import Any
 
 from perfx_compiler.formats import GEMV_MAX_ROWS
-from perfx_compiler.formats.vnni import has_avx512_vnni
+from perfx_compiler.formats.vnni import has_avx512_vnni, lane_groups
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -118,7 +118,7 @@ class GemvQVnniCPU(ScheduleTemplate):
             "tasks": tasks,
             "unroll": [1, 2, 4, 8],
             "prefetch": [0, 16, 64, 128, 256],  # software prefetch of the codes, in 64-byte steps ahead (0: off)
-            "split": [1] if d["bits"] == 6 else [1, 2],  # (6-bit: one float FMA a chunk, nothing to split)
+            "split": [1] if lane_groups(d["bits"]) else [1, 2],  # (lane groups: one float FMA a chunk)
             "hinib": [0, 1] if d["bits"] == 4 and not workload.info.get("lut") else [0],
             "sprefetch": [0, 1],  # scales (and zero/min) prefetched as far ahead as the codes
             # nta, ploc and tquant are default-config knobs, not searched: their gain shows in the whole
@@ -139,7 +139,7 @@ class GemvQVnniCPU(ScheduleTemplate):
         unroll = max(4, d["G"] // vk.STEP)
         # two accumulators per row while they fit the registers with the scale vectors (6-bit: int32 sums
         # over a chunk, one float FMA a chunk: nothing to split)
-        split = 2 if units * rpu * m * 3 <= MAX_REGS and d["bits"] != 6 else 1
+        split = 2 if units * rpu * m * 3 <= MAX_REGS and not lane_groups(d["bits"]) else 1
         hinib = 1 if d["bits"] == 4 and not workload.info.get("lut") else 0  # (no use on table indices)
         if long_rows and m == 1:  # decode's long rows: hinib alone
             split = 1

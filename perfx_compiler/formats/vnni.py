@@ -28,10 +28,11 @@ Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
   once a chunk instead of once a step (x is quantized into the same order). KP must be whole chunks
   (Q6_K rows are). Codes are unsigned (zero point 32).
 * 5-bit (``q5v``, GGUF Q5_K / Q5_1 with their min, Q5_0 with zero point 16): codes uint8
-  [ceil(N/8), 5 * KP], one code row per octet of rows: four int4 pair rows of the codes' low nibbles
-  (rows 8o, 8o+1, then 8o+2, 8o+3, ... as ``q4v``), then one row whose byte k holds the eight rows'
-  fifth bits of column k (row 8o+r in bit r): 5 bits a weight, where uint8 codes took 8. Row r's
-  codes: ``nibble | ((hb >> r) & 1) << 4``. Codes are unsigned 0..31.
+  [ceil(N/8), 5 * KP], one code row per octet of rows, in five parts per 64-column step, side by side
+  (``part_byte``): four int4 pair parts of the codes' low nibbles (rows 8o, 8o+1, then 8o+2, 8o+3, ...
+  as ``q4v``), then one part whose byte holds the eight rows' fifth bits of its column (row 8o+r in bit
+  r): 5 bits a weight, where uint8 codes took 8. Row r's codes: ``nibble | ((hb >> r) & 1) << 4``.
+  Codes are unsigned 0..31. An octet is one forward stream, as a 6-bit quad is.
 * 2-bit (``q2v``, GGUF Q2_K with its min) and 3-bit (``q3v``, GGUF Q3_K as code + 4, zero point 4):
   one code row per quad / octet of rows, in ``formats/vnni_lowbit.py``; 2 / 3 bits a weight.
 * int4 table indices (``lut: iq4nl``: GGUF IQ4_XS / IQ4_NL): the row-pair nibbles of ``q4v`` hold
@@ -189,6 +190,12 @@ def q8_vnni_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
 Q6_CHUNK = 256  # columns of a 6-bit lane-group chunk: 16 groups of 16, one a lane, over 4 steps
 
 
+def lane_groups(bits: int) -> bool:
+    """Whether ``bits``-bit codes are stored in lane-group order (``q6_lane_order``): then a GEMV lane sums
+    one group over a chunk in int32 and scales once a chunk, so its float accumulator is not split."""
+    return bits == 6
+
+
 def q6_lane_order(codes: np.ndarray) -> np.ndarray:
     """[..., KP] columns in natural order -> the 6-bit layout's order: in each 256-column chunk, step s
     (0..3) holds in its lane l (4 bytes) columns 4s..4s+3 of group l (``q6_byte``)."""
@@ -206,6 +213,21 @@ def q6_natural_order(codes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.swapaxes(c, -3, -2).reshape(*lead, kp))
 
 
+def interleave_parts(parts: list[np.ndarray]) -> np.ndarray:
+    """P code parts [units, KP] -> [units, P * KP], stored 64-column step by step with the P parts of a
+    step side by side (``step_part_byte``): a unit's codes are one forward stream."""
+    units, kp = parts[0].shape
+    return np.ascontiguousarray(np.stack([p.reshape(units, kp // STEP, STEP) for p in parts], axis=2)
+                                .reshape(units, len(parts) * kp))
+
+
+def split_parts(packed: np.ndarray, count: int) -> list[np.ndarray]:
+    """The inverse of :func:`interleave_parts`: ``count`` parts [units, KP]."""
+    units, kp = packed.shape[0], packed.shape[1] // count
+    steps = packed.reshape(units, kp // STEP, count, STEP)
+    return [np.ascontiguousarray(steps[:, :, j].reshape(units, kp)) for j in range(count)]
+
+
 def pack_q6_quads(codes: np.ndarray) -> np.ndarray:
     """Unsigned 6-bit codes [N, K] (0..63) -> uint8 [ceil(N/4), 3 * KP] (see the module docstring)."""
     n, k = codes.shape
@@ -216,16 +238,13 @@ def pack_q6_quads(codes: np.ndarray) -> np.ndarray:
     lo = pack_q4_pairs(c & np.uint8(15)).reshape(n4 // 4, 2 * kp)
     hi = c >> np.uint8(4)
     high = hi[0::4] | (hi[1::4] << np.uint8(2)) | (hi[2::4] << np.uint8(4)) | (hi[3::4] << np.uint8(6))
-    parts = [lo[:, :kp], lo[:, kp:], high]  # each [quads, KP]; stored step by step, the three parts together
-    return np.ascontiguousarray(np.stack([p.reshape(n4 // 4, kp // STEP, STEP) for p in parts], axis=2).reshape(n4 // 4, 3 * kp))
+    return interleave_parts([lo[:, :kp], lo[:, kp:], high])
 
 
 def unpack_q6_quads(packed: np.ndarray, n: int, k: int) -> np.ndarray:
     q, kp = packed.shape[0], packed.shape[1] // 3
-    steps = packed.reshape(q, kp // STEP, 3, STEP)
-    lo = unpack_q4_pairs(np.stack([steps[:, :, 0].reshape(q, kp), steps[:, :, 1].reshape(q, kp)], axis=1).reshape(-1, kp),
-                         q * 4, kp)
-    high = steps[:, :, 2].reshape(q, kp)
+    lo01, lo23, high = split_parts(packed, 3)
+    lo = unpack_q4_pairs(np.stack([lo01, lo23], axis=1).reshape(-1, kp), q * 4, kp)
     hi = np.stack([(high >> np.uint8(2 * r)) & np.uint8(3) for r in range(4)], axis=1).reshape(-1, kp)
     return q6_natural_order(lo | (hi << np.uint8(4)))[:n, :k]
 
@@ -236,27 +255,38 @@ def pack_q5_octets(codes: np.ndarray) -> np.ndarray:
     kp, n8 = padded_k(k), -(-n // 8) * 8
     c = np.zeros((n8, kp), dtype=np.uint8)
     c[:n, :k] = codes
-    lo = pack_q4_pairs(c & np.uint8(15)).reshape(n8 // 8, 4 * kp)
+    lo = pack_q4_pairs(c & np.uint8(15)).reshape(n8 // 8, 4, kp)
     hi = (c >> np.uint8(4)) & np.uint8(1)
     high = np.zeros((n8 // 8, kp), dtype=np.uint8)
     for r in range(8):
         high |= hi[r::8] << np.uint8(r)
-    return np.ascontiguousarray(np.concatenate([lo, high], axis=1))
+    return interleave_parts([*(lo[:, j] for j in range(4)), high])
 
 
 def unpack_q5_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
     kp = packed.shape[1] // 5
-    lo = unpack_q4_pairs(packed[:, : 4 * kp].reshape(-1, kp), packed.shape[0] * 8, kp)
-    high = packed[:, 4 * kp :]
+    *pairs, high = split_parts(packed, 5)
+    lo = unpack_q4_pairs(np.stack(pairs, axis=1).reshape(-1, kp), packed.shape[0] * 8, kp)
     hi = np.stack([(high >> np.uint8(r)) & np.uint8(1) for r in range(8)], axis=1).reshape(-1, kp)
     return np.ascontiguousarray((lo | (hi << np.uint8(4)))[:n, :k])
+
+
+def step_part_byte(parts: int, step: Any, part: Any) -> Any:
+    """Offset in a code row of ``parts`` interleaved parts (:func:`interleave_parts`: 6-bit quads, 5- and
+    3-bit octets) of stored 64-column step ``step``'s ``part``. Ints or TIR expressions."""
+    return step * (parts * STEP) + part * STEP
+
+
+def part_byte(parts: int, part: Any, col: Any) -> Any:
+    """Offset of column ``col``'s byte of ``part`` in such a code row (stored in column order: 5-, 3-bit)."""
+    return step_part_byte(parts, col // STEP, part) + col % STEP
 
 
 def q6_step_byte(step: Any, part: Any) -> Any:
     """Offset in a 6-bit quad's code row of stored 64-column step ``step``'s ``part`` (0, 1: the low
     nibbles of rows 4q, 4q+1 / 4q+2, 4q+3; 2: the four rows' high bits): the kernels read stored steps
     in order. Ints or TIR expressions."""
-    return step * (3 * STEP) + part * STEP
+    return step_part_byte(3, step, part)
 
 
 def q6_byte(part: Any, col: Any) -> Any:

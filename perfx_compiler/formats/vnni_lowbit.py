@@ -4,9 +4,10 @@ per-row code unpacking the kernels share for the bit-plane layouts (2-, 3- and 5
 * 2-bit (``q2v``, GGUF Q2_K with its min): codes uint8 [ceil(N/4), KP], one code row per quad of rows:
   byte k holds the four rows' codes of column k (row 4q+r in bits 2r..2r+1): 2 bits a weight.
 * 3-bit (``q3v``, GGUF Q3_K as ``code + 4``, zero point 4): codes uint8 [ceil(N/8), 3 * KP], one code
-  row per octet of rows: two 2-bit quad rows of the codes' low 2 bits (rows 8o..8o+3, then
-  8o+4..8o+7, as ``q2v``), then one row whose byte k holds the eight rows' third bits of column k (row
-  8o+r in bit r): 3 bits a weight. Row r's codes: ``(quad >> 2 (r % 4)) & 3 | ((hb >> r) & 1) << 2``.
+  row per octet of rows, in three parts per 64-column step, side by side (``vnni.part_byte``: one
+  forward stream): two 2-bit quad parts of the codes' low 2 bits (rows 8o..8o+3, then 8o+4..8o+7, as
+  ``q2v``), then one part whose byte holds the eight rows' third bits of its column (row 8o+r in bit
+  r): 3 bits a weight. Row r's codes: ``(quad >> 2 (r % 4)) & 3 | ((hb >> r) & 1) << 2``.
 * Q2_K's scales (2-bit layout): a group's 4-bit scale and 4-bit min share one byte (``sc | m << 4``)
   of the scale array [N2, NGP + 2 K/256], whose row then holds the superblocks' d as float16 bytes; the
   min array [N2, 2 K/256] holds only the superblocks' dmin. 2.625 bits a weight, the file's own size
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from perfx_compiler.formats.vnni import padded_k
+from perfx_compiler.formats.vnni import interleave_parts, padded_k, part_byte, split_parts
 
 
 def _padded(codes: np.ndarray, rows: int) -> np.ndarray:
@@ -50,17 +51,17 @@ def pack_q3_octets(codes: np.ndarray) -> np.ndarray:
     """Unsigned 3-bit codes [N, K] (0..7) -> uint8 [ceil(N/8), 3 * KP] (see the module docstring)."""
     c = _padded(codes, 8)
     kp = c.shape[1]
-    lo = pack_q2_quads(c & np.uint8(3)).reshape(-1, 2 * kp)
+    lo = pack_q2_quads(c & np.uint8(3)).reshape(-1, 2, kp)
     high = np.zeros((c.shape[0] // 8, kp), dtype=np.uint8)
     for r in range(8):
         high |= ((c[r::8] >> np.uint8(2)) & np.uint8(1)) << np.uint8(r)
-    return np.ascontiguousarray(np.concatenate([lo, high], axis=1))
+    return interleave_parts([lo[:, 0], lo[:, 1], high])
 
 
 def unpack_q3_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
     kp = packed.shape[1] // 3
-    lo = unpack_q2_quads(packed[:, : 2 * kp].reshape(-1, kp), packed.shape[0] * 8, kp)
-    high = packed[:, 2 * kp :]
+    quads0, quads1, high = split_parts(packed, 3)
+    lo = unpack_q2_quads(np.stack([quads0, quads1], axis=1).reshape(-1, kp), packed.shape[0] * 8, kp)
     hi = np.stack([(high >> np.uint8(r)) & np.uint8(1) for r in range(8)], axis=1).reshape(-1, kp)
     return np.ascontiguousarray((lo | (hi << np.uint8(2)))[:n, :k])
 
@@ -76,10 +77,10 @@ def scalar_code(bits: int, q: Any, row: Any, col: Any, kp: int) -> Any:
     if bits == 2:
         return part(row // 4, col, (row % 4) * 2, 3)
     if bits == 3:
-        lo = part(row // 8, (row % 8) // 4 * kp + col, (row % 4) * 2, 3)
-        return lo | (part(row // 8, 2 * kp + col, row % 8, 1) << tirx.const(2, "uint8"))
-    lo = part(row // 8, (row % 8) // 2 * kp + col, (row % 2) * 4, 15)
-    return lo | (part(row // 8, 4 * kp + col, row % 8, 1) << tirx.const(4, "uint8"))
+        lo = part(row // 8, part_byte(3, (row % 8) // 4, col), (row % 4) * 2, 3)
+        return lo | (part(row // 8, part_byte(3, 2, col), row % 8, 1) << tirx.const(2, "uint8"))
+    lo = part(row // 8, part_byte(5, (row % 8) // 2, col), (row % 2) * 4, 15)
+    return lo | (part(row // 8, part_byte(5, 4, col), row % 8, 1) << tirx.const(4, "uint8"))
 
 
 def code_exponent(bits: int, r: Any) -> Any:
@@ -111,18 +112,18 @@ def unit_codes(bits: int, Q8: Any, unit: Any, col: Any, r: Any, KP: int, scaled:
 
     if scaled and bits in (2, 3):
         e = code_exponent(bits, r)
-        lo = part(col if bits == 2 else (r // 4) * KP + col, 2 * (r % 4) - e, T.shift_left(T.int32(3), e))
+        lo = part(col if bits == 2 else part_byte(3, r // 4, col), 2 * (r % 4) - e, T.shift_left(T.int32(3), e))
         if bits == 2:
             return lo
-        hb = T.shift_left(T.shift_right(Q8.vload([unit, 2 * KP + col], "uint8x64"), T.Broadcast(
+        hb = T.shift_left(T.shift_right(Q8.vload([unit, part_byte(3, 2, col)], "uint8x64"), T.Broadcast(
             T.Cast("uint8", T.max(r - e - 2, 0)), 64)), T.Broadcast(T.Cast("uint8", T.max(e + 2 - r, 0)), 64))
         return lo | (hb & T.Broadcast(T.Cast("uint8", T.shift_left(T.int32(4), e)), 64))
     if bits == 2:
         return part(col, 2 * r, 3)
-    lb = 2 if bits == 3 else 4  # bits of a code in its low-bits row
-    rows = 8 // lb  # rows a low-bits row holds
-    lo = part((r // rows) * KP + col, lb * (r % rows), (1 << lb) - 1)
-    return lo | T.shift_left(part(lb * KP + col, r, 1), T.Broadcast(T.uint8(lb), 64))
+    lb = 2 if bits == 3 else 4  # bits of a code in its low-bits part
+    rows = 8 // lb  # rows a low-bits part holds
+    lo = part(part_byte(lb + 1, r // rows, col), lb * (r % rows), (1 << lb) - 1)
+    return lo | T.shift_left(part(part_byte(lb + 1, lb, col), r, 1), T.Broadcast(T.uint8(lb), 64))
 
 
 def pack_q2_scales(scales: np.ndarray, mins: np.ndarray, d: np.ndarray, dmin: np.ndarray, groups: int,

@@ -15,6 +15,7 @@ from perfx_compiler.formats.ggml.iq4_nl import KVALUES
 from perfx_compiler.formats.vnni import (
     pack_q5_octets,
     pack_q6_quads,
+    part_byte,
     q6_byte,
     quantize_activations,
     subscaled_vnni_packed,
@@ -149,28 +150,33 @@ def test_q6_quads_are_one_stream_in_lane_group_order_and_round_trip(n, k):
 
 
 @pytest.mark.parametrize("n,k", [(1, 5), (8, 64), (13, 100), (37, 2304)])
-def test_q5_octets_round_trip(n, k):
-    """pack_q5_octets: per 8 rows, four nibble pair rows and a row of the rows' fifth bits (row r in
-    bit r), checked by that formula per row, and unpacked back to the codes (N not a multiple of 8)."""
+def test_q5_octets_are_one_stream_and_round_trip(n, k):
+    """pack_q5_octets: per 8 rows and 64-column step, four nibble pair parts and a part of the rows'
+    fifth bits (row r in bit r) side by side (``part_byte``), checked by that formula per row, and
+    unpacked back to the codes (N not a multiple of 8)."""
     rng = np.random.default_rng()
     codes = rng.integers(0, 32, (n, k)).astype(np.uint8)
     packed = pack_q5_octets(codes)
     kp = -(-k // 64) * 64
     assert packed.shape == (-(-n // 8), 5 * kp) and packed.dtype == np.uint8
+    assert part_byte(5, 4, 64 * 3 + 7) == 3 * 320 + 4 * 64 + 7  # step 3's fifth part, column 7 of it
+    cols = np.arange(k)
     for row in range(n):
         o, r = divmod(row, 8)
-        lo = (packed[o, (r // 2) * kp : (r // 2) * kp + k] >> (4 * (r % 2))) & 15
-        hb = (packed[o, 4 * kp : 4 * kp + k] >> r) & 1
+        lo = (packed[o, part_byte(5, r // 2, cols)] >> (4 * (r % 2))) & 15
+        hb = (packed[o, part_byte(5, 4, cols)] >> r) & 1
         np.testing.assert_array_equal(lo | (hb << 4), codes[row])
     np.testing.assert_array_equal(unpack_q5_octets(packed, n, k), codes)
-    assert not packed[:, k:kp].any() and not packed[:, 4 * kp + k :].any()  # padding columns hold 0
+    pad = np.arange(k, kp)
+    assert not packed[:, np.concatenate([part_byte(5, j, pad) for j in range(5)])].any()  # padding columns hold 0
 
 
 @pytest.mark.parametrize("n,k", [(1, 5), (8, 64), (13, 100), (37, 2304)])
 def test_q2_quads_and_q3_octets_round_trip(n, k):
     """pack_q2_quads: per 4 rows one row of 2-bit codes (row r in bits 2r..2r+1); pack_q3_octets: per 8
-    rows two such quad rows of the low 2 bits and a row of the rows' third bits (row r in bit r). Each
-    checked by that formula per row and unpacked back to the codes (N not a multiple of 4 / 8)."""
+    rows and 64-column step two such quad parts of the low 2 bits and a part of the rows' third bits
+    (row r in bit r) side by side (``part_byte``: one stream). Each checked by that formula per row and
+    unpacked back to the codes (N not a multiple of 4 / 8)."""
     rng = np.random.default_rng()
     kp = -(-k // 64) * 64
     c2 = rng.integers(0, 4, (n, k)).astype(np.uint8)
@@ -179,14 +185,16 @@ def test_q2_quads_and_q3_octets_round_trip(n, k):
     c3 = rng.integers(0, 8, (n, k)).astype(np.uint8)
     p3 = pack_q3_octets(c3)
     assert p3.shape == (-(-n // 8), 3 * kp) and p3.dtype == np.uint8
+    cols = np.arange(k)
     for row in range(n):
         np.testing.assert_array_equal((p2[row // 4, :k] >> (2 * (row % 4))) & 3, c2[row])
         o, r = divmod(row, 8)
-        lo = (p3[o, (r // 4) * kp : (r // 4) * kp + k] >> (2 * (r % 4))) & 3
-        np.testing.assert_array_equal(lo | (((p3[o, 2 * kp : 2 * kp + k] >> r) & 1) << 2), c3[row])
+        lo = (p3[o, part_byte(3, r // 4, cols)] >> (2 * (r % 4))) & 3
+        np.testing.assert_array_equal(lo | (((p3[o, part_byte(3, 2, cols)] >> r) & 1) << 2), c3[row])
     np.testing.assert_array_equal(unpack_q2_quads(p2, n, k), c2)
     np.testing.assert_array_equal(unpack_q3_octets(p3, n, k), c3)
-    assert not p2[:, k:].any() and not p3[:, k:kp].any() and not p3[:, 2 * kp + k :].any()  # padding columns 0
+    pad = np.arange(k, kp)
+    assert not p2[:, k:].any() and not p3[:, np.concatenate([part_byte(3, j, pad) for j in range(3)])].any()
 
 
 def random_file_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
