@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from perfx_compiler.formats.vnni import code_row_bytes, q6_byte
-from perfx_compiler.formats.vnni_lowbit import d_of_bytes, group_nibble, min_width, scalar_code, scale_times_4
+from perfx_compiler.formats.vnni import code_row_bytes
+from perfx_compiler.formats.vnni_lowbit import d_of_bytes, group_nibble, min_width, q6_byte, scalar_code, scale_times_4
 from schedules._vnni_kernels import ROWS_PER_UNIT, _without_zero, plan, transpose_tile
 
 

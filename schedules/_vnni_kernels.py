@@ -26,15 +26,18 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from perfx_compiler.formats.vnni import (
-    ROWS_PER_UNIT,
-    code_row_bytes,
+from perfx_compiler.formats.vnni import ROWS_PER_UNIT, code_row_bytes, lut_bytes
+from perfx_compiler.formats.vnni_lowbit import (
+    code_scale,
+    d_of_word,
+    group_nibble,
     lane_groups,
-    lut_bytes,
+    min_width,
     q6_step_byte,
+    scale_times_4,
     step_part_byte,
+    unit_codes,
 )
-from perfx_compiler.formats.vnni_lowbit import code_scale, d_of_word, group_nibble, min_width, scale_times_4, unit_codes
 from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
 from schedules._vnni_x import _take, _x_macros
 
@@ -134,7 +137,7 @@ def _gemv_plan(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows:
     QKW = code_row_bytes(bits, KP)  # bytes of a code row (6-bit / 5-bit: 2 / 4 nibble rows, the high bits)
     zconst = 128.0 if lut else {8: 128.0, 6: 32.0, 5: 16.0, 4: 8.0, 3: 4.0}.get(bits, 0.0)
     GV = G // 16  # 16-lane vectors per group
-    # 6-bit: lane-group order (formats.vnni.q6_lane_order): a lane sums one group over a chunk's steps in
+    # 6-bit: lane-group order (formats.vnni_lowbit.q6_lane_order): a lane sums one group over a chunk's steps in
     # int32 (vpdpbusd accumulating), scaled once a chunk; whole chunks only (Q6_K rows are)
     LG = lane_groups(bits)
     if LG and (G != 16 or TS or SPC != 4):
@@ -356,7 +359,7 @@ def _row_task_macro(g: SimpleNamespace, e: SimpleNamespace) -> Any:
                 for si in T.unroll(unroll):
                     for u in T.unroll(units):
                         if prefetch > 0 and QKW > KP:
-                            # a 6-bit quad's / 3-, 5-bit octet's one stream (formats.vnni.interleave_parts):
+                            # a 6-bit quad's / 3-, 5-bit octet's one stream (formats.vnni_lowbit.interleave_parts):
                             # its step's lines, `prefetch` lines ahead; unclamped (a prefetch past the
                             # array never faults, and a clamp costs 4 instructions a line)
                             for j in T.unroll(QKW // KP):

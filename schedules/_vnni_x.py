@@ -20,7 +20,7 @@ def quantize_group_macro(lane_groups: bool = False) -> Any:
     """The TVMScript macro ``quantize_group`` shared by the VNNI GEMV and GEMM (built on first use:
     this module imports without TVM). The 16-lane max and code sum are folded in registers
     (``_lanes``: 4 shuffle steps; max and integer sums are exact in any order). ``lane_groups`` (G = 16,
-    the 6-bit GEMV): the codes go into the layout's lane-group order (formats.vnni.q6_lane_order), column
+    the 6-bit GEMV): the codes go into the layout's lane-group order (formats.vnni_lowbit.q6_lane_order), column
     4s + j of group g to byte 64 s + 4 (g % 16) + j of its 256-column chunk."""
     from tvm.script import tirx as T
 

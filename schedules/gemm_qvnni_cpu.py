@@ -56,8 +56,16 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler.formats import GEMV_MAX_ROWS
-from perfx_compiler.formats.vnni import code_row_bytes, has_avx512_vnni, lut_bytes, q6_byte, q6_step_byte
-from perfx_compiler.formats.vnni_lowbit import d_of_bytes, group_nibble, min_width, scale_times_4, unit_codes
+from perfx_compiler.formats.vnni import code_row_bytes, has_avx512_vnni, lut_bytes
+from perfx_compiler.formats.vnni_lowbit import (
+    d_of_bytes,
+    group_nibble,
+    min_width,
+    q6_byte,
+    q6_step_byte,
+    scale_times_4,
+    unit_codes,
+)
 from perfx_compiler.kernels import _lanes
 from perfx_compiler.kernels.fastmath import fast_exp
 from perfx_compiler.schedule_template import (
@@ -251,7 +259,7 @@ def _repack(*, bits: int, lut: str, pair: bool, S: int, nr: int, RPU: int, KP: i
 
     def natural_step(Q8: Any, q: Any, part: int, col: Any) -> Any:
         """uint8x64: ``part``'s bytes of natural columns col..col+63 of quad q. The 6-bit layout keeps a
-        chunk's columns in lane-group order (formats.vnni.q6_lane_order): their 16 words are 4 words of
+        chunk's columns in lane-group order (formats.vnni_lowbit.q6_lane_order): their 16 words are 4 words of
         each of the chunk's 4 stored steps, transposed back into column order."""
         at = q6_byte(part, col)  # the first word's byte: the chunk's stored step 0, lane 4 * ((col % 256) // 64)
         pieces = [T.reinterpret("uint32x4", Q8.vload([q, at + q6_step_byte(s, 0)], "uint8x16")) for s in range(4)]

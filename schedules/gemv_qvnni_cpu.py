@@ -25,7 +25,8 @@ import functools
 from typing import Any
 
 from perfx_compiler.formats import GEMV_MAX_ROWS
-from perfx_compiler.formats.vnni import has_avx512_vnni, lane_groups
+from perfx_compiler.formats.vnni import has_avx512_vnni
+from perfx_compiler.formats.vnni_lowbit import lane_groups
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,

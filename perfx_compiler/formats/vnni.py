@@ -34,7 +34,8 @@ Layouts, for W [N, K] (K padded with zero columns to KP, a multiple of 64):
   r): 5 bits a weight, where uint8 codes took 8. Row r's codes: ``nibble | ((hb >> r) & 1) << 4``.
   Codes are unsigned 0..31. An octet is one forward stream, as a 6-bit quad is.
 * 2-bit (``q2v``, GGUF Q2_K with its min) and 3-bit (``q3v``, GGUF Q3_K as code + 4, zero point 4):
-  one code row per quad / octet of rows, in ``formats/vnni_lowbit.py``; 2 / 3 bits a weight.
+  one code row per quad / octet of rows; 2 / 3 bits a weight. The 2-, 3-, 5- and 6-bit code rows are
+  packed and addressed in ``formats/vnni_lowbit.py``.
 * int4 table indices (``lut: iq4nl``: GGUF IQ4_XS / IQ4_NL): the row-pair nibbles of ``q4v`` hold
   4-bit indices into ggml's 16-value non-linear table (``kvalues_iq4nl``, -127..113); the kernels
   map them with one ``vpshufb`` of a register holding the table + 128 (``LUT_U8``) into the int8
@@ -187,115 +188,6 @@ def q8_vnni_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
     return Packed("q8", f"g{group}v", n, k, arrays, compute)
 
 
-Q6_CHUNK = 256  # columns of a 6-bit lane-group chunk: 16 groups of 16, one a lane, over 4 steps
-
-
-def lane_groups(bits: int) -> bool:
-    """Whether ``bits``-bit codes are stored in lane-group order (``q6_lane_order``): then a GEMV lane sums
-    one group over a chunk in int32 and scales once a chunk, so its float accumulator is not split."""
-    return bits == 6
-
-
-def q6_lane_order(codes: np.ndarray) -> np.ndarray:
-    """[..., KP] columns in natural order -> the 6-bit layout's order: in each 256-column chunk, step s
-    (0..3) holds in its lane l (4 bytes) columns 4s..4s+3 of group l (``q6_byte``)."""
-    lead, kp = codes.shape[:-1], codes.shape[-1]
-    if kp % Q6_CHUNK:
-        raise ValueError(f"the 6-bit layout takes rows of whole {Q6_CHUNK}-column chunks (got {kp})")
-    c = codes.reshape(*lead, kp // Q6_CHUNK, 16, 4, 4)  # chunk, group l, step s, byte j
-    return np.ascontiguousarray(np.swapaxes(c, -3, -2).reshape(*lead, kp))
-
-
-def q6_natural_order(codes: np.ndarray) -> np.ndarray:
-    """The inverse of :func:`q6_lane_order`."""
-    lead, kp = codes.shape[:-1], codes.shape[-1]
-    c = codes.reshape(*lead, kp // Q6_CHUNK, 4, 16, 4)  # chunk, step s, lane l, byte j
-    return np.ascontiguousarray(np.swapaxes(c, -3, -2).reshape(*lead, kp))
-
-
-def interleave_parts(parts: list[np.ndarray]) -> np.ndarray:
-    """P code parts [units, KP] -> [units, P * KP], stored 64-column step by step with the P parts of a
-    step side by side (``step_part_byte``): a unit's codes are one forward stream."""
-    units, kp = parts[0].shape
-    return np.ascontiguousarray(np.stack([p.reshape(units, kp // STEP, STEP) for p in parts], axis=2)
-                                .reshape(units, len(parts) * kp))
-
-
-def split_parts(packed: np.ndarray, count: int) -> list[np.ndarray]:
-    """The inverse of :func:`interleave_parts`: ``count`` parts [units, KP]."""
-    units, kp = packed.shape[0], packed.shape[1] // count
-    steps = packed.reshape(units, kp // STEP, count, STEP)
-    return [np.ascontiguousarray(steps[:, :, j].reshape(units, kp)) for j in range(count)]
-
-
-def pack_q6_quads(codes: np.ndarray) -> np.ndarray:
-    """Unsigned 6-bit codes [N, K] (0..63) -> uint8 [ceil(N/4), 3 * KP] (see the module docstring)."""
-    n, k = codes.shape
-    kp, n4 = padded_k(k), -(-n // 4) * 4
-    c = np.zeros((n4, kp), dtype=np.uint8)
-    c[:n, :k] = codes
-    c = q6_lane_order(c)
-    lo = pack_q4_pairs(c & np.uint8(15)).reshape(n4 // 4, 2 * kp)
-    hi = c >> np.uint8(4)
-    high = hi[0::4] | (hi[1::4] << np.uint8(2)) | (hi[2::4] << np.uint8(4)) | (hi[3::4] << np.uint8(6))
-    return interleave_parts([lo[:, :kp], lo[:, kp:], high])
-
-
-def unpack_q6_quads(packed: np.ndarray, n: int, k: int) -> np.ndarray:
-    q, kp = packed.shape[0], packed.shape[1] // 3
-    lo01, lo23, high = split_parts(packed, 3)
-    lo = unpack_q4_pairs(np.stack([lo01, lo23], axis=1).reshape(-1, kp), q * 4, kp)
-    hi = np.stack([(high >> np.uint8(2 * r)) & np.uint8(3) for r in range(4)], axis=1).reshape(-1, kp)
-    return q6_natural_order(lo | (hi << np.uint8(4)))[:n, :k]
-
-
-def pack_q5_octets(codes: np.ndarray) -> np.ndarray:
-    """Unsigned 5-bit codes [N, K] (0..31) -> uint8 [ceil(N/8), 5 * KP] (see the module docstring)."""
-    n, k = codes.shape
-    kp, n8 = padded_k(k), -(-n // 8) * 8
-    c = np.zeros((n8, kp), dtype=np.uint8)
-    c[:n, :k] = codes
-    lo = pack_q4_pairs(c & np.uint8(15)).reshape(n8 // 8, 4, kp)
-    hi = (c >> np.uint8(4)) & np.uint8(1)
-    high = np.zeros((n8 // 8, kp), dtype=np.uint8)
-    for r in range(8):
-        high |= hi[r::8] << np.uint8(r)
-    return interleave_parts([*(lo[:, j] for j in range(4)), high])
-
-
-def unpack_q5_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
-    kp = packed.shape[1] // 5
-    *pairs, high = split_parts(packed, 5)
-    lo = unpack_q4_pairs(np.stack(pairs, axis=1).reshape(-1, kp), packed.shape[0] * 8, kp)
-    hi = np.stack([(high >> np.uint8(r)) & np.uint8(1) for r in range(8)], axis=1).reshape(-1, kp)
-    return np.ascontiguousarray((lo | (hi << np.uint8(4)))[:n, :k])
-
-
-def step_part_byte(parts: int, step: Any, part: Any) -> Any:
-    """Offset in a code row of ``parts`` interleaved parts (:func:`interleave_parts`: 6-bit quads, 5- and
-    3-bit octets) of stored 64-column step ``step``'s ``part``. Ints or TIR expressions."""
-    return step * (parts * STEP) + part * STEP
-
-
-def part_byte(parts: int, part: Any, col: Any) -> Any:
-    """Offset of column ``col``'s byte of ``part`` in such a code row (stored in column order: 5-, 3-bit)."""
-    return step_part_byte(parts, col // STEP, part) + col % STEP
-
-
-def q6_step_byte(step: Any, part: Any) -> Any:
-    """Offset in a 6-bit quad's code row of stored 64-column step ``step``'s ``part`` (0, 1: the low
-    nibbles of rows 4q, 4q+1 / 4q+2, 4q+3; 2: the four rows' high bits): the kernels read stored steps
-    in order. Ints or TIR expressions."""
-    return step_part_byte(3, step, part)
-
-
-def q6_byte(part: Any, col: Any) -> Any:
-    """Offset in a 6-bit quad's code row of (natural) column ``col``'s byte of ``part``: stored step
-    4 (col // 256) + (col % 16) // 4, lane (col % 256) // 16 (the group), byte col % 4. Ints or TIR
-    expressions."""
-    return q6_step_byte((col // Q6_CHUNK) * 4 + (col % 16) // 4, part) + ((col % Q6_CHUNK) // 16) * 4 + col % 4
-
-
 def code_row_bytes(bits: int, kp: int) -> int:
     """Bytes of one code row (int4 pair, 2-bit / 6-bit quad, 3-bit / 5-bit octet, int8 row) of a KP-column layout."""
     return {3: 3 * kp, 5: 5 * kp, 6: 3 * kp}.get(bits, kp)
@@ -344,7 +236,14 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
     (IQ4_XS, IQ4_NL); superblock scales as described above, or for one-level types (sb == group: Q5_1,
     Q5_0, IQ4_NL, whose sub-scale is 1) float16 group tables."""
     from perfx_compiler.formats import Packed
-    from perfx_compiler.formats.vnni_lowbit import pack_q2_quads, pack_q2_scales, pack_q3_octets, pack_scales_d_low
+    from perfx_compiler.formats.vnni_lowbit import (
+        pack_q2_quads,
+        pack_q2_scales,
+        pack_q3_octets,
+        pack_q5_octets,
+        pack_q6_quads,
+        pack_scales_d_low,
+    )
 
     n, k = sub.codes.shape
     g, offset = int(sub.group), sub.mins is not None
@@ -474,6 +373,8 @@ def vnni_compute(
         g = col // group
         sc = factor(s, row, g)
         if bits == 6:
+            from perfx_compiler.formats.vnni_lowbit import q6_byte
+
             lo = (q[row // 4, q6_byte((row % 4) // 2, col)] >> ((row % 2) * 4).astype("uint8")) & tirx.const(15, "uint8")
             hi = (q[row // 4, q6_byte(2, col)] >> ((row % 4) * 2).astype("uint8")) & tirx.const(3, "uint8")
             return ((lo | (hi << tirx.const(4, "uint8"))).astype("float32") - tirx.const(32.0, "float32")) * sc

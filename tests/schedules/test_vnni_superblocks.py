@@ -12,17 +12,19 @@ import pytest
 from sched_helpers import needs_vnni
 
 from perfx_compiler.formats.ggml.iq4_nl import KVALUES
-from perfx_compiler.formats.vnni import (
+from perfx_compiler.formats.vnni import quantize_activations, subscaled_vnni_packed
+from perfx_compiler.formats.vnni_lowbit import (
+    pack_q2_quads,
+    pack_q3_octets,
     pack_q5_octets,
     pack_q6_quads,
     part_byte,
     q6_byte,
-    quantize_activations,
-    subscaled_vnni_packed,
+    unpack_q2_quads,
+    unpack_q3_octets,
     unpack_q5_octets,
     unpack_q6_quads,
 )
-from perfx_compiler.formats.vnni_lowbit import pack_q2_quads, pack_q3_octets, unpack_q2_quads, unpack_q3_octets
 from perfx_compiler.targets import load_target
 from perfx_compiler.tune.measure import build_func
 
