@@ -67,7 +67,7 @@ class _Layout:
             hb = T.bitwise_and(T.shift_right(Q[row // 4, q6_byte(2, col)], T.Cast("uint8", (row % 4) * 2)), T.uint8(3))
             return (T.Cast("float32", T.bitwise_or(lo, T.shift_left(hb, T.uint8(4)))) - T.float32(32)) * s
         if self.bits in (2, 3, 5):  # the row's low bits in its quad / pair row, (3, 5) its top bit in the octet's last row
-            code = T.Cast("float32", scalar_code(self.bits, lambda u, at: Q[u, at], row, col, self.KP))
+            code = T.Cast("float32", scalar_code(self.bits, lambda u, at: Q[u, at], row, col))
             return code * s + mn if self.offset else (code - T.float32({3: 4, 5: 16}[self.bits])) * s
         if self.bits == 8:
             if self.offset:  # unsigned codes as they are, then the min

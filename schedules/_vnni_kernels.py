@@ -196,7 +196,7 @@ def _gemv_exprs(g: SimpleNamespace) -> SimpleNamespace:
         """uint8x64: the 64 codes of row h of ``unit`` in step ``s_abs`` (int4: its nibble of the pair's
         bytes; 6-bit: the nibble of its pair's part of the step, with bits 2h..2h+1 of its high-bits part; 5-bit: bit h)."""
         if bits in (2, 3, 5):
-            return unit_codes(bits, Q, unit, s_abs * STEP, h, KP, scaled=True)
+            return unit_codes(bits, Q, unit, s_abs * STEP, h, scaled=True)
         if bits == 6:
             lo = T.shift_right(Q.vload([unit, q6_step_byte(s_abs, h // 2)], "uint8x64"),
                                T.Broadcast(T.Cast("uint8", 4 * (h % 2)), 64)) & T.Broadcast(T.uint8(15), 64)

@@ -310,7 +310,7 @@ def _repack(*, bits: int, lut: str, pair: bool, S: int, nr: int, RPU: int, KP: i
                                 Q8, n0 // 4 + t * 4 + c // 4, c % 4, sb * 64))
                         elif bits in (2, 3, 5):  # likewise from its quad's / octet's bit rows (n0 % 16 == 0)
                             tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", unit_codes(
-                                bits, Q8, n0 // RPU + t * (16 // RPU) + c // RPU, sb * 64, c % RPU, KP))
+                                bits, Q8, n0 // RPU + t * (16 // RPU) + c // RPU, sb * 64, c % RPU))
                         elif table:  # row c's nibbles of its pair row (n0 is even), looked up
                             tile[T.Ramp(c * 16, 1, 16)] = T.reinterpret("uint32x16", lut_bytes(lut, T.shift_right(
                                 Q8.vload([n0 // 2 + t * 8 + c // 2, sb * 64], "uint8x64"),

@@ -381,7 +381,7 @@ def vnni_compute(
         if bits in (2, 3, 5):
             from perfx_compiler.formats.vnni_lowbit import scalar_code
 
-            code = scalar_code(bits, lambda u, at: q[u, at], row, col, kp).astype("float32")
+            code = scalar_code(bits, lambda u, at: q[u, at], row, col).astype("float32")
             if offset:
                 return code * sc + (-factor(z, row, g) if sb else factor(z, row, g))
             return (code - tirx.const({3: 4.0, 5: 16.0}[bits], "float32")) * sc

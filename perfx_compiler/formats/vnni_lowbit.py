@@ -175,7 +175,7 @@ def unpack_q3_octets(packed: np.ndarray, n: int, k: int) -> np.ndarray:
     return np.ascontiguousarray((lo | (hi << np.uint8(2)))[:n, :k])
 
 
-def scalar_code(bits: int, q: Any, row: Any, col: Any, kp: int) -> Any:
+def scalar_code(bits: int, q: Any, row: Any, col: Any) -> Any:
     """uint8 code (row, col) of the 2-, 3- or 5-bit layout; ``q(unit, byte)`` loads one code byte (a TE
     placeholder's or a buffer's)."""
     from tvm import tirx
@@ -206,7 +206,7 @@ def code_scale(bits: int, r: Any) -> Any:
     return T.float32(1) / T.Cast("float32", T.shift_left(T.int32(1), code_exponent(bits, r)))
 
 
-def unit_codes(bits: int, Q8: Any, unit: Any, col: Any, r: Any, KP: int, scaled: bool = False) -> Any:  # noqa: N803
+def unit_codes(bits: int, Q8: Any, unit: Any, col: Any, r: Any, scaled: bool = False) -> Any:  # noqa: N803
     """uint8x64: the codes of row r of code row ``unit`` (a quad for 2 bits, an octet for 3 and 5),
     columns col..col+63: the row's bits of its low-bits row (2 / 2 / 4 of them), with (3, 5 bits) bit
     r of the high-bits row on top. ``scaled`` (2, 3 bits): code * 2^e instead (:func:`code_exponent`), the
