@@ -195,6 +195,18 @@ def phase_passes(state: CompileState) -> None:
     with use_activations(opts.activations), use_batch_gemv(is_cpu_target(state.target)):
         state.mod, state.weights = run_graph_passes(state.mod, state.weights, state.target, opts, state.desc)
     check_signatures(state)
+    if opts.output_dir is not None:  # a compile (not lower_model): the weights are final, so to disk
+        _spill_weights(state)  # before codegen, not under its peak
+
+
+def _spill_weights(state: CompileState) -> None:
+    """Write the packed weights beside the artifact and map them back read-only; packaging moves the
+    file in as ``weights.bin``, and ``compile_model`` removes it if a later phase fails."""
+    from perfx_compiler.package import spill_weights
+
+    out = state.options.output_dir
+    out.parent.mkdir(parents=True, exist_ok=True)
+    state.weights = spill_weights(state.weights, out.parent / f".{out.name}.weights-{os.getpid()}.bin")
 
 
 def selected_passes(passes: list[str] | None) -> list[str]:
@@ -473,12 +485,6 @@ def compile_model(
             try:
                 with _native_log(state):
                     fn(state)
-                if name == "passes":  # the weights are final: to disk before codegen, not under its peak
-                    from perfx_compiler.package import spill_weights
-
-                    opts.output_dir.parent.mkdir(parents=True, exist_ok=True)
-                    spill = opts.output_dir.parent / f".{opts.output_dir.name}.weights-{os.getpid()}.bin"
-                    state.weights = spill_weights(state.weights, spill)
             except PerfXError:
                 raise
             except Exception as err:  # a TVM failure is our bug, but say where it happened
