@@ -179,7 +179,7 @@ def _gemv_exprs(g: SimpleNamespace) -> SimpleNamespace:
         return t * HPT + it % HPT < HNIT if epilogue else t * IPT + it < NIT
 
     def silu_mul(g: Any, u: Any) -> Any:
-        # the elementwise swiglu's float ops in its order (fast_sigmoid's form): bit-equal x / h
+        # the elementwise swiglu's float ops in its order (fast_activations' form): bit-equal x / h
         return g * (T.float32(1) / (T.float32(1) + fast_exp(-g))) * u
 
     def h_row(t: Any, c: Any, ln: Any) -> Any:  # epilogue: row of h at lane ln of task t's chunk c

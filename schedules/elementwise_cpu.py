@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from perfx_compiler.kernels.fastmath import fast_sigmoid
+from perfx_compiler.kernels.fastmath import fast_activations
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -97,8 +97,8 @@ class ElementwiseCPU(ScheduleTemplate):
 
         if not self.is_valid(workload, config, target):
             raise ScheduleConfigError(f"invalid elementwise_cpu config {config} for {workload.dims}")
-        if config.get("fast_sigmoid", True):
-            func = fast_sigmoid(func)  # vector polynomial instead of per-lane libm exp
+        if config.get("fast_activations", True):
+            func = fast_activations(func)  # vector polynomials instead of per-lane libm exp / tanh
         sch = s_tir.Schedule(func)
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
         for blk in blocks[:-1]:

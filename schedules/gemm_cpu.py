@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from perfx_compiler.kernels.fastmath import fast_sigmoid
+from perfx_compiler.kernels.fastmath import fast_activations
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -186,8 +186,8 @@ class GemmCPU(ScheduleTemplate):
             raise ScheduleConfigError("function is no longer a matmul this template understands")
         if not self.is_valid(workload, config, target):
             raise ScheduleConfigError(f"invalid gemm_cpu config {config} for {workload.dims}")
-        if config.get("fast_sigmoid", True):
-            func = fast_sigmoid(func)  # vector polynomial instead of per-lane libm exp
+        if config.get("fast_activations", True):
+            func = fast_activations(func)  # vector polynomials instead of per-lane libm exp / tanh
         return apply_register_tiled(func, facts, config, target, bool(config.get("pack_b", False)))
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from perfx_compiler.kernels.fastmath import fast_sigmoid
+from perfx_compiler.kernels.fastmath import fast_activations
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -174,8 +174,8 @@ class GemvCPU(ScheduleTemplate):
         if not self.is_valid(workload, config, target):
             raise ScheduleConfigError(f"invalid gemv_cpu config {config} for {workload.dims}")
         lanes = vector_lanes(target)
-        if config.get("fast_sigmoid", True):
-            func = fast_sigmoid(func)  # vector polynomial instead of per-lane libm exp
+        if config.get("fast_activations", True):
+            func = fast_activations(func)  # vector polynomials instead of per-lane libm exp / tanh
         if facts.layout == "NT":
             return schedule_dot_rows(
                 func,

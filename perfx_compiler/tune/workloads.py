@@ -175,7 +175,8 @@ def rmsnorm_module(M: int | None, hidden: int = 576) -> Any:
 
 
 def elementwise_module(M: int | None, width: int = 1536, op: str = "silu_mul") -> Any:
-    """Injective ops of the model on [1, M, width]: "silu_mul", "add", or "take" (embedding)."""
+    """Injective ops of the model on [1, M, width]: "silu_mul", "gelu_tanh_mul" (GeGLU, decomposed as
+    the ONNX emitter writes it), "add", or "take" (embedding)."""
     from tvm import relax, tirx
 
     m = tirx.Var("seq", "int64") if M is None else M
@@ -194,6 +195,12 @@ def elementwise_module(M: int | None, width: int = 1536, op: str = "silu_mul") -
                 y = bb.emit(relax.op.take(params[0], params[1], axis=0))
             elif op == "add":
                 y = bb.emit(relax.op.add(params[0], params[1]))
+            elif op == "gelu_tanh_mul":  # 0.5 a (1 + tanh(sqrt(2/pi) (a + 0.044715 a^3))) b
+                a, c = params[0], (lambda v: relax.const(v, "float32"))
+                inner = relax.op.add(a, relax.op.multiply(relax.op.multiply(relax.op.multiply(a, a), a), c(0.044715)))
+                t = relax.op.tanh(relax.op.multiply(inner, c(0.7978845608028654)))
+                gelu = relax.op.multiply(relax.op.multiply(a, c(0.5)), relax.op.add(t, c(1.0)))
+                y = bb.emit(relax.op.multiply(gelu, params[1]))
             else:
                 y = bb.emit(relax.op.multiply(relax.op.nn.silu(params[0]), params[1]))
             out = bb.emit_output(y)
