@@ -148,10 +148,10 @@ class GemvQVnniCPU(ScheduleTemplate):
         tquant = int(m == 1)
         return {"units": units, "tasks": max(1, int(target.cores or 1)) if tquant else 16, "unroll": unroll,
                 # codes 128 64-byte steps (8 KiB) ahead; 6-bit quads (one stream of 3 lines a step) 96
-                # lines (6 KiB): Q6_K ffn_down x1.08, lm_head x1.035 over 128; 5-bit octets (5 lines a
-                # step) 64 lines (4 KiB): Q5_0 GEMVs x1.04-1.07 over 128 on one core's hyperthreads,
-                # level on two cores (docs/decisions/gemv-qvnni-cpu.md)
-                "prefetch": {6: 96, 5: 64}.get(d["bits"], 128),
+                # lines (6 KiB): Q6_K ffn_down x1.08, lm_head x1.035 over 128. 5-bit octets keep 128:
+                # 64 won x1.05 on one core's hyperthreads but lost x0.91 on two cores, where each core
+                # needs more lines in flight (docs/decisions/gemv-qvnni-cpu.md)
+                "prefetch": 96 if d["bits"] == 6 else 128,
                 "split": split, "hinib": hinib,
                 "sprefetch": int(d["N"] <= 4096),  # scale chunks prefetched with the codes, up to N = 4096
                 "nta": int(long_rows and m == 1),  # long decode rows: prefetchnta (targets may override)
