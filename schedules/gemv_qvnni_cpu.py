@@ -137,7 +137,9 @@ class GemvQVnniCPU(ScheduleTemplate):
         # shape measured, short rows too (and the tuner picks it for every SmolLM2 GEMV)
         units = 1
         m = max(1, d["B"] * d["MM"])
-        unroll = max(4, d["G"] // vk.STEP)
+        # 5-bit octets: one step per inner iteration (TinyLlama-dims Q5_0 step x1.09 on one core's
+        # hyperthreads, x1.01 on two cores; the tuner picks 1-2 for Gemma 3's K = 640 Q5_0 GEMVs too)
+        unroll = 1 if d["bits"] == 5 else max(4, d["G"] // vk.STEP)
         # two accumulators per row while they fit the registers with the scale vectors (6-bit: int32 sums
         # over a chunk, one float FMA a chunk: nothing to split)
         split = 2 if units * rpu * m * 3 <= MAX_REGS and not lane_groups(d["bits"]) else 1
