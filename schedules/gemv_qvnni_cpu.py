@@ -137,9 +137,10 @@ class GemvQVnniCPU(ScheduleTemplate):
         # shape measured, short rows too (and the tuner picks it for every SmolLM2 GEMV)
         units = 1
         m = max(1, d["B"] * d["MM"])
-        # 5-bit octets: one step per inner iteration (TinyLlama-dims Q5_0 step x1.09 on one core's
-        # hyperthreads, x1.01 on two cores; the tuner picks 1-2 for Gemma 3's K = 640 Q5_0 GEMVs too)
-        unroll = 1 if d["bits"] == 5 else max(4, d["G"] // vk.STEP)
+        # 5- and 3-bit octets: one step per inner iteration (Q5_0 step x1.09 on one core's hyperthreads,
+        # x1.01 on two cores; Q3_K GEMVs x1.43 on two cores, level on hyperthreads; the tuner picks 1-2
+        # for Gemma 3's K = 640 Q5_0 GEMVs too). 4-, 6-bit: 4 (unroll 1 x0.98 / x0.97 on two cores)
+        unroll = 1 if d["bits"] in (3, 5) else max(4, d["G"] // vk.STEP)
         # two accumulators per row while they fit the registers with the scale vectors (6-bit: int32 sums
         # over a chunk, one float FMA a chunk: nothing to split)
         split = 2 if units * rpu * m * 3 <= MAX_REGS and not lane_groups(d["bits"]) else 1
