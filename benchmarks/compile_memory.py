@@ -7,7 +7,10 @@ Compiles exactly as ``perfx-bench`` does (same work folder and stamp, so the ben
 artifact) and records: peak RSS of the process (ru_maxrss; memory-mapped file pages that were
 read count in it), the GGUF size, whether the weights were loaded lazily, per-phase seconds, the
 1-minute load average before and after (the machine is shared), into
-benchmarks/results/compile_memory.csv.
+benchmarks/results/compile_memory.csv. A thread samples /proc/self/status every 5 ms, so each step
+(``import_tvm``: the process with TVM and PerfX imported; ``load``: reading the GGUF and its tokenizer;
+then each compile phase) gets its own peak RSS, and the overall peak is split into anonymous memory
+(heap, packed arrays) and file pages (the mapped GGUF and weights file).
 """
 
 from __future__ import annotations
@@ -18,11 +21,51 @@ import os
 import resource
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+class RssSampler(threading.Thread):
+    """The largest VmRSS seen while each step ran (with its RssAnon / RssFile split at that moment)."""
+
+    def __init__(self, period_s: float = 0.005) -> None:
+        super().__init__(daemon=True)
+        self.period_s = period_s
+        self.step = "start"
+        self.peaks: dict[str, tuple[int, int, int]] = {}  # step -> (rss, anon, file) in kB
+        self._halt = threading.Event()
+
+    @staticmethod
+    def sample() -> tuple[int, int, int]:
+        fields = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "RssAnon:", "RssFile:", "RssShmem:")):
+                    key, value = line.split(":")
+                    fields[key] = int(value.split()[0])
+        return fields.get("VmRSS", 0), fields.get("RssAnon", 0), fields.get("RssFile", 0) + fields.get("RssShmem", 0)
+
+    def enter(self, step: str) -> None:
+        self.record()
+        self.step = step
+
+    def record(self) -> None:
+        now = self.sample()
+        if now[0] > self.peaks.get(self.step, (0, 0, 0))[0]:
+            self.peaks[self.step] = now
+
+    def run(self) -> None:
+        while not self._halt.wait(self.period_s):
+            self.record()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+        self.record()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "perfx-bench"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compile_memory.csv"))
     args = p.parse_args(argv)
-
+    sampler = RssSampler()
+    if Path("/proc/self/status").is_file():
+        sampler.start()
+    sampler.enter("import_tvm")
+    import perfx_compiler.tvm_compiler  # noqa: F401  (TVM as the compiler imports it: the floor of every compile)
+    from perfx_compiler import pipeline
     from perfx_compiler.bench.models import build_stamp, model_key
     from perfx_compiler.model.lazy import is_lazy
     from perfx_compiler.model.loader import load_model
@@ -41,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     path = Path(args.gguf).resolve()
     load0 = os.getloadavg()[0]
+    sampler.enter("load")
     t0 = time.perf_counter()
     desc = load_model(str(path), max_context=args.max_context)
     lazy = any(is_lazy(w) for w in desc.weights.values())
@@ -57,9 +106,21 @@ def main(argv: list[str] | None = None) -> int:
 
     timings_ref: list[dict[str, float]] = []
     CompileState.__init__ = keep  # type: ignore[method-assign]
+
+    def entering(name: str, fn: object) -> object:
+        def phase(state: CompileState) -> None:
+            sampler.enter(name)
+            fn(state)  # type: ignore[operator]
+
+        return phase
+
+    pipeline.PHASES[:] = [(name, entering(name, fn)) for name, fn in pipeline.PHASES]
     t1 = time.perf_counter()
     compile_model(desc, "host", out, progress=True, quantization=q, max_context=args.max_context)
     total = time.perf_counter() - t1
+    if sampler.is_alive():
+        sampler.stop()
+    top = max(sampler.peaks, key=lambda k: sampler.peaks[k][0]) if sampler.peaks else ""
     (out / ".bench-stamp").write_text(build_stamp(path, q, args.max_context))  # the stamp perfx-bench checks
     timings = timings_ref[-1] if timings_ref else {}
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -73,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         "weights_bin_mb": f"{weights_mb:.0f}",
         "peak_rss_after_load_mb": f"{rss_load:.0f}",
         "peak_rss_mb": f"{peak:.0f}",
+        **{f"peak_rss_{k}_mb": f"{v[0] / 1024:.0f}" for k, v in sampler.peaks.items() if k != "start"},
+        "peak_step": top,
+        "peak_anon_mb": f"{sampler.peaks[top][1] / 1024:.0f}" if top else "",
+        "peak_file_mb": f"{sampler.peaks[top][2] / 1024:.0f}" if top else "",
         "load_s": f"{t_load:.1f}",
         "compile_s": f"{total:.1f}",
         **{f"{k}_s": f"{v:.1f}" for k, v in timings.items()},

@@ -53,22 +53,81 @@ class SpilledWeights(dict):
         self.path, self.index = path, index
 
 
+class WeightFile:
+    """``weights.bin`` written while the compile runs, before packaging moves it in.
+
+    A graph pass hands each packed array that is final to ``stage``, which appends it to the file and
+    returns it mapped back read-only: the packed weights leave the heap one by one instead of all
+    sitting there until the passes end (a 7B model's 3.9 GB). ``finish`` then appends the rest and
+    indexes every weight in parameter order (the index holds each offset; the file's order is free).
+    """
+
+    STAGE_MIN_BYTES = 1 << 16  # smaller arrays (norms, scales of small weights) go with the rest
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = open(path, "wb")  # noqa: SIM115  (closed by finish or discard)
+        self._offset = 0
+        self._staged: dict[tuple[int, int], int] = {}  # (address, nbytes) of a staged view -> its offset
+
+    def _append(self, arr: np.ndarray) -> int:
+        pad = (-self._offset) % ALIGN
+        self._file.write(b"\0" * pad)
+        start = self._offset + pad
+        self._file.write(arr.reshape(-1).view(np.uint8))  # (not tobytes(): a copy as large as the weight)
+        self._offset = start + arr.nbytes
+        return start
+
+    def stage(self, arr: np.ndarray) -> np.ndarray:
+        """``arr`` written now and mapped back read-only (a small one comes back as it is)."""
+        arr = np.ascontiguousarray(arr)
+        if arr.nbytes < self.STAGE_MIN_BYTES:
+            return arr
+        start = self._append(arr)
+        self._file.flush()
+        view = np.memmap(self.path, dtype=arr.dtype, mode="r", offset=start, shape=arr.shape)
+        self._staged[(view.ctypes.data, arr.nbytes)] = start
+        return view
+
+    def finish(self, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every weight in the file, mapped back read-only (``weights`` as they are when none has bytes)."""
+        try:
+            index, used = [], set()
+            for name, arr in weights.items():
+                arr = np.ascontiguousarray(arr)
+                start = self._staged.get((arr.ctypes.data, arr.nbytes)) if arr.nbytes else None
+                if start is None:
+                    start = self._append(arr)
+                else:
+                    used.add(start)
+                index.append({"name": name, "shape": list(arr.shape), "dtype": str(arr.dtype), "offset": start,
+                              "nbytes": arr.nbytes})
+            self._file.close()
+            if used != set(self._staged.values()):  # a later pass replaced a staged array: no dead bytes
+                self.path.unlink()
+                index = _write_weights(self.path, weights)
+        except BaseException:
+            self.discard()  # (a full disk: no partial file left behind)
+            raise
+        if not any(e["nbytes"] for e in index):
+            self.path.unlink()
+            return weights
+        mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        arrays = {e["name"]: mm[e["offset"] : e["offset"] + e["nbytes"]].view(np.asarray(weights[e["name"]]).dtype)
+                  .reshape(e["shape"])
+                  for e in index}
+        return SpilledWeights(arrays, self.path, index)
+
+    def discard(self) -> None:
+        self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
 def spill_weights(weights: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
     """Write ``weights`` as ``weights.bin`` to ``path`` now and return them mapped from it: the packed
     weights leave the heap before codegen (LLVM's peak would otherwise land on top of them), and packaging
     moves the file in place instead of writing it again."""
-    try:
-        index = _write_weights(path, weights)
-    except BaseException:
-        path.unlink(missing_ok=True)  # (a full disk: no partial file left behind)
-        raise
-    if not any(e["nbytes"] for e in index):
-        path.unlink()
-        return weights
-    mm = np.memmap(path, dtype=np.uint8, mode="r")
-    arrays = {e["name"]: mm[e["offset"] : e["offset"] + e["nbytes"]].view(np.asarray(weights[e["name"]]).dtype)
-              .reshape(e["shape"]) for e in index}
-    return SpilledWeights(arrays, path, index)
+    return WeightFile(path).finish(weights)
 
 
 def write_artifact(state: Any, functions: list[str]) -> Path:

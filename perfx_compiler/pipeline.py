@@ -192,21 +192,28 @@ def phase_passes(state: CompileState) -> None:
 
     opts = state.options
     opts.activations = resolve_activations(opts.activations, opts.quantization, state.target)
-    with use_activations(opts.activations), use_batch_gemv(is_cpu_target(state.target)):
-        state.mod, state.weights = run_graph_passes(state.mod, state.weights, state.target, opts, state.desc)
-    check_signatures(state)
-    if opts.output_dir is not None:  # a compile (not lower_model): the weights are final, so to disk
-        _spill_weights(state)  # before codegen, not under its peak
+    weight_file = _weight_file(state) if opts.output_dir is not None else None  # a compile, not lower_model
+    try:
+        with use_activations(opts.activations), use_batch_gemv(is_cpu_target(state.target)):
+            state.mod, state.weights = run_graph_passes(state.mod, state.weights, state.target, opts, state.desc,
+                                                         stage=weight_file.stage if weight_file else None)
+        check_signatures(state)
+        if weight_file is not None:  # the weights are final: all of them to disk before codegen, not under its peak
+            state.weights = weight_file.finish(state.weights)
+    except BaseException:
+        if weight_file is not None:
+            weight_file.discard()
+        raise
 
 
-def _spill_weights(state: CompileState) -> None:
-    """Write the packed weights beside the artifact and map them back read-only; packaging moves the
-    file in as ``weights.bin``, and ``compile_model`` removes it if a later phase fails."""
-    from perfx_compiler.package import spill_weights
+def _weight_file(state: CompileState) -> Any:
+    """The artifact's weights file, written beside it while the passes pack the weights (package.WeightFile);
+    packaging moves it in as ``weights.bin``, and ``compile_model`` removes it if a later phase fails."""
+    from perfx_compiler.package import WeightFile
 
     out = state.options.output_dir
     out.parent.mkdir(parents=True, exist_ok=True)
-    state.weights = spill_weights(state.weights, out.parent / f".{out.name}.weights-{os.getpid()}.bin")
+    return WeightFile(out.parent / f".{out.name}.weights-{os.getpid()}.bin")
 
 
 def selected_passes(passes: list[str] | None) -> list[str]:
@@ -221,13 +228,13 @@ def selected_passes(passes: list[str] | None) -> list[str]:
 
 def run_graph_passes(
     mod: tvm.IRModule, weights: dict[str, Any], target: TargetDescription, options: CompileOptions,
-    desc: ModelDescription | None = None,
+    desc: ModelDescription | None = None, stage: Callable[[Any], Any] | None = None,
 ) -> tuple[tvm.IRModule, dict[str, Any]]:
     """Phase 1 on ``mod``: the selected GRAPH_PASSES as one ``tvm.transform.Sequential``; returns
-    the rewritten module and weight table."""
+    the rewritten module and weight table (``stage``: see ``PassContext.stage``)."""
     from perfx_compiler.passes import GraphState, PassContext, graph_pass
 
-    state = GraphState(weights=weights, ctx=PassContext(target=target, options=options, desc=desc))
+    state = GraphState(weights=weights, ctx=PassContext(target=target, options=options, desc=desc, stage=stage))
     names = selected_passes(getattr(options, "passes", None))
     mod = tvm.transform.Sequential([graph_pass(n, state) for n in names], name="perfx_graph_passes")(mod)
     state.raise_error()

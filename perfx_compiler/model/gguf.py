@@ -333,6 +333,9 @@ def load_gguf(
         shape = tuple(reversed(t.shape))
         if qtype in SUPERBLOCK_FORMATS and len(shape) == 2:
             check_finite(qtype, raw, shape, f"{source}: {gname}")  # one clear line for corrupt blocks
+            release = _page_release(reader, t)
+            if release is not None:  # the scan read every block: the pages need not stay until packing
+                release()
         lazy_here = keep_lazy and raw is not None and len(shape) == 2
         if lazy_here and (raw.ndim != 2 or raw.shape[0] != shape[0]):  # type: ignore[union-attr]
             raise ModelFormatError(f"{source}: tensor '{gname}' ({qtype}) has {raw.shape} bytes for shape {shape}; the file is corrupt")  # type: ignore[union-attr]

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import tvm
 
 import perfx_compiler.tvm_compiler  # noqa: F401  (before tvm.relax: one line if TVM was loaded runtime-only)
@@ -29,6 +31,9 @@ class PassContext:
     target: Any  # TargetDescription
     options: Any  # CompileOptions
     desc: Any = None  # ModelDescription (config, quantized GGUF blocks for passthrough)
+    # A compile's weights file (package.WeightFile.stage): a pass hands it each final packed array, which
+    # comes back mapped from disk, off the heap. None where nothing is written (lower_model, tests).
+    stage: Callable[[np.ndarray], np.ndarray] | None = None
 
 
 @dataclass

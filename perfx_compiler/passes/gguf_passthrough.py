@@ -139,4 +139,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
             packed[name] = _checked(name, w, tables[name], words8, vnni, gpu)
         if not vnni:
             packed[name].vnni = None  # unused under f32 activations; its closure holds the unpacked codes
+        stage = getattr(ctx, "stage", None)
+        if stage is not None and not gpu and packed[name].vnni is None:  # final: off the heap, to the weights file
+            packed[name].arrays = [(suffix, stage(a)) for suffix, a in packed[name].arrays]
     return rewrite_linears(mod, weights, packed)

@@ -1,7 +1,8 @@
-"""The packed weights go to disk after the graph passes (``package.spill_weights``), so codegen's peak does
-not land on top of them: the artifact's ``weights.bin`` is that file moved in place, byte for byte what
-writing it at packaging gives, and no spill file is left behind, neither by a compile nor by one that
-fails after the passes."""
+"""The packed weights go to disk during the graph passes (``package.WeightFile``), so neither the passes'
+nor codegen's peak lands on top of them: the GGUF passthrough stages each packed array as it is packed,
+the rest follow when the passes end. The artifact's ``weights.bin`` is that file moved in place, holding
+every weight as writing it at packaging gives (in another order when arrays were staged, with no bytes
+that no weight uses), and no weights file is left behind, neither by a compile nor by one that fails."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from perfx_compiler import pipeline
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.model.gguf import load_gguf
 from perfx_compiler.model.testing import write_tiny_gguf
-from perfx_compiler.package import SpilledWeights, _write_weights
+from perfx_compiler.package import SpilledWeights, WeightFile, _write_weights
 
 
 def test_spilled_weights_are_the_artifacts_and_leave_nothing(tmp_path, monkeypatch):
@@ -42,3 +43,47 @@ def test_spilled_weights_are_the_artifacts_and_leave_nothing(tmp_path, monkeypat
     with pytest.raises(PerfXError, match="codegen failed"):
         pipeline.compile_model(desc, "host", tmp_path / "art2", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.bin", "art", "m.gguf"]
+
+
+def _artifact_weights(out) -> dict[str, bytes]:
+    import json
+
+    blob = (out / "weights.bin").read_bytes()
+    index = json.loads((out / "perfx-config.json").read_text())["weights"]
+    return {e["name"]: blob[e["offset"] : e["offset"] + e["nbytes"]] for e in index}
+
+
+def test_passthrough_stages_packed_weights_while_packing(tmp_path, monkeypatch):
+    """Every packed GGUF array is staged (threshold lowered to 0 for this tiny model) and the artifact's
+    weights are, name by name, the bytes an unstaged compile writes; the file has no dead bytes."""
+    gguf, _ = write_tiny_gguf(tmp_path / "m.gguf", qtype="Q4_K", vocab=320, hidden=256, ffn=512, seed=int(np.random.default_rng().integers(1 << 30)))
+    desc = load_gguf(gguf)
+    plain = pipeline.compile_model(desc, "host", tmp_path / "plain", progress=False, quantization="gguf")
+    staged: list[tuple[int, ...]] = []
+    stage = WeightFile.stage
+
+    def spy(self, arr):
+        staged.append(np.shape(arr))
+        return stage(self, arr)
+
+    monkeypatch.setattr(WeightFile, "STAGE_MIN_BYTES", 0)
+    monkeypatch.setattr(WeightFile, "stage", spy)
+    out = pipeline.compile_model(desc, "host", tmp_path / "staged", progress=False, quantization="gguf")
+    assert len(staged) >= 7, staged  # q|k|v, o, gate|up, down per layer and the embedding / head
+    assert _artifact_weights(out) == _artifact_weights(plain)
+    assert (out / "weights.bin").stat().st_size == (plain / "weights.bin").stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "plain", "staged"]
+
+
+def test_weight_file_leaves_no_dead_bytes(tmp_path):
+    """A staged array that no final weight uses (a later pass replaced it) is not kept in the file."""
+    rng = np.random.default_rng()
+    a, b = rng.standard_normal((64, 300)).astype(np.float32), rng.standard_normal(1000).astype(np.float32)
+    wf = WeightFile(tmp_path / "w.bin")
+    dropped = wf.stage(rng.standard_normal((64, 300)).astype(np.float32))
+    kept = wf.stage(a)
+    assert not dropped.flags.writeable and np.array_equal(kept, a)
+    weights = wf.finish({"a": kept, "b": b})
+    _write_weights(tmp_path / "ref.bin", {"a": a, "b": b})
+    assert (tmp_path / "w.bin").read_bytes() == (tmp_path / "ref.bin").read_bytes()
+    assert np.array_equal(weights["a"], a) and np.array_equal(weights["b"], b)
