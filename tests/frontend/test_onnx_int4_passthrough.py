@@ -184,6 +184,7 @@ def test_failed_package_leaves_no_partial_artifact(tmp_path, monkeypatch):
         raise OSError("No space left on device")
 
     monkeypatch.setattr(package, "_write_weights", disk_full)
+    monkeypatch.setattr(package.WeightFile, "_append", disk_full)  # (the weights file written during the passes)
     out = tmp_path / "art"
     with pytest.raises(PerfXError, match="No space left on device"):
         compile_model(str(path), "host", out, progress=False, batching=False)
