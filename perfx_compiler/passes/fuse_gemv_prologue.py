@@ -14,8 +14,8 @@ own y rows, so the down GEMV reads h (half of gate|up's size) and only quantizes
 both of down's tasks computed swiglu over all of gate|up, half of which the other core wrote. A
 gate|up GEMV whose halves are not whole row units keeps swiglu as down's prologue.
 
-Only where the GEMV is the VNNI one of one activation row (decode on an AVX-512 VNNI CPU; int4 or
-int8 codes, e.g. GGUF Q4_0/Q4_1/Q8_0) and is the only reader of the small kernel's output;
+Only where the GEMV is the VNNI one of one activation row (decode on an AVX-512 VNNI CPU; codes of any
+width: GGUF Q4_0/Q4_1/Q8_0, the K-quants, Q5_0/Q5_1, IQ4) and is the only reader of the small kernel's output;
 everything else is left as is. Measurements: docs/decisions/quantized-linears.md.
 """
 
@@ -27,7 +27,7 @@ import tvm
 from tvm import relax
 
 from perfx_compiler.formats import QUANT_ATTR
-from perfx_compiler.formats.vnni import vnni_compute
+from perfx_compiler.formats.vnni import ROWS_PER_UNIT, vnni_compute
 from perfx_compiler.passes._relax_util import (
     FUSED_OP_ATTR,
     SKIP,
@@ -45,7 +45,7 @@ NAME = "fuse_gemv_prologue"
 def _one_row_gemv(func: Any) -> dict[str, Any] | None:
     """The ``perfx.quant`` facts of a VNNI GEMV (int4 or int8 codes) with x of shape [1, 1, K], else None."""
     info = json_attr(func, QUANT_ATTR)
-    if not info or info.get("layout") != "vnni" or info.get("kind") != "matmul" or info.get("bits") not in (4, 8):
+    if not info or info.get("layout") != "vnni" or info.get("kind") != "matmul" or info.get("bits") not in ROWS_PER_UNIT:
         return None
     if info.get("prologue") or int(info["K"]) % 16:
         return None
@@ -82,8 +82,8 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         # swiglu of a GEMV's y, its only reader: fused after that GEMV (epilogue), not before down
         tails = {}
         for var, (_, q) in gemvs.items():
-            # y splits into gate and up halves of whole row units (int4: row pairs)
-            if int(q["N"]) % (4 if int(q["bits"]) == 4 else 2) == 0:
+            # y splits into gate and up halves of whole row units (int4: row pairs, 5-bit: octets, ...)
+            if int(q["N"]) % (2 * ROWS_PER_UNIT[int(q["bits"])]) == 0:
                 if (h := swiglu_reader(mod, info, var)) is not None:
                     tails[var] = {"out": h}
         taken = {t["out"] for t in tails.values()}

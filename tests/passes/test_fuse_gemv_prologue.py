@@ -13,7 +13,7 @@ import pytest
 
 from tests._cpu import needs_vnni
 
-from .conftest import ALL_PASSES, compile_options, tiny_desc
+from .conftest import ALL_PASSES, FUSION_PASSES, compile_options, tiny_desc
 
 PASSES = [*ALL_PASSES, "quantize_int8"]
 
@@ -91,6 +91,32 @@ def test_fused_model_gives_the_same_logits(tmp_path_factory, quantization: str) 
     assert fused_name not in (plain / "model.so").read_bytes()
     assert b"1x1_swiglu" in (fused / "model.so").read_bytes()  # gate_up with the swiglu epilogue
     assert json.loads((fused / "perfx-config.json").read_text())["activations"] == "int8"
+    ids = np.random.default_rng().integers(0, desc.config.vocab_size, size=12).tolist()
+    out = []
+    for art in (plain, fused):
+        e = Engine(art)
+        out.append(np.stack([e.prefill(ids[:4])[0]] + [e.decode(t) for t in ids[4:]]))
+    assert np.array_equal(out[0], out[1]), np.abs(out[0] - out[1]).max()
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q6_K", "Q5_K"])
+def test_low_bit_gguf_model_fuses_and_gives_the_same_logits(tmp_path_factory, qtype: str) -> None:
+    """A GGUF of 5- or 6-bit codes (its blocks as they are): decode's norms and swiglu go into its GEMVs
+    as they do for int4 / int8 codes, and the logits stay bit for bit those of the unfused model."""
+    from perfx_compiler.model.gguf import load_gguf
+    from perfx_compiler.model.testing import write_tiny_gguf
+    from perfx_compiler.runtime.engine import Engine
+
+    root = tmp_path_factory.mktemp(f"prologue-{qtype}")
+    gguf, _ = write_tiny_gguf(root / "m.gguf", qtype=qtype, vocab=320, hidden=256, ffn=512, seed=11)
+    desc = load_gguf(gguf)
+    passes = [*FUSION_PASSES, "gguf_passthrough"]
+    plain = _compile(desc, root / "plain", passes, "gguf")
+    fused = _compile(desc, root / "fused", [*passes, "fuse_gemv_prologue"], "gguf")
+    fused_so = (fused / "model.so").read_bytes()
+    assert b"add_rms_norm_q" in fused_so and b"1x1_swiglu" in fused_so
+    assert b"add_rms_norm_q" not in (plain / "model.so").read_bytes()
     ids = np.random.default_rng().integers(0, desc.config.vocab_size, size=12).tolist()
     out = []
     for art in (plain, fused):

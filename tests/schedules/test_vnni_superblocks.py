@@ -311,3 +311,66 @@ def test_iq4_table_lookup_is_one_vpshufb(template, target, qtype):
             assert asm.count("vpcmpeqb") == 0 and asm.count("vpblendmb") == 0, (qtype, rows)
         else:
             assert lookups == 0, (qtype, rows, lookups)
+
+
+def _prologue_inputs(prologue: str, k: int, rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
+    """(the fused GEMV's inputs, the x it multiplies with: float64 prologue rounded to float32, as the
+    separate kernel stores it)."""
+    if prologue == "swiglu":
+        gu = (rng.standard_normal((1, 1, 2 * k)) * 3).astype(np.float32)
+        g, u = gu[..., :k].astype(np.float64), gu[..., k:].astype(np.float64)
+        return [gu], (g / (1 + np.exp(-g)) * u).astype(np.float32)
+    inputs = [rng.standard_normal((1, 1, k)).astype(np.float32) for _ in range(2)]
+    if not prologue:
+        return inputs[:1], inputs[0]
+    inputs.append((1 + 0.3 * rng.standard_normal(k)).astype(np.float32))
+    a, b, w = (v.astype(np.float64) for v in inputs)
+    s = a + b
+    return inputs, (s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * w).astype(np.float32)
+
+
+@needs_vnni
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_K", "Q6_K", "Q3_K", "Q2_K"])
+@pytest.mark.parametrize("prologue,epilogue", [("add_rms_norm", ""), ("swiglu", ""), ("", "swiglu"),
+                                               ("add_rms_norm", "swiglu")])
+def test_fused_prologue_and_epilogue_on_low_bit_codes(template, target, qtype, prologue, epilogue):
+    """passes/fuse_gemv_prologue.py fuses add_rms_norm / swiglu into the 2-, 3-, 5- and 6-bit GEMVs too: x
+    made inside the call must be the separate kernel's x (a + b returned exactly), y the plain GEMV's, and
+    h = silu(gate) * up of that y, for the default config and x quantized on the calling thread; keyed
+    as the plain GEMV (its records apply). N = 2 x 96: whole row units per half for every layout."""
+    import tvm
+
+    from perfx_compiler.formats import QUANT_ATTR
+    from perfx_compiler.formats.vnni import vnni_compute
+    from perfx_compiler.passes._relax_util import json_attr
+
+    rng = np.random.default_rng()
+    n, k = 192, 512
+    sub, w = fake_subscaled(qtype, n, k, rng)
+    pk = subscaled_vnni_packed(sub, qtype)
+    info = json_attr(pk.compute("matmul", (1, 1)), QUANT_ATTR)
+    args = (n, k, int(sub.group), int(info["bits"]), bool(info["sym"]), bool(info["offset"]), "matmul", (1, 1))
+    extra = {"sb": int(info.get("sb", 0)), "lut": str(info.get("lut", ""))}
+    func = vnni_compute(*args, prologue=prologue, eps=1e-5, epilogue=epilogue, **extra)
+    wl = template.match(func, target)
+    plain = template.match(vnni_compute(*args, **extra).with_attr("op_pattern", 8), target)
+    assert wl.key == plain.key
+    inputs, x = _prologue_inputs(prologue, k, rng)
+    ref = quantize_activations(x, k, sub.group) @ w.astype(np.float64).T
+    dev = tvm.cpu()
+    default = template.default_config(wl, target)
+    for cfg in (default, {**default, "tquant": 0, "tasks": 3}):
+        rt = build_func(template.apply(func, wl, cfg, target), target)
+        total = tvm.runtime.tensor(np.zeros((1, 1, k), np.float32), dev)
+        y = tvm.runtime.tensor(np.zeros((1, 1, n), np.float32), dev)
+        h = tvm.runtime.tensor(np.full((1, 1, n // 2), np.nan, np.float32), dev)
+        rt["main"](*[tvm.runtime.tensor(v, dev) for v in inputs], *[tvm.runtime.tensor(a, dev) for _, a in pk.arrays],
+                   *([total] if prologue == "add_rms_norm" else []), y, *([h] if epilogue else []))
+        yv = y.numpy()
+        assert np.abs(yv - ref).max() <= 2e-5 * np.abs(ref).max(), (qtype, cfg)
+        if prologue == "add_rms_norm":
+            assert np.array_equal(total.numpy(), inputs[0] + inputs[1]), cfg
+        if epilogue:
+            g, u = yv[..., : n // 2].astype(np.float64), yv[..., n // 2 :].astype(np.float64)
+            want = g / (1 + np.exp(-g)) * u
+            assert np.abs(h.numpy() - want).max() <= 1e-5 * np.abs(want).max(), (qtype, cfg)
