@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from perfx_compiler.kernels.fastmath import fast_activations
+from perfx_compiler.kernels.fastmath import called_ops, fast_activations
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -46,8 +46,7 @@ def analyze_injective(func: Any) -> dict[str, Any] | None:
     if inner is None:
         return None
     outer_static, symbolic = outer_extents(extents[:-1])
-    text = func.script()
-    heavy = any(f"T.{op}(" in text for op in ("sigmoid", "exp", "tanh", "erf", "log", "pow"))
+    heavy = bool(called_ops(func) & {f"tirx.{op}" for op in ("sigmoid", "exp", "tanh", "erf", "log", "pow")})
     return {"inner": inner, "outer": outer_static, "symbolic": symbolic, "heavy": heavy}
 
 
