@@ -91,16 +91,18 @@ def dequantize_blocks(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> np
 
 
 def packed_from_blocks(
-    qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool = False, vnni: bool = False, gpu: bool = False
+    qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool = False, vnni: bool = False, gpu: bool = False,
+    rows: int | None = None,
 ) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor (``words8``: Q8_0 codes and Q4_0 zeros as uint32 words, for WGSL;
     ``vnni``: its int8-activation variant directly, the same arrays ``Packed.vnni()`` would give; Q5_0's codes
-    in 5-bit planes, ``formats/bitplanes.py``, per row on CPUs, a uint32 array a plane with ``gpu``)."""
+    in 5-bit planes, ``formats/bitplanes.py``, per row on CPUs, a uint32 array a plane with ``gpu``; ``rows``, with
+    ``vnni``: the whole weight's N when ``raw`` holds a chunk of its rows, ``formats.vnni.ROW_CHUNKS``)."""
     if qtype == "Q8_0" and vnni:  # the blocks' code bytes as a view, no int8 [N, K] copy (Gemma 3's embedding: 168 MB)
         from perfx_compiler.formats.vnni import q8_vnni_packed
 
         b = _blocks(qtype, raw, shape)
-        return q8_vnni_packed(b[:, :, 2:].view(np.int8), _f16(b, 0), BLOCK)
+        return q8_vnni_packed(b[:, :, 2:].view(np.int8), _f16(b, 0), BLOCK, rows=rows)
     parts = unpack_blocks(qtype, raw, shape)
     if qtype == "Q5_0" and vnni:
         from perfx_compiler.formats.ggml._format import SubScaled
@@ -108,17 +110,17 @@ def packed_from_blocks(
 
         ones = np.ones(parts[1].shape, dtype=np.int8)  # one level: sub-scale 1, d the block's scale
         sub = SubScaled(codes=parts[0], scales=ones, mins=None, d=parts[1], dmin=None, group=BLOCK, sb=BLOCK)
-        return subscaled_vnni_packed(sub, qtype)
+        return subscaled_vnni_packed(sub, qtype, rows=rows)
     if qtype in INT8_TYPES:
         if vnni:
             from perfx_compiler.formats.vnni import q8_vnni_packed
 
-            return q8_vnni_packed(parts[0], parts[1], BLOCK)
+            return q8_vnni_packed(parts[0], parts[1], BLOCK, rows=rows)
         bits = 5 if qtype == "Q5_0" else 8
         return int8_packed(parts[0], parts[1], BLOCK, words=words8, code_bits=bits, word_planes=gpu)
     fmt = Q4_0 if qtype == "Q4_0" else Q4_1
     if vnni:
         from perfx_compiler.formats.vnni import q4_vnni_packed
 
-        return q4_vnni_packed(*parts, fmt)
+        return q4_vnni_packed(*parts, fmt, rows=rows)
     return int4_packed(*parts, fmt, words=words8)

@@ -156,8 +156,9 @@ def vnni_info(n: int, k: int, group: int, bits: int, symmetric: bool, offset: bo
     return json.dumps(info, sort_keys=True)
 
 
-def q4_vnni_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: Any) -> Any:
-    """The :class:`~perfx_compiler.formats.Packed` of int4 codes in the VNNI pair layout (``fmt``: ``formats.int4.Int4Format``)."""
+def q4_vnni_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt: Any, rows: int | None = None) -> Any:
+    """The :class:`~perfx_compiler.formats.Packed` of int4 codes in the VNNI pair layout (``fmt``: ``formats.int4.Int4Format``;
+    ``rows``: the whole weight's N when ``codes`` are a chunk of its rows, see :data:`ROW_CHUNKS`)."""
     from perfx_compiler.formats import Packed
 
     n, k = codes.shape
@@ -169,18 +170,24 @@ def q4_vnni_packed(codes: np.ndarray, scale: np.ndarray, third: np.ndarray, fmt:
     elif not fmt.symmetric:  # (symmetric: zero point 8, no array)
         arrays.append(("_q4_zero", pad_groups(np.asarray(third, dtype=np.uint8), k, fmt.group, n2)))
 
+    n = rows or n
+
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
         return vnni_compute(n, k, fmt.group, 4, fmt.symmetric, fmt.offset, kind, rows, ids_dtype)
 
     return Packed("q4", f"{fmt.tag}v", n, k, arrays, compute)
 
 
-def q8_vnni_packed(codes: np.ndarray, scale: np.ndarray, group: int) -> Any:
+def q8_vnni_packed(codes: np.ndarray, scale: np.ndarray, group: int, rows: int | None = None) -> Any:
+    """The :class:`~perfx_compiler.formats.Packed` of int8 codes in the VNNI layout (``rows``: as for
+    :func:`q4_vnni_packed`)."""
     from perfx_compiler.formats import Packed
 
     n, k = codes.shape[0], int(np.prod(codes.shape[1:]))  # (codes [N, K] or [N, K / 32, 32])
     arrays = [("_q8", pack_q8_offset(np.asarray(codes, dtype=np.int8))),
               ("_q8_scale", pad_groups(np.asarray(scale, dtype=np.float16), k, group, n))]
+
+    n = rows or n
 
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
         return vnni_compute(n, k, group, 8, True, False, kind, rows, ids_dtype)
@@ -226,15 +233,19 @@ FIVEBIT_TYPES = ("Q5_K", "Q5_1", "Q5_0")
 # 2-bit row quads (Q2_K, with its min) and 3-bit row octets (Q3_K's code + 4, zero point 4): formats/vnni_lowbit.py
 LOWBIT_TYPES = {"Q2_K": 2, "Q3_K": 3}
 ROWS_PER_UNIT = {2: 4, 3: 8, 4: 2, 5: 8, 6: 4, 8: 1}  # rows one code row holds
+# Every VNNI layout's arrays run over the rows on axis 0 (code units, scale / min rows), padded at the end
+# only: a weight packed in chunks of a multiple of ROW_CHUNKS rows, concatenated on axis 0, is the weight
+# packed whole (passes/gguf_passthrough.py packs large weights so; tests/formats check it per type).
+ROW_CHUNKS = 64
 
 
-def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
+def subscaled_vnni_packed(sub: Any, qtype: str, rows: int | None = None) -> Any:
     """The :class:`~perfx_compiler.formats.Packed` of a GGUF tensor unpacked by ``formats.ggml``
     (``SubScaled``) in the VNNI layout: codes as int4 row pairs (Q4_K), 2-bit row quads (Q2_K), 3-bit
     row octets (Q3_K, zero point 4), 6-bit row quads
     (Q6_K), 5-bit row octets (Q5_K, Q5_1 with a min; Q5_0 with zero point 16) or int4 table indices
     (IQ4_XS, IQ4_NL); superblock scales as described above, or for one-level types (sb == group: Q5_1,
-    Q5_0, IQ4_NL, whose sub-scale is 1) float16 group tables."""
+    Q5_0, IQ4_NL, whose sub-scale is 1) float16 group tables. ``rows``: as for :func:`q4_vnni_packed`."""
     from perfx_compiler.formats import Packed
     from perfx_compiler.formats.vnni_lowbit import (
         pack_q2_quads,
@@ -279,6 +290,8 @@ def subscaled_vnni_packed(sub: Any, qtype: str) -> Any:
         third = pad_groups(-np.asarray(sub.dmin, dtype=np.float16), k, g, n2) if offset else None
     fam = f"q{bits}"
     arrays = [(f"_{fam}", codes), (f"_{fam}_scale", scale)] + ([(f"_{fam}_min", third)] if offset else [])
+
+    n = rows or n
 
     def compute(kind: str, rows: tuple[int | None, int | None], ids_dtype: str = "int64") -> Any:
         return vnni_compute(n, k, g, bits, not offset, offset, kind, rows, ids_dtype, sb=sb, lut=lut)

@@ -33,7 +33,7 @@ from perfx_compiler.errors import PerfXError
 from perfx_compiler.formats import ggml
 from perfx_compiler.formats.gguf_blocks import BLOCK_BYTES, dequantize_blocks, packed_from_blocks
 from perfx_compiler.formats.superblocks import subscaled_packed
-from perfx_compiler.formats.vnni import subscaled_vnni_packed
+from perfx_compiler.formats.vnni import ROW_CHUNKS, subscaled_vnni_packed
 from perfx_compiler.model.lazy import is_lazy
 from perfx_compiler.passes._quantized_linears import current_activations, linear_weights, rewrite_linears
 from perfx_compiler.passes.merge_projections import complete_groups
@@ -73,12 +73,44 @@ def gpu_target(ctx: Any) -> bool:
 
 
 def _pack(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool, vnni: bool, gpu: bool = False,
-          sub: Any = None) -> Any:
-    """The Packed of one tensor's blocks (``sub``: its superblock arrays, when already unpacked)."""
+          sub: Any = None, rows: int | None = None) -> Any:
+    """The Packed of one tensor's blocks (``sub``: its superblock arrays, when already unpacked; ``rows``: the
+    whole weight's N when ``raw`` is a chunk of its rows, VNNI layouts only)."""
     if qtype in ggml.FORMATS:
         sub = sub if sub is not None else ggml.unpack(qtype, raw, shape)
-        return subscaled_vnni_packed(sub, qtype) if vnni else subscaled_packed(sub, qtype, gpu=gpu, words=words8)
-    return packed_from_blocks(qtype, raw, shape, words8, vnni, gpu)
+        return subscaled_vnni_packed(sub, qtype, rows=rows) if vnni else subscaled_packed(sub, qtype, gpu=gpu, words=words8)
+    return packed_from_blocks(qtype, raw, shape, words8, vnni, gpu, rows=rows)
+
+
+PACK_CHUNK_BYTES = 8 << 20  # blocks packed at a time: unpacking widens them (int8 / int16 codes, scales)
+
+
+def _pack_in_chunks(qtype: str, raw: np.ndarray, shape: tuple[int, int], vnni: bool) -> Any:
+    """``_pack`` of a large weight in the VNNI layout, a chunk of rows at a time into the whole arrays
+    (``formats.vnni.ROW_CHUNKS``: axis 0 runs over the rows in every layout), so unpacking's temporaries
+    are a chunk's, not the weight's (a 7B model's 131M-weight Q6_K head: ~0.8 GB of them)."""
+    n, k = shape
+    step = max(ROW_CHUNKS, PACK_CHUNK_BYTES // max(1, raw.shape[1]) // ROW_CHUNKS * ROW_CHUNKS)
+    if not vnni or n <= 2 * step:
+        return _pack(qtype, raw, shape, False, vnni)
+    starts = list(range(0, n, step))
+
+    def chunk(a: int) -> Any:
+        b = min(a + step, n)
+        return _pack(qtype, raw[a:b], (b - a, k), False, vnni, rows=n)
+
+    first, last = chunk(starts[0]), chunk(starts[-1])  # (the last one's extent is the padded end's)
+    arrays = []
+    for (suffix, head), (_, tail) in zip(first.arrays, last.arrays, strict=True):
+        out = np.empty((head.shape[0] * (len(starts) - 1) + tail.shape[0], *head.shape[1:]), head.dtype)
+        out[: head.shape[0]] = head
+        out[head.shape[0] * (len(starts) - 1) :] = tail
+        arrays.append((suffix, out))
+    for i, a in enumerate(starts[1:-1], start=1):
+        for (_, out), (_, part) in zip(arrays, chunk(a).arrays, strict=True):
+            out[i * part.shape[0] : (i + 1) * part.shape[0]] = part
+    first.arrays = arrays
+    return first
 
 
 def _checked(name: str, weight: Any, table: tuple[str, np.ndarray, tuple[int, int]], words8: bool, vnni: bool,
@@ -133,7 +165,10 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     for name in tqdm(names, desc="pack GGUF weights", unit="weight", disable=not show, leave=False, file=console()):
         w = weights[name]
         if is_lazy(w):
-            packed[name] = _pack(w.qtype, w.blocks(), w.shape, words8, vnni, gpu)
+            blocks = w.blocks()
+            packed[name] = (_pack_in_chunks(w.qtype, blocks, w.shape, vnni) if not gpu and not words8
+                            else _pack(w.qtype, blocks, w.shape, words8, vnni, gpu))
+            del blocks
             w.release()  # read once: its file pages need not stay resident
         else:
             packed[name] = _checked(name, w, tables[name], words8, vnni, gpu)
