@@ -43,3 +43,32 @@ def map_large_allocations(threshold: int = 1 << 20) -> None:
     lib = _libc()
     if lib is not None:
         lib.mallopt(M_MMAP_THRESHOLD, int(threshold))
+
+
+def drop_file_pages(view: Any) -> None:
+    """Let the OS drop the resident pages under ``view``, a read-only numpy view of a memory-mapped file (the
+    GGUF's blocks), once it has been read: they are clean file pages, read again from the page cache or
+    the file if needed. Anything else (a copy, a writable mapping) is left alone; only pages wholly inside
+    the view are dropped."""
+    import mmap
+
+    import numpy as np
+
+    base = view
+    while base is not None and not isinstance(base, mmap.mmap):
+        if isinstance(base, np.ndarray) and base.flags.writeable:
+            return
+        if isinstance(base, memoryview):
+            base = base.obj
+        elif isinstance(base, np.memmap):
+            base = getattr(base, "_mmap", None)
+        else:
+            base = getattr(base, "base", None)
+    lib = _libc()
+    if base is None or lib is None or not hasattr(lib, "madvise") or not view.flags.c_contiguous:
+        return
+    page = mmap.PAGESIZE
+    start = -(-view.ctypes.data // page) * page
+    end = (view.ctypes.data + view.nbytes) // page * page
+    if end > start:
+        lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4)  # MADV_DONTNEED

@@ -34,6 +34,7 @@ from perfx_compiler.formats import ggml
 from perfx_compiler.formats.gguf_blocks import BLOCK_BYTES, dequantize_blocks, packed_from_blocks
 from perfx_compiler.formats.superblocks import subscaled_packed
 from perfx_compiler.formats.vnni import ROW_CHUNKS, subscaled_vnni_packed
+from perfx_compiler.heap import drop_file_pages
 from perfx_compiler.model.lazy import is_lazy
 from perfx_compiler.passes._quantized_linears import current_activations, linear_weights, rewrite_linears
 from perfx_compiler.passes.merge_projections import complete_groups
@@ -97,7 +98,9 @@ def _pack_in_chunks(qtype: str, raw: np.ndarray, shape: tuple[int, int], vnni: b
 
     def chunk(a: int) -> Any:
         b = min(a + step, n)
-        return _pack(qtype, raw[a:b], (b - a, k), False, vnni, rows=n)
+        packed = _pack(qtype, raw[a:b], (b - a, k), False, vnni, rows=n)
+        drop_file_pages(raw[a:b])  # read once: the file's pages need not stay resident (a mapped weight)
+        return packed
 
     first, last = chunk(starts[0]), chunk(starts[-1])  # (the last one's extent is the padded end's)
     arrays = []

@@ -45,3 +45,19 @@ def test_chunked_packing_is_the_whole_packing(monkeypatch, qtype: str, n: int) -
     import tvm_ffi
 
     assert tvm_ffi.structural_equal(chunked.compute("matmul", (1, 1)), whole.compute("matmul", (1, 1)))
+
+
+def test_drop_file_pages_leaves_the_data_and_copies_alone(tmp_path) -> None:
+    """Chunked packing drops each chunk's pages of the mapped GGUF (``heap.drop_file_pages``): the view still
+    reads the same bytes (they come back from the file), and a copy (writable) is never touched."""
+    from perfx_compiler.heap import drop_file_pages
+
+    data = np.random.default_rng().integers(0, 256, 1 << 22, dtype=np.uint8)
+    path = tmp_path / "blocks.bin"
+    data.tofile(path)
+    mapped = np.asarray(memoryview(np.memmap(path, dtype=np.uint8, mode="r")._mmap)).reshape(-1, 4096)
+    copy = np.array(mapped)
+    assert np.array_equal(mapped, copy)
+    drop_file_pages(mapped[10:900])
+    drop_file_pages(copy[10:900])
+    assert np.array_equal(mapped.reshape(-1), data) and np.array_equal(copy.reshape(-1), data)
