@@ -68,7 +68,9 @@ class WeightFile:
         self.path = path
         self._file = open(path, "wb")  # noqa: SIM115  (closed by finish or discard)
         self._offset = 0
-        self._staged: dict[tuple[int, int], int] = {}  # (address, nbytes) of a staged view -> its offset
+        # (address, nbytes) of a staged view -> (its offset, the view): the view is kept so that no other array
+        # can take its address while the file is written (a replaced view would otherwise pass for staged)
+        self._staged: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
 
     def _append(self, arr: np.ndarray) -> int:
         pad = (-self._offset) % ALIGN
@@ -86,7 +88,7 @@ class WeightFile:
         start = self._append(arr)
         self._file.flush()
         view = np.memmap(self.path, dtype=arr.dtype, mode="r", offset=start, shape=arr.shape)
-        self._staged[(view.ctypes.data, arr.nbytes)] = start
+        self._staged[(view.ctypes.data, arr.nbytes)] = (start, view)
         return view
 
     def finish(self, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -95,20 +97,22 @@ class WeightFile:
             index, used = [], set()
             for name, arr in weights.items():
                 arr = np.ascontiguousarray(arr)
-                start = self._staged.get((arr.ctypes.data, arr.nbytes)) if arr.nbytes else None
-                if start is None:
+                hit = self._staged.get((arr.ctypes.data, arr.nbytes)) if arr.nbytes else None
+                if hit is None:
                     start = self._append(arr)
                 else:
+                    start = hit[0]
                     used.add(start)
                 index.append({"name": name, "shape": list(arr.shape), "dtype": str(arr.dtype), "offset": start,
                               "nbytes": arr.nbytes})
             self._file.close()
-            if used != set(self._staged.values()):  # a later pass replaced a staged array: no dead bytes
+            if used != {start for start, _ in self._staged.values()}:  # a staged array was replaced: no dead bytes
                 self.path.unlink()
                 index = _write_weights(self.path, weights)
         except BaseException:
             self.discard()  # (a full disk: no partial file left behind)
             raise
+        self._staged.clear()
         if not any(e["nbytes"] for e in index):
             self.path.unlink()
             return weights
@@ -119,6 +123,7 @@ class WeightFile:
         return SpilledWeights(arrays, self.path, index)
 
     def discard(self) -> None:
+        self._staged.clear()
         self._file.close()
         self.path.unlink(missing_ok=True)
 

@@ -43,7 +43,7 @@ NAME = "fuse_gemv_prologue"
 
 
 def _one_row_gemv(func: Any) -> dict[str, Any] | None:
-    """The ``perfx.quant`` facts of a VNNI GEMV (int4 or int8 codes) with x of shape [1, 1, K], else None."""
+    """The ``perfx.quant`` facts of a VNNI GEMV (codes of any width) with x of shape [1, 1, K], else None."""
     info = json_attr(func, QUANT_ATTR)
     if not info or info.get("layout") != "vnni" or info.get("kind") != "matmul" or info.get("bits") not in ROWS_PER_UNIT:
         return None
