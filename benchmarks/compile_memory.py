@@ -155,8 +155,32 @@ def main(argv: list[str] | None = None) -> int:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
+    plot(rows, dst.with_suffix(".png"))
     print(" ".join(f"{k}={v}" for k, v in row.items()))
     return 0
+
+
+STEPS = ["import_tvm", "load", "import", "passes", "lower", "schedule", "build", "package"]
+
+
+def plot(rows: list[dict[str, str]], path: Path) -> None:
+    """Each model's peak RSS per step (import TVM, load, then each compile phase) as a multiple of its GGUF's
+    size, the issue's 2x line drawn across: where each compile's memory goes, and which step sets its peak."""
+    from _common import figure
+
+    rows = [r for r in rows if r.get("peak_rss_passes_mb")]  # (rows written before the per-step columns: none)
+    if not rows:
+        return
+    with figure(path, figsize=(11, 4.5)) as (_, ax):
+        for r in rows:
+            gguf = float(r["gguf_mb"])
+            ys = [float(r[f"peak_rss_{s}_mb"]) / gguf if r.get(f"peak_rss_{s}_mb") else float("nan") for s in STEPS]
+            ax.plot(STEPS, ys, marker="o", label=f"{r['model']} ({gguf:.0f} MB file, peak {float(r['peak_rss_mb']):.0f} MB)")
+        ax.axhline(2.0, color="grey", linestyle="--", linewidth=1, label="2x the file")
+        ax.set_yscale("log")
+        ax.set_ylabel("peak RSS in the step / GGUF size")
+        ax.set_title("perfx-compile memory per step (benchmarks/compile_memory.py)")
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
 
 
 if __name__ == "__main__":
