@@ -11,6 +11,7 @@ un-permuted the same way (a row permutation moves whole quantized rows).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from perfx_compiler.errors import (
 )
 from perfx_compiler.formats.ggml import FORMATS as SUPERBLOCK_FORMATS
 from perfx_compiler.formats.ggml import check_finite
-from perfx_compiler.heap import trim_heap
+from perfx_compiler.heap import drop_file_pages, trim_heap
 from perfx_compiler.model.description import (
     ModelConfig,
     ModelDescription,
@@ -279,26 +280,6 @@ def _want_lazy(tensors: Mapping[str, GGUFTensor], lazy: bool | None) -> bool:
     return floats > LAZY_FLOAT_BYTES
 
 
-def _page_release(reader: GGUFFile, t: GGUFTensor) -> Any:
-    """A callable that lets the OS drop tensor ``t``'s pages of the reader's file mapping."""
-    import mmap
-
-    mm = reader.mmap
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    if advice is None:
-        return None
-    start = t.data_offset & ~(mmap.PAGESIZE - 1)
-    length = t.data_offset + t.n_bytes - start
-
-    def release() -> None:
-        try:
-            mm.madvise(advice, start, length)
-        except (OSError, ValueError):  # best effort: the pages are clean file pages either way
-            pass
-
-    return release
-
-
 def load_gguf(
     path: str | os.PathLike[str], max_context: int | None = None, lazy: bool | None = None
 ) -> ModelDescription:
@@ -333,9 +314,7 @@ def load_gguf(
         shape = tuple(reversed(t.shape))
         if qtype in SUPERBLOCK_FORMATS and len(shape) == 2:
             check_finite(qtype, raw, shape, f"{source}: {gname}")  # one clear line for corrupt blocks
-            release = _page_release(reader, t)
-            if release is not None:  # the scan read every block: the pages need not stay until packing
-                release()
+            drop_file_pages(raw)  # the scan read every block: the pages need not stay until packing
         lazy_here = keep_lazy and raw is not None and len(shape) == 2
         if lazy_here and (raw.ndim != 2 or raw.shape[0] != shape[0]):  # type: ignore[union-attr]
             raise ModelFormatError(f"{source}: tensor '{gname}' ({qtype}) has {raw.shape} bytes for shape {shape}; the file is corrupt")  # type: ignore[union-attr]
@@ -347,7 +326,7 @@ def load_gguf(
                 raise ModelFormatError(f"{source}: tensor '{gname}' has {n_rows} rows, expected {len(order)} for its heads")
             part_shape = (n_rows, *shape[1:]) if shape else shape
             if lazy_here:
-                release = _page_release(reader, t) if len(plan) == 1 else None
+                release = functools.partial(drop_file_pages, raw) if len(plan) == 1 else None
                 lw = QuantizedWeight(qtype, [raw[rows]], part_shape, [order], [release])  # type: ignore[index]
                 weights[part] = lw
                 quantized[part] = (qtype, lw, part_shape)  # the blocks live in the weight (passthrough reads them there)

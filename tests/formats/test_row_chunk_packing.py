@@ -47,9 +47,15 @@ def test_chunked_packing_is_the_whole_packing(monkeypatch, qtype: str, n: int) -
     assert tvm_ffi.structural_equal(chunked.compute("matmul", (1, 1)), whole.compute("matmul", (1, 1)))
 
 
+def _rss_file_kb() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
 def test_drop_file_pages_leaves_the_data_and_copies_alone(tmp_path) -> None:
-    """Chunked packing drops each chunk's pages of the mapped GGUF (``heap.drop_file_pages``): the view still
-    reads the same bytes (they come back from the file), and a copy (writable) is never touched."""
+    """Chunked packing and the load's block scan drop pages of the mapped GGUF (``heap.drop_file_pages``): the
+    pages leave the process's resident set, the view still reads the same bytes (they come back from the
+    file), and a copy (writable) is never touched."""
     from perfx_compiler.heap import drop_file_pages
 
     data = np.random.default_rng().integers(0, 256, 1 << 22, dtype=np.uint8)
@@ -58,6 +64,8 @@ def test_drop_file_pages_leaves_the_data_and_copies_alone(tmp_path) -> None:
     mapped = np.asarray(memoryview(np.memmap(path, dtype=np.uint8, mode="r")._mmap)).reshape(-1, 4096)
     copy = np.array(mapped)
     assert np.array_equal(mapped, copy)
+    before = _rss_file_kb()
     drop_file_pages(mapped[10:900])
+    assert before - _rss_file_kb() >= 890 * 4 // 2, (before, _rss_file_kb())  # 890 pages of 4 KiB, most of them
     drop_file_pages(copy[10:900])
     assert np.array_equal(mapped.reshape(-1), data) and np.array_equal(copy.reshape(-1), data)
