@@ -46,7 +46,7 @@ def _write_weights(path: Path, weights: dict[str, np.ndarray]) -> list[dict[str,
 
 
 class SpilledWeights(dict):
-    """``weights.bin`` written ahead of packaging, its arrays mapped back read-only (``spill_weights``)."""
+    """``weights.bin`` written ahead of packaging, its arrays mapped back read-only (``WeightFile.finish``)."""
 
     def __init__(self, arrays: dict[str, np.ndarray], path: Path, index: list[dict[str, Any]]) -> None:
         super().__init__(arrays)
@@ -128,13 +128,6 @@ class WeightFile:
         self.path.unlink(missing_ok=True)
 
 
-def spill_weights(weights: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
-    """Write ``weights`` as ``weights.bin`` to ``path`` now and return them mapped from it: the packed
-    weights leave the heap before codegen (LLVM's peak would otherwise land on top of them), and packaging
-    moves the file in place instead of writing it again."""
-    return WeightFile(path).finish(weights)
-
-
 def write_artifact(state: Any, functions: list[str]) -> Path:
     """Write ``state`` (a pipeline CompileState after build), which exports ``functions``, to
     ``state.options.output_dir``."""
@@ -158,7 +151,7 @@ def _write_into(state: Any, functions: list[str], tmp: Path, out: Path) -> Path:
     state.executable.export_library(str(tmp / "model.so"), **_export_kwargs(target))
     weights = state.weights
     if isinstance(weights, SpilledWeights) and weights.path.exists() and [e["name"] for e in weights.index] == list(weights):
-        os.replace(weights.path, tmp / "weights.bin")  # written before codegen (spill_weights)
+        os.replace(weights.path, tmp / "weights.bin")  # written before codegen (WeightFile)
         weight_index = weights.index
     else:
         weight_index = _write_weights(tmp / "weights.bin", weights)

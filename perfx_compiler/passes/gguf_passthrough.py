@@ -86,14 +86,15 @@ def _pack(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool, vnn
 PACK_CHUNK_BYTES = 8 << 20  # blocks packed at a time: unpacking widens them (int8 / int16 codes, scales)
 
 
-def _pack_in_chunks(qtype: str, raw: np.ndarray, shape: tuple[int, int], vnni: bool) -> Any:
-    """``_pack`` of a large weight in the VNNI layout, a chunk of rows at a time into the whole arrays
+def _pack_in_chunks(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool, vnni: bool,
+                    gpu: bool = False) -> Any:
+    """``_pack``; a large weight in the VNNI layout a chunk of rows at a time into the whole arrays
     (``formats.vnni.ROW_CHUNKS``: axis 0 runs over the rows in every layout), so unpacking's temporaries
     are a chunk's, not the weight's (a 7B model's 131M-weight Q6_K head: ~0.8 GB of them)."""
     n, k = shape
     step = max(ROW_CHUNKS, PACK_CHUNK_BYTES // max(1, raw.shape[1]) // ROW_CHUNKS * ROW_CHUNKS)
-    if not vnni or n <= 2 * step:
-        return _pack(qtype, raw, shape, False, vnni)
+    if not vnni or gpu or words8 or n <= 2 * step:  # (the VNNI layouts are the CPU's int8-activation ones)
+        return _pack(qtype, raw, shape, words8, vnni, gpu)
     starts = list(range(0, n, step))
 
     def chunk(a: int) -> Any:
@@ -165,19 +166,16 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     packed = {}
     from perfx_compiler.progress import console
 
+    stage = getattr(ctx, "stage", None)  # (a compile's weights file; None for lower_model)
     for name in tqdm(names, desc="pack GGUF weights", unit="weight", disable=not show, leave=False, file=console()):
         w = weights[name]
         if is_lazy(w):
-            blocks = w.blocks()
-            packed[name] = (_pack_in_chunks(w.qtype, blocks, w.shape, vnni) if not gpu and not words8
-                            else _pack(w.qtype, blocks, w.shape, words8, vnni, gpu))
-            del blocks
+            packed[name] = _pack_in_chunks(w.qtype, w.blocks(), w.shape, words8, vnni, gpu)
             w.release()  # read once: its file pages need not stay resident
         else:
             packed[name] = _checked(name, w, tables[name], words8, vnni, gpu)
         if not vnni:
             packed[name].vnni = None  # unused under f32 activations; its closure holds the unpacked codes
-        stage = getattr(ctx, "stage", None)
         if stage is not None and not gpu and packed[name].vnni is None:  # final: off the heap, to the weights file
             packed[name].arrays = [(suffix, stage(a)) for suffix, a in packed[name].arrays]
     return rewrite_linears(mod, weights, packed)

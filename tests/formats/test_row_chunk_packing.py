@@ -35,7 +35,7 @@ def test_chunked_packing_is_the_whole_packing(monkeypatch, qtype: str, n: int) -
     raw = _random_blocks(qtype, n, k, rng)
     whole = gp._pack(qtype, raw, (n, k), False, True)
     monkeypatch.setattr(gp, "PACK_CHUNK_BYTES", 1)  # chunks of ROW_CHUNKS rows: 16 for n=1000, 4 for 203
-    chunked = gp._pack_in_chunks(qtype, raw, (n, k), True)
+    chunked = gp._pack_in_chunks(qtype, raw, (n, k), False, True)
     assert (chunked.n, chunked.k, chunked.family, chunked.tag) == (whole.n, whole.k, whole.family, whole.tag) == (
         n, k, whole.family, whole.tag)
     assert [s for s, _ in chunked.arrays] == [s for s, _ in whole.arrays]
