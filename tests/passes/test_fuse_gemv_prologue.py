@@ -56,6 +56,18 @@ def _compile(desc, out: Path, passes: list[str], quantization: str) -> Path:
     return out
 
 
+def _assert_same_logits(plain: Path, fused: Path, vocab: int) -> None:
+    """Prefill of 4 random ids, then 8 decode steps: the two artifacts' logits equal bit for bit."""
+    from perfx_compiler.runtime.engine import Engine
+
+    ids = np.random.default_rng().integers(0, vocab, size=12).tolist()
+    out = []
+    for art in (plain, fused):
+        e = Engine(art)
+        out.append(np.stack([e.prefill(ids[:4])[0]] + [e.decode(t) for t in ids[4:]]))
+    assert np.array_equal(out[0], out[1]), np.abs(out[0] - out[1]).max()
+
+
 @needs_vnni
 def test_decode_gemvs_take_the_norm_and_swiglu() -> None:
     """In decode every add_rms_norm before a GEMV and every swiglu are gone into fused GEMVs (the first
@@ -80,8 +92,6 @@ def test_decode_gemvs_take_the_norm_and_swiglu() -> None:
 @needs_vnni
 @pytest.mark.parametrize("quantization", ["q4_g32", "q4_sym_g64", "q8"])
 def test_fused_model_gives_the_same_logits(tmp_path_factory, quantization: str) -> None:
-    from perfx_compiler.runtime.engine import Engine
-
     desc = tiny_desc(layers=2, seed=7)
     root = tmp_path_factory.mktemp(f"prologue-{quantization}")
     plain = _compile(desc, root / "plain", PASSES, quantization)
@@ -91,12 +101,7 @@ def test_fused_model_gives_the_same_logits(tmp_path_factory, quantization: str) 
     assert fused_name not in (plain / "model.so").read_bytes()
     assert b"1x1_swiglu" in (fused / "model.so").read_bytes()  # gate_up with the swiglu epilogue
     assert json.loads((fused / "perfx-config.json").read_text())["activations"] == "int8"
-    ids = np.random.default_rng().integers(0, desc.config.vocab_size, size=12).tolist()
-    out = []
-    for art in (plain, fused):
-        e = Engine(art)
-        out.append(np.stack([e.prefill(ids[:4])[0]] + [e.decode(t) for t in ids[4:]]))
-    assert np.array_equal(out[0], out[1]), np.abs(out[0] - out[1]).max()
+    _assert_same_logits(plain, fused, desc.config.vocab_size)
 
 
 @needs_vnni
@@ -106,7 +111,6 @@ def test_low_bit_gguf_model_fuses_and_gives_the_same_logits(tmp_path_factory, qt
     as they do for int4 / int8 codes, and the logits stay bit for bit those of the unfused model."""
     from perfx_compiler.model.gguf import load_gguf
     from perfx_compiler.model.testing import write_tiny_gguf
-    from perfx_compiler.runtime.engine import Engine
 
     root = tmp_path_factory.mktemp(f"prologue-{qtype}")
     gguf, _ = write_tiny_gguf(root / "m.gguf", qtype=qtype, vocab=320, hidden=256, ffn=512, seed=11)
@@ -117,9 +121,4 @@ def test_low_bit_gguf_model_fuses_and_gives_the_same_logits(tmp_path_factory, qt
     fused_so = (fused / "model.so").read_bytes()
     assert b"add_rms_norm_q" in fused_so and b"1x1_swiglu" in fused_so
     assert b"add_rms_norm_q" not in (plain / "model.so").read_bytes()
-    ids = np.random.default_rng().integers(0, desc.config.vocab_size, size=12).tolist()
-    out = []
-    for art in (plain, fused):
-        e = Engine(art)
-        out.append(np.stack([e.prefill(ids[:4])[0]] + [e.decode(t) for t in ids[4:]]))
-    assert np.array_equal(out[0], out[1]), np.abs(out[0] - out[1]).max()
+    _assert_same_logits(plain, fused, desc.config.vocab_size)

@@ -100,3 +100,13 @@ def sample_configs(template: Any, workload: Any, target: Any, n: int, seed: int 
     valid = [c for c in combos if c != default and template.is_valid(workload, c, target)]
     rng = random.Random(seed)
     return [default, *rng.sample(valid, min(n, len(valid)))]
+
+
+def prologue_x(prologue: str, inputs: list[np.ndarray], k: int) -> np.ndarray:
+    """x the fused GEMV multiplies with, in float64 then rounded to float32 (as the separate kernel stores it)."""
+    if prologue == "swiglu":
+        g, u = inputs[0][..., :k].astype(np.float64), inputs[0][..., k:].astype(np.float64)
+        return (g / (1 + np.exp(-g)) * u).astype(np.float32)
+    a, b, w = (v.astype(np.float64) for v in inputs)
+    s = a + b
+    return (s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * w).astype(np.float32)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sched_helpers import needs_vnni, vnni_weights
+from sched_helpers import needs_vnni, prologue_x, vnni_weights
 
 from perfx_compiler.formats.gguf_blocks import Q4_1
 from perfx_compiler.formats.vnni import (
@@ -306,16 +306,6 @@ def test_long_rows_default_is_hinib_and_matches_reference(template, target, fmt,
         {"units": 1, "split": 2, "hinib": 1, "nta": 0}
 
 
-def _prologue_x(prologue: str, inputs: list[np.ndarray], k: int) -> np.ndarray:
-    """x the fused GEMV multiplies with, in float64 then rounded to float32 (as the separate kernel stores it)."""
-    if prologue == "swiglu":
-        g, u = inputs[0][..., :k].astype(np.float64), inputs[0][..., k:].astype(np.float64)
-        return (g / (1 + np.exp(-g)) * u).astype(np.float32)
-    a, b, w = (v.astype(np.float64) for v in inputs)
-    s = a + b
-    return (s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * w).astype(np.float32)
-
-
 @needs_vnni
 @pytest.mark.parametrize("prologue", ["add_rms_norm", "swiglu"])
 @pytest.mark.parametrize("fmt,n,k", [("Q4_0", 70, 576), ("Q4_1", 96, 1536), ("Q8_0", 40, 576)])
@@ -342,7 +332,7 @@ def test_fused_prologue_gemv_matches_reference(template, target, prologue, fmt, 
     else:
         inputs = [rng.standard_normal((1, 1, k)).astype(np.float32) for _ in range(2)]
         inputs.append((1 + 0.3 * rng.standard_normal(k)).astype(np.float32))
-    x = _prologue_x(prologue, inputs, k)
+    x = prologue_x(prologue, inputs, k)
     ref = quantize_activations(x, k, 32) @ wd.T
     dev = tvm.cpu()
     for cfg in (default, {**default, "tquant": 0, "tasks": 4}):
@@ -381,7 +371,7 @@ def test_swiglu_epilogue_gemv_matches_reference(template, target, prologue, fmt,
     if prologue:
         inputs = [rng.standard_normal((1, 1, k)).astype(np.float32) for _ in range(2)]
         inputs.append((1 + 0.3 * rng.standard_normal(k)).astype(np.float32))
-        x = _prologue_x(prologue, inputs, k)
+        x = prologue_x(prologue, inputs, k)
     else:
         inputs = [rng.standard_normal((1, 1, k)).astype(np.float32)]
         x = inputs[0]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from sched_helpers import needs_vnni
+from sched_helpers import needs_vnni, prologue_x
 
 from perfx_compiler.formats.ggml.iq4_nl import KVALUES
 from perfx_compiler.formats.vnni import quantize_activations, subscaled_vnni_packed
@@ -314,19 +314,15 @@ def test_iq4_table_lookup_is_one_vpshufb(template, target, qtype):
 
 
 def _prologue_inputs(prologue: str, k: int, rng: np.random.Generator) -> tuple[list[np.ndarray], np.ndarray]:
-    """(the fused GEMV's inputs, the x it multiplies with: float64 prologue rounded to float32, as the
-    separate kernel stores it)."""
+    """(The fused GEMV's inputs, the x it multiplies with: ``sched_helpers.prologue_x``, or the input itself)."""
     if prologue == "swiglu":
-        gu = (rng.standard_normal((1, 1, 2 * k)) * 3).astype(np.float32)
-        g, u = gu[..., :k].astype(np.float64), gu[..., k:].astype(np.float64)
-        return [gu], (g / (1 + np.exp(-g)) * u).astype(np.float32)
-    inputs = [rng.standard_normal((1, 1, k)).astype(np.float32) for _ in range(2)]
-    if not prologue:
-        return inputs[:1], inputs[0]
-    inputs.append((1 + 0.3 * rng.standard_normal(k)).astype(np.float32))
-    a, b, w = (v.astype(np.float64) for v in inputs)
-    s = a + b
-    return inputs, (s / np.sqrt((s * s).mean(-1, keepdims=True) + 1e-5) * w).astype(np.float32)
+        inputs = [(rng.standard_normal((1, 1, 2 * k)) * 3).astype(np.float32)]
+    else:
+        inputs = [rng.standard_normal((1, 1, k)).astype(np.float32) for _ in range(2)]
+        if not prologue:
+            return inputs[:1], inputs[0]
+        inputs.append((1 + 0.3 * rng.standard_normal(k)).astype(np.float32))
+    return inputs, prologue_x(prologue, inputs, k)
 
 
 @needs_vnni
