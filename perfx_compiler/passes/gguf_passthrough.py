@@ -90,7 +90,8 @@ def _pack_in_chunks(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8:
                     gpu: bool = False) -> Any:
     """``_pack``; a large weight in the VNNI layout a chunk of rows at a time into the whole arrays
     (``formats.vnni.ROW_CHUNKS``: axis 0 runs over the rows in every layout), so unpacking's temporaries
-    are a chunk's, not the weight's (a 7B model's 131M-weight Q6_K head: ~0.8 GB of them)."""
+    are a chunk's, not the weight's (7B Q4_K_M: 882 MB anonymous at the passes' peak with whole weights,
+    docs/decisions/gguf-superblocks.md)."""
     n, k = shape
     step = max(ROW_CHUNKS, PACK_CHUNK_BYTES // max(1, raw.shape[1]) // ROW_CHUNKS * ROW_CHUNKS)
     if not vnni or gpu or words8 or n <= 2 * step:  # (the VNNI layouts are the CPU's int8-activation ones)
