@@ -160,6 +160,8 @@ def tokenizer_json_from_gguf(reader_fields: Mapping[str, Any]) -> str:
         tok = _build(reader_fields, str(model), tokens, types)
     except PerfXError:
         raise
+    except ImportError as e:  # a broken install, not a corrupt file
+        raise PerfXError(f"the '{e.name or 'tokenizers'}' package is missing; reinstall PerfX (pip install .)") from None
     except Exception as e:  # tokenizers raises plain Exception on inconsistent vocabularies
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelFormatError(f"GGUF vocabulary cannot form a tokenizer ({first}); the file is corrupt") from e

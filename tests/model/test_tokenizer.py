@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from perfx_compiler.errors import ModelFormatError, UnsupportedModelError
+from perfx_compiler.errors import ModelFormatError, PerfXError, UnsupportedModelError
 from perfx_compiler.model.tokenizer import (
     ChatTemplateError,
     load_tokenizer,
@@ -119,6 +119,15 @@ def test_unsupported_tokenizers() -> None:
         tokenizer_json_from_gguf(_fields(**{"tokenizer.ggml.tokens": []}))
     with pytest.raises(ModelFormatError):
         load_tokenizer("{not json")
+
+
+def test_missing_tokenizers_package_is_not_called_a_corrupt_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers -> ImportError
+    with pytest.raises(PerfXError, match="'tokenizers' package is missing") as e:
+        tokenizer_json_from_gguf(_fields())
+    assert not isinstance(e.value, ModelFormatError)
 
 
 def test_sentencepiece_vocab() -> None:
