@@ -45,6 +45,8 @@ SUPPORTED_GGML_TYPES = (
 # Types kept raw for the quantized-passthrough pass (formats/gguf_blocks.py, formats/ggml/), and
 # which the lazy loader keeps instead of floats.
 PASSTHROUGH_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", *sorted(SUPERBLOCK_FORMATS))
+# Matrix types the lazy loader keeps as their mapped bytes: the block types and the float ones (model/lazy.py).
+LAZY_TYPES = (*PASSTHROUGH_TYPES, "F32", "F16", "BF16")
 
 DEFAULT_MAX_CONTEXT = 2048
 # chat end markers that also stop generation (ChatML, Llama 3, GPT-style, Gemma)
@@ -261,7 +263,7 @@ def config_from_metadata(
     return cfg
 
 
-# Above this many bytes of float32 passthrough-type matrices the loader keeps them lazy (see lazy.py),
+# Above this many bytes of float32 matrices (of LAZY_TYPES) the loader keeps them lazy (see lazy.py),
 # which every real model is: eagerly Gemma 3 270M Q4_K_M (253 MB) compiled in a 4.0 GB peak, SmolLM2 Q4_1
 # in 1.5 GB. Below it (the tests' tiny models) the eager path's check of every packed weight against
 # gguf-py's floats is cheap enough to keep.
@@ -276,7 +278,7 @@ def _want_lazy(tensors: Mapping[str, GGUFTensor], lazy: bool | None) -> bool:
     if env in ("0", "1"):
         return env == "1"
     floats = sum(4 * int(np.prod(t.shape)) for t in tensors.values()
-                 if t.tensor_type.name in PASSTHROUGH_TYPES)
+                 if t.tensor_type.name in LAZY_TYPES and len(t.shape) == 2)
     return floats > LAZY_FLOAT_BYTES
 
 
@@ -285,7 +287,7 @@ def load_gguf(
 ) -> ModelDescription:
     """Load a llama/qwen2 GGUF file: config, float32 HF-layout weights, tokenizer, chat template.
 
-    ``lazy``: Q4_0/Q4_1/Q8_0 matrices become ``lazy.QuantizedWeight`` (the mapped blocks, no
+    ``lazy``: matrices of a block or float type become ``lazy.QuantizedWeight`` (the mapped bytes, no
     float32 copy); None decides by size (``_want_lazy``)."""
     from perfx_compiler.model.lazy import QuantizedWeight
     from perfx_compiler.model.tokenizer import tokenizer_json_from_gguf
@@ -315,6 +317,8 @@ def load_gguf(
         if qtype in SUPERBLOCK_FORMATS and len(shape) == 2:
             check_finite(qtype, raw, shape, f"{source}: {gname}")  # one clear line for corrupt blocks
             drop_file_pages(raw)  # the scan read every block: the pages need not stay until packing
+        if keep_lazy and qtype in LAZY_TYPES and raw is None and len(shape) == 2:
+            raw = np.asarray(t.data).view(np.uint8)  # a float matrix's rows as bytes: [N, K * element bytes]
         lazy_here = keep_lazy and raw is not None and len(shape) == 2
         if lazy_here and (raw.ndim != 2 or raw.shape[0] != shape[0]):  # type: ignore[union-attr]
             raise ModelFormatError(f"{source}: tensor '{gname}' ({qtype}) has {raw.shape} bytes for shape {shape}; the file is corrupt")  # type: ignore[union-attr]
@@ -329,7 +333,8 @@ def load_gguf(
                 release = functools.partial(drop_file_pages, raw) if len(plan) == 1 else None
                 lw = QuantizedWeight(qtype, [raw[rows]], part_shape, [order], [release])  # type: ignore[index]
                 weights[part] = lw
-                quantized[part] = (qtype, lw, part_shape)  # the blocks live in the weight (passthrough reads them there)
+                if qtype in PASSTHROUGH_TYPES:
+                    quantized[part] = (qtype, lw, part_shape)  # the blocks live in the weight (passthrough reads them there)
                 continue
             wp = w[rows] if len(plan) > 1 else w  # type: ignore[index]
             rp = raw[rows] if raw is not None and len(plan) > 1 else raw

@@ -2,7 +2,9 @@
 
 ``load_gguf(..., lazy=True)`` puts a :class:`QuantizedWeight` in ``ModelDescription.weights`` for
 every matrix of a block type (Q4_0 / Q4_1 / Q5_0 / Q8_0, the K-quants, IQ4, Q5_1) instead of its float32 copy: a 7B model's fp32 weights (27 GB)
-would not fit in memory, its blocks (3.6 GB) are read from the mapped file. The object looks
+would not fit in memory, its blocks (3.6 GB) are read from the mapped file. Float matrices (F16, BF16,
+F32) are kept the same way, as their mapped rows: a float file compiled to its own quantization
+(``--quantization q4_k``, ``q8``, ``q4_g128``) is then widened to float32 one weight at a time. The object looks
 like a float32 array where only the metadata is asked (``shape``, ``ndim``, ``dtype``, ``size``);
 ``np.asarray`` dequantizes it (the float64 reference, the float / own-quantization compile
 paths). The GGUF passthrough reads ``blocks()`` and never builds the float matrix; merged
@@ -22,10 +24,13 @@ def _row_bytes(qtype: str, k: int) -> int | None:
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     qt = getattr(GGMLQuantizationType, qtype, None)
-    if qt is None or qtype in ("F32", "F16", "BF16") or qt not in GGML_QUANT_SIZES:
+    if qt is None or qt not in GGML_QUANT_SIZES:
         return None
     weights, nbytes = GGML_QUANT_SIZES[qt]
     return k // weights * nbytes
+
+
+FLOAT_TYPES = ("F32", "F16", "BF16")  # "blocks" of one element: the rows' raw bytes
 
 
 class QuantizedWeight:
@@ -98,6 +103,8 @@ class QuantizedWeight:
         qt = GGMLQuantizationType[self.qtype]
         rows = [np.asarray(dequantize(np.asarray(self._part(i)), qt), dtype=np.float32) for i in range(len(self.parts))]
         out = (rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0)).reshape(self.shape)
+        if not out.flags.writeable:  # F32 rows come back as a view of the read-only mapping
+            out = out.copy()
         return out if dtype is None else out.astype(dtype, copy=False)
 
     def astype(self, dtype: Any, copy: bool = True) -> np.ndarray:

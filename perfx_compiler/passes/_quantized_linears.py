@@ -65,6 +65,20 @@ def current_activations() -> str:
     return _ACTIVATIONS.get()
 
 
+def finalized(pk: Packed, ctx: Any) -> Packed:
+    """``pk`` in the layout its kernels read (its VNNI variant under int8 activations), as ``rewrite_linears``
+    would take it, with its arrays handed to the compile's weights file (``PassContext.stage``) on CPU
+    targets: a pass that packs weight by weight then holds one weight's arrays on the heap, not every
+    weight's until the passes end. (GPU layouts are still rewritten after the passes: not staged.)"""
+    if current_activations() == "int8" and pk.vnni is not None:
+        pk = pk.vnni()
+    pk.vnni = None  # final; its closure would hold the unpacked codes
+    stage = getattr(ctx, "stage", None)
+    if stage is not None and getattr(getattr(ctx, "target", None), "family", "") != "gpu":
+        pk.arrays = [(suffix, stage(a)) for suffix, a in pk.arrays]
+    return pk
+
+
 _BATCH_GEMV: contextvars.ContextVar[bool] = contextvars.ContextVar("perfx_batch_gemv", default=False)
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import tvm
 
 from perfx_compiler.errors import PerfXError
-from perfx_compiler.formats.int4 import Int4Format, dequantize_int4, quantize_int4, words_target
+from perfx_compiler.formats.int4 import Int4Format, dequantize_int4, quantize_int4
 from perfx_compiler.passes.quantize_int4 import quantize_linears
 
 NAME = "awq"
@@ -147,4 +147,4 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         raise PerfXError("AWQ is not supported for models with Q/K/V biases yet; use q4_g128 or q8")
     new, _ = awq_weights(weights, ctx.desc, fmt)
     # Replace the weight values (parameters keep their names), then quantize round-to-nearest.
-    return quantize_linears(mod, new, fmt, words=words_target(ctx.target))
+    return quantize_linears(mod, new, fmt, ctx)

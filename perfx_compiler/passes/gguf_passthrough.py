@@ -36,7 +36,7 @@ from perfx_compiler.formats.superblocks import subscaled_packed
 from perfx_compiler.formats.vnni import ROW_CHUNKS, subscaled_vnni_packed
 from perfx_compiler.heap import drop_file_pages
 from perfx_compiler.model.lazy import is_lazy
-from perfx_compiler.passes._quantized_linears import current_activations, linear_weights, rewrite_linears
+from perfx_compiler.passes._quantized_linears import current_activations, finalized, linear_weights, rewrite_linears
 from perfx_compiler.passes.merge_projections import complete_groups
 
 NAME = "gguf_passthrough"
@@ -167,7 +167,6 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     packed = {}
     from perfx_compiler.progress import console
 
-    stage = getattr(ctx, "stage", None)  # (a compile's weights file; None for lower_model)
     for name in tqdm(names, desc="pack GGUF weights", unit="weight", disable=not show, leave=False, file=console()):
         w = weights[name]
         if is_lazy(w):
@@ -175,8 +174,5 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
             w.release()  # read once: its file pages need not stay resident
         else:
             packed[name] = _checked(name, w, tables[name], words8, vnni, gpu)
-        if not vnni:
-            packed[name].vnni = None  # unused under f32 activations; its closure holds the unpacked codes
-        if stage is not None and not gpu and packed[name].vnni is None:  # final: off the heap, to the weights file
-            packed[name].arrays = [(suffix, stage(a)) for suffix, a in packed[name].arrays]
+        packed[name] = finalized(packed[name], ctx)  # off the heap, to the weights file
     return rewrite_linears(mod, weights, packed)

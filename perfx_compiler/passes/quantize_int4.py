@@ -21,7 +21,7 @@ import tvm
 
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.formats.int4 import Int4Format, int4_packed, quantize_int4, words_target
-from perfx_compiler.passes._quantized_linears import GEMV_MAX_ROWS, linear_weights, rewrite_linears
+from perfx_compiler.passes._quantized_linears import GEMV_MAX_ROWS, finalized, linear_weights, rewrite_linears
 
 NAME = "quantize_int4"
 
@@ -50,10 +50,10 @@ def parse(quantization: str) -> Int4Format | None:
 
 
 def quantize_linears(
-    mod: tvm.IRModule, weights: dict[str, Any], fmt: Int4Format, prepare: Any = None, words: bool = False
+    mod: tvm.IRModule, weights: dict[str, Any], fmt: Int4Format, ctx: Any, prepare: Any = None
 ) -> tuple[tvm.IRModule, dict[str, Any]]:
-    """The pass body, reusable by AWQ (``prepare(name, W) -> W'`` adjusts a weight first; ``words``:
-    zero points as uint32 words, ``formats.int4.words_target``)."""
+    """The pass body, reusable by AWQ (``prepare(name, W) -> W'`` adjusts a weight first)."""
+    words = words_target(ctx.target)  # zero points as uint32 words
     quant, _ = linear_weights(mod, weights)
     packed = {}
     for name in quant:
@@ -61,7 +61,7 @@ def quantize_linears(
         if prepare is not None:
             w = prepare(name, w)
         fmt.lanes(w.shape[1])  # one-line error when K does not suit the packing
-        packed[name] = int4_packed(*quantize_int4(w, fmt), fmt, words=words)
+        packed[name] = finalized(int4_packed(*quantize_int4(w, fmt), fmt, words=words), ctx)
     return rewrite_linears(mod, weights, packed)
 
 
@@ -70,4 +70,4 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     fmt = parse(quantization)
     if fmt is None:
         return mod, weights
-    return quantize_linears(mod, weights, fmt, words=words_target(ctx.target))
+    return quantize_linears(mod, weights, fmt, ctx)

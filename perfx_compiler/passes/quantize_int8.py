@@ -14,7 +14,7 @@ import numpy as np
 import tvm
 
 from perfx_compiler.formats.int8 import check_group, int8_packed, quantize_int8
-from perfx_compiler.passes._quantized_linears import linear_weights, rewrite_linears
+from perfx_compiler.passes._quantized_linears import finalized, linear_weights, rewrite_linears
 
 NAME = "quantize_int8"
 _Q8 = re.compile(r"^q8(?:_g(32|64|128))?$")
@@ -38,6 +38,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     raw_target = getattr(ctx.target, "raw", None) or {}  # GPU with int32 indices (WGSL): no 8-bit types
     words = getattr(ctx.target, "family", "") == "gpu" and raw_target.get("index_dtype") == "int32"
     packed = {
-        n: int8_packed(*quantize_int8(np.asarray(weights[n], dtype=np.float32), group), group, words) for n in quant
+        n: finalized(int8_packed(*quantize_int8(np.asarray(weights[n], dtype=np.float32), group), group, words), ctx)
+        for n in quant
     }
     return rewrite_linears(mod, weights, packed)

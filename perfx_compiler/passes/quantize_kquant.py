@@ -26,7 +26,7 @@ from perfx_compiler.formats.ggml import q4_k, q6_k
 from perfx_compiler.formats.int8 import int8_packed, quantize_int8
 from perfx_compiler.formats.superblocks import subscaled_packed
 from perfx_compiler.formats.vnni import subscaled_vnni_packed
-from perfx_compiler.passes._quantized_linears import current_activations, linear_weights, rewrite_linears
+from perfx_compiler.passes._quantized_linears import current_activations, finalized, linear_weights, rewrite_linears
 
 NAME = "quantize_kquant"
 SCHEMES = {"q4_k": "Q4_K", "q6_k": "Q6_K"}  # quantization name -> ggml type
@@ -71,7 +71,9 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     for name in tqdm(names, desc=f"quantize {qtype}", unit="weight", disable=not show, leave=False, file=console()):
         w = np.asarray(weights[name], dtype=np.float32)
         if w.shape[1] % SB == 0:
-            packed[name] = kquant_packed(w, qtype, vnni)
-        else:  # int8 groups of 32: rewrite_linears takes them to the VNNI layout under int8 activations
-            packed[name] = int8_packed(*quantize_int8(w, Q8_GROUP), Q8_GROUP)
+            pk = kquant_packed(w, qtype, vnni)
+        else:  # int8 groups of 32 (finalized takes them to the VNNI layout under int8 activations)
+            pk = int8_packed(*quantize_int8(w, Q8_GROUP), Q8_GROUP)
+        del w  # (a lazy float weight's float32 copy: one at a time)
+        packed[name] = finalized(pk, ctx)
     return rewrite_linears(mod, weights, packed)

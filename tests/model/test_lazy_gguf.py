@@ -43,12 +43,15 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "big": _write(root / "big.gguf", "Q4_0", hidden=512, ffn=1536, layers=3, heads=8, kv_heads=4,
                       vocab=2048, tied=False, seed=3),
         # llama.cpp's own Q4_K_M mix (Q4_K, Q6_K): rows of whole 256-weight superblocks
+        # float matrices stay their mapped rows too (a float file compiled to its own quantization)
+        "F16": _write(root / "f16.gguf", "F16", hidden=256, ffn=512, heads=4, kv_heads=2, tied=False, seed=7),
+        "BF16": _write(root / "bf16.gguf", "BF16", hidden=256, ffn=512, heads=4, kv_heads=2, tied=True, seed=8),
         "Q4_K_M": llama_quantize(_write(root / "f32.gguf", "F32", hidden=256, ffn=512, heads=4, kv_heads=2,
                                         tied=False, seed=4), root / "q4_k_m.gguf", "Q4_K_M"),
     }
 
 
-@pytest.mark.parametrize("key", ["Q4_0", "Q4_1+Q8_0", "Q4_K_M"])
+@pytest.mark.parametrize("key", ["Q4_0", "Q4_1+Q8_0", "Q4_K_M", "F16", "BF16"])
 def test_lazy_weights_stand_for_the_eager_floats(files: dict[str, Path], key: str) -> None:
     from perfx_compiler.model.gguf import load_gguf
 
@@ -161,6 +164,24 @@ def test_lazy_compile_is_identical_to_eager(files: dict[str, Path], tmp_path: Pa
     outs = [(e.prefill(ids), e.decode(7), e.decode(11)) for e in engines]
     for a, b in zip(*outs, strict=True):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("quantization", ["q4_k", "q8"])
+def test_lazy_float_file_quantizes_as_the_eager_one(files: dict[str, Path], tmp_path: Path, quantization: str) -> None:
+    """An F16 file compiled to a PerfX quantization from its mapped rows (one weight widened at a time) writes
+    the eager compile's weights byte for byte; no float matrix of it is left in the artifact's table."""
+    from perfx_compiler.model.gguf import load_gguf
+    from perfx_compiler.pipeline import compile_model
+
+    arts = {}
+    for lazy in (False, True):
+        desc = load_gguf(files["F16"], lazy=lazy)
+        assert any(is_lazy(w) for w in desc.weights.values()) == lazy
+        arts[lazy] = compile_model(desc, "host", tmp_path / f"art-{lazy}", progress=False, batching=False,
+                                   quantization=quantization)
+    manifests = [json.loads((arts[k] / "perfx-config.json").read_text()) for k in (False, True)]
+    assert manifests[0]["weights"] == manifests[1]["weights"]
+    assert (arts[False] / "weights.bin").read_bytes() == (arts[True] / "weights.bin").read_bytes()
 
 
 def test_auto_lazy_by_size(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:

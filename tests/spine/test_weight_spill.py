@@ -1,8 +1,9 @@
 """The packed weights go to disk during the graph passes (``package.WeightFile``), so neither the passes'
-nor codegen's peak lands on top of them: the GGUF passthrough stages each packed array as it is packed,
-the rest follow when the passes end. The artifact's ``weights.bin`` is that file moved in place, holding
-every weight as writing it at packaging gives (in another order when arrays were staged, with no bytes
-that no weight uses), and no weights file is left behind, neither by a compile nor by one that fails."""
+nor codegen's peak lands on top of them: the GGUF passthrough and the quantizing passes stage each packed
+array as it is packed, the rest follow when the passes end. The artifact's ``weights.bin`` is that file
+moved in place, holding every weight as writing it at packaging gives (in another order when arrays were
+staged, with no bytes that no weight uses), and no weights file is left behind, neither by a compile nor
+by one that fails."""
 
 from __future__ import annotations
 
@@ -53,12 +54,14 @@ def _artifact_weights(out) -> dict[str, bytes]:
     return {e["name"]: blob[e["offset"] : e["offset"] + e["nbytes"]] for e in index}
 
 
-def test_passthrough_stages_packed_weights_while_packing(tmp_path, monkeypatch):
-    """Every packed GGUF array is staged (threshold lowered to 0 for this tiny model) and the artifact's
-    weights are, name by name, the bytes an unstaged compile writes; the file has no dead bytes."""
-    gguf, _ = write_tiny_gguf(tmp_path / "m.gguf", qtype="Q4_K", vocab=320, hidden=256, ffn=512, seed=int(np.random.default_rng().integers(1 << 30)))
+@pytest.mark.parametrize(("qtype", "quantization"), [("Q4_K", "gguf"), ("F16", "q4_k"), ("F16", "q8"), ("F16", "q4_g128")])
+def test_quantizing_passes_stage_packed_weights_while_packing(tmp_path, monkeypatch, qtype, quantization):
+    """Every packed array of the GGUF passthrough and of the quantizing passes is staged (threshold lowered to 0
+    for this tiny model) and the artifact's weights are, name by name, the bytes an unstaged compile writes;
+    the file has no dead bytes."""
+    gguf, _ = write_tiny_gguf(tmp_path / "m.gguf", qtype=qtype, vocab=320, hidden=256, ffn=512, seed=int(np.random.default_rng().integers(1 << 30)))
     desc = load_gguf(gguf)
-    plain = pipeline.compile_model(desc, "host", tmp_path / "plain", progress=False, quantization="gguf")
+    plain = pipeline.compile_model(desc, "host", tmp_path / "plain", progress=False, quantization=quantization)
     staged: list[tuple[int, ...]] = []
     stage = WeightFile.stage
 
@@ -68,7 +71,7 @@ def test_passthrough_stages_packed_weights_while_packing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(WeightFile, "STAGE_MIN_BYTES", 0)
     monkeypatch.setattr(WeightFile, "stage", spy)
-    out = pipeline.compile_model(desc, "host", tmp_path / "staged", progress=False, quantization="gguf")
+    out = pipeline.compile_model(desc, "host", tmp_path / "staged", progress=False, quantization=quantization)
     assert len(staged) >= 7, staged  # q|k|v, o, gate|up, down per layer and the embedding / head
     assert _artifact_weights(out) == _artifact_weights(plain)
     assert (out / "weights.bin").stat().st_size == (plain / "weights.bin").stat().st_size
