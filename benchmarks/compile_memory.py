@@ -2,6 +2,8 @@
 
     python benchmarks/compile_memory.py /tmp/perfx-bench/models/llama2-7b-random.Q4_0-pure.gguf \
         --name llama2-7b-q4_0
+    python benchmarks/compile_memory.py /tmp/perfx-bench/models/tinyllama-1.1b-random.F16.gguf \
+        --name tinyllama-f16-q4_k --quantization q4_k
 
 Compiles exactly as ``perfx-bench`` does (same work folder and stamp, so the bench reuses the
 artifact) and records: peak RSS of the process (ru_maxrss; memory-mapped file pages that were
@@ -73,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("gguf")
     p.add_argument("--name", default=None)
     p.add_argument("--max-context", type=int, default=1024)
+    p.add_argument("--quantization", default="gguf", help="gguf (the file's blocks), or a PerfX scheme for float "
+                   "files: q4_k, q8, q4_g128, ...")
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "perfx-bench"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "compile_memory.csv"))
     args = p.parse_args(argv)
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     lazy = any(is_lazy(w) for w in desc.weights.values())
     t_load = time.perf_counter() - t0
     rss_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    q = "gguf"
+    q = args.quantization
     out = Path(args.work) / f"perfx-{model_key(path)}-{q}-ctx{args.max_context}"
     timings: dict[str, float] = {}
     orig_init = CompileState.__init__
@@ -127,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     weights_mb = (out / "weights.bin").stat().st_size / 2**20
     row = {
         "model": args.name or model_key(path),
+        "quantization": q,
         "gguf_mb": f"{path.stat().st_size / 2**20:.0f}",
         "lazy": lazy,
         "params_m": f"{desc.parameter_count() / 1e6:.0f}",

@@ -7,6 +7,7 @@ Hugging Face ``tokenizer.json`` is removed and recorded as ``add_bos_token``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -27,7 +28,7 @@ from perfx_compiler.model.description import (
 )
 from perfx_compiler.model.families import FAMILIES, family_for_hf_class, hf_classes
 from perfx_compiler.model.families._family import Family, HFConfig, missing_features, row_plan
-from perfx_compiler.model.gguf import DEFAULT_MAX_CONTEXT, STOP_TOKENS
+from perfx_compiler.model.gguf import DEFAULT_MAX_CONTEXT, LAZY_FLOAT_BYTES, STOP_TOKENS
 from perfx_compiler.model.tokenizer import load_tokenizer
 
 _INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -142,6 +143,44 @@ def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise ModelFormatError(f"{path}: corrupt safetensors file ({first}); re-download it") from e
 
 
+# safetensors dtypes a lazy load keeps as mapped rows (model/lazy.py), by their ggml type name
+_LAZY_DTYPES = {"BF16": "BF16", "F16": "F16", "F32": "F32"}
+_ELEMENT_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
+
+
+def _mapped_safetensors(path: Path) -> dict[str, Any]:
+    """A safetensors file's tensors without reading their data: each 2-D BF16/F16/F32 tensor as (ggml type, its
+    bytes [rows, row bytes] as a read-only view of the mapped file), any other tensor as its loaded array. The
+    file is checked by the safetensors library first (the eager load's errors for a corrupt file)."""
+    import mmap
+
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            names = list(f.keys())
+    except Exception as e:  # SafetensorError (not exported) for corrupt headers
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelFormatError(f"{path}: corrupt safetensors file ({first}); re-download it") from e
+    with path.open("rb") as fh:
+        buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    header_len = int.from_bytes(buf[:8], "little")
+    header = json.loads(bytes(buf[8 : 8 + header_len]))
+    loaded: dict[str, np.ndarray] | None = None
+    out: dict[str, Any] = {}
+    for name in names:
+        info = header[name]
+        qtype, shape = _LAZY_DTYPES.get(info["dtype"]), [int(d) for d in info["shape"]]
+        start, end = (int(o) for o in info["data_offsets"])
+        if qtype is None or len(shape) != 2 or 0 in shape:
+            loaded = loaded if loaded is not None else _load_safetensors(path)
+            out[name] = loaded[name]
+            continue
+        raw = np.frombuffer(buf, np.uint8, count=end - start, offset=8 + header_len + start)
+        out[name] = (qtype, raw.reshape(shape[0], -1))
+    return out
+
+
 def _post_processor_adds_bos(data: dict[str, Any], bos_id: int | None) -> bool:
     """Whether tokenizer.json's post-processor prepends the BOS token (TemplateProcessing)."""
     if bos_id is None:
@@ -182,14 +221,28 @@ def _tokenizer_files(folder: Path, cfg: ModelConfig) -> tuple[str | None, str | 
     return tok_json, template
 
 
-def load_hf_folder(path: str | os.PathLike[str], max_context: int | None = None) -> ModelDescription:
-    """Load a Hugging Face Llama/Mistral/Qwen2 folder (config.json + safetensors) as float32."""
+def _want_lazy(folder: Path, lazy: bool | None) -> bool:
+    """``lazy`` as given; None: the env var PERFX_LAZY_WEIGHTS (0/1), else lazy when the checkpoint's files
+    exceed LAZY_FLOAT_BYTES (as for GGUF: an eager float32 copy of a 7B bf16 checkpoint is 27 GB)."""
+    if lazy is not None:
+        return lazy
+    env = os.environ.get("PERFX_LAZY_WEIGHTS", "").strip()
+    if env in ("0", "1"):
+        return env == "1"
+    return sum(f.stat().st_size for f in _safetensors_files(folder)) > LAZY_FLOAT_BYTES // 2  # bf16: 2 bytes a weight
+
+
+def load_hf_folder(path: str | os.PathLike[str], max_context: int | None = None,
+                   lazy: bool | None = None) -> ModelDescription:
+    """Load a Hugging Face Llama/Mistral/Qwen2 folder (config.json + safetensors) as float32 (``lazy``: its
+    BF16/F16/F32 matrices as ``lazy.QuantizedWeight`` over the mapped files, widened one at a time where a
+    pass reads them; None decides by size, ``_want_lazy``)."""
     folder = Path(path)
     source = str(folder)
     if not (folder / "config.json").is_file():
         raise ModelFormatError(f"{folder}: no config.json; pass a Hugging Face model folder")
     family, cfg = _config_from_hf(_read_json(folder / "config.json"), source, max_context)
-    weights = _canonical_weights(folder, family, cfg, source)
+    weights = _canonical_weights(folder, family, cfg, source, _want_lazy(folder, lazy))
     if not cfg.tie_word_embeddings and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
         cfg.tie_word_embeddings = True  # some exports drop lm_head but forget the flag
     tok_json, template = _tokenizer_files(folder, cfg)
@@ -215,24 +268,41 @@ def _is_norm(name: str) -> bool:
     return name.endswith(("layernorm.weight", "q_norm.weight", "k_norm.weight")) or name == "model.norm.weight"
 
 
-def _canonical_weights(folder: Path, family: Family, cfg: ModelConfig, source: str) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors as float32 under canonical names, in the canonical layout."""
+def _canonical_weights(folder: Path, family: Family, cfg: ModelConfig, source: str, lazy: bool = False) -> dict[str, Any]:
+    """The checkpoint's tensors as float32 under canonical names, in the canonical layout (``lazy``: matrices as
+    ``QuantizedWeight`` over the mapped rows)."""
+    from perfx_compiler.heap import drop_file_pages
+    from perfx_compiler.model.lazy import QuantizedWeight
+
     expected = expected_weight_shapes(cfg)
-    weights: dict[str, np.ndarray] = {}
+    weights: dict[str, Any] = {}
     for f in _safetensors_files(folder):
-        for name, arr in _load_safetensors(f).items():
+        for name, arr in (_mapped_safetensors(f) if lazy else _load_safetensors(f)).items():
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue
-            w = np.asarray(arr).astype(np.float32, copy=False)
             canon = _canonical_name(family, name)
-            if family.hf_norm_offset and _is_norm(canon):
+            offset = family.hf_norm_offset and _is_norm(canon)
+            mapped = None
+            if isinstance(arr, tuple):  # (ggml type, mapped rows [N, K * element bytes])
+                qtype, raw = arr
+                mapped = QuantizedWeight(qtype, [raw], (raw.shape[0], raw.shape[1] // _ELEMENT_BYTES[qtype]))
+                arr = np.asarray(mapped) if offset else raw
+                mapped = None if offset else mapped
+            w = arr if mapped is not None else np.asarray(arr).astype(np.float32, copy=False)
+            if offset:
                 w = w + np.float32(family.hf_norm_offset)  # the factor the model applies: (1 + w)
-            for part, rows, order in row_plan(canon, int(w.shape[0]) if w.ndim else 0, cfg, family.hf_rope_layout):
+            plan = row_plan(canon, int(w.shape[0]) if w.ndim else 0, cfg, family.hf_rope_layout)
+            for part, rows, order in plan:
                 if part not in expected:
                     raise UnsupportedModelError(
                         f"{source}: weight '{name}' is not part of a {family.name} model PerfX understands")
                 piece = w[rows]
-                weights[part] = np.ascontiguousarray(piece[order] if order is not None else piece)
+                if mapped is not None:  # rows of the mapped bytes; the head order is applied where they are read
+                    release = functools.partial(drop_file_pages, piece) if len(plan) == 1 else None
+                    weights[part] = QuantizedWeight(mapped.qtype, [piece], (piece.shape[0], mapped.shape[1]),
+                                                    [order], [release])
+                else:
+                    weights[part] = np.ascontiguousarray(piece[order] if order is not None else piece)
     return weights
 
 

@@ -124,3 +124,12 @@ class QuantizedWeight:
 
 def is_lazy(w: Any) -> bool:
     return isinstance(w, QuantizedWeight)
+
+
+def read_once(w: Any) -> np.ndarray:
+    """``w`` as float32; a lazy weight's mapped pages are then dropped (a pass that quantizes weight by weight
+    reads each once: the file's pages need not stay resident, in the process's RSS, until the compile ends)."""
+    out = np.asarray(w, dtype=np.float32)
+    if is_lazy(w):
+        w.release()
+    return out

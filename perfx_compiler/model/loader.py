@@ -52,8 +52,8 @@ def load_model(
 ) -> ModelDescription:
     """Load a model from a known name, a ``.gguf`` file or a Hugging Face folder (has config.json).
 
-    ``lazy`` (GGUF only): keep Q4_0/Q4_1/Q8_0 matrices as their mapped blocks (``model/lazy.py``);
-    None: by size."""
+    ``lazy`` (GGUF files and Hugging Face folders): keep the matrices as their mapped blocks or float rows
+    (``model/lazy.py``); None: by size."""
     text = str(spec)
     if text.lower() in KNOWN_MODELS and not Path(text).exists():
         path = known_model_path(text)
@@ -70,7 +70,7 @@ def load_model(
         if (path / "config.json").is_file():
             from perfx_compiler.model.hf import load_hf_folder
 
-            return load_hf_folder(path, max_context=max_context)
+            return load_hf_folder(path, max_context=max_context, lazy=lazy)
         raise ModelFormatError(f"{path}: folder has no config.json; pass a Hugging Face model folder or a .gguf file")
     if not path.exists():
         names = ", ".join(KNOWN_MODELS)

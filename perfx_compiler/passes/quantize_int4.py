@@ -16,11 +16,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import numpy as np
 import tvm
 
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.formats.int4 import Int4Format, int4_packed, quantize_int4, words_target
+from perfx_compiler.model.lazy import read_once
 from perfx_compiler.passes._quantized_linears import GEMV_MAX_ROWS, finalized, linear_weights, rewrite_linears
 
 NAME = "quantize_int4"
@@ -57,7 +57,7 @@ def quantize_linears(
     quant, _ = linear_weights(mod, weights)
     packed = {}
     for name in quant:
-        w = np.asarray(weights[name], dtype=np.float32)
+        w = read_once(weights[name])
         if prepare is not None:
             w = prepare(name, w)
         fmt.lanes(w.shape[1])  # one-line error when K does not suit the packing

@@ -14,6 +14,7 @@ import numpy as np
 import tvm
 
 from perfx_compiler.formats.int8 import check_group, int8_packed, quantize_int8
+from perfx_compiler.model.lazy import read_once
 from perfx_compiler.passes._quantized_linears import finalized, linear_weights, rewrite_linears
 
 NAME = "quantize_int8"
@@ -34,11 +35,11 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
         return mod, weights
     quant, _ = linear_weights(mod, weights)
     for name in quant:
-        check_group(int(np.asarray(weights[name]).shape[1]), group, getattr(ctx.options, "quantization", "q8"))
+        check_group(int(np.shape(weights[name])[1]), group, getattr(ctx.options, "quantization", "q8"))
     raw_target = getattr(ctx.target, "raw", None) or {}  # GPU with int32 indices (WGSL): no 8-bit types
     words = getattr(ctx.target, "family", "") == "gpu" and raw_target.get("index_dtype") == "int32"
     packed = {
-        n: finalized(int8_packed(*quantize_int8(np.asarray(weights[n], dtype=np.float32), group), group, words), ctx)
+        n: finalized(int8_packed(*quantize_int8(read_once(weights[n]), group), group, words), ctx)
         for n in quant
     }
     return rewrite_linears(mod, weights, packed)

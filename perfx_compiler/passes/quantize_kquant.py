@@ -26,6 +26,7 @@ from perfx_compiler.formats.ggml import q4_k, q6_k
 from perfx_compiler.formats.int8 import int8_packed, quantize_int8
 from perfx_compiler.formats.superblocks import subscaled_packed
 from perfx_compiler.formats.vnni import subscaled_vnni_packed
+from perfx_compiler.model.lazy import read_once
 from perfx_compiler.passes._quantized_linears import current_activations, finalized, linear_weights, rewrite_linears
 
 NAME = "quantize_kquant"
@@ -69,7 +70,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
 
     packed = {}
     for name in tqdm(names, desc=f"quantize {qtype}", unit="weight", disable=not show, leave=False, file=console()):
-        w = np.asarray(weights[name], dtype=np.float32)
+        w = read_once(weights[name])
         if w.shape[1] % SB == 0:
             pk = kquant_packed(w, qtype, vnni)
         else:  # int8 groups of 32 (finalized takes them to the VNNI layout under int8 activations)

@@ -92,6 +92,21 @@ def test_gguf_reads_as_the_hf_folder(family, family_artifacts):
         np.testing.assert_allclose(np.asarray(gg.weights[name]), w, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
+@pytest.mark.parametrize("family", ff.FAMILIES)
+def test_lazy_hf_folder_reads_as_the_eager_one(family, family_artifacts):
+    """Every family's matrices loaded lazily (model/lazy.py: the mapped safetensors rows, split and reordered
+    where they are read, as phi3's fused QKV and the RoPE layouts need) are the eager load's float32 weights."""
+    from perfx_compiler.model.lazy import is_lazy
+    from perfx_compiler.model.loader import load_model
+
+    eager = load_model(family_artifacts.checkpoint(family), max_context=CONTEXT, lazy=False)
+    lazy = load_model(family_artifacts.checkpoint(family), max_context=CONTEXT, lazy=True)
+    assert sorted(lazy.weights) == sorted(eager.weights)
+    assert all(is_lazy(lazy.weights[n]) for n, w in eager.weights.items() if w.ndim == 2)
+    for name, w in eager.weights.items():
+        assert np.array_equal(np.asarray(lazy.weights[name]), w), name
+
+
 @pytest.mark.parametrize("family", ["gemma3", "phi3", "glm4"])
 def test_gguf_compiles_and_matches_transformers(family, family_artifacts, tmp_path):
     """End to end from llama.cpp's file: rotate-half with QK-norm and two RoPE bases (gemma3), fused

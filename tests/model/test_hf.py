@@ -78,6 +78,13 @@ def test_sharded_bf16_and_hf_tokenizer_post_processor(tmp_path: Path, tiny) -> N
         np.testing.assert_array_equal(desc.weights[n], expect, err_msg=n)
     assert desc.config.add_bos_token
     assert load_tokenizer(desc.tokenizer_json).encode("hello").ids[0] != 1  # BOS left to the runtime
+    # lazily: the bf16 matrices stay mapped rows of the shards (model/lazy.py), widened to the same floats
+    from perfx_compiler.model.lazy import is_lazy
+
+    lazy = load_hf_folder(folder, lazy=True)
+    assert {n for n, w in lazy.weights.items() if is_lazy(w)} == {n for n in names if tiny.weights[n].ndim == 2}
+    for n in names:
+        np.testing.assert_array_equal(np.asarray(lazy.weights[n]), desc.weights[n], err_msg=n)
 
 
 def test_refusals_and_errors(tmp_path: Path, tiny) -> None:
@@ -94,8 +101,9 @@ def test_refusals_and_errors(tmp_path: Path, tiny) -> None:
         load_hf_folder(folder)
     (folder / "config.json").write_text(json.dumps(cfg))
     (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header")
-    with pytest.raises(ModelFormatError, match="safetensors"):
-        load_hf_folder(folder)
+    for lazy in (False, True):
+        with pytest.raises(ModelFormatError, match="safetensors"):
+            load_hf_folder(folder, lazy=lazy)
     (folder / "model.safetensors").unlink()
     with pytest.raises(ModelFormatError, match="safetensors"):
         load_hf_folder(folder)
