@@ -87,3 +87,22 @@ def test_row_chunks_do_not_change_blocks(qtype: str, monkeypatch: pytest.MonkeyP
 def test_rejects_partial_superblocks(qtype: str) -> None:
     with pytest.raises(ValueError, match="256"):
         QUANTIZERS[qtype](np.zeros((2, 384), dtype=np.float32))
+
+
+def test_compiled_search_is_the_numpy_reference() -> None:
+    """Q4_K's scale / min search compiled (kernels/kquant_search.py, what q4_k.quantize runs) gives the numpy
+    reference's scales, mins and codes bit for bit (signed zeros included), flat and zero groups too."""
+    from perfx_compiler.kernels import kquant_search
+
+    if not kquant_search.compiled():
+        pytest.skip("the compiled search runs on x86 hosts (elsewhere q4_k.quantize runs the reference)")
+    compiled = kquant_search.make_qkx2_quants
+    w = realistic_weights((45, 1024)).reshape(45, 4, 8, 32)  # 1440 groups: not a multiple of LANES
+    w[2, 1, 3] = np.float32(-0.5)  # a flat group below zero
+    weights = np.sqrt(q4_k.seqsum(w * w) / np.float32(32))[..., None] + np.abs(w)
+    want = q4_k.make_qkx2_quants(w, weights, 15, -1.0, 0.1, 20)
+    got = compiled(w, weights, 15, -1.0, 0.1, 20)
+    for a, b in zip(want, got, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert np.array_equal(a.view(np.uint32) if a.dtype == np.float32 else a,
+                              b.view(np.uint32) if b.dtype == np.float32 else b)

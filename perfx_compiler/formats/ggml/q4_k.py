@@ -130,30 +130,34 @@ def quantize(w: np.ndarray) -> np.ndarray:
     n, k = x.shape
     if k % 256:
         raise ValueError(f"Q4_K quantizes rows of whole 256-weight superblocks; got K = {k}")
-    return in_row_chunks(_quantize_rows, x, CHUNK_WEIGHTS)
+    return in_row_chunks(_quantize_rows, x, CHUNK_WEIGHTS, threads=1)  # (the search kernel runs threads of its own)
 
 
 CHUNK_WEIGHTS = 1 << 20  # weights a chunk: the search's temporaries stay ~100 MB
 THREADS = min(8, os.cpu_count() or 1)
 
 
-def in_row_chunks(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, chunk: int | None = None) -> np.ndarray:
-    """fn over chunks of ~``chunk`` weights of whole rows, on up to THREADS threads (numpy's
+def in_row_chunks(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, chunk: int | None = None,
+                  threads: int = THREADS) -> np.ndarray:
+    """fn over chunks of ~``chunk`` weights of whole rows, on up to ``threads`` threads (numpy's
     operations on large arrays release the GIL), joined in row order."""
     step = max(1, (chunk or CHUNK_WEIGHTS) // x.shape[1])
     parts = [x[r : r + step] for r in range(0, x.shape[0], step)]
-    if len(parts) == 1 or THREADS == 1:
+    if len(parts) == 1 or threads == 1:
         return np.concatenate([fn(p) for p in parts], axis=0)
-    with ThreadPoolExecutor(min(THREADS, len(parts))) as pool:
+    with ThreadPoolExecutor(min(threads, len(parts))) as pool:
         return np.concatenate(list(pool.map(fn, parts)), axis=0)
 
 
 def _quantize_rows(x: np.ndarray) -> np.ndarray:
+    # make_qkx2_quants compiled (this module's numpy version is its reference; the import: TVM, compile time only)
+    from perfx_compiler.kernels.kquant_search import make_qkx2_quants as search
+
     f32 = np.float32
     n, k = x.shape
     x = x.reshape(n, k // 256, 8, 32)
     av_x = np.sqrt(seqsum(x * x) / f32(32))
-    scales, mins, q = make_qkx2_quants(x, av_x[..., None] + np.abs(x), 15, -1.0, 0.1, 20)
+    scales, mins, q = search(x, av_x[..., None] + np.abs(x), 15, -1.0, 0.1, 20)
     max_scale = np.maximum(scales.max(axis=-1), f32(0))
     max_min = np.maximum(mins.max(axis=-1), f32(0))
     packed = pack_scale_min_k4(six_bits(scales, max_scale), six_bits(mins, max_min))
