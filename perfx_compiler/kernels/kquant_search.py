@@ -1,4 +1,5 @@
-"""llama.cpp's make_qkx2_quants (the Q4_K scale / min search) as one compiled CPU kernel.
+"""llama.cpp's make_qkx2_quants (the Q4_K scale / min search) and make_qx_quants (Q6_K's scale search) as
+compiled CPU kernels.
 
 ``formats/ggml/q4_k.make_qkx2_quants`` is the numpy reference: vectorized over groups, it still makes ~20
 full passes over the weights per trial scale, 21 trials, so quantizing a 1.1B float model to Q4_K took
@@ -15,13 +16,13 @@ from typing import Any
 
 import numpy as np
 
-GROUP = 32
+GROUP = 32  # Q4_K's sub-block
+QX_GROUP = 16  # Q6_K's
 LANES = 16  # groups searched side by side, one per vector lane
 
 
 @functools.cache
 def _search(nmax: int, rmin: float, rdelta: float, nstep: int) -> Any:
-    import tvm
     from tvm.script import tirx as T
 
     import perfx_compiler.tvm_compiler  # noqa: F401  (TVM with its compiler library)
@@ -106,14 +107,87 @@ def _search(nmax: int, rmin: float, rdelta: float, nstep: int) -> Any:
                 for n in T.vectorized(N):
                     L[b, i, n] = T.Select(v[1, n] == v[0, n], T.uint8(0), T.Cast("uint8", bq[i, n]))
 
-    mod = tvm.IRModule({"main": qkx2.with_attr("global_symbol", "main")})
+    return _build(qkx2)
+
+
+def _build(func: Any) -> Any:
+    import tvm
+
     from perfx_compiler.targets import load_target
 
     # this machine's vector ISA for the lanes, less FMA: each product is rounded before its sum, as in the
     # reference (TVM lets LLVM fuse a multiply and an add wherever the target has the instruction)
     target = {**load_target("host").tvm_target}
     target["mattr"] = [*target.get("mattr", []), "-fma"]
+    mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     return tvm.compile(mod, tvm.target.Target(target))["main"]
+
+
+@functools.cache
+def _qx_search(nmax: int) -> Any:
+    from tvm.script import tirx as T
+
+    import perfx_compiler.tvm_compiler  # noqa: F401  (TVM with its compiler library)
+
+    f32 = T.float32
+    NMAX, N, G = f32(nmax), LANES, QX_GROUP
+
+    @T.prim_func
+    def qx(x_h: T.handle, s_h: T.handle, l_h: T.handle):
+        T.func_attr({"tirx.noalias": True})
+        B = T.int64()
+        X = T.match_buffer(x_h, (B, G, N), "float32")
+        S = T.match_buffer(s_h, (B, N), "float32")
+        L = T.match_buffer(l_h, (B, G, N), "uint8")
+        for b in T.parallel(B):
+            # per lane: amax top | iscale slx sl2 | scale best | better
+            v = T.decl_buffer((8, N), "float32", scope="local")
+            q = T.decl_buffer((G, N), "float32", scope="local")
+            bq = T.decl_buffer((G, N), "float32", scope="local")
+            for n in T.vectorized(N):
+                v[0, n] = f32(-1)
+                v[1, n] = f32(0)
+            for i in T.serial(G):
+                for n in T.vectorized(N):  # the first largest |x|, as C's strict '>'
+                    v[1, n] = T.Select(T.fabs(X[b, i, n]) > v[0, n], X[b, i, n], v[1, n])
+                    v[0, n] = T.max(v[0, n], T.fabs(X[b, i, n]))
+            for n in T.vectorized(N):
+                v[1, n] = T.Select(T.fabs(v[1, n]) < f32(1e-15), f32(1), v[1, n])
+                v[2, n] = NMAX * f32(-1) / v[1, n]
+                v[3, n] = f32(0)
+                v[4, n] = f32(0)
+            for i in T.serial(G):
+                for n in T.vectorized(N):
+                    bq[i, n] = T.max(T.min(T.nearbyint(v[2, n] * X[b, i, n]), NMAX - f32(1)), NMAX * f32(-1))
+                    v[3, n] = v[3, n] + X[b, i, n] * X[b, i, n] * X[b, i, n] * bq[i, n]
+                    v[4, n] = v[4, n] + X[b, i, n] * X[b, i, n] * bq[i, n] * bq[i, n]
+            for n in T.vectorized(N):
+                v[5, n] = T.Select(v[4, n] != f32(0), v[3, n] / v[4, n], f32(0))
+                v[6, n] = v[5, n] * v[3, n]
+            for t in T.serial(18):  # steps -9 .. -1, 1 .. 9
+                for n in T.vectorized(N):
+                    v[2, n] = (NMAX + f32(0.1) * T.Cast("float32", t - 9 + t // 9)) * f32(-1) / v[1, n]
+                    v[3, n] = f32(0)
+                    v[4, n] = f32(0)
+                for i in T.serial(G):
+                    for n in T.vectorized(N):
+                        q[i, n] = T.max(T.min(T.nearbyint(v[2, n] * X[b, i, n]), NMAX - f32(1)), NMAX * f32(-1))
+                        v[3, n] = v[3, n] + X[b, i, n] * X[b, i, n] * X[b, i, n] * q[i, n]
+                        v[4, n] = v[4, n] + X[b, i, n] * X[b, i, n] * q[i, n] * q[i, n]
+                for n in T.vectorized(N):
+                    v[7, n] = T.Select((v[4, n] > f32(0)) & (v[3, n] * v[3, n] > v[6, n] * v[4, n]), f32(1), f32(0))
+                    v[5, n] = T.Select(v[7, n] > f32(0), v[3, n] / v[4, n], v[5, n])
+                    v[6, n] = T.Select(v[7, n] > f32(0), v[5, n] * v[3, n], v[6, n])
+                for i in T.serial(G):
+                    for n in T.vectorized(N):
+                        bq[i, n] = T.Select(v[7, n] > f32(0), q[i, n], bq[i, n])
+            for n in T.vectorized(N):  # an all-zero group: scale 0, codes 0
+                S[b, n] = T.Select(v[0, n] < f32(1e-15), f32(0), v[5, n])
+            for i in T.serial(G):
+                for n in T.vectorized(N):
+                    L[b, i, n] = T.Select(v[0, n] < f32(1e-15), T.uint8(0), T.Cast("uint8", bq[i, n] + NMAX))
+
+    return _build(qx)
 
 
 @functools.cache
@@ -132,25 +206,42 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
                      nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``formats.ggml.q4_k.make_qkx2_quants`` (groups x [..., 32] float32), compiled: (scale [...], min [...],
     codes [..., 32] uint8)."""
-    import tvm
-
     if not compiled():
         from perfx_compiler.formats.ggml.q4_k import make_qkx2_quants as reference
 
         return reference(x, weights, nmax, rmin, rdelta, nstep)
-    lead = x.shape[:-1]
-    g = int(np.prod(lead))
+    lead, (scale, mn, codes) = x.shape[:-1], _run(_search(int(nmax), float(rmin), float(rdelta), int(nstep)),
+                                                   [x, weights], 2)
+    return scale.reshape(lead), mn.reshape(lead), codes.reshape(x.shape)
+
+
+def make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """``formats.ggml.q6_k.make_qx_quants`` (groups x [..., 16] float32), compiled: (scale [...], codes [..., 16]
+    uint8)."""
+    if not compiled():
+        from perfx_compiler.formats.ggml.q6_k import make_qx_quants as reference
+
+        return reference(x, nmax)
+    scale, codes = _run(_qx_search(int(nmax)), [x], 1)
+    return scale.reshape(x.shape[:-1]), codes.reshape(x.shape)
+
+
+def _run(kernel: Any, inputs: list[np.ndarray], scalars: int) -> list[np.ndarray]:
+    """A search kernel over groups ``inputs`` [..., group]: its ``scalars`` per-group outputs [g] and its codes
+    [g, group], the groups laid out LANES side by side (padded with zero groups, dropped again)."""
+    import tvm
+
+    group = inputs[0].shape[-1]
+    g = int(np.prod(inputs[0].shape[:-1]))
     blocks = -(-g // LANES)
 
-    def lanes(a: np.ndarray) -> np.ndarray:  # [g, 32] -> [blocks, 32, LANES] (zero groups pad: flat, dropped)
-        out = np.zeros((blocks * LANES, GROUP), np.float32)
-        out[:g] = a.reshape(g, GROUP)
-        return np.ascontiguousarray(out.reshape(blocks, LANES, GROUP).transpose(0, 2, 1))
+    def lanes(a: np.ndarray) -> np.ndarray:  # [g, group] -> [blocks, group, LANES]
+        out = np.zeros((blocks * LANES, group), np.float32)
+        out[:g] = a.reshape(g, group)
+        return np.ascontiguousarray(out.reshape(blocks, LANES, group).transpose(0, 2, 1))
 
-    args = [tvm.runtime.tensor(lanes(x)), tvm.runtime.tensor(lanes(weights)),
-            tvm.runtime.empty((blocks, LANES), "float32"), tvm.runtime.empty((blocks, LANES), "float32"),
-            tvm.runtime.empty((blocks, GROUP, LANES), "uint8")]
-    _search(int(nmax), float(rmin), float(rdelta), int(nstep))(*args)
-    scale, mn, codes = (a.numpy() for a in args[2:])
-    codes = codes.transpose(0, 2, 1).reshape(-1, GROUP)[:g]
-    return scale.reshape(-1)[:g].reshape(lead), mn.reshape(-1)[:g].reshape(lead), codes.reshape(*lead, GROUP)
+    outs = [tvm.runtime.empty((blocks, LANES), "float32") for _ in range(scalars)]
+    outs.append(tvm.runtime.empty((blocks, group, LANES), "uint8"))
+    kernel(*[tvm.runtime.tensor(lanes(a)) for a in inputs], *outs)  # (copies: TVM wants 64-byte aligned data)
+    res = [o.numpy().reshape(-1)[:g] for o in outs[:-1]]
+    return [*res, outs[-1].numpy().transpose(0, 2, 1).reshape(-1, group)[:g]]

@@ -89,19 +89,25 @@ def test_rejects_partial_superblocks(qtype: str) -> None:
         QUANTIZERS[qtype](np.zeros((2, 384), dtype=np.float32))
 
 
-def test_compiled_search_is_the_numpy_reference() -> None:
-    """Q4_K's scale / min search compiled (kernels/kquant_search.py, what q4_k.quantize runs) gives the numpy
-    reference's scales, mins and codes bit for bit (signed zeros included), flat and zero groups too."""
+def test_compiled_searches_are_the_numpy_references() -> None:
+    """Q4_K's scale / min search and Q6_K's scale search compiled (kernels/kquant_search.py, what q4_k.quantize
+    and q6_k.quantize run) give the numpy references' scales, mins and codes bit for bit (signed zeros
+    included), flat and zero groups too."""
     from perfx_compiler.kernels import kquant_search
 
     if not kquant_search.compiled():
         pytest.skip("the compiled search runs on x86 hosts (elsewhere q4_k.quantize runs the reference)")
-    compiled = kquant_search.make_qkx2_quants
+    compiled, compiled_qx = kquant_search.make_qkx2_quants, kquant_search.make_qx_quants
     w = realistic_weights((45, 1024)).reshape(45, 4, 8, 32)  # 1440 groups: not a multiple of LANES
     w[2, 1, 3] = np.float32(-0.5)  # a flat group below zero
     weights = np.sqrt(q4_k.seqsum(w * w) / np.float32(32))[..., None] + np.abs(w)
     want = q4_k.make_qkx2_quants(w, weights, 15, -1.0, 0.1, 20)
     got = compiled(w, weights, 15, -1.0, 0.1, 20)
+    # and Q6_K's (make_qx_quants: groups of 16, an all-zero one and a sign tie for the largest |x| too)
+    x = realistic_weights((45, 1024)).reshape(45, 4, 16, 16)
+    x[3, 2, 5, :2] = np.float32([0.3, -0.3])
+    want += q6_k.make_qx_quants(x, 32)
+    got += compiled_qx(x, 32)
     for a, b in zip(want, got, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype
         assert np.array_equal(a.view(np.uint32) if a.dtype == np.float32 else a,

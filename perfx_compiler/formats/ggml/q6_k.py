@@ -69,7 +69,7 @@ def quantize(w: np.ndarray) -> np.ndarray:
     n, k = x.shape
     if k % 256:
         raise ValueError(f"Q6_K quantizes rows of whole 256-weight superblocks; got K = {k}")
-    return in_row_chunks(_quantize_rows, x, CHUNK_WEIGHTS)
+    return in_row_chunks(_quantize_rows, x, CHUNK_WEIGHTS, threads=1)  # (the search kernel runs threads of its own)
 
 
 CHUNK_WEIGHTS = 1 << 20  # weights a chunk: the search's temporaries stay ~100 MB
@@ -80,7 +80,10 @@ def _quantize_rows(x: np.ndarray) -> np.ndarray:
     n, k = x.shape
     nb = k // 256
     x = x.reshape(n, nb, 16, 16)
-    scales, q = make_qx_quants(x, 32)
+    # make_qx_quants compiled (this module's numpy version is its reference; the import: TVM, compile time only)
+    from perfx_compiler.kernels.kquant_search import make_qx_quants as search
+
+    scales, q = search(x, 32)
     at = np.argmax(np.abs(scales), axis=-1)[..., None]
     top = np.take_along_axis(scales, at, axis=-1)[..., 0]
     zero = np.abs(top) < f32(1e-15)  # an all-zero block: every byte 0
