@@ -66,7 +66,7 @@ MODELS = ("smollm2-q4_1", "smollm2-q4_0", "smollm2-q8_0", "tinyllama-q4_0")
 # by name only, llama.cpp as the only peer (the other peers read no K-quants)
 KQUANT_MODELS = ("tinyllama-q4_k_m", "tinyllama-q5_k_m", "tinyllama-q6_k", "tinyllama-q5_0", "tinyllama-iq4_xs",
                  "smollm2-q4_k_m", "gemma3-270m-q4_k_m")
-EXTRA_MODELS = ("llama2-7b-q4_0", "llama2-7b-q4_k_m", *KQUANT_MODELS)
+EXTRA_MODELS = ("llama2-7b-q4_0", "llama2-7b-q4_k_m", "llama2-7b-f16", *KQUANT_MODELS)
 
 
 def model_file(name: str, folder: Path) -> Path:
@@ -96,7 +96,7 @@ def model_file(name: str, folder: Path) -> Path:
             print(f"quantizing it to {qtype} with llama.cpp ...")
             models.llama_quantize(f16, out, qtype, pure=pure)
         return out
-    if name in ("llama2-7b-q4_0", "llama2-7b-q4_k_m"):
+    if name in ("llama2-7b-q4_0", "llama2-7b-q4_k_m", "llama2-7b-f16"):
         mix = name.rsplit("-", 1)[1].upper()
         out = folder / f"llama2-7b-random.{mix}{'-pure' if mix == 'Q4_0' else ''}.gguf"
         if not out.is_file():

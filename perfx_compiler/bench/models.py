@@ -146,7 +146,8 @@ def q4_k_m_type(name: str, layers: int) -> str:
 def write_random_blocks(path: str | Path, dims: dict[str, Any], mix: str = "Q4_0", seed: int = 0,
                         log: Any = print) -> Path:
     """A random-weight GGUF of ``dims`` written block by block: ``mix`` "Q4_0" (every matrix Q4_0,
-    "pure") or "Q4_K_M" (llama.cpp's Q4_K / Q6_K mix); norms F32.
+    "pure"), "Q4_K_M" (llama.cpp's Q4_K / Q6_K mix) or "F16" (normal(0, 0.02) float16 matrices: a float
+    file to compile to PerfX's own quantizations); norms F32.
 
     Random blocks (random bytes, small finite f16 scales) go straight to the file one tensor at a
     time, so a 7B file (3.6-4 GiB) is written without a float copy (an F16 file + llama.cpp's
@@ -159,8 +160,8 @@ def write_random_blocks(path: str | Path, dims: dict[str, Any], mix: str = "Q4_0
     from perfx_compiler.model.description import ModelConfig, expected_weight_shapes
     from perfx_compiler.model.testing import _gguf_name, add_tiny_tokenizer, tiny_vocab
 
-    if mix not in ("Q4_0", "Q4_K_M"):
-        raise PerfXError(f"write_random_blocks: unknown mix {mix}; use Q4_0 or Q4_K_M")
+    if mix not in ("Q4_0", "Q4_K_M", "F16"):
+        raise PerfXError(f"write_random_blocks: unknown mix {mix}; use Q4_0, Q4_K_M or F16")
     d = dims
     tokens, types, merges = tiny_vocab(d["vocab"])
     cfg = ModelConfig(
@@ -183,16 +184,20 @@ def write_random_blocks(path: str | Path, dims: dict[str, Any], mix: str = "Q4_0
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(len(tokens))
-    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_0 if mix == "Q4_0" else gguf.LlamaFileType.MOSTLY_Q4_K_M))
+    w.add_file_type(int({"Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M,
+                         "F16": gguf.LlamaFileType.MOSTLY_F16}[mix]))
     add_tiny_tokenizer(w, tokens, types, merges, "smollm")
     shapes = expected_weight_shapes(cfg)
 
     def qtype_of(name: str) -> str:
-        return "Q4_0" if mix == "Q4_0" else q4_k_m_type(name, cfg.num_layers)
+        return mix if mix != "Q4_K_M" else q4_k_m_type(name, cfg.num_layers)
 
     for name, shape in shapes.items():
         if len(shape) == 1:
             w.add_tensor_info(_gguf_name(name), shape, np.dtype(np.float32), 4 * shape[0])
+            continue
+        if mix == "F16":
+            w.add_tensor_info(_gguf_name(name), shape, np.dtype(np.float16), 2 * shape[0] * shape[1])
             continue
         q = GGMLQuantizationType[qtype_of(name)]
         block, size = GGML_QUANT_SIZES[q]
@@ -207,6 +212,13 @@ def write_random_blocks(path: str | Path, dims: dict[str, Any], mix: str = "Q4_0
     for name, shape in tqdm(shapes.items(), desc=f"write random {mix}", unit="tensor", disable=log is None):
         if len(shape) == 1:
             w.write_tensor_data((1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32))
+            continue
+        if mix == "F16":
+            f16 = np.empty(shape, np.float16)
+            for r in range(0, shape[0], 4096):  # (float32 draws 4096 rows at a time)
+                f16[r : r + 4096] = 0.02 * rng.standard_normal((min(4096, shape[0] - r), shape[1]), dtype=np.float32)
+            w.write_tensor_data(f16)
+            del f16
             continue
         qtype = qtype_of(name)
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
