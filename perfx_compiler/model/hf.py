@@ -143,15 +143,22 @@ def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise ModelFormatError(f"{path}: corrupt safetensors file ({first}); re-download it") from e
 
 
-# safetensors dtypes a lazy load keeps as mapped rows (model/lazy.py), by their ggml type name
-_LAZY_DTYPES = {"BF16": "BF16", "F16": "F16", "F32": "F32"}
+# safetensors float dtypes a lazy load maps (model/lazy.py; the same names as ggml's types) -> element bytes
 _ELEMENT_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
 
 
+def _widened(dtype: str, raw: np.ndarray) -> np.ndarray:
+    """A float tensor's bytes as a float32 copy (bf16: its bits are float32's top half)."""
+    if dtype == "BF16":
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return raw.view(np.float16 if dtype == "F16" else np.float32).astype(np.float32)
+
+
 def _mapped_safetensors(path: Path) -> dict[str, Any]:
-    """A safetensors file's tensors without reading their data: each 2-D BF16/F16/F32 tensor as (ggml type, its
-    bytes [rows, row bytes] as a read-only view of the mapped file), any other tensor as its loaded array. The
-    file is checked by the safetensors library first (the eager load's errors for a corrupt file)."""
+    """A safetensors file's tensors without reading its matrices: each 2-D BF16/F16/F32 tensor as (its dtype, its
+    bytes [rows, row bytes] as a read-only view of the mapped file), every other tensor as a float32 (or, of
+    other dtypes, as stored) array read on its own. The file is checked by the safetensors library first (the
+    eager load's errors for a corrupt file)."""
     import mmap
 
     from safetensors import safe_open
@@ -159,6 +166,9 @@ def _mapped_safetensors(path: Path) -> dict[str, Any]:
     try:
         with safe_open(str(path), framework="numpy") as f:
             names = list(f.keys())
+            others = {n: f.get_tensor(n) for n in names if f.get_slice(n).get_dtype() not in _ELEMENT_BYTES}
+    except TypeError as e:
+        raise UnsupportedModelError(f"{path}: tensor dtype not readable ({e})") from None
     except Exception as e:  # SafetensorError (not exported) for corrupt headers
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelFormatError(f"{path}: corrupt safetensors file ({first}); re-download it") from e
@@ -166,18 +176,18 @@ def _mapped_safetensors(path: Path) -> dict[str, Any]:
         buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     header_len = int.from_bytes(buf[:8], "little")
     header = json.loads(bytes(buf[8 : 8 + header_len]))
-    loaded: dict[str, np.ndarray] | None = None
     out: dict[str, Any] = {}
     for name in names:
-        info = header[name]
-        qtype, shape = _LAZY_DTYPES.get(info["dtype"]), [int(d) for d in info["shape"]]
-        start, end = (int(o) for o in info["data_offsets"])
-        if qtype is None or len(shape) != 2 or 0 in shape:
-            loaded = loaded if loaded is not None else _load_safetensors(path)
-            out[name] = loaded[name]
+        if name in others:
+            out[name] = others[name]
             continue
+        dtype, shape = header[name]["dtype"], [int(d) for d in header[name]["shape"]]
+        start, end = (int(o) for o in header[name]["data_offsets"])
         raw = np.frombuffer(buf, np.uint8, count=end - start, offset=8 + header_len + start)
-        out[name] = (qtype, raw.reshape(shape[0], -1))
+        if len(shape) == 2 and 0 not in shape:
+            out[name] = (dtype, raw.reshape(shape[0], -1))
+        else:  # norms, biases: small
+            out[name] = _widened(dtype, raw).reshape(shape)
     return out
 
 
