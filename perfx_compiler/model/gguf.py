@@ -36,6 +36,7 @@ from perfx_compiler.model.description import (
 from perfx_compiler.model.families import family_for_gguf_arch, gguf_archs
 from perfx_compiler.model.families._family import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, GGUFMeta, qk_row_order, row_plan
 from perfx_compiler.model.gguf_header import GGUFFile, GGUFTensor, read_gguf_header
+from perfx_compiler.model.lazy import FLOAT_TYPES
 
 # Types we read (each checked against an independent reference in tests).
 SUPPORTED_GGML_TYPES = (
@@ -46,7 +47,7 @@ SUPPORTED_GGML_TYPES = (
 # which the lazy loader keeps instead of floats.
 PASSTHROUGH_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", *sorted(SUPERBLOCK_FORMATS))
 # Matrix types the lazy loader keeps as their mapped bytes: the block types and the float ones (model/lazy.py).
-LAZY_TYPES = (*PASSTHROUGH_TYPES, "F32", "F16", "BF16")
+LAZY_TYPES = (*PASSTHROUGH_TYPES, *FLOAT_TYPES)
 
 DEFAULT_MAX_CONTEXT = 2048
 # chat end markers that also stop generation (ChatML, Llama 3, GPT-style, Gemma)
