@@ -192,8 +192,8 @@ def _qx_search(nmax: int) -> Any:
 
 @functools.cache
 def compiled() -> bool:
-    """Whether this machine runs the kernel: an x86 host, where the FMA instructions can be left out (elsewhere
-    LLVM's fusing would move the results off the reference's, so the reference runs)."""
+    """Whether this machine runs the kernels: an x86 host, where the FMA instructions can be left out (elsewhere
+    LLVM's fusing would move the results off the references', so the quantizers run the numpy references)."""
     from perfx_compiler.targets import load_target
 
     try:
@@ -206,10 +206,6 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
                      nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``formats.ggml.q4_k.make_qkx2_quants`` (groups x [..., 32] float32), compiled: (scale [...], min [...],
     codes [..., 32] uint8)."""
-    if not compiled():
-        from perfx_compiler.formats.ggml.q4_k import make_qkx2_quants as reference
-
-        return reference(x, weights, nmax, rmin, rdelta, nstep)
     lead, (scale, mn, codes) = x.shape[:-1], _run(_search(int(nmax), float(rmin), float(rdelta), int(nstep)),
                                                    [x, weights], 2)
     return scale.reshape(lead), mn.reshape(lead), codes.reshape(x.shape)
@@ -218,10 +214,6 @@ def make_qkx2_quants(x: np.ndarray, weights: np.ndarray, nmax: int, rmin: float,
 def make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     """``formats.ggml.q6_k.make_qx_quants`` (groups x [..., 16] float32), compiled: (scale [...], codes [..., 16]
     uint8)."""
-    if not compiled():
-        from perfx_compiler.formats.ggml.q6_k import make_qx_quants as reference
-
-        return reference(x, nmax)
     scale, codes = _run(_qx_search(int(nmax)), [x], 1)
     return scale.reshape(x.shape[:-1]), codes.reshape(x.shape)
 

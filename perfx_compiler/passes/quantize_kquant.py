@@ -8,8 +8,9 @@ f32``) in the float-activation CPU layout (``formats/superblocks.py``: Q4_K int4
 Q6_K int8 codes), each with the int8 sub-block scales (and mins) and the superblock's float16 d.
 Any model format with float weights qualifies (Hugging Face folders, ONNX, F16/F32 GGUF).
 
-Weights whose K is not a multiple of 256 become int8 groups of 32 (``q8``'s Q8_0-style format).
-GPU targets are refused in one line (their superblock layout is not wired to this pass).
+Weights whose K is not a multiple of 256 become int8 groups of 32 (``q8``'s Q8_0-style format). On GPU
+targets the blocks take the GPU layout a GGUF file's blocks take there (``subscaled_packed(gpu=True)``, the
+GPU templates' superblock GEMVs).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from perfx_compiler.formats.superblocks import subscaled_packed
 from perfx_compiler.formats.vnni import subscaled_vnni_packed
 from perfx_compiler.model.lazy import read_once
 from perfx_compiler.passes._quantized_linears import current_activations, finalized, linear_weights, rewrite_linears
+from perfx_compiler.passes.gguf_passthrough import gpu_target
 
 NAME = "quantize_kquant"
 SCHEMES = {"q4_k": "Q4_K", "q6_k": "Q6_K"}  # quantization name -> ggml type
@@ -36,15 +38,17 @@ SB = 256  # weights per superblock
 Q8_GROUP = 32
 
 
-def kquant_packed(w: np.ndarray, qtype: str = "Q4_K", vnni: bool = True) -> Any:
+def kquant_packed(w: np.ndarray, qtype: str = "Q4_K", vnni: bool = True, gpu: bool = False,
+                  words: bool = False) -> Any:
     """float32 [N, K] (K % 256 == 0) -> the Packed of its ``qtype`` blocks: the VNNI layout (int8
-    activations) or the float-activation CPU layout (``vnni`` False; no ``.vnni`` kept: its closure
-    would hold the unpacked codes)."""
+    activations), the float-activation CPU layout, or on a GPU target (``gpu``) the GPU layout the GGUF
+    passthrough gives a file's blocks (``words``: every 8-bit array as uint32 words, WGSL); no ``.vnni``
+    kept outside the VNNI layout (its closure would hold the unpacked codes)."""
     shape = (int(w.shape[0]), int(w.shape[1]))
     sub = ggml.unpack(qtype, QUANTIZE[qtype](w), shape)
-    if vnni:
+    if vnni and not gpu:
         return subscaled_vnni_packed(sub, qtype)
-    pk = subscaled_packed(sub, qtype)
+    pk = subscaled_packed(sub, qtype, gpu=gpu, words=words)
     pk.vnni = None
     return pk
 
@@ -54,9 +58,9 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     if quantization not in SCHEMES:
         return mod, weights
     qtype = SCHEMES[quantization]
-    if getattr(getattr(ctx, "target", None), "family", "") == "gpu":
-        raise PerfXError(f"quantization {quantization} runs on CPU targets in this version; "
-                         "use q4_g128 or q8 on GPU targets")
+    gpu = gpu_target(ctx)
+    raw_target = getattr(ctx.target, "raw", None) or {}  # GPU with int32 indices (WGSL): no 8-bit types
+    words = gpu and raw_target.get("index_dtype") == "int32"
     vnni = current_activations() == "int8"
     quant, _ = linear_weights(mod, weights)
     names = sorted(quant)
@@ -72,9 +76,9 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     for name in tqdm(names, desc=f"quantize {qtype}", unit="weight", disable=not show, leave=False, file=console()):
         w = read_once(weights[name])
         if w.shape[1] % SB == 0:
-            pk = kquant_packed(w, qtype, vnni)
+            pk = kquant_packed(w, qtype, vnni, gpu, words)
         else:  # int8 groups of 32 (finalized takes them to the VNNI layout under int8 activations)
-            pk = int8_packed(*quantize_int8(w, Q8_GROUP), Q8_GROUP)
+            pk = int8_packed(*quantize_int8(w, Q8_GROUP), Q8_GROUP, words)
         del w  # (a lazy float weight's float32 copy: one at a time)
         packed[name] = finalized(pk, ctx)
     return rewrite_linears(mod, weights, packed)

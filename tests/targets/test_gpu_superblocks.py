@@ -225,6 +225,38 @@ def q4_k_m_x86_logits(q4_k_m_gguf: Path, tmp_path_factory: pytest.TempPathFactor
     return np.stack([engine.decode(t) for t in TOKENS])
 
 
+@pytest.mark.parametrize("target", ["mali", "vulkan"])
+def test_float_model_quantized_to_q4_k_on_gpu_matches_x86(target: str, tmp_path: Path) -> None:
+    """``--quantization q4_k`` on a GPU target: a float model's linears become Q4_K blocks (llama.cpp's
+    quantizer) in the GPU superblock layout, the same kernels a Q4_K file runs (no float32 matrix but the
+    gathered embedding); decode logits on PoCL (mali) / lavapipe (vulkan: 32-bit words only) = the x86 build
+    of the same quantization with float activations."""
+    from perfx_compiler.model.gguf import load_gguf
+    from perfx_compiler.model.testing import write_tiny_gguf
+    from perfx_compiler.pipeline import compile_model
+    from perfx_compiler.runtime.engine import Engine
+    from perfx_compiler.targets_exec.reference import lowered_module
+    from perfx_compiler.targets_exec.relax_exec import run_decode_steps
+
+    f32, _ = write_tiny_gguf(tmp_path / "f32.gguf", qtype="F32", hidden=256, ffn=512, heads=4, kv_heads=2, vocab=320,
+                             tied=False, context_length=128, seed=9)
+    desc = load_gguf(f32)
+    host = Engine(compile_model(desc, "host", tmp_path / "x86", progress=False, max_context=MAX_CONTEXT,
+                                quantization="q4_k", activations="f32"))
+    want = np.stack([host.decode(t) for t in TOKENS])
+    state, funcs = lowered_module(desc, target, max_context=MAX_CONTEXT, quantization="q4_k")
+    quant = [json.loads(str(f.attrs["perfx.quant"])) for f in funcs.values()
+             if f.attrs is not None and "perfx.quant" in f.attrs]
+    assert quant and all(q.get("sb") and q["bits"] == 4 for q in quant), quant  # every linear: Q4_K blocks
+    floats = [n for n, w in state.weights.items()
+              if np.ndim(w) == 2 and np.asarray(w).dtype == np.float32 and not n.startswith("rope_")]
+    assert floats == ["model_embed_tokens_weight"], floats  # only the gathered embedding stays float
+    got = np.stack(run_decode_steps(state, gpu_launcher(target), TOKENS, state.weights))
+    err = np.abs(got - want).max()
+    assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"{target} q4_k: decode logits differ from x86 by {err}"
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
 @pytest.mark.parametrize("target", ["mali", "adreno", "vulkan"])
 def test_q4_k_m_decode_matches_x86(target: str, q4_k_m_gguf: Path, q4_k_m_x86_logits: np.ndarray,
                                    tmp_path: Path) -> None:

@@ -150,9 +150,10 @@ def in_row_chunks(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, chunk: 
 
 
 def _quantize_rows(x: np.ndarray) -> np.ndarray:
-    # make_qkx2_quants compiled (this module's numpy version is its reference; the import: TVM, compile time only)
-    from perfx_compiler.kernels.kquant_search import make_qkx2_quants as search
+    # make_qkx2_quants compiled where it can be (this module's numpy version is its reference; TVM: compile time only)
+    from perfx_compiler.kernels import kquant_search
 
+    search = kquant_search.make_qkx2_quants if kquant_search.compiled() else make_qkx2_quants
     f32 = np.float32
     n, k = x.shape
     x = x.reshape(n, k // 256, 8, 32)

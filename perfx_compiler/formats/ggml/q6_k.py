@@ -80,8 +80,10 @@ def _quantize_rows(x: np.ndarray) -> np.ndarray:
     n, k = x.shape
     nb = k // 256
     x = x.reshape(n, nb, 16, 16)
-    # make_qx_quants compiled (this module's numpy version is its reference; the import: TVM, compile time only)
-    from perfx_compiler.kernels.kquant_search import make_qx_quants as search
+    # make_qx_quants compiled where it can be (this module's numpy version is its reference; TVM: compile time only)
+    from perfx_compiler.kernels import kquant_search
+
+    search = kquant_search.make_qx_quants if kquant_search.compiled() else make_qx_quants
 
     scales, q = search(x, 32)
     at = np.argmax(np.abs(scales), axis=-1)[..., None]
