@@ -3,9 +3,9 @@ compiled CPU kernels.
 
 ``formats/ggml/q4_k.make_qkx2_quants`` is the numpy reference: vectorized over groups, it still makes ~20
 full passes over the weights per trial scale, 21 trials, so quantizing a 1.1B float model to Q4_K took
-minutes (1.3M weights/s on a 2-vCPU Xeon). This kernel runs the same search for LANES groups side by side,
+minutes. This kernel runs the same search for LANES groups side by side,
 one per vector lane, each group's sums accumulated left to right in float32 as the reference (and llama.cpp's
-C) does, in registers, the blocks of groups split over the CPU's threads: ~30x the reference.
+C) does, in registers, the blocks of groups split over the CPU's threads.
 ``tests/formats/test_ggml_quantize.py`` holds it to the reference bit for bit.
 """
 
