@@ -240,3 +240,27 @@ def test_lazy_load_leaves_the_kquant_blocks_off_the_resident_set(tmp_path: Path,
     assert block_kb[0] > 4096, block_kb  # > 4 MiB of Q4_K blocks: well above the noise
     assert grown[False] > 0.8 * block_kb[1], (grown, block_kb)  # without the drop the scan keeps them resident
     assert grown[True] < 0.2 * block_kb[0], (grown, block_kb)
+
+
+def test_read_once_leaves_a_float_files_rows_off_the_resident_set(tmp_path: Path) -> None:
+    """The quantizing passes widen each lazy weight with ``lazy.read_once``, which drops its mapped pages after
+    the read, so an F16 file's rows do not pile up in the compile's RSS; ``np.asarray`` alone (the control)
+    keeps them resident."""
+    from perfx_compiler.model.gguf import load_gguf
+    from perfx_compiler.model.lazy import read_once
+
+    grown = {}
+    for drop in (True, False):
+        path = _write(tmp_path / f"f16-{drop}.gguf", "F16", hidden=512, ffn=1536, layers=2, heads=8, kv_heads=4,
+                      vocab=2048, tied=False, seed=10)
+        desc = load_gguf(path, lazy=True)
+        mats = [w for w in desc.weights.values() if is_lazy(w) and w.releases[0] is not None]
+        row_kb = sum(w.blocks().nbytes for w in mats) // 1024
+        gc.collect()
+        before = _rss_file_kb()
+        for w in mats:
+            read_once(w) if drop else np.asarray(w)
+        grown[drop] = (_rss_file_kb() - before, row_kb)
+    assert grown[True][1] > 4096, grown  # > 4 MiB of F16 rows read
+    assert grown[False][0] > 0.8 * grown[False][1], grown  # the control: np.asarray leaves them resident
+    assert grown[True][0] < 0.2 * grown[True][1], grown
