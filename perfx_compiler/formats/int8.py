@@ -44,16 +44,23 @@ def check_group(k: int, group: int, what: str = "q8") -> None:
         )
 
 
-def quantize_int8(w: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
-    """(codes int8 [N, K] in -127..127, scale float16 [N, K/G]), round to nearest as llama.cpp Q8_0."""
+def quantize_int8(w: np.ndarray, group: int, chunk_weights: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """(codes int8 [N, K] in -127..127, scale float16 [N, K/G]), round to nearest as llama.cpp Q8_0.
+    Rows go ``chunk_weights`` weights at a time: the float64 temporaries of a whole 32000 x 2048 head
+    (~2 GB) set a float model's ``q8`` compile peak before."""
     w = np.asarray(w, dtype=np.float32)
     n, k = w.shape
     check_group(k, group)
-    grp = w.reshape(n, k // group, group).astype(np.float64)
-    scale = (np.abs(grp).max(axis=2) / 127.0).astype(np.float16)
-    s = scale.astype(np.float64)
-    s[s == 0] = 1.0
-    codes = np.clip(np.rint(grp / s[:, :, None]), -127, 127).astype(np.int8).reshape(n, k)
+    codes = np.empty((n, k), np.int8)
+    scale = np.empty((n, k // group), np.float16)
+    step = max(1, chunk_weights // k)
+    for r in range(0, n, step):
+        grp = w[r : r + step].reshape(-1, k // group, group).astype(np.float64)
+        sc = (np.abs(grp).max(axis=2) / 127.0).astype(np.float16)
+        s = sc.astype(np.float64)
+        s[s == 0] = 1.0
+        codes[r : r + step] = np.clip(np.rint(grp / s[:, :, None]), -127, 127).reshape(-1, k)
+        scale[r : r + step] = sc
     return codes, scale
 
 

@@ -118,6 +118,22 @@ def test_q8_roundtrip() -> None:
     assert np.all(np.abs(dequantize_int8(codes, scale, 32) - w) <= 0.5 * step * 1.01 + 1e-6)
 
 
+def test_q8_row_chunks_quantize_each_group_as_the_plain_formula() -> None:
+    """Rows go a few at a time (bounded temporaries); every group, at a chunk's edge or not, a zero group
+    included, gets scale fp16(max|w| / 127) and codes round(w / scale), as a per-group loop computes them."""
+    rng = np.random.default_rng()
+    w = rng.standard_normal((37, 96)).astype(np.float32)
+    w[5, 32:64] = 0.0
+    codes, scale = quantize_int8(w, 32, chunk_weights=200)  # 2 rows a chunk, the last one alone
+    for r in range(37):
+        for g in range(3):
+            x = w[r, 32 * g : 32 * (g + 1)].astype(np.float64)
+            s = np.float16(np.abs(x).max() / 127.0)
+            assert scale[r, g] == s
+            want = np.clip(np.rint(x / (float(s) or 1.0)), -127, 127)
+            assert np.array_equal(codes[r, 32 * g : 32 * (g + 1)], want), (r, g)
+
+
 def test_q8_logits_match_dequantized_reference(compiled: Any) -> None:
     from perfx_compiler.runtime.engine import Engine
 
