@@ -10,6 +10,7 @@ from typing import Any
 
 from perfx_compiler.formats.vnni import code_row_bytes
 from perfx_compiler.formats.vnni_lowbit import d_of_bytes, group_nibble, min_width, q6_byte, scalar_code, scale_times_4
+from perfx_compiler.kernels.memo import memoized_kernel
 from schedules._vnni_kernels import ROWS_PER_UNIT, _without_zero, plan, transpose_tile
 
 
@@ -86,6 +87,7 @@ class _Layout:
         return (code - T.Cast("float32", Z[row, g])) * s
 
 
+@memoized_kernel
 def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: int, nb: int = 0,  # noqa: N803
             sb: int = 0, lut: str = "") -> Any:
     """W [N, K] in float32 from the VNNI layout (prefill: the float GEMM follows), or with
@@ -144,6 +146,7 @@ def dequant(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, tasks: i
     return qv_dequant if L.has_z else _without_zero(qv_dequant)
 
 
+@memoized_kernel
 def take(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, sb: int = 0,  # noqa: N803
          lut: str = "") -> Any:
     """Embedding gather out[b, m, :] = W[ids[b, m], :] from the VNNI layout."""

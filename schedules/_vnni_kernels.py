@@ -39,6 +39,7 @@ from perfx_compiler.formats.vnni_lowbit import (
     unit_codes,
 )
 from perfx_compiler.kernels.fastmath import fast_exp  # a macro below calls it (TVMScript resolves it here)
+from perfx_compiler.kernels.memo import memoized_kernel
 from schedules._vnni_x import _take, _x_macros
 
 STEP = 64
@@ -64,6 +65,7 @@ GEMV_CONFIG: dict[str, int] = {"units": 1, "tasks": 1, "unroll": 1, "prefetch": 
                                "sprefetch": 0, "nta": 0, "ploc": 3, "tquant": 0}
 
 
+@memoized_kernel
 def gemv(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, rows: tuple[int, int],
          config: Mapping[str, Any], prologue: str = "", eps: float = 0.0, epilogue: str = "", sb: int = 0,
          lut: str = "") -> Any:

@@ -68,6 +68,7 @@ from perfx_compiler.formats.vnni_lowbit import (
 )
 from perfx_compiler.kernels import _lanes
 from perfx_compiler.kernels.fastmath import fast_exp
+from perfx_compiler.kernels.memo import memoized_kernel
 from perfx_compiler.schedule_template import (
     ScheduleConfigError,
     ScheduleTemplate,
@@ -333,6 +334,7 @@ def _repack(*, bits: int, lut: str, pair: bool, S: int, nr: int, RPU: int, KP: i
     return repack
 
 
+@memoized_kernel
 def kernel(bits: int, N: int, K: int, G: int, sym: bool, offset: bool, mr: int, nr: int, tasks: int,
            prepacked: bool = False, sb: int = 0, lut: str = "", epilogue: str = "") -> Any:
     """The GEMM PrimFunc (x, q, scale[, zero|min], y) for one configuration; with ``prepacked``

@@ -52,6 +52,7 @@ from perfx_compiler.kernels._attention_common import (
 )
 from perfx_compiler.kernels._attention_tiled import _zigzag, tiled_attention_body
 from perfx_compiler.kernels._kv_cache import append_row, kv_dtype, row_stride, tile_pv_kv, tile_scores_kv
+from perfx_compiler.kernels.memo import memoized_kernel
 
 ATTR = "perfx.attention"  # JSON facts on the untuned kernels, read by the template
 
@@ -260,6 +261,7 @@ def _split_step_body(p: _Plan, cfg: dict[str, Any], append_kv: Any, rows_body: A
     return step_body
 
 
+@memoized_kernel
 def cached_attention_kernel(
     num_heads: int,
     num_kv_heads: int,

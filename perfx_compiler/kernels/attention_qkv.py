@@ -7,6 +7,8 @@ from typing import Any
 
 from tvm.script import tirx as T
 
+from perfx_compiler.kernels.memo import memoized_kernel
+
 _PARAM_RE = (
     r'Q: T\.Buffer\(\(T\.int64\(1\), seq, T\.int64\((\d+)\)\), "float32"\), '
     r'K: T\.Buffer\(\(T\.int64\(1\), seq, T\.int64\((\d+)\)\), "float32"\), '
@@ -14,6 +16,7 @@ _PARAM_RE = (
 )
 
 
+@memoized_kernel
 def attention_over_qkv(kernel: Any) -> Any | None:
     """The attention PrimFunc ``kernel(Q, K, V, caches...)`` rewritten to take one [1, seq, q+k+v]
     tensor: Q/K/V become strided views of it, so the merged projection is read in place (no

@@ -33,6 +33,7 @@ from perfx_compiler.kernels._attention_common import (
 )
 from perfx_compiler.kernels._attention_tiled import tiled_attention_body
 from perfx_compiler.kernels._kv_cache import append_row, kv_dtype, row_stride, tile_pv_kv, tile_scores_kv
+from perfx_compiler.kernels.memo import memoized_kernel
 
 KEY_TILE = 32  # keys per online-softmax step
 # prompt chunks (seq > 1) take the tiled body; its configuration as the contiguous kernel's tuned prefill
@@ -106,6 +107,7 @@ def paged_attention_func(
     return paged_attention
 
 
+@memoized_kernel
 def paged_attention_kernel(
     num_heads: int,
     num_kv_heads: int,

@@ -9,6 +9,8 @@ from typing import Any
 
 from tvm.script import tirx as T
 
+from perfx_compiler.kernels.memo import memoized_kernel
+
 
 def vector_width(n: int, lanes: int = 16) -> int:
     """Widest of lanes, 8, 4, 2, 1 that divides ``n``."""
@@ -53,6 +55,7 @@ def norm_rows_func(hidden: int, residual: bool, body: Any) -> Any:
     return rms_norm
 
 
+@memoized_kernel
 def rms_norm_kernel(hidden: int, eps: float, residual: bool, lanes: int = 16) -> Any:
     """``(a [+ b]) / sqrt(mean(x^2) + eps) * w`` over rows of [batch, n, hidden].
 

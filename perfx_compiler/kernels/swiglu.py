@@ -6,7 +6,10 @@ from typing import Any
 
 from tvm.script import tirx as T
 
+from perfx_compiler.kernels.memo import memoized_kernel
 
+
+@memoized_kernel
 def swiglu_kernel(ffn: int) -> Any:
     """``silu(g) * u`` reading a merged [1, n, 2*ffn] tensor (gate columns first, then up).
 
