@@ -48,6 +48,13 @@ machine: with more runnable threads than cores, ggml's OpenMP calls stall for mi
 Decode speed of whole models per activation type is an A/B of two builds:
 ``benchmarks/ab.py --compile smollm2-135m "--activations f32" "--activations int8" --labels f32,int8``.
 
+``quantize``: float weights to Q4_K / Q6_K (``--quantization q4_k`` / ``q6_k``), PerfX's quantizers (the compiled
+searches, and the numpy references on ``--numpy-shapes``) against llama.cpp's ``ggml_quantize_chunk`` on the same
+random weights at TinyLlama-1.1B's shapes, the rows on as many threads each; the blocks are compared byte for
+byte. Writes benchmarks/results/<machine>/kernels_quantize.csv and .png (benchmarks/_kernels_quantize.py).
+
+    python benchmarks/kernels.py quantize [--types Q4_K,Q6_K] [--shapes attn,gate_up,lm_head] [--rounds 3]
+
 ``bytes``: artifact bytes against GGUF file bytes per block type and weight layout (issue #25: <= 1.03x),
 no timing (the bytes depend only on the layouts). Each type's random blocks (``random_blocks``) at
 TinyLlama-1.1B's down projection (2048 x 5632) go through the GGUF passthrough's own packing
@@ -79,6 +86,8 @@ import numpy as np  # noqa: E402
 from _common import L3_BYTES, RESULTS, figure, write_csv  # noqa: E402
 from _kernels_bytes import bytes_main  # noqa: E402
 from _kernels_ggml import GGML_QTYPES, TINYLLAMA, ggml_main  # noqa: E402
+from _kernels_quantize import add_parser as add_quantize_parser  # noqa: E402
+from _kernels_quantize import quantize_main  # noqa: E402
 
 from perfx_compiler.bench.machine import read_bandwidth  # noqa: E402
 from perfx_compiler.formats.gguf_blocks import Q4_0, Q4_1  # noqa: E402
@@ -536,7 +545,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="replace only the rerun cases (type, shape, rows) in an existing CSV (after one format's kernels changed)")
     by = sub.add_parser("bytes", help="artifact / GGUF file bytes per block type and weight layout (no timing)")
     by.add_argument("--out", default=None, help="default: results/format_bytes.csv")
+    add_quantize_parser(sub)
     args = ap.parse_args(argv)
+    if args.kind == "quantize":
+        return quantize_main(args)
     if args.kind == "bytes":
         return bytes_main(args)
     if args.kind == "ggml":

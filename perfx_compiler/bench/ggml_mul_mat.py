@@ -87,7 +87,9 @@ def ggml() -> SimpleNamespace:
                "ggml_build_forward_expand": (None, [P, P]), "ggml_backend_reg_dev_get": (P, [P, S]),
                "ggml_backend_reg_get_proc_address": (P, [P, c_char_p]), "ggml_backend_buft_name": (c_char_p, [P]),
                "ggml_backend_alloc_ctx_tensors_from_buft": (P, [P, P]),
-               "ggml_backend_tensor_set": (None, [P, P, S, S]), "ggml_backend_buffer_free": (None, [P])},
+               "ggml_backend_tensor_set": (None, [P, P, S, S]), "ggml_backend_buffer_free": (None, [P]),
+               # (type, src f32, dst, start, nrows, n_per_row, imatrix): llama.cpp's quantizer per row range
+               "ggml_quantize_chunk": (S, [c_int, P, P, c_int64, c_int64, c_int64, P])},
         cpu: {"ggml_cpu_init": (None, []), "ggml_graph_plan": (_CPlan, [P, c_int, P]),
               "ggml_graph_compute": (c_int, [P, POINTER(_CPlan)]), "ggml_backend_cpu_reg": (P, []),
               **{f"ggml_cpu_has_{f}": (c_int, []) for f in ("avx2", "avx512", "avx512_vnni", "amx_int8")}},

@@ -29,6 +29,7 @@ from perfx_compiler.model.description import (
 from perfx_compiler.model.families import FAMILIES, family_for_hf_class, hf_classes
 from perfx_compiler.model.families._family import Family, HFConfig, missing_features, row_plan
 from perfx_compiler.model.gguf import DEFAULT_MAX_CONTEXT, LAZY_FLOAT_BYTES, STOP_TOKENS
+from perfx_compiler.model.lazy import FLOAT_BYTES
 from perfx_compiler.model.tokenizer import load_tokenizer
 
 _INT_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -143,8 +144,6 @@ def _load_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise ModelFormatError(f"{path}: corrupt safetensors file ({first}); re-download it") from e
 
 
-# safetensors float dtypes a lazy load maps (model/lazy.py; the same names as ggml's types) -> element bytes
-_ELEMENT_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
 
 
 def _widened(dtype: str, raw: np.ndarray) -> np.ndarray:
@@ -166,7 +165,7 @@ def _mapped_safetensors(path: Path) -> dict[str, Any]:
     try:
         with safe_open(str(path), framework="numpy") as f:
             names = list(f.keys())
-            others = {n: f.get_tensor(n) for n in names if f.get_slice(n).get_dtype() not in _ELEMENT_BYTES}
+            others = {n: f.get_tensor(n) for n in names if f.get_slice(n).get_dtype() not in FLOAT_BYTES}
     except TypeError as e:
         raise UnsupportedModelError(f"{path}: tensor dtype not readable ({e})") from None
     except Exception as e:  # SafetensorError (not exported) for corrupt headers
@@ -295,7 +294,7 @@ def _canonical_weights(folder: Path, family: Family, cfg: ModelConfig, source: s
             mapped = None
             if isinstance(arr, tuple):  # (ggml type, mapped rows [N, K * element bytes])
                 qtype, raw = arr
-                mapped = QuantizedWeight(qtype, [raw], (raw.shape[0], raw.shape[1] // _ELEMENT_BYTES[qtype]))
+                mapped = QuantizedWeight(qtype, [raw], (raw.shape[0], raw.shape[1] // FLOAT_BYTES[qtype]))
                 arr = np.asarray(mapped) if offset else raw
                 mapped = None if offset else mapped
             w = arr if mapped is not None else np.asarray(arr).astype(np.float32, copy=False)

@@ -30,7 +30,8 @@ def _row_bytes(qtype: str, k: int) -> int | None:
     return k // weights * nbytes
 
 
-FLOAT_TYPES = ("F32", "F16", "BF16")  # "blocks" of one element: the rows' raw bytes
+FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}  # "blocks" of one element (the rows' raw bytes) -> its bytes
+FLOAT_TYPES = tuple(FLOAT_BYTES)
 
 
 class QuantizedWeight:
