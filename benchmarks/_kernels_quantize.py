@@ -1,4 +1,4 @@
-"""``python benchmarks/kernels.py quantize``: quantizing float weights to Q4_K / Q6_K (``--quantization q4_k`` /
+"""``python benchmarks/kernels.py quantize``: quantizing float weights to Q4_K / Q5_K / Q6_K (``--quantization q4_k`` / ``q5_k`` /
 ``q6_k`` of a float model) against llama.cpp's own quantizer on the same weights.
 
 Variants, each quantizing a whole random float32 matrix of TinyLlama-1.1B's shapes per call:
@@ -27,7 +27,7 @@ import numpy as np
 from _common import RESULTS, alternated, figure, write_csv
 from _kernels_ggml import TINYLLAMA
 
-QUANT_TYPES = ("Q4_K", "Q6_K")
+QUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def _ggml_quantizer(qtype: str, w: np.ndarray, threads: int) -> tuple[Callable[[], None], np.ndarray]:
@@ -140,12 +140,12 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
         ax.set_xticks(x)
         ax.set_xticklabels([f"{r['type']}\n{r['shape']}" for r in rows], fontsize=8)
         ax.set_ylabel("million weights quantized / s")
-        ax.set_title(f"Q4_K / Q6_K quantization of float weights, {rows[0]['threads']} threads")
+        ax.set_title(f"K-quant quantization of float weights, {rows[0]['threads']} threads")
         ax.legend(fontsize=8)
 
 
 def add_parser(sub: Any) -> None:
-    q = sub.add_parser("quantize", help="float -> Q4_K / Q6_K quantization: PerfX vs llama.cpp's quantizer")
+    q = sub.add_parser("quantize", help="float -> Q4_K / Q5_K / Q6_K quantization: PerfX vs llama.cpp's quantizer")
     q.add_argument("--types", default=",".join(QUANT_TYPES))
     q.add_argument("--shapes", default="attn,gate_up,lm_head", help="subset of " + ",".join(TINYLLAMA))
     q.add_argument("--numpy-shapes", default="attn", help="shapes that also time the numpy searches ('' for none)")

@@ -48,7 +48,7 @@ machine: with more runnable threads than cores, ggml's OpenMP calls stall for mi
 Decode speed of whole models per activation type is an A/B of two builds:
 ``benchmarks/ab.py --compile smollm2-135m "--activations f32" "--activations int8" --labels f32,int8``.
 
-``quantize``: float weights to Q4_K / Q6_K (``--quantization q4_k`` / ``q6_k``), PerfX's quantizers (the compiled
+``quantize``: float weights to Q4_K / Q5_K / Q6_K (``--quantization q4_k`` / ``q5_k`` / ``q6_k``), PerfX's quantizers (the compiled
 searches, and the numpy references on ``--numpy-shapes``) against llama.cpp's ``ggml_quantize_chunk`` on the same
 random weights at TinyLlama-1.1B's shapes, the rows on as many threads each; the blocks are compared byte for
 byte. Writes benchmarks/results/<machine>/kernels_quantize.csv and .png (benchmarks/_kernels_quantize.py).

@@ -55,7 +55,7 @@ GRAPH_PASSES: list[str] = [
     "precision",  # after the merges and fusions, before the weight formats (which see the rounded inputs)
     "awq",  # after the merges, instead of quantize_int4 (which ignores q4_awq_* names)
     "quantize_int4",  # after the merges (quantize the merged weights); acts for q4_*
-    "quantize_kquant",  # acts only for quantization q4_k / q6_k (GGUF K-quant blocks, CPU targets)
+    "quantize_kquant",  # acts only for quantization q4_k / q5_k / q6_k (GGUF K-quant blocks)
     "gguf_passthrough",  # acts only for quantization "gguf"
     "onnx_int4_passthrough",  # acts only for quantization "onnx"
     "quantize_int8",

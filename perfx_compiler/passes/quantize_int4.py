@@ -22,12 +22,14 @@ from perfx_compiler.errors import PerfXError
 from perfx_compiler.formats.int4 import Int4Format, int4_packed, quantize_int4, words_target
 from perfx_compiler.model.lazy import read_once
 from perfx_compiler.passes._quantized_linears import GEMV_MAX_ROWS, finalized, linear_weights, rewrite_linears
+from perfx_compiler.passes.quantize_kquant import SCHEMES as KQUANT_SCHEMES
 
 NAME = "quantize_int4"
 
 # Schemes other passes implement (gguf_passthrough, quantize_int8, awq, quantize_kquant): not int4 RTN, but valid names.
 OTHER = ("f32", "f16", "bf16", "gguf", "onnx", "q8", "q8_g32", "q8_g64", "q8_g128", "q4_awq_g128", "q4_awq_g64", "q4_awq_g32",
-         "q4_k", "q6_k")
+         *KQUANT_SCHEMES)
+INT4 = ("q4_g128", "q4_g64", "q4_g32", "q4_sym_g128", "q4_sym_g64", "q4_sym_g32")
 NOT_YET: tuple[str, ...] = ()  # planned schemes: refuse rather than silently compile f32
 KNOWN = OTHER
 __all__ = ["GEMV_MAX_ROWS", "parse", "quantize_linears", "apply"]
@@ -43,10 +45,9 @@ def parse(quantization: str) -> Int4Format | None:
         return None
     if quantization in NOT_YET:
         raise PerfXError(f"quantization '{quantization}' is not implemented yet; use f32, gguf, q8 or q4_g128/g64/g32")
-    raise PerfXError(
-        f"unknown quantization '{quantization}'; use one of auto, f32, f16, bf16, gguf, onnx, q8, q8_g64, q8_g128, q4_g128, "
-        "q4_g64, q4_g32, q4_sym_g128, q4_sym_g64, q4_sym_g32, q4_awq_g128, q4_awq_g64, q4_awq_g32, q4_k, q6_k"
-    )
+    plain = [n for n in OTHER if n not in KQUANT_SCHEMES and not n.startswith("q4_")]
+    names = ["auto", *plain, *INT4, *(n for n in OTHER if n.startswith("q4_awq")), *KQUANT_SCHEMES]
+    raise PerfXError(f"unknown quantization '{quantization}'; use one of {', '.join(names)}")
 
 
 def quantize_linears(

@@ -1,9 +1,9 @@
-"""GGUF K-quant quantization of float weights (quantizations ``q4_k``, ``q6_k``): every linear weight
-W [N, K] with K a multiple of 256 is quantized to GGUF Q4_K / Q6_K blocks exactly as llama.cpp's
-reference quantizer does (``formats/ggml/q4_k.py``, ``q6_k.py``: ``quantize``, bit-identical blocks),
+"""GGUF K-quant quantization of float weights (quantizations ``q4_k``, ``q5_k``, ``q6_k``): every linear weight
+W [N, K] with K a multiple of 256 is quantized to GGUF Q4_K / Q5_K / Q6_K blocks exactly as llama.cpp's
+reference quantizer does (``formats/ggml/q4_k.py``, ``q5_k.py``, ``q6_k.py``: ``quantize``, bit-identical blocks),
 then unpacked and packed like a weight of that type read from a GGUF file (``gguf_passthrough``):
 under int8 activations (x86 AVX-512 VNNI) in the VNNI layout (``formats/vnni.py``: Q4_K int4 row
-pairs, Q6_K 6-bit row quads), under float activations (every other CPU target, or ``--activations
+pairs, Q5_K 5-bit row octets, Q6_K 6-bit row quads), under float activations (every other CPU target, or ``--activations
 f32``) in the float-activation CPU layout (``formats/superblocks.py``: Q4_K int4 interleaved codes,
 Q6_K int8 codes), each with the int8 sub-block scales (and mins) and the superblock's float16 d.
 Any model format with float weights qualifies (Hugging Face folders, ONNX, F16/F32 GGUF).
@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.formats import ggml
-from perfx_compiler.formats.ggml import q4_k, q6_k
+from perfx_compiler.formats.ggml import q4_k, q5_k, q6_k
 from perfx_compiler.formats.int8 import int8_packed, quantize_int8
 from perfx_compiler.formats.superblocks import subscaled_packed
 from perfx_compiler.formats.vnni import subscaled_vnni_packed
@@ -32,8 +32,8 @@ from perfx_compiler.passes._quantized_linears import current_activations, finali
 from perfx_compiler.passes.gguf_passthrough import gpu_target
 
 NAME = "quantize_kquant"
-SCHEMES = {"q4_k": "Q4_K", "q6_k": "Q6_K"}  # quantization name -> ggml type
-QUANTIZE = {"Q4_K": q4_k.quantize, "Q6_K": q6_k.quantize}  # float32 [N, K] -> raw blocks
+SCHEMES = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K"}  # quantization name -> ggml type
+QUANTIZE = {"Q4_K": q4_k.quantize, "Q5_K": q5_k.quantize, "Q6_K": q6_k.quantize}  # float32 [N, K] -> raw blocks
 SB = 256  # weights per superblock
 Q8_GROUP = 32
 

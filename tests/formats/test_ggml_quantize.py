@@ -15,7 +15,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from perfx_compiler.formats import ggml
-from perfx_compiler.formats.ggml import q4_k, q6_k
+from perfx_compiler.formats.ggml import q4_k, q5_k, q6_k
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def rmse(qtype: GGMLQuantizationType, raw: np.ndarray, w: np.ndarray) -> float:
     return float(np.sqrt(np.mean((gguf_dequantize(raw, qtype).reshape(w.shape).astype(np.float64) - w) ** 2)))
 
 
-QUANTIZERS = {"Q4_K": q4_k.quantize, "Q6_K": q6_k.quantize}
+QUANTIZERS = {"Q4_K": q4_k.quantize, "Q5_K": q5_k.quantize, "Q6_K": q6_k.quantize}
 
 
 @pytest.mark.parametrize("qtype", sorted(QUANTIZERS))
@@ -79,7 +79,7 @@ def test_quantize_matches_llamacpp(qtype: str, shape: tuple[int, int], ggml_quan
 def test_row_chunks_do_not_change_blocks(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     w = realistic_weights((5, 512))
     whole = QUANTIZERS[qtype](w)
-    monkeypatch.setattr({"Q4_K": q4_k, "Q6_K": q6_k}[qtype], "CHUNK_WEIGHTS", 1024)  # 2 rows at a time
+    monkeypatch.setattr({"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}[qtype], "CHUNK_WEIGHTS", 1024)  # 2 rows at a time
     np.testing.assert_array_equal(QUANTIZERS[qtype](w), whole)
 
 
@@ -103,6 +103,8 @@ def test_compiled_searches_are_the_numpy_references() -> None:
     weights = np.sqrt(q4_k.seqsum(w * w) / np.float32(32))[..., None] + np.abs(w)
     want = q4_k.make_qkx2_quants(w, weights, 15, -1.0, 0.1, 20)
     got = compiled(w, weights, 15, -1.0, 0.1, 20)
+    want += q4_k.make_qkx2_quants(w, weights, 31, -0.5, 0.1, 15)  # Q5_K's search
+    got += compiled(w, weights, 31, -0.5, 0.1, 15)
     # and Q6_K's (make_qx_quants: groups of 16, an all-zero one and a sign tie for the largest |x| too)
     x = realistic_weights((45, 1024)).reshape(45, 4, 16, 16)
     x[3, 2, 5, :2] = np.float32([0.3, -0.3])

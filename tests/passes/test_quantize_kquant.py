@@ -1,5 +1,5 @@
-"""quantizations ``q4_k`` / ``q6_k`` (passes/quantize_kquant.py): float weights quantized to GGUF Q4_K /
-Q6_K blocks at compile time (K % 256 == 0; the others int8 groups of 32), run on the VNNI kernels under
+"""quantizations ``q4_k`` / ``q5_k`` / ``q6_k`` (passes/quantize_kquant.py): float weights quantized to GGUF Q4_K /
+Q5_K / Q6_K blocks at compile time (K % 256 == 0; the others int8 groups of 32), run on the VNNI kernels under
 int8 activations and on the float-activation kernels elsewhere (a CPU target without VNNI).
 
 The model checks compare with the float64 reference run on the weights the artifact holds (each
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from perfx_compiler.formats import ggml
-from perfx_compiler.formats.ggml import q4_k, q6_k
+from perfx_compiler.formats.ggml import q4_k, q5_k, q6_k
 from perfx_compiler.formats.int8 import quantize_int8
 from perfx_compiler.model.description import ModelDescription
 from tests._cpu import needs_vnni
@@ -31,7 +31,7 @@ PASSES = [*ALL_PASSES, "quantize_kquant", "quantize_int8"]
 HIDDEN, FFN = 256, 320  # down_proj's K = 320 is no multiple of 256: the int8 fallback
 
 
-QUANTIZE = {"Q4_K": q4_k.quantize, "Q6_K": q6_k.quantize}
+QUANTIZE = {"Q4_K": q4_k.quantize, "Q5_K": q5_k.quantize, "Q6_K": q6_k.quantize}
 
 
 def dequantized(desc: ModelDescription, qtype: str = "Q4_K") -> ModelDescription:
@@ -126,22 +126,24 @@ def test_tiny_q4_k_model_matches_reference_on_dequantized_weights(tmp_path) -> N
 
 
 @needs_vnni
-def test_tiny_q6_k_model_int8_activations(tmp_path) -> None:
-    """q6_k on the VNNI kernels: 6-bit row quads (uint8 [N/4, 3K]), int8 sub-scales + f16 d."""
+@pytest.mark.parametrize(("quantization", "suffix", "row_bytes"), [("q5_k", "_q5", 5 * HIDDEN), ("q6_k", "_q6", 3 * HIDDEN)])
+def test_tiny_q5_k_q6_k_models_int8_activations(tmp_path, quantization: str, suffix: str, row_bytes: int) -> None:
+    """q5_k / q6_k on the VNNI kernels: 5-bit row octets (uint8 [N/8, 5K]) / 6-bit row quads (uint8 [N/4, 3K]),
+    int8 sub-scales (and mins) + f16 d."""
     from perfx_compiler.model.reference import ReferenceModel
 
-    desc, art, manifest = compiled(tmp_path, "q6_k", "host", "int8")
+    desc, art, manifest = compiled(tmp_path, quantization, "host", "int8")
     assert manifest["activations"] == "int8"
     stored = {w["name"]: w for w in manifest["weights"]}
-    q6 = [n for n in stored if n.endswith("_q6")]
-    assert len(q6) >= 1 + 3 * desc.config.num_layers, q6  # lm-head/embedding, qkv, o, gate|up per layer
-    assert all(stored[n]["dtype"] == "uint8" and stored[n]["shape"][1] == 3 * HIDDEN for n in q6), q6
-    errs = logit_errors(art, ReferenceModel(dequantized(desc, "Q6_K")), desc.config.vocab_size)
-    print(f"q6_k (int8 activations): max rel logit error vs the float64 reference: {max(errs):.2e}")
+    packed = [n for n in stored if n.endswith(suffix)]
+    assert len(packed) >= 1 + 3 * desc.config.num_layers, packed  # lm-head/embedding, qkv, o, gate|up per layer
+    assert all(stored[n]["dtype"] == "uint8" and stored[n]["shape"][1] == row_bytes for n in packed), packed
+    errs = logit_errors(art, ReferenceModel(dequantized(desc, quantization.upper())), desc.config.vocab_size)
+    print(f"{quantization} (int8 activations): max rel logit error vs the float64 reference: {max(errs):.2e}")
     assert max(errs) < 5e-2, errs
 
 
-@pytest.mark.parametrize("quantization", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("quantization", ["q4_k", "q5_k", "q6_k"])
 def test_tiny_kquant_model_float_activations(tmp_path, quantization: str) -> None:
     """A CPU target without VNNI (x86-avx2, runnable here): activations resolve to f32 and the
     float-activation kernels read the blocks (formats/superblocks.py: Q4_K int4 interleaved codes with
@@ -153,6 +155,8 @@ def test_tiny_kquant_model_float_activations(tmp_path, quantization: str) -> Non
     assert manifest["activations"] == "f32"
     if qtype == "Q4_K":
         check_stored(manifest, desc, "_q4", "uint32", 32)  # 8 codes a word
+    elif qtype == "Q5_K":
+        check_stored(manifest, desc, "_q8", "uint8", 32)  # codes in 5-bit planes, with mins
     else:
         check_stored(manifest, desc, "_q8", "uint8", 16)  # codes + 32 in 6-bit planes (formats/bitplanes.py)
     errs = logit_errors(art, ReferenceModel(dequantized(desc, qtype)), desc.config.vocab_size)
@@ -163,13 +167,14 @@ def test_tiny_kquant_model_float_activations(tmp_path, quantization: str) -> Non
     assert max(far) > 10 * max(errs), (far, errs)  # the bound tells these weights from the float ones
 
 
-def test_kquant_on_a_words_only_gpu_target_packs_32_bit_words() -> None:
-    """On WGSL (no 8-bit types) q6_k's blocks take the GPU superblock layout in uint32 words, as a GGUF file's
-    Q6_K blocks do there (decode on lavapipe / PoCL: tests/targets/test_gpu_superblocks.py)."""
+@pytest.mark.parametrize("quantization", ["q5_k", "q6_k"])
+def test_kquant_on_a_words_only_gpu_target_packs_32_bit_words(quantization: str) -> None:
+    """On WGSL (no 8-bit types) q5_k's / q6_k's blocks take the GPU superblock layout in uint32 words, as a GGUF
+    file's Q5_K / Q6_K blocks do there (decode on lavapipe / PoCL: tests/targets/test_gpu_superblocks.py)."""
     from perfx_compiler import pipeline
     from perfx_compiler.targets import load_target
 
-    opts = pipeline.CompileOptions(**compile_options(target="vulkan", passes=PASSES, quantization="q6_k",
+    opts = pipeline.CompileOptions(**compile_options(target="vulkan", passes=PASSES, quantization=quantization,
                                                      progress=False))
     state = pipeline.CompileState(desc=tiny_desc(hidden=HIDDEN, ffn=FFN), target=load_target("vulkan"), options=opts)
     pipeline.phase_import(state)
@@ -181,7 +186,7 @@ def test_kquant_on_a_words_only_gpu_target_packs_32_bit_words() -> None:
     assert [n for n, a in mats.items() if a.dtype == np.float32 and a.ndim == 2] == ["model_embed_tokens_weight"]
 
 
-@pytest.mark.parametrize("name", ["q4_k", "q6_k"])
+@pytest.mark.parametrize("name", ["q4_k", "q5_k", "q6_k"])
 def test_kquant_is_a_known_name(name: str) -> None:
     from perfx_compiler.passes.quantize_int4 import parse
 

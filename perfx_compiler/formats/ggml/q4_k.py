@@ -149,7 +149,10 @@ def in_row_chunks(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, chunk: 
         return np.concatenate(list(pool.map(fn, parts)), axis=0)
 
 
-def _quantize_rows(x: np.ndarray) -> np.ndarray:
+def sub_min_quants(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple[np.ndarray, np.ndarray]:
+    """What quantize_row_q4_K_ref and quantize_row_q5_K_ref share, for float32 [N, K] rows: (the block heads
+    uint8 [N, K / 256, 16]: d, dmin, scales[12]; the codes uint8 [N, K / 256, 8, 32] in 0..``nmax``).
+    Q4_K searches 0..15 (rmin -1, rdelta 0.1, 20 steps), Q5_K 0..31 (-0.5, 0.1, 15 steps)."""
     # make_qkx2_quants compiled where it can be (this module's numpy version is its reference; TVM: compile time only)
     from perfx_compiler.kernels import kquant_search
 
@@ -158,7 +161,7 @@ def _quantize_rows(x: np.ndarray) -> np.ndarray:
     n, k = x.shape
     x = x.reshape(n, k // 256, 8, 32)
     av_x = np.sqrt(seqsum(x * x) / f32(32))
-    scales, mins, q = search(x, av_x[..., None] + np.abs(x), 15, -1.0, 0.1, 20)
+    scales, mins, q = search(x, av_x[..., None] + np.abs(x), nmax, rmin, rdelta, nstep)
     max_scale = np.maximum(scales.max(axis=-1), f32(0))
     max_min = np.maximum(mins.max(axis=-1), f32(0))
     packed = pack_scale_min_k4(six_bits(scales, max_scale), six_bits(mins, max_min))
@@ -168,10 +171,20 @@ def _quantize_rows(x: np.ndarray) -> np.ndarray:
     ds = d.astype(f32)[..., None] * sc.astype(f32)
     dm = dmin.astype(f32)[..., None] * m.astype(f32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        requant = np.clip(nearest_int((x + dm[..., None]) / ds[..., None]), 0, 15).astype(np.uint8)
+        requant = np.clip(nearest_int((x + dm[..., None]) / ds[..., None]), 0, nmax).astype(np.uint8)
     q = np.where((ds != 0)[..., None], requant, q)  # a zero sub-block scale keeps the search's codes
-    pairs = q.reshape(n, k // 256, 4, 2, 32)
-    qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(n, k // 256, 128)
-    head = np.concatenate([d[..., None].astype("<f2").view(np.uint8), dmin[..., None].astype("<f2").view(np.uint8)],
-                          axis=-1)
-    return np.concatenate([head, packed, qs], axis=-1).reshape(n, -1)
+    head = np.concatenate([d[..., None].astype("<f2").view(np.uint8), dmin[..., None].astype("<f2").view(np.uint8),
+                           packed], axis=-1)
+    return head, q
+
+
+def nibble_chunks(q: np.ndarray) -> np.ndarray:
+    """Codes [N, nb, 8, 32] -> qs [N, nb, 128]: the low nibbles of sub-blocks 2j and 2j + 1 in chunk j's bytes."""
+    n, nb = q.shape[:2]
+    pairs = (q & np.uint8(0xF)).reshape(n, nb, 4, 2, 32)
+    return (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << np.uint8(4))).reshape(n, nb, 128)
+
+
+def _quantize_rows(x: np.ndarray) -> np.ndarray:
+    head, q = sub_min_quants(x, 15, -1.0, 0.1, 20)
+    return np.concatenate([head, nibble_chunks(q)], axis=-1).reshape(x.shape[0], -1)

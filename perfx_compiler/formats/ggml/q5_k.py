@@ -10,7 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 from perfx_compiler.formats.ggml._format import GGMLFormat, SubScaled, blocks, f16, field, rows, split_bits
-from perfx_compiler.formats.ggml.q4_k import low_codes, scale_min_k4
+from perfx_compiler.formats.ggml.q4_k import (
+    CHUNK_WEIGHTS,
+    in_row_chunks,
+    low_codes,
+    nibble_chunks,
+    scale_min_k4,
+    sub_min_quants,
+)
 
 
 def unpack(raw: np.ndarray, shape: tuple[int, int]) -> SubScaled:
@@ -24,3 +31,20 @@ def unpack(raw: np.ndarray, shape: tuple[int, int]) -> SubScaled:
 
 
 FORMAT = GGMLFormat("Q5_K", 256, 176, 5.5, unpack, f16_fields=(0, 2))
+
+
+def quantize(w: np.ndarray) -> np.ndarray:
+    """float32 [N, K] (K % 256 == 0) -> raw Q5_K blocks uint8 [N, K // 256 * 176]: llama.cpp's
+    quantize_row_q5_K_ref (no importance matrix): Q4_K's search and requantization over codes 0..31
+    (``q4_k.sub_min_quants``), the fifth bits into qh."""
+    x = np.asarray(w, dtype=np.float32)
+    if x.shape[1] % 256:
+        raise ValueError(f"Q5_K quantizes rows of whole 256-weight superblocks; got K = {x.shape[1]}")
+    return in_row_chunks(_quantize_rows, x, CHUNK_WEIGHTS, threads=1)  # (the search kernel runs threads of its own)
+
+
+def _quantize_rows(x: np.ndarray) -> np.ndarray:
+    head, q = sub_min_quants(x, 31, -0.5, 0.1, 15)
+    bit = np.arange(8, dtype=np.uint8).reshape(8, 1)
+    qh = np.bitwise_or.reduce(((q >> np.uint8(4)) & np.uint8(1)) << bit, axis=2)  # bit s of qh[l]: sub-block s
+    return np.concatenate([head, qh.astype(np.uint8), nibble_chunks(q)], axis=-1).reshape(x.shape[0], -1)
