@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="weight format: auto (gguf for a GGUF model with Q4_0/Q4_1/Q5_0/Q8_0 weights, onnx for an ONNX model "
              "with int4 MatMulNBits weights, else f32), f32, f16, bf16, gguf, onnx, "
              "q8, q8_g64, q8_g128, q4_g128/g64/g32, q4_sym_g*, q4_awq_g128/g64/g32, "
-             "q4_k, q5_k, q6_k (GGUF Q4_K / Q5_K / Q6_K blocks made by llama.cpp's quantizer, ported)",
+             "q4_k, q5_k, q6_k (GGUF Q4_K / Q5_K / Q6_K blocks made by llama.cpp's quantizer, ported), "
+             "q4_k_m, q5_k_m (llama.cpp's mixes: Q6_K for the head and some layers' attn_v / ffn_down)",
     )
     p.add_argument(
         "--precision", default="f32", choices=["f32", "bf16", "f16", "fp8"],

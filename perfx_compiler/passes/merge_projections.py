@@ -91,11 +91,15 @@ def _slice(x: Any, begin: int, end: int) -> Any:
     return relax.op.strided_slice(x, axes=[2], begin=[begin], end=[end])
 
 
-def _block_types(ctx: Any) -> dict[str, str]:
-    """Relax weight name -> the ggml type of the blocks the GGUF passthrough will keep for it."""
+def _block_types(ctx: Any, weights: dict[str, Any]) -> dict[str, str]:
+    """Relax weight name -> the ggml type of the blocks the GGUF passthrough will keep for it, or that a K-quant
+    quantization will make of it (``quantize_kquant.weight_types``: its mixes give V Q6_K in some layers)."""
+    from perfx_compiler.passes.quantize_kquant import weight_types
+
     desc = getattr(ctx, "desc", None)
-    if getattr(getattr(ctx, "options", None), "quantization", None) != "gguf" or desc is None:
-        return {}
+    quantization = getattr(getattr(ctx, "options", None), "quantization", None)
+    if quantization != "gguf" or desc is None:
+        return weight_types(weights, quantization or "")
     from perfx_compiler.passes._quantized_linears import current_activations
     from perfx_compiler.passes.gguf_passthrough import gpu_target, packable, relax_name
 
@@ -104,7 +108,7 @@ def _block_types(ctx: Any) -> dict[str, str]:
 
 
 def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRModule, dict[str, Any]]:
-    types = _block_types(ctx)
+    types = _block_types(ctx, weights)
     groups = [g for g in complete_groups(weights)
               if len({types.get(f"{g[0]}{s}_weight", "float") for s in g[2]}) == 1]
     if not groups:

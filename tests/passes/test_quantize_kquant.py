@@ -191,3 +191,37 @@ def test_kquant_is_a_known_name(name: str) -> None:
     from perfx_compiler.passes.quantize_int4 import parse
 
     assert parse(name) is None  # valid, and not int4 RTN
+
+
+@pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
+def test_kquant_mix_holds_llamacpp_files_blocks(tmp_path, mix: str) -> None:
+    """--quantization q4_k_m / q5_k_m of a float file packs every linear exactly as compiling llama.cpp's own
+    Q4_K_M / Q5_K_M of that file does: the same weights, of the same types (Q6_K for the head and for attn_v /
+    ffn_down in layers 0, 3, 6, 7 of 8; Q/K/V left unmerged there), byte for byte."""
+    import json
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from perfx_compiler.model.testing import write_tiny_gguf
+    from perfx_compiler.pipeline import compile_model
+    from tests.families.family_fixtures import quantize_gguf
+
+    src, _ = write_tiny_gguf(tmp_path / "f32.gguf", hidden=256, ffn=512, heads=4, kv_heads=2, layers=8, vocab=320,
+                             seed=int(np.random.default_rng().integers(1 << 30)))
+    theirs = quantize_gguf(src, tmp_path / f"{mix}.gguf", mix.upper())
+    arts = {}
+    for name, model, quantization in (("ours", src, mix), ("theirs", theirs, "gguf")):
+        arts[name] = tmp_path / name
+        compile_model(str(model), "host", arts[name], quantization=quantization, progress=False, batching=False)
+
+    def linears(art) -> dict[str, bytes]:
+        manifest = json.loads((art / "perfx-config.json").read_text())
+        blob = (art / "weights.bin").read_bytes()
+        return {w["name"]: blob[w["offset"] : w["offset"] + w["nbytes"]] for w in manifest["weights"]
+                if "_scale" in w["name"] or any(f"_q{b}" in w["name"] for b in (4, 5, 6, 8))}
+
+    ours, want = linears(arts["ours"]), linears(arts["theirs"])
+    assert sorted(ours) == sorted(want)
+    assert [n for n in ours if ours[n] != want[n]] == []
+    q6 = {n.split("_weight")[0] for n in ours if n.endswith("_q6")}
+    assert "model_embed_tokens" in q6 and {f"model_layers_{i}_self_attn_v_proj" for i in (0, 3, 6, 7)} <= q6, q6
+    assert "model_layers_1_self_attn_qkv_proj" in {n.split("_weight")[0] for n in ours}
