@@ -9,7 +9,8 @@ f32``) in the float-activation CPU layout (``formats/superblocks.py``: Q4_K int4
 Q6_K int8 codes), each with the int8 sub-block scales (and mins) and the superblock's float16 d.
 Any model format with float weights qualifies (Hugging Face folders, ONNX, F16/F32 GGUF).
 
-Weights whose K is not a multiple of 256 become int8 groups of 32 (``q8``'s Q8_0-style format). On GPU
+An untied embedding (only gathered) becomes blocks of the base type too, as in llama.cpp's files; its rows are
+dequantized as they are gathered. Weights whose K is not a multiple of 256 become int8 groups of 32 (``q8``'s Q8_0-style format). On GPU
 targets the blocks take the GPU layout a GGUF file's blocks take there (``subscaled_packed(gpu=True)``, the
 GPU templates' superblock GEMVs).
 """
@@ -40,7 +41,7 @@ SCHEMES = {"q4_k": "Q4_K", "q5_k": "Q5_K", "q6_k": "Q6_K", "q4_k_m": "Q4_K", "q5
 MIXES = ("q4_k_m", "q5_k_m")  # llama.cpp's Q4_K_M / Q5_K_M recipes
 _MORE_BITS_ROLES = re.compile(r"^model_layers_(\d+)_(?:self_attn_v_proj|mlp_down_proj)_weight$")
 _LAYER = re.compile(r"^model_layers_(\d+)_")
-OUTPUT = ("lm_head_weight", "model_embed_tokens_weight")  # the output projection (tied: the embedding)
+EMBEDDING = "model_embed_tokens_weight"
 QUANTIZE = {"Q4_K": q4_k.quantize, "Q5_K": q5_k.quantize, "Q6_K": q6_k.quantize}  # float32 [N, K] -> raw blocks
 SB = 256  # weights per superblock
 Q8_GROUP = 32
@@ -79,10 +80,11 @@ def weight_types(names: Iterable[str], quantization: str) -> dict[str, str]:
     if quantization not in MIXES:
         return dict.fromkeys(names, base)
     layers = 1 + max((int(m.group(1)) for n in names if (m := _LAYER.match(n))), default=-1)
+    output = "lm_head_weight" if "lm_head_weight" in names else EMBEDDING  # tied: the embedding is the output
     types = {}
     for name in names:
         m = _MORE_BITS_ROLES.match(name)
-        more = name in OUTPUT or (m is not None and use_more_bits(int(m.group(1)), layers))
+        more = name == output or (m is not None and use_more_bits(int(m.group(1)), layers))
         types[name] = "Q6_K" if more else base
     return types
 
@@ -96,7 +98,9 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     raw_target = getattr(ctx.target, "raw", None) or {}  # GPU with int32 indices (WGSL): no 8-bit types
     words = gpu and raw_target.get("index_dtype") == "int32"
     vnni = current_activations() == "int8"
-    quant, _ = linear_weights(mod, weights)
+    quant, uses = linear_weights(mod, weights)
+    # An untied embedding is only gathered: blocks too (the base type, as in llama.cpp's files), no float copy
+    quant |= {n for n, u in uses.items() if "take" in u and "other" not in u}
     names = sorted(quant)
     for name in names:
         k = int(np.shape(weights[name])[1])

@@ -183,7 +183,7 @@ def test_kquant_on_a_words_only_gpu_target_packs_32_bit_words(quantization: str)
     # (down_proj, K = 320: the int8 fallback in q8's GPU layout)
     packed = {n: a for n, a in mats.items() if a.dtype != np.float32 and "down_proj" not in n}
     assert packed and {a.dtype for a in packed.values()} == {np.dtype(np.uint32)}, {n: a.dtype for n, a in packed.items() if a.dtype != np.uint32}
-    assert [n for n, a in mats.items() if a.dtype == np.float32 and a.ndim == 2] == ["model_embed_tokens_weight"]
+    assert [n for n, a in mats.items() if a.dtype == np.float32 and a.ndim == 2] == []  # (the embedding: blocks)
 
 
 @pytest.mark.parametrize("name", ["q4_k", "q5_k", "q6_k"])
@@ -193,11 +193,12 @@ def test_kquant_is_a_known_name(name: str) -> None:
     assert parse(name) is None  # valid, and not int4 RTN
 
 
-@pytest.mark.parametrize("mix", ["q4_k_m", "q5_k_m"])
-def test_kquant_mix_holds_llamacpp_files_blocks(tmp_path, mix: str) -> None:
-    """--quantization q4_k_m / q5_k_m of a float file packs every linear exactly as compiling llama.cpp's own
-    Q4_K_M / Q5_K_M of that file does: the same weights, of the same types (Q6_K for the head and for attn_v /
-    ffn_down in layers 0, 3, 6, 7 of 8; Q/K/V left unmerged there), byte for byte."""
+@pytest.mark.parametrize(("mix", "tied"), [("q4_k_m", False), ("q5_k_m", True)])
+def test_kquant_mix_holds_llamacpp_files_blocks(tmp_path, mix: str, tied: bool) -> None:
+    """--quantization q4_k_m / q5_k_m of a float file packs every matrix exactly as compiling llama.cpp's own
+    Q4_K_M / Q5_K_M of that file does: the same weights, of the same types (Q6_K for the output projection, the
+    embedding when tied, and for attn_v / ffn_down in layers 0, 3, 6, 7 of 8; Q/K/V left unmerged there; an
+    untied embedding in the base type), byte for byte."""
     import json
 
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
@@ -206,7 +207,7 @@ def test_kquant_mix_holds_llamacpp_files_blocks(tmp_path, mix: str) -> None:
     from tests.families.family_fixtures import quantize_gguf
 
     src, _ = write_tiny_gguf(tmp_path / "f32.gguf", hidden=256, ffn=512, heads=4, kv_heads=2, layers=8, vocab=320,
-                             seed=int(np.random.default_rng().integers(1 << 30)))
+                             tied=tied, seed=int(np.random.default_rng().integers(1 << 30)))
     theirs = quantize_gguf(src, tmp_path / f"{mix}.gguf", mix.upper())
     arts = {}
     for name, model, quantization in (("ours", src, mix), ("theirs", theirs, "gguf")):
@@ -223,5 +224,7 @@ def test_kquant_mix_holds_llamacpp_files_blocks(tmp_path, mix: str) -> None:
     assert sorted(ours) == sorted(want)
     assert [n for n in ours if ours[n] != want[n]] == []
     q6 = {n.split("_weight")[0] for n in ours if n.endswith("_q6")}
-    assert "model_embed_tokens" in q6 and {f"model_layers_{i}_self_attn_v_proj" for i in (0, 3, 6, 7)} <= q6, q6
+    assert ("model_embed_tokens" if tied else "lm_head") in q6, q6
+    assert {f"model_layers_{i}_self_attn_v_proj" for i in (0, 3, 6, 7)} <= q6, q6
+    assert tied or any(n.startswith("model_embed_tokens_weight_q") for n in ours)  # the gathered embedding: blocks
     assert "model_layers_1_self_attn_qkv_proj" in {n.split("_weight")[0] for n in ours}

@@ -227,9 +227,9 @@ def q4_k_m_x86_logits(q4_k_m_gguf: Path, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.mark.parametrize("target", ["mali", "vulkan"])
 def test_float_model_quantized_to_q4_k_on_gpu_matches_x86(target: str, tmp_path: Path) -> None:
-    """``--quantization q4_k`` on a GPU target: a float model's linears become Q4_K blocks (llama.cpp's
-    quantizer) in the GPU superblock layout, the same kernels a Q4_K file runs (no float32 matrix but the
-    gathered embedding); decode logits on PoCL (mali) / lavapipe (vulkan: 32-bit words only) = the x86 build
+    """``--quantization q4_k`` on a GPU target: a float model's linears and its (untied, gathered) embedding become
+    Q4_K blocks (llama.cpp's quantizer) in the GPU superblock layout, the same kernels a Q4_K file runs (no float32
+    matrix); decode logits on PoCL (mali) / lavapipe (vulkan: 32-bit words only) = the x86 build
     of the same quantization with float activations."""
     from perfx_compiler.model.gguf import load_gguf
     from perfx_compiler.model.testing import write_tiny_gguf
@@ -250,7 +250,7 @@ def test_float_model_quantized_to_q4_k_on_gpu_matches_x86(target: str, tmp_path:
     assert quant and all(q.get("sb") and q["bits"] == 4 for q in quant), quant  # every linear: Q4_K blocks
     floats = [n for n, w in state.weights.items()
               if np.ndim(w) == 2 and np.asarray(w).dtype == np.float32 and not n.startswith("rope_")]
-    assert floats == ["model_embed_tokens_weight"], floats  # only the gathered embedding stays float
+    assert floats == [], floats  # the gathered embedding too: blocks
     got = np.stack(run_decode_steps(state, gpu_launcher(target), TOKENS, state.weights))
     err = np.abs(got - want).max()
     assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"{target} q4_k: decode logits differ from x86 by {err}"
