@@ -130,6 +130,13 @@ def linear_weights(mod: tvm.IRModule, weights: dict[str, Any]) -> tuple[set[str]
     return {n for n, u in uses.items() if "linear" in u}, uses
 
 
+def packed_weights(mod: tvm.IRModule, weights: dict[str, Any]) -> set[str]:
+    """Names of the 2-D weights a weight-format pass packs: every linear's, and an untied embedding's (only
+    gathered: its rows are dequantized from the packed codes as they are gathered; no float32 copy)."""
+    quant, uses = linear_weights(mod, weights)
+    return quant | {n for n, u in uses.items() if "take" in u and "other" not in u}
+
+
 def static_dim(expr: Any, axis: int) -> int | None:
     """A dim's value when it is a constant, or an expression that is one for every length >= 1
     (prefill's last-token slice has ``min(INT64_MAX, seq) - min(max(seq - 1, 0), seq)`` rows: 1)."""

@@ -36,7 +36,7 @@ from perfx_compiler.formats.superblocks import subscaled_packed
 from perfx_compiler.formats.vnni import ROW_CHUNKS, subscaled_vnni_packed
 from perfx_compiler.heap import drop_file_pages
 from perfx_compiler.model.lazy import is_lazy
-from perfx_compiler.passes._quantized_linears import current_activations, finalized, linear_weights, rewrite_linears
+from perfx_compiler.passes._quantized_linears import current_activations, finalized, packed_weights, rewrite_linears
 from perfx_compiler.passes.merge_projections import complete_groups
 
 NAME = "gguf_passthrough"
@@ -146,9 +146,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     if any(v[0] == "MatMulNBits" for v in desc.quantized.values()):
         raise PerfXError("quantization 'gguf' reads GGUF blocks; this ONNX model's int4 MatMulNBits blocks "
                          "run as quantization 'onnx' (the default)")
-    quant, uses = linear_weights(mod, weights)
-    # An untied embedding is only gathered: its rows come from the blocks too (no float copy).
-    quant |= {n for n, u in uses.items() if "take" in u and "other" not in u}
+    quant = packed_weights(mod, weights)
     tables = block_tables(desc)
     # GPU targets without 8-bit types (WGSL; index_dtype int32) read int8 codes as 32-bit words
     raw_target = getattr(ctx.target, "raw", None) or {}

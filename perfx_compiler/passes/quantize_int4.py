@@ -21,7 +21,7 @@ import tvm
 from perfx_compiler.errors import PerfXError
 from perfx_compiler.formats.int4 import Int4Format, int4_packed, quantize_int4, words_target
 from perfx_compiler.model.lazy import read_once
-from perfx_compiler.passes._quantized_linears import GEMV_MAX_ROWS, finalized, linear_weights, rewrite_linears
+from perfx_compiler.passes._quantized_linears import GEMV_MAX_ROWS, finalized, packed_weights, rewrite_linears
 from perfx_compiler.passes.quantize_kquant import SCHEMES as KQUANT_SCHEMES
 
 NAME = "quantize_int4"
@@ -55,9 +55,8 @@ def quantize_linears(
 ) -> tuple[tvm.IRModule, dict[str, Any]]:
     """The pass body, reusable by AWQ (``prepare(name, W) -> W'`` adjusts a weight first)."""
     words = words_target(ctx.target)  # zero points as uint32 words
-    quant, _ = linear_weights(mod, weights)
     packed = {}
-    for name in quant:
+    for name in sorted(packed_weights(mod, weights)):
         w = read_once(weights[name])
         if prepare is not None:
             w = prepare(name, w)

@@ -15,7 +15,7 @@ import tvm
 
 from perfx_compiler.formats.int8 import check_group, int8_packed, quantize_int8
 from perfx_compiler.model.lazy import read_once
-from perfx_compiler.passes._quantized_linears import finalized, linear_weights, rewrite_linears
+from perfx_compiler.passes._quantized_linears import finalized, packed_weights, rewrite_linears
 
 NAME = "quantize_int8"
 _Q8 = re.compile(r"^q8(?:_g(32|64|128))?$")
@@ -33,7 +33,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     group = parse(getattr(ctx.options, "quantization", "f32") or "f32")
     if group is None:
         return mod, weights
-    quant, _ = linear_weights(mod, weights)
+    quant = packed_weights(mod, weights)
     for name in quant:
         check_group(int(np.shape(weights[name])[1]), group, getattr(ctx.options, "quantization", "q8"))
     raw_target = getattr(ctx.target, "raw", None) or {}  # GPU with int32 indices (WGSL): no 8-bit types

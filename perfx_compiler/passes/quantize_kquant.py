@@ -32,7 +32,7 @@ from perfx_compiler.formats.int8 import int8_packed, quantize_int8
 from perfx_compiler.formats.superblocks import subscaled_packed
 from perfx_compiler.formats.vnni import subscaled_vnni_packed
 from perfx_compiler.model.lazy import read_once
-from perfx_compiler.passes._quantized_linears import current_activations, finalized, linear_weights, rewrite_linears
+from perfx_compiler.passes._quantized_linears import current_activations, finalized, packed_weights, rewrite_linears
 from perfx_compiler.passes.gguf_passthrough import gpu_target
 
 NAME = "quantize_kquant"
@@ -98,10 +98,7 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     raw_target = getattr(ctx.target, "raw", None) or {}  # GPU with int32 indices (WGSL): no 8-bit types
     words = gpu and raw_target.get("index_dtype") == "int32"
     vnni = current_activations() == "int8"
-    quant, uses = linear_weights(mod, weights)
-    # An untied embedding is only gathered: blocks too (the base type, as in llama.cpp's files), no float copy
-    quant |= {n for n, u in uses.items() if "take" in u and "other" not in u}
-    names = sorted(quant)
+    names = sorted(packed_weights(mod, weights))  # (an untied embedding: the base type, as in llama.cpp's files)
     for name in names:
         k = int(np.shape(weights[name])[1])
         if k % SB and k % Q8_GROUP:

@@ -35,10 +35,10 @@ QUANTIZE = {"Q4_K": q4_k.quantize, "Q5_K": q5_k.quantize, "Q6_K": q6_k.quantize}
 
 
 def dequantized(desc: ModelDescription, qtype: str = "Q4_K") -> ModelDescription:
-    """The model with every linear weight replaced by what q4_k / q6_k stores for it, dequantized."""
+    """The model with every matrix (the linears', and the embedding, tied or only gathered) replaced by what the
+    quantization stores for it, dequantized."""
     weights = dict(desc.weights)
-    linear = [n for n, a in weights.items() if np.ndim(a) == 2 and (n != "model.embed_tokens.weight"
-                                                                    or desc.config.tie_word_embeddings)]
+    linear = [n for n, a in weights.items() if np.ndim(a) == 2]
     for name in linear:
         w = np.asarray(weights[name], dtype=np.float32)
         if w.shape[1] % 256 == 0:

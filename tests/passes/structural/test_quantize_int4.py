@@ -151,23 +151,44 @@ def test_linears_and_tied_embedding_read_int4() -> None:
 
 @I.ir_module
 class NoLinear:
-    """An untied embedding (only gathered) and a matmul whose weight is computed in the function."""
+    """A matmul whose weight is computed in the function (no weight a linear reads as it is)."""
 
     @R.function
-    def decode(ids: R.Tensor((1, 1), "int64"), emb: R.Tensor((16, 32), "float32"), w: R.Tensor((32, 32), "float32")):
+    def decode(x: R.Tensor((1, 1, 32), "float32"), w: R.Tensor((32, 32), "float32")):
         R.func_attr({"num_input": 1})
         with R.dataflow():
-            h = R.take(emb, ids, axis=0)
             w2 = R.add(w, w)
             pt = R.permute_dims(w2, axes=[1, 0])
-            y = R.matmul(h, pt)
+            y = R.matmul(x, pt)
             R.output(y)
         return y
 
 
 def test_weights_no_linear_reads_stay_float() -> None:
-    assert_unchanged(quantize_int4, NoLinear, {"emb": rand(16, 32), "w": rand(32, 32, seed=1)},
-                     context(quantization="q4_g32"))
+    assert_unchanged(quantize_int4, NoLinear, {"w": rand(32, 32, seed=1)}, context(quantization="q4_g32"))
+
+
+@I.ir_module
+class GatherOnly:
+    """An untied embedding: only gathered."""
+
+    @R.function
+    def decode(ids: R.Tensor((1, 1), "int64"), emb: R.Tensor((16, 32), "float32")):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            h = R.take(emb, ids, axis=0)
+            R.output(h)
+        return h
+
+
+def test_an_untied_embedding_is_gathered_from_int4_codes() -> None:
+    """Its rows come from the packed table as they are gathered (a q4_take kernel): no float32 copy is kept."""
+    emb = rand(16, 32)
+    with use_activations("f32"):
+        out, weights = run_pass(quantize_int4, GatherOnly, {"emb": emb}, context(quantization="q4_g32"))
+    assert "emb" not in weights and weights["emb_q4"].dtype == np.uint32
+    takes = [gv.name_hint for gv in out.get_global_vars() if gv.name_hint.startswith("q4_take")]
+    assert takes == ["q4_take_16_32_g32_1x1"], [gv.name_hint for gv in out.get_global_vars()]
 
 
 @I.ir_module(check_well_formed=False)
