@@ -465,6 +465,10 @@ def compile_model(
     # before loading the model: a bad --precision for the target is refused without reading the weights
     opts.precision, opts.quantization = resolve_precision(opts.precision, opts.quantization, tdesc)
     check_kv_cache(opts.kv_cache, tdesc)
+    if opts.quantization not in (None, "", "auto"):
+        from perfx_compiler.passes.quantize_int4 import parse as parse_quantization
+
+        parse_quantization(opts.quantization)  # an unknown name: one line before the weights are read
     if isinstance(model, ModelDescription):
         desc = model
         spec = desc.source or desc.config.name or "model"

@@ -65,6 +65,14 @@ def test_quantization_names() -> None:
         Int4Format(32, False).lanes(100)
 
 
+def test_unknown_quantization_is_refused_before_the_model_is_read(tmp_path) -> None:
+    from perfx_compiler.pipeline import compile_model
+
+    with pytest.raises(PerfXError, match="unknown quantization 'q4_k_xl'; use one of auto, .*q4_k_m, q5_k_m"):
+        compile_model(str(tmp_path / "no-such-model.gguf"), "host", tmp_path / "out", quantization="q4_k_xl")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def q4_state() -> Any:
     return lower(tiny_desc(tied=True), ALL_PASSES, "q4_g128")
