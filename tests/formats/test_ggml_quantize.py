@@ -6,9 +6,6 @@ error to llama.cpp's."""
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import numpy as np
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -20,12 +17,10 @@ from perfx_compiler.formats.ggml import q4_k, q5_k, q6_k
 
 @pytest.fixture(scope="module")
 def ggml_quantize_chunk():
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    fn = lib.ggml_quantize_chunk
-    fn.restype = ctypes.c_size_t
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p]
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from perfx_compiler.bench.ggml_mul_mat import ggml
+
+    fn = ggml().quantize_chunk  # llama-cpp-python's libggml, typed once there
 
     def quantize(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
         w = np.ascontiguousarray(w, dtype=np.float32)
