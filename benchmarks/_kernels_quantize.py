@@ -18,6 +18,7 @@ import argparse
 import os
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,6 +50,7 @@ def _ggml_quantizer(qtype: str, w: np.ndarray, threads: int) -> tuple[Callable[[
         fn(int(qt), w[r:].ctypes.data, out[r:].ctypes.data, 0, rows, k, None)
 
     pool = ThreadPoolExecutor(threads)
+    weakref.finalize(out, pool.shutdown)  # the pool goes with the case's output buffer
 
     def call() -> None:
         list(pool.map(part, ranges))  # ctypes drops the GIL: the row ranges run side by side
