@@ -61,19 +61,11 @@ def _ggml_quantizer(qtype: str, w: np.ndarray, threads: int) -> tuple[Callable[[
 def _perfx_quantizer(qtype: str, w: np.ndarray, numpy_search: bool) -> tuple[Callable[[], None], list[np.ndarray]]:
     import importlib
 
-    from perfx_compiler.kernels import kquant_search
-
     mod = importlib.import_module(f"perfx_compiler.formats.ggml.{qtype.lower()}")
     result: list[np.ndarray] = []
 
-    def call() -> None:
-        saved = kquant_search.compiled
-        if numpy_search:  # the module chooses per call: the references for this call only
-            kquant_search.compiled = lambda: False
-        try:
-            result[:] = [mod.quantize(w)]
-        finally:
-            kquant_search.compiled = saved
+    def call() -> None:  # numpy_search: the module's numpy references; else the kernel where it can run
+        result[:] = [mod.quantize(w, compiled=False if numpy_search else None)]
 
     return call, result
 
@@ -87,9 +79,14 @@ def quantize_main(args: argparse.Namespace) -> int:
     threads = q4_k.THREADS
     rng = np.random.default_rng(0)
     numpy_shapes = set(filter(None, args.numpy_shapes.split(",")))
+    shapes, types = args.shapes.split(","), args.types.split(",")
+    for what, names, known in (("shape", shapes + sorted(numpy_shapes), TINYLLAMA), ("type", types, QUANT_TYPES)):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise SystemExit(f"kernels.py quantize: unknown {what} {', '.join(unknown)}; known: {', '.join(known)}")
     rows_out: list[dict[str, Any]] = []
-    for qtype in args.types.split(","):
-        for shape in args.shapes.split(","):
+    for qtype in types:
+        for shape in shapes:
             n, k = TINYLLAMA[shape]
             w = (rng.standard_normal((n, k)) * 0.02).astype(np.float32)
             ggml_call, ggml_out = _ggml_quantizer(qtype, w, threads)

@@ -49,7 +49,8 @@ def rmse(qtype: GGMLQuantizationType, raw: np.ndarray, w: np.ndarray) -> float:
     return float(np.sqrt(np.mean((gguf_dequantize(raw, qtype).reshape(w.shape).astype(np.float64) - w) ** 2)))
 
 
-QUANTIZERS = {"Q4_K": q4_k.quantize, "Q5_K": q5_k.quantize, "Q6_K": q6_k.quantize}
+MODULES = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}
+QUANTIZERS = {qtype: mod.quantize for qtype, mod in MODULES.items()}
 
 
 @pytest.mark.parametrize("qtype", sorted(QUANTIZERS))
@@ -74,7 +75,7 @@ def test_quantize_matches_llamacpp(qtype: str, shape: tuple[int, int], ggml_quan
 def test_row_chunks_do_not_change_blocks(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
     w = realistic_weights((5, 512))
     whole = QUANTIZERS[qtype](w)
-    monkeypatch.setattr({"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}[qtype], "CHUNK_WEIGHTS", 1024)  # 2 rows at a time
+    monkeypatch.setattr(MODULES[qtype], "CHUNK_WEIGHTS", 1024)  # 2 rows at a time
     np.testing.assert_array_equal(QUANTIZERS[qtype](w), whole)
 
 
@@ -109,3 +110,16 @@ def test_compiled_searches_are_the_numpy_references() -> None:
         assert a.shape == b.shape and a.dtype == b.dtype
         assert np.array_equal(a.view(np.uint32) if a.dtype == np.float32 else a,
                               b.view(np.uint32) if b.dtype == np.float32 else b)
+
+
+@pytest.mark.parametrize("qtype", sorted(MODULES))
+def test_quantizer_blocks_are_the_same_with_either_search(qtype: str) -> None:
+    """``quantize(w, compiled=True)`` (the search kernel) and ``compiled=False`` (the numpy reference) write the
+    same blocks byte for byte: the benchmark's numpy arm times the same work."""
+    from perfx_compiler.kernels import kquant_search
+
+    if not kquant_search.compiled():
+        pytest.skip("the compiled search runs on x86 hosts")
+    w = realistic_weights((24, 512))
+    w[5] = 0.0  # an all-zero row: every block's scales zero
+    assert np.array_equal(MODULES[qtype].quantize(w, compiled=True), MODULES[qtype].quantize(w, compiled=False))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 
@@ -119,9 +120,10 @@ def six_bits(values: np.ndarray, top: np.ndarray) -> np.ndarray:
     return np.minimum(nearest_int(inv[..., None] * values) & 0xFF, 63).astype(np.uint8)
 
 
-def quantize(w: np.ndarray) -> np.ndarray:
+def quantize(w: np.ndarray, compiled: bool | None = None) -> np.ndarray:
     """float32 [N, K] (K % 256 == 0) -> raw Q4_K blocks uint8 [N, K // 256 * 144]: llama.cpp's
-    quantize_row_q4_K_ref (no importance matrix), vectorized over all blocks.
+    quantize_row_q4_K_ref (no importance matrix), vectorized over all blocks. ``compiled``: the search
+    as a compiled kernel (True), as this module's numpy reference (False), or the kernel where it can run (None).
 
     Each sub-block of 32 gets a scale and min from make_qkx2_quants (weights av_x + |x|, 21 trial
     scales); the superblock's d and dmin are the largest scale / min over 63 (f16), the sub-block
@@ -130,11 +132,19 @@ def quantize(w: np.ndarray) -> np.ndarray:
     n, k = x.shape
     if k % 256:
         raise ValueError(f"Q4_K quantizes rows of whole 256-weight superblocks; got K = {k}")
-    return in_row_chunks(_quantize_rows, x, CHUNK_WEIGHTS, threads=1)  # (the search kernel runs threads of its own)
+    return in_row_chunks(partial(_quantize_rows, compiled=compiled), x, CHUNK_WEIGHTS,
+                         threads=1)  # (the search kernel runs threads of its own)
 
 
 CHUNK_WEIGHTS = 1 << 20  # weights a chunk: the search's temporaries stay ~100 MB
 THREADS = min(8, os.cpu_count() or 1)
+
+
+def use_kernel(compiled: bool | None) -> bool:
+    """Whether a quantizer runs its compiled search (``compiled`` None: where the kernel can run)."""
+    from perfx_compiler.kernels import kquant_search
+
+    return kquant_search.compiled() if compiled is None else compiled
 
 
 def in_row_chunks(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, chunk: int | None = None,
@@ -149,14 +159,15 @@ def in_row_chunks(fn: Callable[[np.ndarray], np.ndarray], x: np.ndarray, chunk: 
         return np.concatenate(list(pool.map(fn, parts)), axis=0)
 
 
-def sub_min_quants(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int) -> tuple[np.ndarray, np.ndarray]:
+def sub_min_quants(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
+                   compiled: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
     """What quantize_row_q4_K_ref and quantize_row_q5_K_ref share, for float32 [N, K] rows: (the block heads
     uint8 [N, K / 256, 16]: d, dmin, scales[12]; the codes uint8 [N, K / 256, 8, 32] in 0..``nmax``).
     Q4_K searches 0..15 (rmin -1, rdelta 0.1, 20 steps), Q5_K 0..31 (-0.5, 0.1, 15 steps)."""
     # make_qkx2_quants compiled where it can be (this module's numpy version is its reference; TVM: compile time only)
     from perfx_compiler.kernels import kquant_search
 
-    search = kquant_search.make_qkx2_quants if kquant_search.compiled() else make_qkx2_quants
+    search = kquant_search.make_qkx2_quants if use_kernel(compiled) else make_qkx2_quants
     f32 = np.float32
     n, k = x.shape
     x = x.reshape(n, k // 256, 8, 32)
@@ -185,6 +196,6 @@ def nibble_chunks(q: np.ndarray) -> np.ndarray:
     return (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << np.uint8(4))).reshape(n, nb, 128)
 
 
-def _quantize_rows(x: np.ndarray) -> np.ndarray:
-    head, q = sub_min_quants(x, 15, -1.0, 0.1, 20)
+def _quantize_rows(x: np.ndarray, compiled: bool | None = None) -> np.ndarray:
+    head, q = sub_min_quants(x, 15, -1.0, 0.1, 20, compiled)
     return np.concatenate([head, nibble_chunks(q)], axis=-1).reshape(x.shape[0], -1)

@@ -7,6 +7,8 @@ w = (d * sc[s]) * q - (dmin * m[s]), q = nibble | high bit << 4 in 0..31.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from perfx_compiler.formats.ggml._format import GGMLFormat, SubScaled, blocks, f16, field, rows, split_bits
@@ -33,18 +35,19 @@ def unpack(raw: np.ndarray, shape: tuple[int, int]) -> SubScaled:
 FORMAT = GGMLFormat("Q5_K", 256, 176, 5.5, unpack, f16_fields=(0, 2))
 
 
-def quantize(w: np.ndarray) -> np.ndarray:
+def quantize(w: np.ndarray, compiled: bool | None = None) -> np.ndarray:
     """float32 [N, K] (K % 256 == 0) -> raw Q5_K blocks uint8 [N, K // 256 * 176]: llama.cpp's
     quantize_row_q5_K_ref (no importance matrix): Q4_K's search and requantization over codes 0..31
-    (``q4_k.sub_min_quants``), the fifth bits into qh."""
+    (``q4_k.sub_min_quants``), the fifth bits into qh. ``compiled``: as ``q4_k.quantize``'s."""
     x = np.asarray(w, dtype=np.float32)
     if x.shape[1] % 256:
         raise ValueError(f"Q5_K quantizes rows of whole 256-weight superblocks; got K = {x.shape[1]}")
-    return in_row_chunks(_quantize_rows, x, CHUNK_WEIGHTS, threads=1)  # (the search kernel runs threads of its own)
+    return in_row_chunks(partial(_quantize_rows, compiled=compiled), x, CHUNK_WEIGHTS,
+                         threads=1)  # (the search kernel runs threads of its own)
 
 
-def _quantize_rows(x: np.ndarray) -> np.ndarray:
-    head, q = sub_min_quants(x, 31, -0.5, 0.1, 15)
+def _quantize_rows(x: np.ndarray, compiled: bool | None = None) -> np.ndarray:
+    head, q = sub_min_quants(x, 31, -0.5, 0.1, 15, compiled)
     bit = np.arange(8, dtype=np.uint8).reshape(8, 1)
     qh = np.bitwise_or.reduce(((q >> np.uint8(4)) & np.uint8(1)) << bit, axis=2)  # bit s of qh[l]: sub-block s
     return np.concatenate([head, qh.astype(np.uint8), nibble_chunks(q)], axis=-1).reshape(x.shape[0], -1)

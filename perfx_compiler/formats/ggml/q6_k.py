@@ -8,10 +8,12 @@ w = (d * sc[s]) * (q - 32), q = nibble | top bits << 4 in 0..63.
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from perfx_compiler.formats.ggml._format import GGMLFormat, SubScaled, blocks, f16, field, rows, split_bits
-from perfx_compiler.formats.ggml.q4_k import in_row_chunks, nearest_int, seqsum
+from perfx_compiler.formats.ggml.q4_k import in_row_chunks, nearest_int, seqsum, use_kernel
 
 
 def unpack(raw: np.ndarray, shape: tuple[int, int]) -> SubScaled:
@@ -59,23 +61,25 @@ def make_qx_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     return np.where(zero, f32(0), scale).astype(f32), codes
 
 
-def quantize(w: np.ndarray) -> np.ndarray:
+def quantize(w: np.ndarray, compiled: bool | None = None) -> np.ndarray:
     """float32 [N, K] (K % 256 == 0) -> raw Q6_K blocks uint8 [N, K // 256 * 210]: llama.cpp's
     quantize_row_q6_K_ref (no importance matrix), vectorized over all blocks.
 
     Each sub-block of 16 gets a scale from make_qx_quants; d = -(largest-magnitude scale) / 128
-    (f16), the sub-block scales its int8 multiples, and the codes are requantized against d * sc."""
+    (f16), the sub-block scales its int8 multiples, and the codes are requantized against d * sc.
+    ``compiled``: as ``q4_k.quantize``'s."""
     x = np.asarray(w, dtype=np.float32)
     n, k = x.shape
     if k % 256:
         raise ValueError(f"Q6_K quantizes rows of whole 256-weight superblocks; got K = {k}")
-    return in_row_chunks(_quantize_rows, x, CHUNK_WEIGHTS, threads=1)  # (the search kernel runs threads of its own)
+    return in_row_chunks(partial(_quantize_rows, compiled=compiled), x, CHUNK_WEIGHTS,
+                         threads=1)  # (the search kernel runs threads of its own)
 
 
 CHUNK_WEIGHTS = 1 << 20  # weights a chunk: the search's temporaries stay ~100 MB
 
 
-def _quantize_rows(x: np.ndarray) -> np.ndarray:
+def _quantize_rows(x: np.ndarray, compiled: bool | None = None) -> np.ndarray:
     f32 = np.float32
     n, k = x.shape
     nb = k // 256
@@ -83,7 +87,7 @@ def _quantize_rows(x: np.ndarray) -> np.ndarray:
     # make_qx_quants compiled where it can be (this module's numpy version is its reference; TVM: compile time only)
     from perfx_compiler.kernels import kquant_search
 
-    search = kquant_search.make_qx_quants if kquant_search.compiled() else make_qx_quants
+    search = kquant_search.make_qx_quants if use_kernel(compiled) else make_qx_quants
 
     scales, q = search(x, 32)
     at = np.argmax(np.abs(scales), axis=-1)[..., None]
