@@ -45,18 +45,22 @@ def map_large_allocations(threshold: int = 1 << 20) -> None:
         lib.mallopt(M_MMAP_THRESHOLD, int(threshold))
 
 
-def drop_file_pages(view: Any) -> None:
+def drop_file_pages(view: Any, written: bool = False) -> None:
     """Let the OS drop the resident pages under ``view``, a read-only numpy view of a memory-mapped file (the
     GGUF's blocks), once it has been read: they are clean file pages, read again from the page cache or
-    the file if needed. Anything else (a copy, a writable mapping) is left alone; only pages wholly inside
-    the view are dropped."""
+    the file if needed. ``written``: ``view`` is (part of) a writable shared mapping (``np.memmap`` mode
+    "r+", ``package.WeightFile.reserve``) that has been filled: its dirty pages stay in the page cache, which
+    writes them to the file. Anything else (a copy, a private mapping) is left alone; only pages wholly
+    inside the view are dropped."""
     import mmap
 
     import numpy as np
 
-    base = view
+    base, shared = view, False
     while base is not None and not isinstance(base, mmap.mmap):
-        if isinstance(base, np.ndarray) and base.flags.writeable:
+        if isinstance(base, np.memmap):
+            shared = shared or base.mode in ("r+", "w+")  # (mode "c" is private: dropping its pages loses writes)
+        if isinstance(base, np.ndarray) and base.flags.writeable and not written:
             return
         if isinstance(base, memoryview):
             base = base.obj
@@ -65,7 +69,7 @@ def drop_file_pages(view: Any) -> None:
         else:
             base = getattr(base, "base", None)
     lib = _libc()
-    if base is None or lib is None or not hasattr(lib, "madvise") or not view.flags.c_contiguous:
+    if base is None or (written and not shared) or lib is None or not hasattr(lib, "madvise") or not view.flags.c_contiguous:
         return
     page = mmap.PAGESIZE
     start = -(-view.ctypes.data // page) * page

@@ -81,14 +81,34 @@ class WeightFile:
         return start
 
     def stage(self, arr: np.ndarray) -> np.ndarray:
-        """``arr`` written now and mapped back read-only (a small one comes back as it is)."""
+        """``arr`` written now and mapped back read-only (a small one comes back as it is; a ``reserve``d one
+        is in the file already)."""
         arr = np.ascontiguousarray(arr)
         if arr.nbytes < self.STAGE_MIN_BYTES:
             return arr
+        if (arr.ctypes.data, arr.nbytes) in self._staged:
+            return self._staged[(arr.ctypes.data, arr.nbytes)][1]
         start = self._append(arr)
         self._file.flush()
         view = np.memmap(self.path, dtype=arr.dtype, mode="r", offset=start, shape=arr.shape)
         self._staged[(view.ctypes.data, arr.nbytes)] = (start, view)
+        return view
+
+    def reserve(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """An array placed in the file now (zeros) and mapped writable, for a pass that fills a large packed
+        array a part at a time and drops each filled part's pages (``heap.drop_file_pages(part, written=True)``):
+        the array never sits on the heap whole. ``stage`` then takes it as it is. (A small one: ``np.empty``.)"""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        if nbytes < self.STAGE_MIN_BYTES:
+            return np.empty(shape, dtype)
+        start = self._offset + (-self._offset) % ALIGN
+        self._file.flush()
+        self._file.truncate(start + nbytes)  # (a hole the pass's writes fill)
+        self._file.seek(start + nbytes)
+        self._offset = start + nbytes
+        view = np.memmap(self.path, dtype=dtype, mode="r+", offset=start, shape=tuple(shape))
+        self._staged[(view.ctypes.data, nbytes)] = (start, view)
         return view
 
     def finish(self, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -127,7 +127,8 @@ def phase_import(state: CompileState) -> None:
         spec = FUNCTIONS[name]
         # inputs before the weights: ids, past_len | (positions, page_table), then the KV tensors
         n_in = (3 if spec.get("kv") == "paged" else 2) + 2 * layers
-        graph = emit_onnx(state.desc, weights="inputs", index_dtype=index_dtype, kv_cache=state.options.kv_cache, **spec)
+        graph = emit_onnx(state.desc, weights="inputs", index_dtype=index_dtype, kv_cache=state.options.kv_cache,
+                          metadata=False, **spec)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the importer warns about every sanitized name
             mod = import_onnx(graph, keep_params_in_input=True, extra_converters=PERFX_CONVERTERS)
@@ -196,7 +197,8 @@ def phase_passes(state: CompileState) -> None:
     try:
         with use_activations(opts.activations), use_batch_gemv(is_cpu_target(state.target)):
             state.mod, state.weights = run_graph_passes(state.mod, state.weights, state.target, opts, state.desc,
-                                                         stage=weight_file.stage if weight_file else None)
+                                                         stage=weight_file.stage if weight_file else None,
+                                                         reserve=weight_file.reserve if weight_file else None)
         check_signatures(state)
         if weight_file is not None:  # the weights are final: all of them to disk before codegen, not under its peak
             state.weights = weight_file.finish(state.weights)
@@ -229,12 +231,14 @@ def selected_passes(passes: list[str] | None) -> list[str]:
 def run_graph_passes(
     mod: tvm.IRModule, weights: dict[str, Any], target: TargetDescription, options: CompileOptions,
     desc: ModelDescription | None = None, stage: Callable[[Any], Any] | None = None,
+    reserve: Callable[..., Any] | None = None,
 ) -> tuple[tvm.IRModule, dict[str, Any]]:
     """Phase 1 on ``mod``: the selected GRAPH_PASSES as one ``tvm.transform.Sequential``; returns
-    the rewritten module and weight table (``stage``: see ``PassContext.stage``)."""
+    the rewritten module and weight table (``stage``, ``reserve``: see ``PassContext``)."""
     from perfx_compiler.passes import GraphState, PassContext, graph_pass
 
-    state = GraphState(weights=weights, ctx=PassContext(target=target, options=options, desc=desc, stage=stage))
+    state = GraphState(weights=weights, ctx=PassContext(target=target, options=options, desc=desc, stage=stage,
+                                                        reserve=reserve))
     names = selected_passes(getattr(options, "passes", None))
     mod = tvm.transform.Sequential([graph_pass(n, state) for n in names], name="perfx_graph_passes")(mod)
     state.raise_error()

@@ -34,6 +34,8 @@ class PassContext:
     # A compile's weights file (package.WeightFile.stage): a pass hands it each final packed array, which
     # comes back mapped from disk, off the heap. None where nothing is written (lower_model, tests).
     stage: Callable[[np.ndarray], np.ndarray] | None = None
+    # The same file's ``reserve`` (shape, dtype): a large packed array filled in place, a part at a time.
+    reserve: Callable[[tuple[int, ...], Any], np.ndarray] | None = None
 
 
 @dataclass

@@ -23,6 +23,7 @@ activations straight into the VNNI layout, so only the packed arrays stay in mem
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -87,11 +88,13 @@ PACK_CHUNK_BYTES = 8 << 20  # blocks packed at a time: unpacking widens them (in
 
 
 def _pack_in_chunks(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8: bool, vnni: bool,
-                    gpu: bool = False) -> Any:
+                    gpu: bool = False, reserve: Callable[..., np.ndarray] | None = None) -> Any:
     """``_pack``; a large weight in the VNNI layout a chunk of rows at a time into the whole arrays
     (``formats.vnni.ROW_CHUNKS``: axis 0 runs over the rows in every layout), so unpacking's temporaries
     are a chunk's, not the weight's (7B Q4_K_M: 882 MB anonymous at the passes' peak with whole weights,
-    docs/decisions/gguf-superblocks.md)."""
+    docs/decisions/gguf-superblocks.md). ``reserve`` (``PassContext.reserve``): the whole arrays are placed
+    in the weights file and each chunk's rows leave memory once written (Gemma 3's 262144-row embedding: its
+    178 MB of codes would otherwise sit on the heap whole)."""
     n, k = shape
     step = max(ROW_CHUNKS, PACK_CHUNK_BYTES // max(1, raw.shape[1]) // ROW_CHUNKS * ROW_CHUNKS)
     if not vnni or gpu or words8 or n <= 2 * step:  # (the VNNI layouts are the CPU's int8-activation ones)
@@ -104,16 +107,20 @@ def _pack_in_chunks(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8:
         drop_file_pages(raw[a:b])  # read once: the file's pages need not stay resident (a mapped weight)
         return packed
 
+    def put(out: np.ndarray, at: int, part: np.ndarray) -> None:
+        out[at : at + part.shape[0]] = part
+        drop_file_pages(out[at : at + part.shape[0]], written=True)  # (a reserved array: in the file now)
+
     first, last = chunk(starts[0]), chunk(starts[-1])  # (the last one's extent is the padded end's)
     arrays = []
     for (suffix, head), (_, tail) in zip(first.arrays, last.arrays, strict=True):
-        out = np.empty((head.shape[0] * (len(starts) - 1) + tail.shape[0], *head.shape[1:]), head.dtype)
-        out[: head.shape[0]] = head
-        out[head.shape[0] * (len(starts) - 1) :] = tail
+        out = (reserve or np.empty)((head.shape[0] * (len(starts) - 1) + tail.shape[0], *head.shape[1:]), head.dtype)
+        put(out, 0, head)
+        put(out, head.shape[0] * (len(starts) - 1), tail)
         arrays.append((suffix, out))
     for i, a in enumerate(starts[1:-1], start=1):
         for (_, out), (_, part) in zip(arrays, chunk(a).arrays, strict=True):
-            out[i * part.shape[0] : (i + 1) * part.shape[0]] = part
+            put(out, i * part.shape[0], part)
     first.arrays = arrays
     return first
 
@@ -168,7 +175,8 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     for name in tqdm(names, desc="pack GGUF weights", unit="weight", disable=not show, leave=False, file=console()):
         w = weights[name]
         if is_lazy(w):
-            packed[name] = _pack_in_chunks(w.qtype, w.blocks(), w.shape, words8, vnni, gpu)
+            packed[name] = _pack_in_chunks(w.qtype, w.blocks(), w.shape, words8, vnni, gpu,
+                                           reserve=getattr(ctx, "reserve", None))
             w.release()  # read once: its file pages need not stay resident
         else:
             packed[name] = _checked(name, w, tables[name], words8, vnni, gpu)

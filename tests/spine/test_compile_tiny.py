@@ -97,3 +97,15 @@ def test_kv_cache_is_updated_in_place(tiny):
     eng.decode(4)
     assert np.abs(eng._caches[0].numpy()[0, :, 3]).sum() > 0
     assert [id(c) for c in eng._caches] == before
+
+
+def test_compile_graphs_leave_out_the_metadata(tiny):
+    """The graphs the compile imports (``emit_onnx(..., metadata=False)``) carry no model props (a large
+    vocabulary's tokenizer would be tens of MB in each); the emitted model keeps config and tokenizer, and
+    the artifact has its tokenizer."""
+    desc, art = tiny
+    assert desc.tokenizer_json
+    props = {p.key: p.value for p in emit_onnx(desc).metadata_props}
+    assert props["perfx.tokenizer"] == desc.tokenizer_json and "perfx.config" in props
+    assert not emit_onnx(desc, weights="inputs", metadata=False).metadata_props
+    assert (art / "tokenizer.json").read_text() == desc.tokenizer_json

@@ -91,3 +91,59 @@ def test_weight_file_leaves_no_dead_bytes(tmp_path):
     _write_weights(tmp_path / "ref.bin", {"a": a, "b": b})
     assert (tmp_path / "w.bin").read_bytes() == (tmp_path / "ref.bin").read_bytes()
     assert np.array_equal(weights["a"], a) and np.array_equal(weights["b"], b)
+
+
+def test_chunked_packing_fills_reserved_arrays_in_the_file(tmp_path, monkeypatch):
+    """A weight packed a chunk of rows at a time (``gguf_passthrough._pack_in_chunks``) fills arrays that
+    ``WeightFile.reserve`` placed in the weights file, chunk by chunk: the artifact holds, name by name, the
+    bytes of a compile that packs each weight whole, and the file is no larger (nothing written twice)."""
+    from perfx_compiler.passes import gguf_passthrough
+
+    gguf, _ = write_tiny_gguf(tmp_path / "m.gguf", qtype="Q4_K", vocab=320, hidden=256, ffn=512,
+                              seed=int(np.random.default_rng().integers(1 << 30)))
+    desc = load_gguf(gguf, lazy=True)  # (mapped blocks: what a large file gets, and what is packed in chunks)
+    monkeypatch.setattr(WeightFile, "STAGE_MIN_BYTES", 0)
+    plain = pipeline.compile_model(desc, "host", tmp_path / "plain", progress=False)
+    reserved: list[tuple[int, ...]] = []
+    reserve = WeightFile.reserve
+
+    def spy(self, shape, dtype):
+        reserved.append(tuple(shape))
+        return reserve(self, shape, dtype)
+
+    monkeypatch.setattr(WeightFile, "reserve", spy)
+    monkeypatch.setattr(gguf_passthrough, "PACK_CHUNK_BYTES", 1)  # chunks of ROW_CHUNKS rows: every weight chunked
+    out = pipeline.compile_model(desc, "host", tmp_path / "chunked", progress=False)
+    assert any(s[0] >= 320 for s in reserved), reserved  # the 320-row embedding / head at least
+    assert _artifact_weights(out) == _artifact_weights(plain)
+    assert (out / "weights.bin").stat().st_size == (plain / "weights.bin").stat().st_size
+
+
+def test_dropping_written_pages_keeps_the_writes(tmp_path):
+    """``drop_file_pages(view, written=True)`` on a filled part of a shared writable mapping (what
+    ``WeightFile.reserve`` gives) takes its pages out of the resident set and the bytes read back the same,
+    from the page cache; on a private copy-on-write mapping or a heap array it does nothing (dropping those
+    pages would lose the writes)."""
+    from perfx_compiler.heap import drop_file_pages
+
+    def rss_file_kb() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+    data = np.random.default_rng().integers(0, 256, (1024, 4096), dtype=np.uint8)
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * data.nbytes)
+    shared = np.memmap(path, dtype=np.uint8, mode="r+", shape=data.shape)
+    shared[:] = data
+    before = rss_file_kb()
+    drop_file_pages(shared[10:900], written=True)
+    assert before - rss_file_kb() >= 890 * 4 // 2, (before, rss_file_kb())  # 890 pages of 4 KiB, most of them
+    assert np.array_equal(shared, data)
+    del shared
+    assert np.array_equal(np.fromfile(path, dtype=np.uint8).reshape(data.shape), data)
+    private = np.memmap(path, dtype=np.uint8, mode="c", shape=data.shape)
+    private[:] = 7
+    heap = np.full(data.shape, 7, dtype=np.uint8)
+    drop_file_pages(private[10:900], written=True)
+    drop_file_pages(heap[10:900], written=True)
+    assert (private == 7).all() and (heap == 7).all()
