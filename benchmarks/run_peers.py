@@ -11,8 +11,9 @@ Models (all GGUF; llama.cpp's own quantizer makes the requantized ones):
                      the output head too, so every engine reads the same Q4_0 blocks)
     tinyllama-TYPE   the same F16 file -> TYPE by llama.cpp's quantizer as users get it (q4_k_m, q5_k_m,
                      q6_k, q5_0, iq4_xs, ...: llama.cpp's own mix of tensor types); --peers llama.cpp
-    smollm2-q4_k_m   SmolLM2 requantized to Q4_K_M (its 576-wide rows are not whole 256-superblocks:
-                     llama.cpp gives those Q5_0 / Q8_0, so it is mostly a Q5_0 + Q6_K + Q4_K mix)
+    smollm2-TYPE     SmolLM2 requantized to TYPE the same way (q4_k_m, q5_k_m, q6_k, q5_0, iq4_xs: its 576-wide
+                     rows are not whole 256-superblocks, so llama.cpp gives those a fallback type, Q5_0 / Q5_1 /
+                     Q8_0 / IQ4_NL: Q4_K_M is mostly a Q5_0 + Q6_K + Q4_K mix); --peers llama.cpp
     llama2-7b-q4_0   random weights with Llama-2-7B dimensions, random Q4_0 blocks written straight by
                      GGUFWriter (pure; 3.6 GiB; PerfX loads it lazily). Not in the default set: run it
                      with --models llama2-7b-q4_0 --peers llama.cpp --prefill-lens 128 (the fp32 ONNX /
@@ -64,8 +65,8 @@ from perfx_compiler.model.gguf_header import read_gguf_header  # noqa: E402
 
 MODELS = ("smollm2-q4_1", "smollm2-q4_0", "smollm2-q8_0", "tinyllama-q4_0")
 # by name only, llama.cpp as the only peer (the other peers read no K-quants)
-KQUANT_MODELS = ("tinyllama-q4_k_m", "tinyllama-q5_k_m", "tinyllama-q6_k", "tinyllama-q5_0", "tinyllama-iq4_xs",
-                 "smollm2-q4_k_m", "gemma3-270m-q4_k_m")
+KQUANT_MODELS = (*(f"{base}-{t}" for base in ("tinyllama", "smollm2") for t in ("q4_k_m", "q5_k_m", "q6_k", "q5_0", "iq4_xs")),
+                 "gemma3-270m-q4_k_m")
 EXTRA_MODELS = ("llama2-7b-q4_0", "llama2-7b-q4_k_m", "llama2-7b-f16", *KQUANT_MODELS)
 
 
