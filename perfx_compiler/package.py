@@ -104,7 +104,10 @@ class WeightFile:
             return np.empty(shape, dtype)
         start = self._offset + (-self._offset) % ALIGN
         self._file.flush()
-        self._file.truncate(start + nbytes)  # (a hole the pass's writes fill)
+        if hasattr(os, "posix_fallocate"):  # the blocks on disk now: a full disk is an OSError here, not a SIGBUS
+            os.posix_fallocate(self._file.fileno(), start, nbytes)  # when a write through the map finds none
+        else:
+            self._file.truncate(start + nbytes)
         self._file.seek(start + nbytes)
         self._offset = start + nbytes
         view = np.memmap(self.path, dtype=dtype, mode="r+", offset=start, shape=tuple(shape))

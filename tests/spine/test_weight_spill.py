@@ -147,3 +147,29 @@ def test_dropping_written_pages_keeps_the_writes(tmp_path):
     drop_file_pages(private[10:900], written=True)
     drop_file_pages(heap[10:900], written=True)
     assert (private == 7).all() and (heap == 7).all()
+
+
+def test_a_full_disk_while_reserving_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """``WeightFile.reserve`` takes the disk blocks up front (``posix_fallocate``): a full disk is the compile's
+    one-line error, with no artifact or weights file left, not a SIGBUS when a write through the map finds none."""
+    import errno
+    import os
+
+    from perfx_compiler.passes import gguf_passthrough
+
+    if not hasattr(os, "posix_fallocate"):
+        pytest.skip("no posix_fallocate on this platform")
+    gguf, _ = write_tiny_gguf(tmp_path / "m.gguf", qtype="Q4_K", vocab=320, hidden=256, ffn=512,
+                              seed=int(np.random.default_rng().integers(1 << 30)))
+    desc = load_gguf(gguf, lazy=True)
+
+    def disk_full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(WeightFile, "STAGE_MIN_BYTES", 0)
+    monkeypatch.setattr(gguf_passthrough, "PACK_CHUNK_BYTES", 1)
+    monkeypatch.setattr(os, "posix_fallocate", disk_full)
+    with pytest.raises(PerfXError, match="No space left on device") as err:
+        pipeline.compile_model(desc, "host", tmp_path / "art", progress=False)
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
