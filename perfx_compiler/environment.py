@@ -17,6 +17,7 @@ VARIABLES: dict[str, str] = {
     "PERFX_SPIN_US": "runtime: how long idle pool threads spin",
     "PERFX_LAZY_WEIGHTS": "loader: whether GGUF tensors are read lazily (same values)",
     "PERFX_CACHE_DIR": "where LLM() caches artifacts",
+    "PERFX_KERNEL_CACHE": "where built kernels are kept between processes (the same PrimFuncs; none: not kept)",
     "PERFX_BENCH_CACHE": "where perfx-bench caches its probe library",
     "PERFX_TARGETS_CACHE": "where cross toolchains are cached",
     "PERFX_TEST_CACHE": "where tests/setup.sh unpacks the llama.cpp sources (llama-server for benchmarks is built there)",

@@ -38,6 +38,9 @@ if str(REPO) not in sys.path:  # run from a checkout without an install
 # (test id regex, why it cannot run on a CPU-only machine). Nothing else may skip under CI=true.
 ALLOWED_SKIPS: list[tuple[str, str]] = []
 
+# built kernels kept between the run's processes (xdist workers, CLI subprocesses) in one folder of the
+# machine's temp dir, not the user's ~/.cache (perfx_compiler/kernels/memo.py; keyed by the code version)
+os.environ.setdefault("PERFX_KERNEL_CACHE", str(Path(tempfile.gettempdir()) / "perfx-test-kernels"))
 SEED = int(os.environ.get("PERFX_TEST_SEED") or random.SystemRandom().randrange(2**32))
 os.environ["PERFX_TEST_SEED"] = str(SEED)  # xdist's workers start after this: one seed for the whole run
 _unseeded_default_rng = np.random.default_rng

@@ -78,3 +78,109 @@ def test_a_real_kernel_is_parsed_once_and_shared() -> None:
     memo.clear()
     rebuilt = rms_norm_kernel(64, 1e-6, False, 8)
     assert rebuilt is not first and tvm_ffi.structural_equal(rebuilt, first)
+
+
+def test_kernels_are_kept_on_disk_between_processes(tmp_path, monkeypatch) -> None:
+    """A kernel built from plain arguments is written to ``$PERFX_KERNEL_CACHE/<code version>`` and, once the
+    process forgets it (``clear``: what a new process starts from), read back from there: the file is what
+    the builder returns (a different kernel planted in it comes back), a truncated file is built again and
+    replaced, and ``none`` keeps nothing on disk."""
+    import gzip
+
+    import tvm
+    import tvm_ffi
+
+    from perfx_compiler.kernels.rms_norm import rms_norm_kernel
+
+    monkeypatch.setenv(memo.CACHE_ENV, str(tmp_path))
+    memo.clear()
+    built = rms_norm_kernel(48, 1e-6, False, 8)
+    files = list((tmp_path / memo.code_version()).glob("*.json.gz"))
+    assert len(files) == 1
+    memo.clear()
+    loaded = rms_norm_kernel(48, 1e-6, False, 8)
+    assert loaded is not built and tvm_ffi.structural_equal(loaded, built)
+    other = rms_norm_kernel(64, 1e-5, True, 16)
+    files[0].write_bytes(gzip.compress(tvm.ir.save_json(other).encode()))
+    memo.clear()
+    assert tvm_ffi.structural_equal(rms_norm_kernel(48, 1e-6, False, 8), other)  # read from the file
+    files[0].write_bytes(files[0].read_bytes()[:40])  # truncated
+    memo.clear()
+    assert tvm_ffi.structural_equal(rms_norm_kernel(48, 1e-6, False, 8), built)
+    assert tvm_ffi.structural_equal(tvm.ir.load_json(gzip.decompress(files[0].read_bytes()).decode()), built)
+    monkeypatch.setenv(memo.CACHE_ENV, "none")
+    memo.clear()
+    rms_norm_kernel(80, 1e-6, False, 8)
+    assert len(list((tmp_path / memo.code_version()).glob("*.json.gz"))) == 2  # (the two above; not the third)
+
+
+def test_a_changed_template_source_is_a_new_code_version(tmp_path, monkeypatch) -> None:
+    """The disk cache's folder changes when any source file of the ``schedules`` templates changes (and with
+    this package's, hashed the same way): a kernel built by older template code is never read back."""
+    import importlib.machinery
+
+    fake = tmp_path / "schedules"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("")
+    (fake / "gemv_cpu.py").write_text("UNROLL = 4\n")
+
+    def find_spec(name: str):
+        assert name == "schedules"
+        return importlib.machinery.ModuleSpec("schedules", None, origin=str(fake / "__init__.py"))
+
+    monkeypatch.setattr(memo.importlib.util, "find_spec", find_spec)
+    memo.code_version.cache_clear()
+    try:
+        first = memo.code_version()
+        (fake / "gemv_cpu.py").write_text("UNROLL = 8\n")
+        memo.code_version.cache_clear()
+        changed = memo.code_version()
+        (fake / "gemv_cpu.py").write_text("UNROLL = 4\n")
+        memo.code_version.cache_clear()
+        assert changed != first and memo.code_version() == first
+    finally:
+        memo.code_version.cache_clear()
+
+
+def test_a_call_with_tvm_arguments_is_read_back_only_for_equal_arguments(tmp_path, monkeypatch) -> None:
+    """``attention_over_qkv(kernel)`` is keyed on disk by the kernel's structural hash; its file keeps that
+    kernel too, and is used only when the call's kernel is structurally equal to it (a file whose stored
+    argument differs, as a hash collision would, is built again)."""
+    import gzip
+
+    import tvm
+    import tvm_ffi
+
+    from perfx_compiler.kernels.attention import cached_attention_kernel
+    from perfx_compiler.kernels.attention_qkv import attention_over_qkv
+
+    monkeypatch.setenv(memo.CACHE_ENV, str(tmp_path))
+    memo.clear()
+    kernel = cached_attention_kernel(4, 2, 64, 128)
+    built = attention_over_qkv(kernel)
+    (path,) = [p for p in (tmp_path / memo.code_version()).glob("*.json.gz")
+               if isinstance(tvm.ir.load_json(gzip.decompress(p.read_bytes()).decode()), tvm_ffi.Array)]
+    memo.clear()
+    assert tvm_ffi.structural_equal(attention_over_qkv(kernel), built)
+    other = cached_attention_kernel(4, 4, 64, 128)
+    path.write_bytes(gzip.compress(tvm.ir.save_json(tvm_ffi.convert([other, other])).encode()))
+    memo.clear()
+    assert tvm_ffi.structural_equal(attention_over_qkv(kernel), built)  # not `other`: its argument differs
+
+
+def test_a_cache_folder_that_cannot_be_written_builds_in_memory(tmp_path, monkeypatch) -> None:
+    """``$PERFX_KERNEL_CACHE`` naming something that is not a writable folder (here a file) costs the disk
+    cache, never the build."""
+    import tvm_ffi
+
+    from perfx_compiler.kernels.rms_norm import rms_norm_kernel
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x")
+    monkeypatch.setenv(memo.CACHE_ENV, str(blocker))
+    memo.clear()
+    got = rms_norm_kernel(112, 1e-6, False, 8)
+    monkeypatch.setenv(memo.CACHE_ENV, "none")
+    memo.clear()
+    assert tvm_ffi.structural_equal(got, rms_norm_kernel(112, 1e-6, False, 8))
+    assert blocker.read_text() == "x"
