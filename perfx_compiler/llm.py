@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from perfx_compiler import __version__
+from perfx_compiler.artifact_hash import compiler_digest
 from perfx_compiler.errors import ArtifactError, ContextLengthError
 from perfx_compiler.runtime import api
 from perfx_compiler.runtime.api import (
@@ -42,22 +43,6 @@ from perfx_compiler.runtime.generate import Generation, generate_n
 from perfx_compiler.runtime.sampling import make_generator
 
 __all__ = ["LLM", "cache_key", "compiler_digest", "default_cache_root", "resolve_artifact"]
-
-
-def compiler_digest() -> str:
-    """Digest of the compiler's own files (package sources and native code, schedule templates, target
-    files, tuning records), wherever the package is installed: a cached artifact is rebuilt when the code
-    or the records that compiled it have changed."""
-    root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha1()
-    for folder, patterns in (("perfx_compiler", ("*.py", "*.c", "*.cc", "*.h")), ("schedules", ("*.py",)),
-                             ("targets", ("*",)), ("tuning_logs", ("*",))):
-        files = {f for pattern in patterns for f in (root / folder).rglob(pattern)}
-        for f in sorted(files):
-            if f.is_file() and "__pycache__" not in f.parts:
-                digest.update(f.relative_to(root).as_posix().encode())
-                digest.update(f.read_bytes())
-    return digest.hexdigest()[:12]
 
 
 def default_cache_root() -> Path:

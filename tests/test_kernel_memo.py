@@ -116,26 +116,21 @@ def test_kernels_are_kept_on_disk_between_processes(tmp_path, monkeypatch) -> No
 
 def test_a_changed_template_source_is_a_new_code_version(tmp_path, monkeypatch) -> None:
     """The disk cache's folder changes when any source file of the ``schedules`` templates changes (and with
-    this package's, hashed the same way): a kernel built by older template code is never read back."""
-    import importlib.machinery
+    this package's, targets and tuning records: ``artifact_hash.compiler_digest``, which ``code_version``
+    hashes): a kernel built by older template code is never read back."""
+    from perfx_compiler import artifact_hash
 
-    fake = tmp_path / "schedules"
-    fake.mkdir()
-    (fake / "__init__.py").write_text("")
-    (fake / "gemv_cpu.py").write_text("UNROLL = 4\n")
-
-    def find_spec(name: str):
-        assert name == "schedules"
-        return importlib.machinery.ModuleSpec("schedules", None, origin=str(fake / "__init__.py"))
-
-    monkeypatch.setattr(memo.importlib.util, "find_spec", find_spec)
+    (tmp_path / "schedules").mkdir()
+    (tmp_path / "schedules" / "gemv_cpu.py").write_text("UNROLL = 4\n")
+    real = artifact_hash.compiler_digest
+    monkeypatch.setattr(artifact_hash, "compiler_digest", lambda: real(tmp_path))
     memo.code_version.cache_clear()
     try:
         first = memo.code_version()
-        (fake / "gemv_cpu.py").write_text("UNROLL = 8\n")
+        (tmp_path / "schedules" / "gemv_cpu.py").write_text("UNROLL = 8\n")
         memo.code_version.cache_clear()
         changed = memo.code_version()
-        (fake / "gemv_cpu.py").write_text("UNROLL = 4\n")
+        (tmp_path / "schedules" / "gemv_cpu.py").write_text("UNROLL = 4\n")
         memo.code_version.cache_clear()
         assert changed != first and memo.code_version() == first
     finally:

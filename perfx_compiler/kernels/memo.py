@@ -15,8 +15,8 @@ as TVM's JSON (``tvm.ir.save_json``, gzipped; loading is ~5x faster than parsing
 take 1.5 s instead of ~7 s of its 30 s compile). A call with TVM arguments stores them with its kernel, and
 a file is used only when they are structurally equal to the call's. The folder is
 ``$PERFX_KERNEL_CACHE`` (``none``: no disk cache) or ``~/.cache/perfx/kernels``, one subfolder per code version:
-a hash of TVM's version and every source file of ``perfx_compiler`` and ``schedules``, so any change builds
-afresh. A file that does not load is built again and replaced; a folder that cannot be written is skipped.
+a hash of TVM's version and of the compiler's files (``artifact_hash.compiler_digest``, as ``LLM()``'s artifact
+cache), so any change builds afresh. A file that does not load is built again and replaced; a folder that cannot be written is skipped.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import gzip
 import hashlib
-import importlib.util
 import os
 import shutil
 import threading
@@ -68,16 +67,13 @@ def _same_objects(a: list[Any], b: list[Any]) -> bool:
 
 @functools.cache
 def code_version() -> str:
-    """TVM's version and every source file a builder may run (this package and ``schedules``), hashed."""
+    """TVM's version and the digest of the compiler's files (``artifact_hash.compiler_digest``: the package's
+    sources, the ``schedules`` templates, targets, tuning records), once per process."""
     import tvm
 
-    digest = hashlib.sha256(tvm.__version__.encode())
-    spec = importlib.util.find_spec("schedules")
-    roots = [Path(__file__).resolve().parents[1]] + ([Path(spec.origin).parent] if spec and spec.origin else [])
-    for root in roots:
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root.parent)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:20]
+    from perfx_compiler.artifact_hash import compiler_digest
+
+    return hashlib.sha256(f"{tvm.__version__}:{compiler_digest()}".encode()).hexdigest()[:20]
 
 
 def disk_folder() -> Path | None:
@@ -156,7 +152,7 @@ def memoized_kernel(fn: F) -> F:
         out = _disk_load(path, objects) if path is not None and path.is_file() else None
         if out is None:
             out = fn(*args, **kwargs)
-            if path is not None and type(out).__module__.startswith(("tvm", "tvm_ffi")):
+            if path is not None and type(out).__module__.startswith("tvm"):  # (tvm, tvm_ffi objects)
                 _disk_save(path, out, objects)
         cache[key] = (objects, out)
         if len(cache) > MAX_KERNELS:
