@@ -197,8 +197,7 @@ def phase_passes(state: CompileState) -> None:
     try:
         with use_activations(opts.activations), use_batch_gemv(is_cpu_target(state.target)):
             state.mod, state.weights = run_graph_passes(state.mod, state.weights, state.target, opts, state.desc,
-                                                         stage=weight_file.stage if weight_file else None,
-                                                         reserve=weight_file.reserve if weight_file else None)
+                                                         weight_file=weight_file)
         check_signatures(state)
         if weight_file is not None:  # the weights are final: all of them to disk before codegen, not under its peak
             state.weights = weight_file.finish(state.weights)
@@ -230,15 +229,14 @@ def selected_passes(passes: list[str] | None) -> list[str]:
 
 def run_graph_passes(
     mod: tvm.IRModule, weights: dict[str, Any], target: TargetDescription, options: CompileOptions,
-    desc: ModelDescription | None = None, stage: Callable[[Any], Any] | None = None,
-    reserve: Callable[..., Any] | None = None,
+    desc: ModelDescription | None = None, weight_file: Any = None,
 ) -> tuple[tvm.IRModule, dict[str, Any]]:
     """Phase 1 on ``mod``: the selected GRAPH_PASSES as one ``tvm.transform.Sequential``; returns
-    the rewritten module and weight table (``stage``, ``reserve``: see ``PassContext``)."""
+    the rewritten module and weight table (``weight_file``: see ``PassContext.weight_file``)."""
     from perfx_compiler.passes import GraphState, PassContext, graph_pass
 
-    state = GraphState(weights=weights, ctx=PassContext(target=target, options=options, desc=desc, stage=stage,
-                                                        reserve=reserve))
+    state = GraphState(weights=weights, ctx=PassContext(target=target, options=options, desc=desc,
+                                                        weight_file=weight_file))
     names = selected_passes(getattr(options, "passes", None))
     mod = tvm.transform.Sequential([graph_pass(n, state) for n in names], name="perfx_graph_passes")(mod)
     state.raise_error()

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-import numpy as np
 import tvm
 
 import perfx_compiler.tvm_compiler  # noqa: F401  (before tvm.relax: one line if TVM was loaded runtime-only)
@@ -31,11 +29,10 @@ class PassContext:
     target: Any  # TargetDescription
     options: Any  # CompileOptions
     desc: Any = None  # ModelDescription (config, quantized GGUF blocks for passthrough)
-    # A compile's weights file (package.WeightFile.stage): a pass hands it each final packed array, which
-    # comes back mapped from disk, off the heap. None where nothing is written (lower_model, tests).
-    stage: Callable[[np.ndarray], np.ndarray] | None = None
-    # The same file's ``reserve`` (shape, dtype): a large packed array filled in place, a part at a time.
-    reserve: Callable[[tuple[int, ...], Any], np.ndarray] | None = None
+    # A compile's weights file (package.WeightFile): a pass hands it each final packed array (``stage``), which
+    # comes back mapped from disk, off the heap, or has a large one placed there to fill a part at a time
+    # (``reserve``). None where nothing is written (lower_model, tests).
+    weight_file: Any = None
 
 
 @dataclass

@@ -67,15 +67,15 @@ def current_activations() -> str:
 
 def finalized(pk: Packed, ctx: Any) -> Packed:
     """``pk`` in the layout its kernels read (its VNNI variant under int8 activations), as ``rewrite_linears``
-    would take it, with its arrays handed to the compile's weights file (``PassContext.stage``) on CPU
+    would take it, with its arrays handed to the compile's weights file (``PassContext.weight_file``) on CPU
     targets: a pass that packs weight by weight then holds one weight's arrays on the heap, not every
     weight's until the passes end. (GPU layouts are still rewritten after the passes: not staged.)"""
     if current_activations() == "int8" and pk.vnni is not None:
         pk = pk.vnni()
     pk.vnni = None  # final; its closure would hold the unpacked codes
-    stage = getattr(ctx, "stage", None)
-    if stage is not None and getattr(getattr(ctx, "target", None), "family", "") != "gpu":
-        pk.arrays = [(suffix, stage(a)) for suffix, a in pk.arrays]
+    weight_file = getattr(ctx, "weight_file", None)
+    if weight_file is not None and getattr(getattr(ctx, "target", None), "family", "") != "gpu":
+        pk.arrays = [(suffix, weight_file.stage(a)) for suffix, a in pk.arrays]
     return pk
 
 

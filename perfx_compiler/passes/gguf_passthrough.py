@@ -92,7 +92,7 @@ def _pack_in_chunks(qtype: str, raw: np.ndarray, shape: tuple[int, int], words8:
     """``_pack``; a large weight in the VNNI layout a chunk of rows at a time into the whole arrays
     (``formats.vnni.ROW_CHUNKS``: axis 0 runs over the rows in every layout), so unpacking's temporaries
     are a chunk's, not the weight's (7B Q4_K_M: 882 MB anonymous at the passes' peak with whole weights,
-    docs/decisions/gguf-superblocks.md). ``reserve`` (``PassContext.reserve``): the whole arrays are placed
+    docs/decisions/gguf-superblocks.md). ``reserve`` (``PassContext.weight_file.reserve``): the whole arrays are placed
     in the weights file and each chunk's rows leave memory once written (Gemma 3's 262144-row embedding: its
     178 MB of codes would otherwise sit on the heap whole)."""
     n, k = shape
@@ -175,8 +175,9 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     for name in tqdm(names, desc="pack GGUF weights", unit="weight", disable=not show, leave=False, file=console()):
         w = weights[name]
         if is_lazy(w):
+            weight_file = getattr(ctx, "weight_file", None)
             packed[name] = _pack_in_chunks(w.qtype, w.blocks(), w.shape, words8, vnni, gpu,
-                                           reserve=getattr(ctx, "reserve", None))
+                                           reserve=weight_file.reserve if weight_file is not None else None)
             w.release()  # read once: its file pages need not stay resident
         else:
             packed[name] = _checked(name, w, tables[name], words8, vnni, gpu)
