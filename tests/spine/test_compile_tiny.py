@@ -99,11 +99,26 @@ def test_kv_cache_is_updated_in_place(tiny):
     assert [id(c) for c in eng._caches] == before
 
 
-def test_compile_graphs_leave_out_the_metadata(tiny):
+def test_compile_graphs_leave_out_the_metadata(tiny, tmp_path, monkeypatch):
     """The graphs the compile imports (``emit_onnx(..., metadata=False)``) carry no model props (a large
     vocabulary's tokenizer would be tens of MB in each); the emitted model keeps config and tokenizer, and
     the artifact has its tokenizer."""
+    from perfx_compiler.frontend import onnx_import
+
     desc, art = tiny
+    imported = []
+
+    class Enough(Exception):
+        pass
+
+    def spy(graph, *args, **kwargs):  # the compile's first import: its graph is what the pipeline emitted
+        imported.append(graph)
+        raise Enough
+
+    monkeypatch.setattr(onnx_import, "import_onnx", spy)
+    with pytest.raises(Exception):  # noqa: B017  (Enough, or the compile's wrapping of it)
+        compile_model(desc, "host", tmp_path / "stopped", progress=False)
+    assert len(imported) == 1 and not imported[0].metadata_props
     assert desc.tokenizer_json
     props = {p.key: p.value for p in emit_onnx(desc).metadata_props}
     assert props["perfx.tokenizer"] == desc.tokenizer_json and "perfx.config" in props
