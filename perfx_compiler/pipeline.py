@@ -4,7 +4,7 @@
     1 passes    graph passes (fusions, quantization, precision): GRAPH_PASSES, in order
     2 lower     legalize to TIR, fuse into PrimFuncs
     3 schedule  PerfX templates (schedules/) with tuning records, or TVM dlight defaults
-    4 build     tvm.compile for the target
+    4 build     tvm.compile for the target (CPU: one LLVM module per kernel, codegen_parts.py)
     5 package   artifact directory (module, packed weights, manifest, tokenizer)
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -108,6 +109,7 @@ class CompileState:
     weights: dict[str, Any] = field(default_factory=dict)  # name -> numpy array, in parameter order
     timings: dict[str, float] = field(default_factory=dict)
     notes: dict[str, Any] = field(default_factory=dict)
+    object_dir: Path | None = None  # CPU build: the kernels' object files until the package phase links them
 
 
 def phase_import(state: CompileState) -> None:
@@ -342,7 +344,15 @@ def phase_build(state: CompileState) -> None:
     on = state.target.family == "cpu"
     # Phases 1-3 did legalization, fusion and scheduling; only VM lowering remains.
     finish = tvm.transform.Sequential(vm_lowering_passes(reuse_views=on))
-    state.executable = tvm.compile(state.mod, target=tgt, relax_pipeline=finish, tir_pipeline=_tir_pipeline(state))
+    if not on:
+        state.executable = tvm.compile(state.mod, target=tgt, relax_pipeline=finish, tir_pipeline=_tir_pipeline(state))
+        return
+    from perfx_compiler.codegen_parts import build_in_parts
+
+    # the kernels' object files, linked into model.so by the package phase (compile_model removes them)
+    state.object_dir = Path(tempfile.mkdtemp(prefix="perfx-objects-"))
+    state.executable = build_in_parts(state.mod, tgt, finish, _tir_pipeline(state), state.object_dir,
+                                      progress=state.options.progress)
 
 
 def _tir_pipeline(state: CompileState) -> str:
@@ -517,4 +527,6 @@ def compile_model(
         path = getattr(state.weights, "path", None)
         if path is not None and path.exists():  # (packaging moved it in, unless a phase failed)
             path.unlink()
+        if state.object_dir is not None:
+            shutil.rmtree(state.object_dir, ignore_errors=True)
     return opts.output_dir

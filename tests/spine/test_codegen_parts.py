@@ -1,0 +1,57 @@
+"""CPU codegen one kernel at a time (``codegen_parts``): every PrimFunc becomes its own object file, the
+artifact linked from them computes what one ``tvm.compile`` of the whole module computes (bit for bit:
+the same LLVM code per kernel), and the object files are gone after the compile, a failed one included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+
+from perfx_compiler import codegen_parts, pipeline
+from perfx_compiler.errors import PerfXError
+from perfx_compiler.model.gguf import load_gguf
+from perfx_compiler.model.testing import write_tiny_gguf
+from perfx_compiler.runtime.engine import Engine
+
+
+def _whole_module_build(mod, target, relax_pipeline, tir_pipeline, object_dir, progress=False):
+    return tvm.compile(mod, target=target, relax_pipeline=relax_pipeline, tir_pipeline=tir_pipeline)
+
+
+def test_kernels_built_one_by_one_equal_one_module_and_leave_no_objects(tmp_path, monkeypatch):
+    gguf, _ = write_tiny_gguf(tmp_path / "m.gguf", qtype="Q4_K", vocab=320, hidden=256, ffn=512, context_length=64,
+                              seed=int(np.random.default_rng().integers(1 << 30)))
+    desc = load_gguf(gguf)
+    seen = {}
+    build = codegen_parts.build_in_parts
+
+    def spy(mod, *args, **kwargs):
+        ex = build(mod, *args, **kwargs)
+        seen["kernels"] = sum(isinstance(f, tvm.tirx.PrimFunc) for f in mod.functions.values())
+        seen["dir"] = args[3]
+        seen["objects"] = sorted(p.name for p in args[3].iterdir())
+        return ex
+
+    monkeypatch.setattr(codegen_parts, "build_in_parts", spy)
+    parts = pipeline.compile_model(desc, "host", tmp_path / "parts", progress=False)
+    assert seen["kernels"] > 10 and len(seen["objects"]) >= seen["kernels"]  # (+ VM shape functions)
+    assert not seen["dir"].exists()
+
+    monkeypatch.setattr(codegen_parts, "build_in_parts", _whole_module_build)
+    whole = pipeline.compile_model(desc, "host", tmp_path / "whole", progress=False)
+    ids = np.random.default_rng().integers(0, desc.config.vocab_size, size=12).tolist()
+    got = []
+    for art in (parts, whole):
+        eng = Engine(art)
+        got.append(np.concatenate([eng.prefill_all(ids[:9]), eng.decode(ids[9])[None], eng.decode(ids[10])[None]]))
+    assert np.array_equal(got[0], got[1])
+
+    def fail(state):
+        raise PerfXError("packaging failed")
+
+    monkeypatch.setattr(codegen_parts, "build_in_parts", spy)
+    monkeypatch.setattr(pipeline, "PHASES", [(n, fail if n == "package" else f) for n, f in pipeline.PHASES])
+    with pytest.raises(PerfXError, match="packaging failed"):
+        pipeline.compile_model(desc, "host", tmp_path / "failed", progress=False)
+    assert seen["objects"] and not seen["dir"].exists()
