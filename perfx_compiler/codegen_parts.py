@@ -1,6 +1,6 @@
 """CPU codegen in parts: each of the model's PrimFuncs goes through LLVM on its own and its object code
 is written to a file at once, so the compile holds one kernel's ``llvm::Module`` instead of the whole
-model's (Gemma 3 270M's build phase: 582 -> 403 MB, same time; docs/decisions/compile-memory.md). The
+model's (Gemma 3 270M's build phase: 582 -> 403 MB, same time; docs/decisions/gguf-superblocks.md). The
 object files join the VM in ``model.so`` as static libraries (``tvm.runtime.load_static_library``), which
 ``export_library`` links as it links its own object.
 
@@ -53,11 +53,17 @@ def build_in_parts(
     del mod  # the Relax side now lives in the builder
     libs = list(attrs.get("external_mods", []))
     object_dir.mkdir(parents=True, exist_ok=True)
+    first = None
     bar = tqdm(kernels, desc="codegen", unit="kernel", disable=not progress, leave=False, file=console())
     for i, (gvar, func) in enumerate(bar):
         lib = tvm.tirx.build(tvm.IRModule({gvar: func}, attrs=module_attrs), target=target, pipeline=tir_pipeline)
+        if first is None:
+            # one LLVM module stays: export_library takes the target triple of the object that packs the VM
+            # from it (with static libraries only, a cross build's would be the host's)
+            first = lib
+            continue
         path = object_dir / f"kernel{i:04d}.o"
         lib.write_to_file(str(path))
         del lib  # frees this kernel's llvm::Module before the next one is built
         libs.append(tvm.runtime.load_static_library(str(path), [_symbol(gvar, func)]))
-    return relax.VMExecutable(vm_build._ffi_api.VMLink(builder, target, None, libs, params))
+    return relax.VMExecutable(vm_build._ffi_api.VMLink(builder, target, first, libs, params))

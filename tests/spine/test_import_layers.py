@@ -29,7 +29,7 @@ LAYERS: list[set[str]] = [
     {"passes"},  # Relax passes
     {"narrow_index", "stack_alloca", "gpu_adapt"},  # TIR lowering
     {"tune"},
-    {"pipeline", "device_export", "package", "compile_report"},  # the compile phases, build, package, report
+    {"pipeline", "codegen_parts", "device_export", "package", "compile_report"},  # the compile phases, build, package, report
     {"targets_exec"},  # running every target's code here (emulators, PoCL, lavapipe)
     {"llm", "serve", "bench", "cli"},  # LLM() compiles a model it is given, so it sits above the compiler
 ]
