@@ -341,10 +341,10 @@ def phase_build(state: CompileState) -> None:
     # CPU: one tensor view per planned buffer instead of an alloc_tensor + kill per use (decode step:
     # ~300 VM builtin calls fewer; docs/decisions/quantized-linears.md); other targets keep TVM's
     # lowering as it was tested there.
-    on = state.target.family == "cpu"
+    cpu = state.target.family == "cpu"
     # Phases 1-3 did legalization, fusion and scheduling; only VM lowering remains.
-    finish = tvm.transform.Sequential(vm_lowering_passes(reuse_views=on))
-    if not on:
+    finish = tvm.transform.Sequential(vm_lowering_passes(reuse_views=cpu))
+    if not cpu:
         state.executable = tvm.compile(state.mod, target=tgt, relax_pipeline=finish, tir_pipeline=_tir_pipeline(state))
         return
     from perfx_compiler.codegen_parts import build_in_parts
