@@ -1,6 +1,7 @@
 """CPU codegen in parts: each of the model's PrimFuncs goes through LLVM on its own and its object code
 is written to a file at once, so the compile holds one kernel's ``llvm::Module`` instead of the whole
-model's (Gemma 3 270M's build phase: 582 -> 403 MB, same time; docs/decisions/gguf-superblocks.md). The
+model's (Gemma 3 270M's build phase: 404 MB in benchmarks/results/compile_memory.csv, 569 MB with one
+module; the sweep and the time A/B are in docs/decisions/gguf-superblocks.md). The
 object files join the VM in ``model.so`` as static libraries (``tvm.runtime.load_static_library``), which
 ``export_library`` links as it links its own object.
 
@@ -19,11 +20,6 @@ import perfx_compiler.tvm_compiler  # noqa: F401, I001  (first: TVM without torc
 import tvm
 from tvm import relax
 from tvm.relax import vm_build
-
-
-def _symbol(gvar: tvm.ir.GlobalVar, func: tvm.tirx.PrimFunc) -> str:
-    attrs = func.attrs
-    return str(attrs["global_symbol"]) if attrs is not None and "global_symbol" in attrs else gvar.name_hint
 
 
 def build_in_parts(
@@ -65,5 +61,6 @@ def build_in_parts(
         path = object_dir / f"kernel{i:04d}.o"
         lib.write_to_file(str(path))
         del lib  # frees this kernel's llvm::Module before the next one is built
-        libs.append(tvm.runtime.load_static_library(str(path), [_symbol(gvar, func)]))
+        # (VM codegen's AttachGlobalSymbol gave every PrimFunc the symbol the VM calls it by)
+        libs.append(tvm.runtime.load_static_library(str(path), [str(func.attrs["global_symbol"])]))
     return relax.VMExecutable(vm_build._ffi_api.VMLink(builder, target, first, libs, params))

@@ -172,12 +172,12 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
     packed = {}
     from perfx_compiler.progress import console
 
+    weight_file = getattr(ctx, "weight_file", None)
+    reserve = weight_file.reserve if weight_file is not None else None
     for name in tqdm(names, desc="pack GGUF weights", unit="weight", disable=not show, leave=False, file=console()):
         w = weights[name]
         if is_lazy(w):
-            weight_file = getattr(ctx, "weight_file", None)
-            packed[name] = _pack_in_chunks(w.qtype, w.blocks(), w.shape, words8, vnni, gpu,
-                                           reserve=weight_file.reserve if weight_file is not None else None)
+            packed[name] = _pack_in_chunks(w.qtype, w.blocks(), w.shape, words8, vnni, gpu, reserve=reserve)
             w.release()  # read once: its file pages need not stay resident
         else:
             packed[name] = _checked(name, w, tables[name], words8, vnni, gpu)
