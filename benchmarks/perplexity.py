@@ -36,11 +36,14 @@ within 2e-3), and the compiled f32 artifact equal to the reference likewise (on 
     python benchmarks/perplexity.py --vs-llamacpp gemma3-270m-q4_k_m,smollm2-q4_k_m [--tokens 640]
 
 ``--vs-llamacpp``: per GGUF model (run_peers.py's names; random-weight files are left out, their near-flat
-logits make top-1 agreement noise) the first ``--tokens`` tokens of the text (BOS first) run as one
-``prefill_all`` through PerfX (its default build, int8 activations on AVX-512 VNNI machines, and
-``--activations f32``) and through llama.cpp as it runs the file (fp16 KV cache) and with an f32 KV cache.
-Written to ``agreement.csv``: each run's top-1 agreement with llama.cpp and perplexity; llama.cpp's
-agreement with itself across its two KV settings is the ceiling of any other engine's.
+logits make top-1 agreement noise) the first ``--tokens`` tokens of the text (BOS first), teacher-forced.
+llama.cpp runs the file as it ships (fp16 KV cache), with an f32 KV cache, and on an F32 copy of its weights;
+PerfX runs its default build (int8 activations on AVX-512 VNNI machines) with an f32 and with an f16 KV cache
+(llama.cpp's), and ``--activations f32``, each as one ``prefill_all``; the int8 build also through decode, one
+token at a time. Written to ``agreement.csv``: each (run, reference) pair's top-1 agreement, both perplexities
+and the largest logit difference. Besides every run against llama.cpp, two pairs bound what agreement can
+mean: PerfX's int8 decode against its own prefill (the same arithmetic summed in another order) and PerfX's f32
+build against llama.cpp's F32 weights (neither engine's int8 / f16 rounding).
 
 Writes ``benchmarks/results/perplexity.csv``, ``perplexity_checks.csv`` and ``perplexity.png``. Artifacts
 and each config's per-token log-probabilities are cached in ``--work`` (a rerun only measures configs
@@ -55,6 +58,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from _common import figure, write_csv
@@ -196,6 +200,19 @@ def top1(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean(a.argmax(-1) == b.argmax(-1)))
 
 
+def max_logit_diff(a: np.ndarray, ref: np.ndarray) -> float:
+    """Largest |a - ref| over all positions, relative to the reference's largest |logit|."""
+    return float(np.abs(a - ref).max() / np.abs(ref).max())
+
+
+def decode_logits(engine: Any, ids: list[int]) -> np.ndarray:
+    """Teacher-forced logits through the decode path: the first token by prefill, then one ``decode`` each."""
+    engine.reset()
+    rows = [np.asarray(engine.prefill(ids[:1])).reshape(-1)]
+    rows += [np.asarray(engine.decode(t)).reshape(-1) for t in ids[1:]]
+    return np.stack(rows)
+
+
 def agreement_rows(name: str, work: Path, tokens: int) -> list[dict]:
     from run_peers import model_file
 
@@ -211,55 +228,67 @@ def agreement_rows(name: str, work: Path, tokens: int) -> list[dict]:
     if len(ids) < tokens - 1:
         raise SystemExit(f"{name}: the text gives {len(ids)} tokens, fewer than {tokens}")
     ids = [desc.config.bos_token_id, *ids[: tokens - 1]]
-    ref = llamacpp_logits(path, ids)
-    runs = {"llama.cpp f32 KV": llamacpp_logits(path, ids, mode="f32-kv")}
-    for act in ("auto", "f32"):
-        art = compile_model(desc, "host", work / f"agree-{name}-{act}", progress=False, activations=act)
+    logits = {"llama.cpp": llamacpp_logits(path, ids), "llama.cpp f32 KV": llamacpp_logits(path, ids, mode="f32-kv"),
+              "llama.cpp F32 weights": llamacpp_logits(path, ids, mode="f32-weights")}
+    int8 = None
+    for act, kv in (("auto", "f32"), ("auto", "f16"), ("f32", "f32")):
+        art = compile_model(desc, "host", work / f"agree-{name}-{act}-{kv}", progress=False, activations=act,
+                            kv_cache=kv)
         used = read_manifest(art)["activations"]
-        runs[f"perfx ({used} activations)"] = np.asarray(Engine(art).prefill_all(ids))
-    base = perplexity_of(ref, ids)
-    rows = [{"model": name, "run": "llama.cpp", "tokens": len(ids), "top1_vs_llamacpp": 1.0,
-             "perplexity": round(base, 4), "perplexity_vs_llamacpp": 1.0}]
-    for run, logits in runs.items():
-        ppl = perplexity_of(logits, ids)
-        rows.append({"model": name, "run": run, "tokens": len(ids), "top1_vs_llamacpp": round(top1(logits, ref), 4),
-                     "perplexity": round(ppl, 4), "perplexity_vs_llamacpp": round(ppl / base, 4)})
+        run = f"perfx ({used} activations{' + f16 KV' if kv == 'f16' else ''})"
+        if run in logits:  # no int8 on this CPU: "auto" is the f32 build
+            continue
+        engine = Engine(art)
+        logits[run] = np.asarray(engine.prefill_all(ids))
+        if used != "f32" and kv == "f32":
+            int8 = run
+            logits[f"{run} via decode"] = decode_logits(engine, ids)
+    # (run, reference): every run against llama.cpp as it runs the file; then the two pairs that bound what
+    # agreement means: PerfX's int8 build against itself (prefill's GEMMs vs decode's GEMVs: the same
+    # arithmetic summed in another order), and PerfX's f32 build against llama.cpp without its int8 / f16 rounding.
+    pairs = [(run, "llama.cpp") for run in logits if run not in ("llama.cpp", "llama.cpp F32 weights")]
+    if int8:
+        pairs.append((f"{int8} via decode", int8))
+    pairs.append(("perfx (f32 activations)", "llama.cpp F32 weights"))
+    rows = []
+    for run, ref in pairs:
+        a, b = logits[run], logits[ref]
+        ppl, ref_ppl = perplexity_of(a, ids), perplexity_of(b, ids)
+        rows.append({"model": name, "run": run, "reference": ref, "tokens": len(ids), "top1": round(top1(a, b), 4),
+                     "perplexity": round(ppl, 4), "reference_perplexity": round(ref_ppl, 4),
+                     "perplexity_ratio": round(ppl / ref_ppl, 4), "max_logit_diff": f"{max_logit_diff(a, b):.2e}"})
     return rows
 
 
 def plot_agreement(rows: list[dict], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.2), squeeze=False)
-    for ax, m in zip(axes[0], models, strict=True):
-        rs = [r for r in rows if r["model"] == m and r["run"] != "llama.cpp"]
-        ax.barh([r["run"] for r in rs], [100 * r["top1_vs_llamacpp"] for r in rs], color="tab:blue")
-        ax.set_xlim(80, 100)
-        ax.set_xlabel("top-1 agreement with llama.cpp (%)")
-        ax.set_title(m)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    with figure(out, 1, len(models), figsize=(6.5 * len(models), 3.6), squeeze=False) as (fig, axes):
+        for ax, m in zip(axes[0], models, strict=True):
+            rs = [r for r in rows if r["model"] == m]
+            ax.barh([f"{r['run']}\nvs {r['reference']}" for r in rs], [100 * r["top1"] for r in rs],
+                    color=["tab:gray" if r["run"].startswith("llama.cpp") else "tab:blue" for r in rs])
+            for y, r in enumerate(rs):
+                ax.text(80.5, y, f"{100 * r['top1']:.1f}%  ppl {r['perplexity_ratio']:.3f}x", va="center",
+                        fontsize=7, color="white")
+            ax.axvline(98, color="tab:red", ls="--", lw=1)
+            ax.set_xlim(80, 100)
+            ax.invert_yaxis()
+            ax.tick_params(axis="y", labelsize=7)
+            ax.set_xlabel("teacher-forced top-1 agreement (%); red: the issue's 98%")
+            ax.set_title(m)
 
 
 def vs_llamacpp(models: str, tokens: int, work: Path, out: Path) -> int:
     """The ``--vs-llamacpp`` mode: agreement.csv / agreement.png in ``out``."""
-    import csv
-
     rows: list[dict] = []
     for name in [m.strip() for m in models.split(",") if m.strip()]:
-        rows += agreement_rows(name, work, tokens)
-        for r in rows[-4:]:
-            print(f"{r['model']:22s} {r['run']:28s} top-1 {100 * r['top1_vs_llamacpp']:5.1f}%  "
-                  f"ppl {r['perplexity']:.3f} ({r['perplexity_vs_llamacpp']:.4f}x llama.cpp)")
+        new = agreement_rows(name, work, tokens)
+        for r in new:
+            print(f"{r['model']:20s} {r['run'] + ' vs ' + r['reference']:70s} top-1 {100 * r['top1']:5.1f}%  "
+                  f"ppl {r['perplexity']:.3f} ({r['perplexity_ratio']:.4f}x)  max diff {r['max_logit_diff']}")
+        rows += new
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "agreement.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "agreement.csv", rows)
     plot_agreement(rows, out / "agreement.png")
     print(f"wrote {out / 'agreement.csv'}")
     return 0
