@@ -105,15 +105,25 @@ def _bpe_tokenizer(tokens: Sequence[str], types: Sequence[int], merges: Sequence
     return tok
 
 
-def _spm_tokenizer(tokens: Sequence[str], types: Sequence[int], scores: Sequence[float], add_space_prefix: bool,
-                   unk_id: int | None) -> Any:
+_NO_MERGES = '"merges":[]'
+_MERGES_SLICE = 16384
+
+
+def _spm_tokenizer_json(tokens: Sequence[str], types: Sequence[int], scores: Sequence[float], add_space_prefix: bool,
+                        unk_id: int | None) -> str:
+    """The tokenizer JSON of an SPM vocabulary: a BPE with byte fallback whose merges rank by the merged piece's score.
+
+    ``tokenizers`` builds and serializes everything but the merges (its BPE with an empty merge list still checks
+    the vocabulary); the merges array is written here, slice by slice, in the form ``tokenizers`` writes
+    (``[["left","right"], ...]``). For Gemma 3's 262k pieces (515k merges) the merges as Python tuples, the Rust
+    BPE's copy and its serialization each held 55-85 MB at once."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):
         vocab.setdefault(t, i)
-    # Merges ranked by the merged piece's score: SPM merges the best-scoring bigram first.
-    # Kept as id arrays, not tuples of strings: Gemma 3's 262k pieces give 515k merges (160 MB as tuples).
+    # Every split of a piece into two pieces of the vocabulary is a merge (valid by construction).
+    # Kept as id arrays, not tuples of strings: 515k merges are 160 MB as tuples.
     pids, lefts, rights = array("i"), array("i"), array("i")
     for piece, pid in vocab.items():
         if types[pid] not in (_NORMAL, _USER_DEFINED):
@@ -127,10 +137,11 @@ def _spm_tokenizer(tokens: Sequence[str], types: Sequence[int], scores: Sequence
     pid_a, left_a, right_a = (np.frombuffer(a, dtype=np.int32) for a in (pids, lefts, rights))
     neg_score = -np.asarray(scores, dtype=np.float64)[pid_a]
     order = np.lexsort((right_a, left_a, pid_a, neg_score))  # best score first, then by ids
-    merges = [(tokens[left], tokens[right]) for left, right in zip(left_a[order].tolist(), right_a[order].tolist(), strict=True)]
-    del pids, lefts, rights, pid_a, left_a, right_a, order
+    left_a, right_a = left_a[order], right_a[order]
+    del pids, lefts, rights, pid_a, order
     unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=unk, fuse_unk=True, byte_fallback=True))
+    del vocab
     norm = [normalizers.Replace(" ", "▁")]
     if add_space_prefix:
         norm.insert(0, normalizers.Prepend("▁"))
@@ -141,7 +152,20 @@ def _spm_tokenizer(tokens: Sequence[str], types: Sequence[int], scores: Sequence
     tok.decoder = decoders.Sequence(dec)
     skip = {unk_id} if unk_id is not None else set()
     _add_added_tokens(tok, tokens, types, skip)
-    return tok
+    text = tok.to_str()
+    del tok
+    # A quote inside a JSON string is escaped, so the empty merge list's text occurs only as the model's key.
+    if text.count(_NO_MERGES) != 1:
+        raise PerfXError("the installed tokenizers package writes a BPE model's merges in a form PerfX does not "
+                         "know; install tokenizers 0.20-0.23")
+    quoted = json.JSONEncoder(ensure_ascii=False).encode
+    slices = []
+    for at in range(0, len(left_a), _MERGES_SLICE):
+        pairs = zip(left_a[at : at + _MERGES_SLICE].tolist(), right_a[at : at + _MERGES_SLICE].tolist(), strict=True)
+        slices.append(",".join(f"[{quoted(tokens[a])},{quoted(tokens[b])}]" for a, b in pairs))
+    head, tail = text.split(_NO_MERGES)
+    del text  # (a 262k-piece vocabulary's JSON is ~30 MB as a str: four bytes a character once one needs them)
+    return f'{head}"merges":[{",".join(slices)}]{tail}'
 
 
 def tokenizer_json_from_gguf(reader_fields: Mapping[str, Any]) -> str:
@@ -157,7 +181,7 @@ def tokenizer_json_from_gguf(reader_fields: Mapping[str, Any]) -> str:
     if len(types) != len(tokens):
         raise ModelFormatError("GGUF tokenizer.ggml.token_type length differs from the token list; the file is corrupt")
     try:
-        tok = _build(reader_fields, str(model), tokens, types)
+        return _build(reader_fields, str(model), tokens, types)
     except PerfXError:
         raise
     except ImportError as e:  # a broken install, not a corrupt file
@@ -165,24 +189,21 @@ def tokenizer_json_from_gguf(reader_fields: Mapping[str, Any]) -> str:
     except Exception as e:  # tokenizers raises plain Exception on inconsistent vocabularies
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelFormatError(f"GGUF vocabulary cannot form a tokenizer ({first}); the file is corrupt") from e
-    return tok.to_str()
 
 
-def _build(reader_fields: Mapping[str, Any], model: str, tokens: Sequence[str], types: Sequence[int]) -> Any:
+def _build(reader_fields: Mapping[str, Any], model: str, tokens: Sequence[str], types: Sequence[int]) -> str:
     if model == "gpt2":
         merges = reader_fields.get("tokenizer.ggml.merges") or []
         pre = reader_fields.get("tokenizer.ggml.pre") or "default"
-        tok = _bpe_tokenizer(tokens, types, merges, str(pre))
-    elif model == "llama":
+        return _bpe_tokenizer(tokens, types, merges, str(pre)).to_str()
+    if model == "llama":
         scores = reader_fields.get("tokenizer.ggml.scores")
         if scores is None or len(scores) != len(tokens):
             raise ModelFormatError("GGUF SentencePiece vocabulary lacks tokenizer.ggml.scores; the file is corrupt")
         unk = reader_fields.get("tokenizer.ggml.unknown_token_id")
         prefix = bool(reader_fields.get("tokenizer.ggml.add_space_prefix", True))
-        tok = _spm_tokenizer(tokens, types, scores, prefix, int(unk) if unk is not None else None)
-    else:
-        raise UnsupportedModelError(f"GGUF tokenizer model '{model}' is not supported; PerfX handles 'gpt2' (BPE) and 'llama' (SentencePiece)")
-    return tok
+        return _spm_tokenizer_json(tokens, types, scores, prefix, int(unk) if unk is not None else None)
+    raise UnsupportedModelError(f"GGUF tokenizer model '{model}' is not supported; PerfX handles 'gpt2' (BPE) and 'llama' (SentencePiece)")
 
 
 def load_tokenizer(json_str: str) -> Any:

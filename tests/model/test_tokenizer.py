@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -132,13 +133,21 @@ def test_missing_tokenizers_package_is_not_called_a_corrupt_file(monkeypatch: py
 
 def test_sentencepiece_vocab() -> None:
     # A tiny SentencePiece-style vocab: <unk>, <s>, </s>, byte tokens, and scored pieces.
-    pieces = ["▁h", "el", "lo", "▁hel", "▁hello", "▁w", "or", "ld", "▁wor", "▁world", "e", "h", "l", "o", "w", "r", "d", "▁"]
+    # (the quote, backslash and newline pieces: merges whose JSON needs escapes)
+    pieces = ["▁h", "el", "lo", "▁hel", "▁hello", "▁w", "or", "ld", "▁wor", "▁world", "e", "h", "l", "o", "w", "r", "d", "▁",
+              '"', "\\", "\n", '▁"', '"\\', "\n\n"]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
     types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
     fields = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
               "tokenizer.ggml.scores": scores, "tokenizer.ggml.unknown_token_id": 0}
-    tok = load_tokenizer(tokenizer_json_from_gguf(fields))
+    text = tokenizer_json_from_gguf(fields)
+    tok = load_tokenizer(text)
+    # The merges are written by PerfX, not by tokenizers: tokenizers reads them back and writes the same text.
+    assert tok.to_str() == text
+    assert ["▁hel", "lo"] in json.loads(text)["model"]["merges"]
+    assert tok.encode('"\\').tokens == ['▁"', "\\"]  # '▁"' outscores '"\\'
+    assert tok.encode("\n\n").tokens == ["▁", "\n\n"]
     enc = tok.encode("hello world")
     assert enc.tokens == ["▁hello", "▁world"]
     assert tok.decode(enc.ids) == "hello world"
