@@ -115,8 +115,8 @@ def _spm_tokenizer_json(tokens: Sequence[str], types: Sequence[int], scores: Seq
 
     ``tokenizers`` builds and serializes everything but the merges (vocabulary, special tokens, normalizer,
     decoder: a BPE with an empty merge list); the merges array is written here, slice by slice, in the form
-    ``tokenizers`` writes (``[["left","right"], ...]``). For Gemma 3's 262k pieces (515k merges) the merges as Python tuples, the Rust
-    BPE's copy and its serialization each held 55-85 MB at once."""
+    ``tokenizers`` writes (``[["left","right"], ...]``). For Gemma 3's 262k pieces (515k merges) the merges as
+    Python tuples, the Rust BPE's copy and its serialization each held 55-85 MB at once."""
     from tokenizers import Tokenizer, decoders, models, normalizers
 
     vocab: dict[str, int] = {}
