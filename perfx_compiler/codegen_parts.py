@@ -1,7 +1,8 @@
-"""CPU codegen in parts: each of the model's PrimFuncs goes through LLVM on its own and its object code
-is written to a file at once, so the compile holds one kernel's ``llvm::Module`` instead of the whole
-model's (Gemma 3 270M's build phase: 404 MB in benchmarks/results/compile_memory.csv, 569 MB with one
-module; the sweep and the time A/B are in docs/decisions/gguf-superblocks.md). The
+"""CPU codegen in parts: each of the model's PrimFuncs goes through LLVM on its own (a few in threads) and
+its object code is written to a file at once, so the compile holds a few kernels' ``llvm::Module`` instead of
+the whole model's (Gemma 3 270M's build phase: 569 MB with one module, 404 MB one kernel at a time, 439 MB two
+at a time in benchmarks/results/compile_memory.csv; the sweeps and time A/Bs are in
+docs/decisions/gguf-superblocks.md). The
 object files join the VM in ``model.so`` as static libraries (``tvm.runtime.load_static_library``), which
 ``export_library`` links as it links its own object.
 
@@ -11,6 +12,8 @@ off the host module, which the VM link must hold).
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,10 @@ import perfx_compiler.tvm_compiler  # noqa: F401, I001  (first: TVM without torc
 import tvm
 from tvm import relax
 from tvm.relax import vm_build
+
+from perfx_compiler import heap
+
+CODEGEN_THREADS = 4  # at most this many kernels' llvm::Modules (and glibc arenas) at once, however many cores
 
 
 def build_in_parts(
@@ -49,18 +56,26 @@ def build_in_parts(
     del mod  # the Relax side now lives in the builder
     libs = list(attrs.get("external_mods", []))
     object_dir.mkdir(parents=True, exist_ok=True)
-    first = None
-    bar = tqdm(kernels, desc="codegen", unit="kernel", disable=not progress, leave=False, file=console())
-    for i, (gvar, func) in enumerate(bar):
+    bar = tqdm(total=len(kernels), desc="codegen", unit="kernel", disable=not progress, leave=False, file=console())
+
+    def build(i: int) -> Any:
+        gvar, func = kernels[i]
         lib = tvm.tirx.build(tvm.IRModule({gvar: func}, attrs=module_attrs), target=target, pipeline=tir_pipeline)
-        if first is None:
+        bar.update()
+        if i == 0:
             # one LLVM module stays: export_library takes the target triple of the object that packs the VM
             # from it (with static libraries only, a cross build's would be the host's)
-            first = lib
-            continue
+            return lib
         path = object_dir / f"kernel{i:04d}.o"
         lib.write_to_file(str(path))
-        del lib  # frees this kernel's llvm::Module before the next one is built
+        del lib  # frees this kernel's llvm::Module
         # (VM codegen's AttachGlobalSymbol gave every PrimFunc the symbol the VM calls it by)
-        libs.append(tvm.runtime.load_static_library(str(path), [str(func.attrs["global_symbol"])]))
-    return relax.VMExecutable(vm_build._ffi_api.VMLink(builder, target, first, libs, params))
+        return tvm.runtime.load_static_library(str(path), [str(func.attrs["global_symbol"])])
+
+    # Kernels build in threads: TVM releases the GIL in its LLVM codegen, and each build has its own
+    # LLVMContext (Gemma 3 270M's build phase ~19 -> ~10 s on 2 cores, peak +18 MB: gguf-superblocks.md).
+    with heap.one_arena(), ThreadPoolExecutor(min(CODEGEN_THREADS, len(os.sched_getaffinity(0)))) as pool:
+        built = list(pool.map(build, range(len(kernels))))
+    bar.close()
+    libs += built[1:]
+    return relax.VMExecutable(vm_build._ffi_api.VMLink(builder, target, built[0], libs, params))

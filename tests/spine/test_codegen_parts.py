@@ -1,8 +1,11 @@
-"""CPU codegen one kernel at a time (``codegen_parts``): every PrimFunc becomes its own object file, the
+"""CPU codegen one kernel per module (``codegen_parts``), in threads: every PrimFunc becomes its own object file, the
 artifact linked from them computes what one ``tvm.compile`` of the whole module computes (bit for bit:
 the same LLVM code per kernel), and the object files are gone after the compile, a failed one included."""
 
 from __future__ import annotations
+
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -23,7 +26,7 @@ def test_kernels_built_one_by_one_equal_one_module_and_leave_no_objects(tmp_path
     gguf, _ = write_tiny_gguf(tmp_path / "m.gguf", qtype="Q4_K", vocab=320, hidden=256, ffn=512, context_length=64,
                               seed=int(np.random.default_rng().integers(1 << 30)))
     desc = load_gguf(gguf)
-    seen = {"modules": []}
+    seen = {"modules": [], "threads": set()}
     build = codegen_parts.build_in_parts
     tir_build = tvm.tirx.build
 
@@ -35,6 +38,7 @@ def test_kernels_built_one_by_one_equal_one_module_and_leave_no_objects(tmp_path
 
     def count(mod, *args, **kwargs):
         seen["modules"].append(len(mod.functions))
+        seen["threads"].add(threading.get_ident())
         return tir_build(mod, *args, **kwargs)
 
     monkeypatch.setattr(codegen_parts, "build_in_parts", spy)
@@ -43,6 +47,8 @@ def test_kernels_built_one_by_one_equal_one_module_and_leave_no_objects(tmp_path
     # one LLVM module per kernel; all but the first (which stays in memory: see build_in_parts) as objects
     assert len(seen["modules"]) > 10 and set(seen["modules"]) == {1}
     assert len(seen["objects"]) == len(seen["modules"]) - 1
+    # in threads, one per CPU up to the bound
+    assert len(seen["threads"]) == min(codegen_parts.CODEGEN_THREADS, len(os.sched_getaffinity(0)))
     assert not seen["dir"].exists()
 
     monkeypatch.setattr(codegen_parts, "build_in_parts", _whole_module_build)
