@@ -18,6 +18,10 @@ and each arm is compiled first. The first arm is the baseline: ratios are other 
     too slow to land enough pairs in one placement. ``--engine-steps N`` also times N
     ``Engine.decode`` + argmax per round: ``overhead_frac`` = 1 - replayed kernels / engine step, the
     runtime's own share of a step (VM, Python).
+``--level compile`` (compile time; needs ``--compile``): per round each arm's ``perfx-compile`` in a fresh
+    process under its ``--env``, wall seconds and the manifest's per-phase seconds. In an ``--env`` value
+    ``{empty}`` becomes a new empty folder for each compile (e.g. a cache that starts cold); ``--warmup``
+    runs every arm once untimed first (e.g. fills a cache folder the arm then reads).
 ``--level kernel`` (every kernel, in the step's sequence): the traced steps replayed with each call
     timed on its own; per kernel symbol the summed time per step, its 10th-percentile calls, weight
     GB/s and the ratio to the first arm. ``--shared-args`` runs every arm's kernels on the first arm's
@@ -28,6 +32,9 @@ and each arm is compiled first. The first arm is the baseline: ratios are other 
     python benchmarks/ab.py --level step ART_A ART_B --labels a,b --name NAME [--rounds 200] [--passes 15]
     python benchmarks/ab.py --level kernel ART_A ART_B --labels a,b --name NAME [--rounds 8] [--steps 30]
     python benchmarks/ab.py --level process --compile smollm2-135m "" "--tuning-log /tmp/tlog" --labels defaults,records
+    python benchmarks/ab.py --level compile --compile GGUF "" "" "" --labels off,cold,warm --warmup --rounds 3 \
+        --env PERFX_KERNEL_CACHE=none --env "PERFX_KERNEL_CACHE={empty}" --env PERFX_KERNEL_CACHE=/tmp/kc-warm \
+        --name kernel_cache
 
 Writes benchmarks/results/ab_<level>_<name>.csv (every round, then the summary rows) and, for the
 process and step levels, a PNG of the per-round ratios.
@@ -39,6 +46,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -120,7 +128,7 @@ def plot_ratios(path: Path, rows: list[dict[str, Any]], labels: list[str], key: 
     with figure(path, 1, 1, figsize=(7, 4)) as (_, ax):
         base = {r["round"]: r[key] for r in rows if r["arm"] == labels[0]}
         for label in labels[1:]:
-            pts = [(r["round"], base[r["round"]] / r[key] if key.endswith("_ms") else r[key] / base[r["round"]])
+            pts = [(r["round"], base[r["round"]] / r[key] if key.endswith(("_ms", "_s")) else r[key] / base[r["round"]])
                    for r in rows if r["arm"] == label and r["round"] in base and r[key]]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], ".", label=label, alpha=0.7)
         ax.axhline(1.0, color="gray", lw=0.8)
@@ -294,7 +302,40 @@ def level_kernel(args: argparse.Namespace, arms: list[tuple[str, str, str]]) -> 
     return rows, summary, ""
 
 
-LEVELS = {"process": level_process, "step": level_step, "kernel": level_kernel}
+# -- compile level ---------------------------------------------------------------------------------
+
+def compile_once(args: argparse.Namespace, extra: str, env: str, work: Path) -> dict[str, float]:
+    """One ``perfx-compile`` of ``args.compile`` with ``extra`` arguments in a fresh process under ``env``
+    (``{empty}``: a new empty folder); its wall seconds and the manifest's phase seconds."""
+    empty = Path(tempfile.mkdtemp(prefix="empty-", dir=work))
+    out = work / "art"
+    with arm_env(env.replace("{empty}", str(empty))):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "perfx_compiler.cli.compile", args.compile, "--target", args.target,
+                        "-o", str(out), "--quiet", *shlex.split(extra)], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - start
+    phases = json.loads((out / "perfx-config.json").read_text())["compile_seconds"]
+    shutil.rmtree(out)
+    shutil.rmtree(empty, ignore_errors=True)
+    return {"wall_s": round(wall, 2), **{f"{k}_s": round(float(v), 2) for k, v in phases.items()}}
+
+
+def level_compile(args: argparse.Namespace, arms: list[tuple[str, str, str]]) -> tuple[list, list, str]:
+    work = Path(args.work or tempfile.mkdtemp(prefix="perfx-ab-compile-"))
+    if args.warmup:
+        for _, extra, env in arms:
+            compile_once(args, extra, env, work)
+    rows = []
+    for r in range(args.rounds):
+        for label, extra, env in alternated(arms, r):
+            row = {"round": r, "arm": label, "placement": "-", **compile_once(args, extra, env, work),
+                   "load_avg_1m": round(os.getloadavg()[0], 2)}
+            rows.append(row)
+            print(f"round {r} {label:8s} {row['wall_s']:.1f} s", flush=True)
+    return rows, paired(rows, args.labels, "wall_s", higher_is_better=False), "wall_s"
+
+
+LEVELS = {"process": level_process, "step": level_step, "kernel": level_kernel, "compile": level_compile}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -311,6 +352,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--work", default=None, help="with --compile: where the artifacts go (default: a temp dir)")
     ap.add_argument("--rounds", type=int, default=None, help="default: process 8, step 200, kernel 8")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", action="store_true", help="compile: one untimed compile per arm first")
     g = ap.add_argument_group("process level")
     g.add_argument("--tokens", type=int, default=128, help="greedy decode steps per run")
     g.add_argument("--prompt", type=int, default=32, help="prompt tokens before the decode")
@@ -324,7 +366,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--shared-args", action="store_true", help="kernel: every arm on the first arm's tensors")
     args = ap.parse_args(argv)
     args.prefill = [int(x) for x in args.prefill.split(",") if x.strip()]
-    args.rounds = args.rounds or {"process": 8, "step": 200, "kernel": 8}[args.level]
+    args.rounds = args.rounds or {"process": 8, "step": 200, "kernel": 8, "compile": 3}[args.level]
+    if args.level == "compile" and not args.compile:
+        ap.error("--level compile: give the model with --compile MODEL")
     if len(args.arms) < 2:
         ap.error("give at least two arms (the first is the baseline)")
     args.env = args.env or [""] * len(args.arms)
@@ -341,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.level != "process":
         os.environ.setdefault("PERFX_SPIN_US", "100")  # an idle arm's thread team must not hold a vCPU
     arts = args.arms
-    if args.compile:
+    if args.compile and args.level != "compile":
         work = Path(args.work or tempfile.mkdtemp(prefix="perfx-ab-build-"))
         arts = compile_arms(args.compile, args.target, args.arms, work)
     arms = list(zip(args.labels, arts, args.env, strict=True))

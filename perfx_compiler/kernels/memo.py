@@ -12,7 +12,7 @@ builder's kernels (a test that changes how TVMScript parses must build again).
 
 Across processes (each ``perfx-compile``, a test worker, a tuning process), kernels are also kept on disk
 as TVM's JSON (``tvm.ir.save_json``, gzipped; read back instead of parsed, Gemma 3 270M compiles in 19.9 s
-instead of 29.3: benchmarks/compile_time.py). A call with TVM arguments stores them with its kernel, and
+instead of 29.7: ``benchmarks/ab.py --level compile``, results/intel-xeon/ab_compile_kernel_cache.csv). A call with TVM arguments stores them with its kernel, and
 a file is used only when they are structurally equal to the call's. The folder is
 ``$PERFX_KERNEL_CACHE`` (``none``: no disk cache) or ``~/.cache/perfx/kernels``, one subfolder per code version:
 a hash of TVM's version and of the compiler's files (``artifact_hash.compiler_digest``, as ``LLM()``'s artifact

@@ -7,6 +7,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,35 @@ def test_arm_env_is_set_inside_and_restored_after(monkeypatch):
     assert os.environ["PERFX_AB_KEPT"] == "old" and "PERFX_AB_NEW" not in os.environ
     with ab.arm_env(""):
         assert os.environ["PERFX_AB_KEPT"] == "old"
+
+
+def test_compile_level_runs_each_arm_fresh_with_its_env(monkeypatch, tmp_path):
+    """--level compile: a warm-up compile per arm, then per round one compile per arm under the arm's env,
+    ``{empty}`` a new empty folder each time, the artifact's phase seconds read back (the compiles faked)."""
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        out = Path(cmd[cmd.index("-o") + 1])
+        cache = os.environ.get("PERFX_KERNEL_CACHE", "")
+        seen.append((cmd[cmd.index("--quiet") + 1 :], cache, Path(cache).is_dir() and not any(Path(cache).iterdir())))
+        out.mkdir(parents=True)
+        time.sleep(0.02)  # (a wall time the paired ratios can divide by)
+        (out / "perfx-config.json").write_text('{"compile_seconds": {"build": 1.5}}')
+
+    monkeypatch.setattr(ab.subprocess, "run", fake_run)
+    monkeypatch.delenv("PERFX_KERNEL_CACHE", raising=False)
+    with pytest.raises(SystemExit):
+        ab.parse_args(["", "", "--level", "compile"])  # needs --compile MODEL
+    args = ab.parse_args(["", "--knob x.y=1", "--level", "compile", "--compile", "m.gguf", "--labels", "a,b",
+                          "--env", "PERFX_KERNEL_CACHE={empty}", "--env", "", "--rounds", "2", "--warmup",
+                          "--work", str(tmp_path)])
+    rows, summary, key = ab.level_compile(args, list(zip(args.labels, args.arms, args.env, strict=True)))
+    assert len(seen) == 2 + 2 * 2 and key == "wall_s"
+    empties = [cache for _, cache, _ in seen if cache]
+    assert len(empties) == 3 == len(set(empties)) and all(fresh for _, cache, fresh in seen if cache)
+    assert [extra for extra, cache, _ in seen if not cache] == [["--knob", "x.y=1"]] * 3
+    assert [r["arm"] for r in rows] == ["a", "b", "b", "a"] and all(r["build_s"] == 1.5 for r in rows)
+    assert {r["arm"] for r in summary} == {"a", "b"} and "PERFX_KERNEL_CACHE" not in os.environ
 
 
 def test_paired_speedups_per_placement_leave_mixed_rounds_out():
