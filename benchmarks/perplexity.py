@@ -53,6 +53,7 @@ not measured yet, e.g. one the compiler gained since; delete the folder after ch
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -205,12 +206,16 @@ def max_logit_diff(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(a - ref).max() / np.abs(ref).max())
 
 
+def decode_all(engine: Any, ids: list[int]) -> np.ndarray:
+    """Logits [len(ids), vocab] of ``ids`` fed one ``decode`` each, on the engine's current cache."""
+    return np.stack([np.asarray(engine.decode(t), dtype=np.float32).reshape(-1) for t in ids])
+
+
 def decode_logits(engine: Any, ids: list[int]) -> np.ndarray:
     """Teacher-forced logits through the decode path: the first token by prefill, then one ``decode`` each."""
     engine.reset()
-    rows = [np.asarray(engine.prefill(ids[:1])).reshape(-1)]
-    rows += [np.asarray(engine.decode(t)).reshape(-1) for t in ids[1:]]
-    return np.stack(rows)
+    return np.concatenate([np.asarray(engine.prefill(ids[:1]), dtype=np.float32).reshape(1, -1),
+                           decode_all(engine, ids[1:])])
 
 
 def agreement_rows(name: str, work: Path, tokens: int) -> list[dict]:
@@ -384,10 +389,8 @@ def main() -> int:
         eng = Engine(art)
         t = time.perf_counter()
         if name in DECODE_PATH:
-            def by_decode(chunk: list[int], eng: Engine = eng) -> np.ndarray:
-                return np.stack([np.asarray(eng.decode(tok), dtype=np.float32).reshape(-1) for tok in chunk])
-
-            lp = token_logprobs(by_decode, eng.reset, ids, args.window, args.stride, args.decode_windows)
+            lp = token_logprobs(functools.partial(decode_all, eng), eng.reset, ids, args.window, args.stride,
+                                args.decode_windows)
         else:
             lp = token_logprobs(eng.prefill_all, eng.reset, ids, args.window, args.stride)
         manifest = json.loads((art / "perfx-config.json").read_text())

@@ -26,7 +26,7 @@ from tvm.relax import vm_build
 
 from perfx_compiler import heap
 
-CODEGEN_THREADS = 4  # at most this many kernels' llvm::Modules (and glibc arenas) at once, however many cores
+CODEGEN_THREADS = 4  # at most this many kernels' llvm::Modules at once, however many cores
 
 
 def build_in_parts(
