@@ -47,6 +47,7 @@ from perfx_compiler.passes._relax_util import (
 
 NAME = "texture_weights"
 TEX_SUFFIX = "__tex"
+SB_SUFFIX = "_sb"  # a K-quant's image of code and head texels (kernels/texture_superblocks.py)
 FUNCTION = "decode"
 
 
@@ -160,10 +161,15 @@ def _uses(mod: tvm.IRModule, info: FuncInfo, weights: dict[str, Any]) -> list[_U
 
 def takes_images(q: dict[str, Any]) -> bool:
     """Whether a ``perfx.quant`` kernel's weight has an image layout: int4 / int8 codes with float16 group
-    tables. Superblock weights (info sb: K-quants, IQ4_XS) and bit-plane codes (Q5_0, Q5_1, IQ4_NL)
-    have none: they stay buffers."""
-    return not (q.get("words") or q.get("sb") or q.get("code_bits") or q.get("kind") not in ("matmul", "take", "dequant")
-                or q.get("bits") not in (4, 8))
+    tables, and the K-quants (``kernels/texture_superblocks.py``). IQ4_XS and the other bit-plane codes
+    (Q5_0, Q5_1, IQ4_NL) have none: they stay buffers."""
+    from perfx_compiler.kernels.texture_superblocks import superblock_type
+
+    if q.get("kind") not in ("matmul", "take", "dequant"):
+        return False
+    if q.get("sb"):
+        return superblock_type(q) is not None
+    return not (q.get("words") or q.get("code_bits") or q.get("bits") not in (4, 8))
 
 
 def quant_images(q: dict[str, Any], arrays: list[np.ndarray], opts: dict[str, Any]) -> list[np.ndarray]:
@@ -199,8 +205,15 @@ class _Group:
 
     def __init__(self, use: _Use, weights: dict[str, Any], opts: dict[str, Any]) -> None:
         from perfx_compiler.kernels import gemv_texture as gt
+        from perfx_compiler.kernels.texture_superblocks import SuperblockImages
 
         self.names, self.opts, self.q = list(use.names), opts, use.q
+        self.sb = SuperblockImages.of(use.q) if use.q is not None and use.q.get("sb") else None
+        if self.sb is not None:  # K-quants: codes + head a superblock [, d words]
+            self.fmt, self.n, self.k = self.sb.qtype, self.sb.n, self.sb.k
+            self.layouts = self.sb.layouts(opts)
+            self.images = [self.names[0] + SB_SUFFIX + TEX_SUFFIX] + [self.names[-1] + TEX_SUFFIX] * (len(self.layouts) - 1)
+            return
         if use.q is None:
             n, k = np.asarray(weights[use.names[0]]).shape
             self.fmt, self.n, self.k = "f32", int(n), int(k)
@@ -221,6 +234,9 @@ class _Group:
     def pack(self, weights: dict[str, Any]) -> dict[str, np.ndarray]:
         from perfx_compiler.kernels import gemv_texture as gt
 
+        if self.sb is not None:
+            return dict(zip(self.images, self.sb.pack([np.asarray(weights[nm]) for nm in self.names], self.layouts),
+                            strict=True))
         if self.fmt == "f32":
             w = np.ascontiguousarray(weights[self.names[0]], np.float32)
             return {self.images[0]: gt.pack_image(w, self.layouts[0])}
@@ -238,7 +254,16 @@ class _Group:
         from perfx_compiler.kernels import gemv_texture as gt
 
         th, lay, q = self.opts["threads"], self.layouts, self.q
-        if use.kind in ("qtake", "ftake"):
+        if self.sb is not None:
+            from perfx_compiler.kernels import texture_superblocks as ts
+
+            ids = str(use.rows.ty.dtype) if use.kind == "qtake" else ""
+            name = f"texture_{use.pf}" + {"qtake": f"_{ids}", "qmm": "" if use.gemv else "_rows"}[use.kind]
+            if use.kind == "qtake":
+                make = lambda: ts.texture_superblock_take_kernel(q, lay, ids, th)  # noqa: E731
+            else:
+                make = lambda: (ts.texture_superblock_gemv_kernel if use.gemv else ts.texture_superblock_gemm_kernel)(q, lay, th)  # noqa: E731
+        elif use.kind in ("qtake", "ftake"):
             ids = str(use.rows.ty.dtype)
             name = f"texture_take_{self.fmt}_{self.n}_{self.k}_l{lay[0].layers}_{ids}"
             if q is not None:  # the format: group, symmetric, offset (as the quantized PrimFuncs' names)
@@ -372,6 +397,11 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
 
 
 def _content(source: str) -> str:
+    if source.endswith(SB_SUFFIX):
+        return ("GGUF K-quant superblocks (kernels/texture_superblocks.py): per superblock of 256 weights, its code "
+                "planes' words, then one head texel of group values (and d | dmin where they leave a word)")
+    if source.endswith("_scale_d"):
+        return "a K-quant's superblock d words (formats/gpu_factors.py's scale_d), four superblocks a texel"
     if source.endswith("_q4"):
         return "int4 code words of formats/int4.py (uint32 [N, K/8]), 4 words a texel"
     if source.endswith("_q8"):

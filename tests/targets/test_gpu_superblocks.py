@@ -262,8 +262,9 @@ def test_q4_k_m_decode_matches_x86(target: str, q4_k_m_gguf: Path, q4_k_m_x86_lo
                                    tmp_path: Path) -> None:
     """Every linear and the embedding of a llama.cpp Q4_K_M file stay blocks (Q4_K int4, Q6_K int8 kernels;
     no float32 matrix in the bundle's manifest); decode logits through the OpenCL launcher on PoCL (mali)
-    or the WGSL launcher on lavapipe (vulkan: 32-bit words only) = the x86 build of the same file. Adreno's
-    image path (texture_weights) declines superblock weights: they stay buffers, read by the buffer GEMVs."""
+    or the WGSL launcher on lavapipe (vulkan: 32-bit words only) = the x86 build of the same file. On Adreno
+    every linear's Q4_K / Q6_K blocks are images only (kernels/texture_superblocks.py), read by the texture
+    GEMVs; the embedding, only gathered, keeps its buffers."""
     from perfx_compiler.model.gguf_header import read_gguf_header
     from perfx_compiler.pipeline import compile_model
     from perfx_compiler.targets_exec.reference import lowered_module
@@ -281,8 +282,15 @@ def test_q4_k_m_decode_matches_x86(target: str, q4_k_m_gguf: Path, q4_k_m_x86_lo
     if target == "adreno":
         from perfx_compiler.kernels.tir_queries import has_texture_params
 
-        assert not any(has_texture_params(funcs[n]) for n, q in quant.items() if q.get("sb"))
-        assert not any(n.endswith("__tex") for n in state.weights), sorted(state.weights)
+        images = {n for n in state.weights if n.endswith("_sb__tex")}
+        assert any("_q4_" in n for n in images) and any("_q8_" in n for n in images), sorted(state.weights)
+        buffers = {n for n, w in state.weights.items() if np.ndim(w) == 2 and not n.endswith("__tex")
+                   and not n.startswith(("rope_", "model_embed_tokens"))}
+        assert not buffers, sorted(buffers)  # every linear: images only
+        kernels = {n for n, f in funcs.items() if n.startswith("texture_") and has_texture_params(f)}
+        for fmt in ("q4", "q8"):  # Q4_K and Q6_K: decode GEMVs and prefill's multi-row kernels on the images
+            assert any(n.startswith(f"texture_{fmt}_matmul") for n in kernels), sorted(kernels)
+            assert any(n.startswith(f"texture_{fmt}_dequant") and n.endswith("_rows") for n in kernels), sorted(kernels)
     if target == "vulkan":
         for name in quant:
             dtypes = {str(p.ty.dtype) for p in funcs[name].params if hasattr(p.ty, "dtype") and hasattr(p.ty, "shape")}
