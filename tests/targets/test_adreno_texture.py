@@ -247,14 +247,29 @@ def tiny_q4_0(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["f32", "q4_1", "q4_0"])
+def _tiny_q4_k_m(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tied model quantized by llama.cpp to Q4_K_M: Q4_K linears, Q6_K in some, the tied embedding /
+    lm_head Q6_K (kernels/texture_superblocks.py: its gather reads the image). K a multiple of 256."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (llama.cpp's quantizer) not installed")
+    from perfx_compiler.bench.models import llama_quantize
+    from perfx_compiler.model.testing import write_tiny_gguf
+
+    tmp = tmp_path_factory.mktemp("tqkm")
+    f32, _ = write_tiny_gguf(tmp / "f32.gguf", qtype="F32", hidden=256, ffn=512, vocab=320, context_length=128, seed=5)
+    return llama_quantize(f32, tmp / "q4_k_m.gguf", "Q4_K_M")
+
+
+@pytest.fixture(scope="module", params=["f32", "q4_1", "q4_0", "q4_k_m"])
 def adreno_tiny(request, tiny_gguf: Path, tiny_q4: Path, tiny_q4_0: Path, tmp_path_factory: pytest.TempPathFactory):
     """(quant, model, adreno state, its PrimFuncs, the x86 host engine) of a tiny model, built once per module."""
     from perfx_compiler.pipeline import compile_model
     from perfx_compiler.runtime.engine import Engine
     from perfx_compiler.targets_exec.reference import lowered_module
 
-    model = {"f32": tiny_gguf, "q4_1": tiny_q4, "q4_0": tiny_q4_0}[request.param]
+    if request.param == "q4_k_m":
+        model = _tiny_q4_k_m(tmp_path_factory)
+    else:
+        model = {"f32": tiny_gguf, "q4_1": tiny_q4, "q4_0": tiny_q4_0}[request.param]
     state, funcs = lowered_module(str(model), "adreno", max_context=MAX_CONTEXT)
     host = Engine(compile_model(str(model), "host", tmp_path_factory.mktemp("h") / "h", progress=False,
                                 max_context=MAX_CONTEXT, activations="f32"))
@@ -278,15 +293,27 @@ def test_decode_with_texture_weights_matches_x86(adreno_tiny, launcher) -> None:
     images = [k for k in state.weights if k.endswith("__tex")]
     # every decode linear and the lm_head read images, and the tied embedding is gathered from its image
     tex = _texture_calls(state, funcs, "decode")
-    assert len(tex) == 2 * 4 + 2 and len(set(tex)) == 6, tex  # qkv, o, gate_up, down; lm_head; the gather
-    assert sum(n.startswith("texture_take_") for n in tex) == 1, tex
-    assert len(images) == (9 if quant == "f32" else 18), images
+    assert len(tex) == _linears(quant) + 1, tex  # and the gather
+    assert len(set(tex)) == 6 or quant == "q4_k_m", tex  # (Q4_K_M: a layer's Q6_K linears have kernels of their own)
+    assert sum("_take_" in n for n in tex) == 1, tex
+    assert len(_weight_images(images)) == _linears(quant), images
     host.reset()
     want = np.stack([host.decode(t) for t in TOKENS])
     got = np.stack(run_decode_steps(state, launcher, TOKENS, state.weights))
     err = np.abs(got - want).max()
     assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"adreno textures ({quant}): logits differ by {err}"
     assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+def _linears(quant: str) -> int:
+    """Decode's linears: qkv, o, gate_up, down a layer and the lm_head. Q4_K_M's layer 1 has a Q6_K v
+    beside Q4_K q and k: three projections, not merged."""
+    return 2 * 4 + 1 + (2 if quant == "q4_k_m" else 0)
+
+
+def _weight_images(images: list[str]) -> list[str]:
+    """The images holding a weight's codes (or float values): one a weight group, its scale images aside."""
+    return [n for n in images if not n.endswith(("_scale__tex", "_scale_d__tex"))]
 
 
 def test_prefill_and_paged_decode_read_the_images(adreno_tiny, launcher) -> None:
@@ -298,7 +325,7 @@ def test_prefill_and_paged_decode_read_the_images(adreno_tiny, launcher) -> None
     quant, _, state, funcs, host = adreno_tiny
     for fn in ("prefill", "prefill_all", "paged_decode", "paged_prefill"):
         tex = _texture_calls(state, funcs, fn)
-        assert len(tex) == 2 * 4 + 2, (fn, tex)  # the same 9 linears and the gather as decode
+        assert len(tex) == _linears(quant) + 1, (fn, tex)  # the same linears and the gather as decode
         assert any("_rows" in n or n.startswith("texture_gemm_") for n in tex), (fn, tex)
     cfg = state.desc.config
     runner = RelaxKernelRunner(state.mod, state.target.tvm(), launcher)
@@ -342,6 +369,20 @@ def _image_growth(weights: dict, buffers: dict) -> tuple[int, int]:
     for name, t in texture_manifest(weights).items():
         src = t["source"]
         parts = [src]
+        if src.endswith("_scale_d") and src.removesuffix("_scale_d") + "_sb__tex" in weights:
+            continue  # a K-quant's d image: with its superblock image, below
+        if src.endswith("_sb"):  # a K-quant: its image (and d image) for its code planes and factor arrays
+            stem = src.removesuffix("_sb")
+            parts = [k for k in buffers if k.startswith(stem) and k[len(stem):] in SB_ARRAYS]
+            d_image = weights.get(stem + "_scale_d__tex")
+            grew = weights[name].nbytes + (d_image.nbytes if d_image is not None else 0)
+            grew -= sum(np.asarray(buffers[p]).nbytes for p in parts)
+            # the file's bits: less than the GPU arrays (their group planes padded to whole words) but
+            # for the d image's last texel a row
+            if d_image is not None:
+                allowed += d_image.nbytes - np.asarray(buffers[stem + "_scale_d"]).nbytes
+            growth += grew
+            continue
         if src.endswith("_scale"):
             parts += [p for p in (src.removesuffix("_scale") + s for s in ("_min", "_zero")) if p in buffers]
             # float16 bits as they are: only uint8 zeros widened to float16 and the padding to a whole
@@ -351,8 +392,12 @@ def _image_growth(weights: dict, buffers: dict) -> tuple[int, int]:
             allowed += (t["layers"] * t["height"] - np.asarray(buffers[src]).shape[0]) * 16 * t["width"]
         grew = weights[name].nbytes - sum(np.asarray(buffers[p]).nbytes for p in parts)
         assert src.endswith("_scale") or grew == 0, (name, grew)
+        assert grew >= 0, (name, grew)
         growth += grew
     return growth, allowed
+
+
+SB_ARRAYS = ("", "_hi", "_scale", "_scale_hi", "_min", "_min_hi", "_scale_d")  # formats/gpu_factors.py names
 
 
 def _assert_one_copy(weights: dict, buffers: dict) -> int:
@@ -366,12 +411,15 @@ def _assert_one_copy(weights: dict, buffers: dict) -> int:
     stems = {s.removesuffix("_scale") for s in sources}  # scale, min, zero of an imaged linear go too
     left = sorted(k for k in weights if not k.endswith("__tex") and k.rsplit("_", 1)[0] in stems)
     assert not left, left
+    sb = [s.removesuffix("_sb") for s in sources if s.endswith("_sb")]  # a K-quant's planes and factors go
+    left = sorted(k for k in weights if not k.endswith("__tex") for s in sb if k.startswith(s) and k[len(s):] in SB_ARRAYS)
+    assert not left, left
     growth, allowed = _image_growth(weights, buffers)
     have = sum(np.asarray(w).nbytes for w in weights.values())
     assert have == sum(np.asarray(w).nbytes for w in buffers.values()) + growth, (have, growth)
     # (a q8 scale texel holds 8 groups, SmolLM2's 18 -> 24; a q4 one 4 pairs, 18 -> 20; float32 scale
-    # images grew 1x-3x the scale bytes)
-    assert 0 <= growth <= allowed, (growth, allowed)
+    # images grew 1x-3x the scale bytes; K-quant images are smaller than the GPU arrays)
+    assert growth <= allowed, (growth, allowed)
     return have
 
 
@@ -384,7 +432,9 @@ def test_texture_weights_are_one_copy(adreno_tiny, launcher) -> None:
 
     quant, model, state, _, _ = adreno_tiny
     mali, _ = lowered_module(str(model), "mali", max_context=MAX_CONTEXT, schedule=False)
-    assert len(texture_manifest(state.weights)) == (9 if quant == "f32" else 18)
+    manifest = texture_manifest(state.weights)
+    assert len(manifest) == (9 if quant == "f32" else 18) or quant == "q4_k_m"
+    assert len(_weight_images(list(manifest))) == _linears(quant)
     have = _assert_one_copy(state.weights, mali.weights)
     assert _device_bytes(launcher, state.weights) == have
     if quant == "f32":  # float images are exactly the float weights

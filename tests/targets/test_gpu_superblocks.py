@@ -13,38 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from targets_common import MAX_CONTEXT, TOKENS, gpu_launcher
+from targets_common import MAX_CONTEXT, TOKENS, gpu_launcher, gpu_packed, random_blocks
 
 pytestmark = pytest.mark.targets
 N, K = 48, 512  # two superblocks a row
 KINDS = {"matmul": (1, 1), "take": (1, None), "dequant": (None, None)}
-
-
-def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Uniformly random block bytes, d / dmin finite float16 of realistic size (1e-4..0.1, either sign;
-    some subnormal, some zero)."""
-    from perfx_compiler.formats import ggml
-
-    fmt = ggml.FORMATS.get(qtype)
-    weights, nbytes, fields = (fmt.block_weights, fmt.block_bytes, fmt.f16_fields) if fmt else (32, 22, (0,))  # Q5_0
-    b = rng.integers(0, 256, size=(n, k // weights, nbytes), dtype=np.uint8)
-    for at in fields:
-        val = (10.0 ** rng.uniform(-6, -1, size=b.shape[:2]) * rng.choice([-1.0, 1.0, 0.0], size=b.shape[:2],
-                                                                          p=[0.45, 0.45, 0.1]))
-        b[:, :, at : at + 2] = val.astype(np.float16)[..., None].view(np.uint8)
-    return b.reshape(n, -1)
-
-
-def gpu_packed(qtype: str, raw: np.ndarray, shape: tuple[int, int], words: bool):
-    """(the GPU layout's Packed, float64 weights) of random blocks."""
-    from perfx_compiler.formats import ggml
-    from perfx_compiler.formats.gguf_blocks import dequantize_blocks, packed_from_blocks
-    from perfx_compiler.formats.superblocks import subscaled_packed
-
-    if qtype not in ggml.FORMATS:
-        return packed_from_blocks(qtype, raw, shape, words, gpu=True), dequantize_blocks(qtype, raw, shape)
-    return (subscaled_packed(ggml.unpack(qtype, raw, shape), qtype, gpu=True, words=words),
-            ggml.dequantize(qtype, raw, shape).astype(np.float64))
 
 
 def scheduled(func, target_name: str):
