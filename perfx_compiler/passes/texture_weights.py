@@ -12,7 +12,10 @@ for the layers of an image array). It is packed at compile time into ``<name>__t
 * int4 / int8 weights (``call_tir`` of a ``perfx.quant`` PrimFunc: GGUF Q4_0/Q4_1/Q8_0 passthrough,
   q4_* and q8) -> the code words as RGBA32UI and their float16 scales (+ zeros / mins) as their bits
   in RGBA32UI (``<scale name>__tex``: OpenCL reads float16 only with cl_khr_fp16; the kernels decode
-  the bits by integer operations).
+  the bits by integer operations);
+* K-quants (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K in the GPU superblock layout) -> ``<codes>_sb__tex``: a
+  superblock's code texels, then a head texel of its group values and d (``kernels/texture_superblocks.py``);
+  Q6_K's and Q2_K's d words in ``<scale_d>__tex``. IQ4_XS and the bit-plane one-level formats stay buffers.
 
 Every read of the group in every exported function is rewritten: one-token matmuls to the texture
 GEMVs (``kernels/gemv_texture.py``), multi-row matmuls of prefill and the batched paged functions to
