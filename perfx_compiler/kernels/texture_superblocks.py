@@ -36,16 +36,18 @@ from perfx_compiler.kernels.gemv_texture import TEXEL, ImageLayout, TextureLimit
 SB = 256  # weights a superblock
 HEAD_BITS = TEXEL * 32
 ROWS = 4  # rows of x per thread in the multi-row kernel (as gemm_texture.py's)
-_CODE_BITS = {5: "Q5_K", 6: "Q6_K", 3: "Q3_K", 2: "Q2_K"}  # info code_bits -> type (int8 layouts)
+CODE_BITS = {"Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "Q3_K": 3, "Q2_K": 2}  # the types with an image layout
 
 
 def superblock_type(info: dict[str, Any]) -> str | None:
-    """The K-quant of a GPU ``perfx.quant`` info (None: not one with an image layout)."""
+    """The K-quant of a GPU ``perfx.quant`` info (None: not one with an image layout). Q4_K runs the int4
+    kernels (bits 4, a min); the others the int8 ones, told apart by their codes' bits."""
     if int(info.get("sb") or 0) != SB or not info.get("gpu_factors") or info.get("words") or info.get("lut"):
         return None
     if int(info.get("bits", 0)) == 4:
         return "Q4_K" if info.get("offset") else None
-    return _CODE_BITS.get(int(info.get("code_bits") or 0))
+    int8_types = {bits: t for t, bits in CODE_BITS.items() if t != "Q4_K"}
+    return int8_types.get(int(info.get("code_bits") or 0))
 
 
 def _widths(bits: int) -> tuple[int, ...]:
@@ -71,7 +73,7 @@ class SuperblockImages:
 
     @property
     def code_bits(self) -> int:
-        return 4 if self.qtype == "Q4_K" else {v: k for k, v in _CODE_BITS.items()}[self.qtype]
+        return CODE_BITS[self.qtype]
 
     @property
     def code_bias(self) -> int:
