@@ -198,12 +198,12 @@ def q4_k_m_x86_logits(q4_k_m_gguf: Path, tmp_path_factory: pytest.TempPathFactor
     return np.stack([engine.decode(t) for t in TOKENS])
 
 
-@pytest.mark.parametrize("target", ["mali", "vulkan"])
+@pytest.mark.parametrize("target", ["mali", "adreno", "vulkan"])
 def test_float_model_quantized_to_q4_k_on_gpu_matches_x86(target: str, tmp_path: Path) -> None:
     """``--quantization q4_k`` on a GPU target: a float model's linears and its (untied, gathered) embedding become
     Q4_K blocks (llama.cpp's quantizer) in the GPU superblock layout, the same kernels a Q4_K file runs (no float32
-    matrix); decode logits on PoCL (mali) / lavapipe (vulkan: 32-bit words only) = the x86 build
-    of the same quantization with float activations."""
+    matrix); decode logits on PoCL (mali; adreno: the linears as images) / lavapipe (vulkan: 32-bit words only)
+    = the x86 build of the same quantization with float activations."""
     from perfx_compiler.model.gguf import load_gguf
     from perfx_compiler.model.testing import write_tiny_gguf
     from perfx_compiler.pipeline import compile_model
@@ -224,6 +224,8 @@ def test_float_model_quantized_to_q4_k_on_gpu_matches_x86(target: str, tmp_path:
     floats = [n for n, w in state.weights.items()
               if np.ndim(w) == 2 and np.asarray(w).dtype == np.float32 and not n.startswith("rope_")]
     assert floats == [], floats  # the gathered embedding too: blocks
+    if target == "adreno":  # 2 layers x (qkv, o, gate_up, down) and the lm_head
+        assert sum(n.endswith("_q4_sb__tex") for n in state.weights) == 9, sorted(state.weights)
     got = np.stack(run_decode_steps(state, gpu_launcher(target), TOKENS, state.weights))
     err = np.abs(got - want).max()
     assert err < 1e-4 * max(1.0, float(np.abs(want).max())), f"{target} q4_k: decode logits differ from x86 by {err}"
