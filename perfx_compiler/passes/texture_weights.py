@@ -13,9 +13,10 @@ for the layers of an image array). It is packed at compile time into ``<name>__t
   q4_* and q8) -> the code words as RGBA32UI and their float16 scales (+ zeros / mins) as their bits
   in RGBA32UI (``<scale name>__tex``: OpenCL reads float16 only with cl_khr_fp16; the kernels decode
   the bits by integer operations);
-* K-quants (Q4_K, Q5_K, Q6_K, Q3_K, Q2_K in the GPU superblock layout) -> ``<codes>_sb__tex``: a
-  superblock's code texels, then a head texel of its group values and d (``kernels/texture_superblocks.py``);
-  Q6_K's and Q2_K's d words in ``<scale_d>__tex``. IQ4_XS and the bit-plane one-level formats stay buffers.
+* K-quants and IQ4_XS (in the GPU superblock layout) -> ``<codes>_sb__tex``: runs of a head texel of
+  group values and d, then the superblocks' code texels (``formats/superblock_images.py``, read by
+  ``kernels/texture_superblocks.py``); Q6_K's and Q2_K's d words in ``<scale_d>__tex``. The one-level
+  bit-plane formats (Q5_0, Q5_1, IQ4_NL) stay buffers.
 
 Every read of the group in every exported function is rewritten: one-token matmuls to the texture
 GEMVs (``kernels/gemv_texture.py``), multi-row matmuls of prefill and the batched paged functions to
@@ -50,7 +51,7 @@ from perfx_compiler.passes._relax_util import (
 
 NAME = "texture_weights"
 TEX_SUFFIX = "__tex"
-SB_SUFFIX = "_sb"  # a K-quant's image of code and head texels (kernels/texture_superblocks.py)
+SB_SUFFIX = "_sb"  # a superblock type's image of head and code texels (formats/superblock_images.py)
 FUNCTION = "decode"
 
 
@@ -164,9 +165,9 @@ def _uses(mod: tvm.IRModule, info: FuncInfo, weights: dict[str, Any]) -> list[_U
 
 def takes_images(q: dict[str, Any]) -> bool:
     """Whether a ``perfx.quant`` kernel's weight has an image layout: int4 / int8 codes with float16 group
-    tables, and the K-quants (``kernels/texture_superblocks.py``). IQ4_XS and the other bit-plane codes
+    tables, and the K-quants and IQ4_XS (``formats/superblock_images.py``). The one-level bit-plane codes
     (Q5_0, Q5_1, IQ4_NL) have none: they stay buffers."""
-    from perfx_compiler.kernels.texture_superblocks import superblock_type
+    from perfx_compiler.formats.superblock_images import superblock_type
 
     if q.get("kind") not in ("matmul", "take", "dequant"):
         return False
@@ -207,12 +208,12 @@ class _Group:
     """The images of one weight (codes + scales, or the float W) and the kernels that read them."""
 
     def __init__(self, use: _Use, weights: dict[str, Any], opts: dict[str, Any]) -> None:
+        from perfx_compiler.formats.superblock_images import SuperblockImages
         from perfx_compiler.kernels import gemv_texture as gt
-        from perfx_compiler.kernels.texture_superblocks import SuperblockImages
 
         self.names, self.opts, self.q = list(use.names), opts, use.q
         self.sb = SuperblockImages.of(use.q) if use.q is not None and use.q.get("sb") else None
-        if self.sb is not None:  # K-quants: codes + head a superblock [, d words]
+        if self.sb is not None:  # superblock types: runs of a head and code texels [, d words]
             self.fmt, self.n, self.k = self.sb.qtype, self.sb.n, self.sb.k
             self.layouts = self.sb.layouts(opts)
             self.images = [self.names[0] + SB_SUFFIX + TEX_SUFFIX] + [self.names[-1] + TEX_SUFFIX] * (len(self.layouts) - 1)
@@ -262,10 +263,11 @@ class _Group:
 
             ids = str(use.rows.ty.dtype) if use.kind == "qtake" else ""
             name = f"texture_{use.pf}" + {"qtake": f"_{ids}", "qmm": "" if use.gemv else "_rows"}[use.kind]
+            sp = self.sb
             if use.kind == "qtake":
-                make = lambda: ts.texture_superblock_take_kernel(q, lay, ids, th)  # noqa: E731
+                make = lambda: ts.texture_superblock_take_kernel(sp, lay, ids, th)  # noqa: E731
             else:
-                make = lambda: (ts.texture_superblock_gemv_kernel if use.gemv else ts.texture_superblock_gemm_kernel)(q, lay, th)  # noqa: E731
+                make = lambda: (ts.texture_superblock_gemv_kernel if use.gemv else ts.texture_superblock_gemm_kernel)(sp, lay, th)  # noqa: E731
         elif use.kind in ("qtake", "ftake"):
             ids = str(use.rows.ty.dtype)
             name = f"texture_take_{self.fmt}_{self.n}_{self.k}_l{lay[0].layers}_{ids}"
@@ -401,8 +403,9 @@ def apply(mod: tvm.IRModule, weights: dict[str, Any], ctx: Any) -> tuple[tvm.IRM
 
 def _content(source: str) -> str:
     if source.endswith(SB_SUFFIX):
-        return ("GGUF K-quant superblocks (kernels/texture_superblocks.py): per superblock of 256 weights, its code "
-                "planes' words, then one head texel of group values (and d | dmin where they leave a word)")
+        return ("GGUF superblocks of 256 weights (formats/superblock_images.py): runs of a head texel (group values, "
+                "and d | dmin where they leave a word; IQ4_XS: two superblocks a head texel), then each superblock's "
+                "code planes' words")
     if source.endswith("_scale_d"):
         return "a K-quant's superblock d words (formats/gpu_factors.py's scale_d), four superblocks a texel"
     if source.endswith("_q4"):

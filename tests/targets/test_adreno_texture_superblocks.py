@@ -1,7 +1,8 @@
-"""adreno: K-quant weights on the image path (kernels/texture_superblocks.py). Each kernel (GEMV,
-multi-row GEMM, gather) of each K-quant runs on PoCL's images against float64 numpy of fresh random
-blocks (gguf-py's dequantization), with rows folded into layers; the images hold the file's bits
-(bytes against the blocks); IQ4_XS, which has no image layout, is declined. Whole models through the
+"""adreno: GGUF superblock weights (K-quants, IQ4_XS) on the image path (formats/superblock_images.py,
+kernels/texture_superblocks.py). Each kernel (GEMV, multi-row GEMM, gather) of each type runs on PoCL's
+images against float64 numpy of fresh random blocks (gguf-py's dequantization), with rows folded into
+layers and an odd superblock count (IQ4_XS: a last run of one superblock); the images hold the file's
+bits (bytes against the blocks); the one-level bit-plane types are declined. Whole models through the
 pass: test_adreno_texture.py's q4_k_m model and test_gpu_superblocks.py's Q4_K_M decode."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 from targets_common import gpu_packed, random_blocks
 
 pytestmark = pytest.mark.targets
-TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K"]
+TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K", "IQ4_XS"]
 N, K = 40, 768  # three superblocks a row: a d image's last texel is part filled
 
 
@@ -28,9 +29,9 @@ def launcher():
 
 
 def _case(qtype: str, rng: np.random.Generator, max_height: int, n: int = N, k: int = K):
-    """(quant info, image layouts, images, float64 W) of random ``qtype`` blocks [n, k]."""
+    """(image spec, image layouts, images, float64 W) of random ``qtype`` blocks [n, k]."""
     from perfx_compiler.formats import QUANT_ATTR
-    from perfx_compiler.kernels.texture_superblocks import SuperblockImages
+    from perfx_compiler.formats.superblock_images import SuperblockImages
     from perfx_compiler.passes._relax_util import json_attr
 
     raw = random_blocks(qtype, n, k, rng)
@@ -38,7 +39,7 @@ def _case(qtype: str, rng: np.random.Generator, max_height: int, n: int = N, k: 
     info = json_attr(pk.compute("matmul", (1, 1)), QUANT_ATTR)
     spec = SuperblockImages.of(info)
     layouts = spec.layouts({"max_width": 16384, "max_height": max_height, "max_layers": 2048})
-    return info, layouts, spec.pack([a for _, a in pk.arrays], layouts), w
+    return spec, layouts, spec.pack([a for _, a in pk.arrays], layouts), w
 
 
 def _compile(func):
@@ -63,10 +64,10 @@ def test_superblock_texture_gemv(qtype: str, max_height: int, launcher) -> None:
     from perfx_compiler.kernels import texture_superblocks as ts
 
     rng = np.random.default_rng()
-    info, layouts, images, w = _case(qtype, rng, max_height)
+    spec, layouts, images, w = _case(qtype, rng, max_height)
     assert layouts[0].layers == -(-N // max_height)
-    assert len(images) == (1 if qtype in ("Q4_K", "Q5_K", "Q3_K") else 2)  # d in the head, or a d image
-    cf = _compile(ts.texture_superblock_gemv_kernel(info, layouts))
+    assert len(images) == (2 if qtype in ("Q6_K", "Q2_K") else 1)  # a d image, or d in the head
+    cf = _compile(ts.texture_superblock_gemv_kernel(spec, layouts))
     x = rng.standard_normal((1, 1, K)).astype(np.float32)
     got = launcher.run_numpy(cf, [x, *images, np.zeros((1, 1, N), np.float32)])[-1]
     _close(got.reshape(-1), w @ x.reshape(-1).astype(np.float64), K)
@@ -80,12 +81,12 @@ def test_superblock_texture_gemm_and_gather(qtype: str, launcher) -> None:
     from perfx_compiler.kernels import texture_superblocks as ts
 
     rng = np.random.default_rng()
-    info, layouts, images, w = _case(qtype, rng, 16)
-    cf = _compile(ts.texture_superblock_gemm_kernel(info, layouts))
+    spec, layouts, images, w = _case(qtype, rng, 16)
+    cf = _compile(ts.texture_superblock_gemm_kernel(spec, layouts))
     x = rng.standard_normal((2, 5, K)).astype(np.float32)
     got = launcher.run_numpy(cf, [x, *images, np.zeros((2, 5, N), np.float32)])[-1]
     _close(got.reshape(10, N), x.reshape(10, K).astype(np.float64) @ w.T, K)
-    cf = _compile(ts.texture_superblock_take_kernel(info, layouts))
+    cf = _compile(ts.texture_superblock_take_kernel(spec, layouts))
     ids = np.array([[0, N - 1, 17], [17, 3, 25]], np.int64)
     got = launcher.run_numpy(cf, [*images, ids, np.full((2, 3, K), np.nan, np.float32)])[-1]
     assert np.abs(got - w[ids]).max() <= 1e-6 * np.abs(w).max(), qtype
@@ -98,18 +99,19 @@ def test_superblock_images_hold_the_files_bits(qtype: str) -> None:
     from perfx_compiler.formats import ggml
 
     for n, k in ((64, 2048), (16, 5632), (16, 4864)):
-        info, layouts, images, _ = _case(qtype, np.random.default_rng(k), 16384, n, k)
+        spec, layouts, images, _ = _case(qtype, np.random.default_rng(k), 16384, n, k)
         raw = ggml.FORMATS[qtype].block_bytes * n * k // 256
         assert sum(a.nbytes for a in images) <= 1.03 * raw, (qtype, k, [a.shape for a in images])
 
 
-def test_iq4_xs_has_no_image_layout() -> None:
-    """IQ4_XS's head (64 bits a superblock) has no image layout: texture_weights leaves it buffers."""
+def test_one_level_types_have_no_image_layout() -> None:
+    """Q5_1 and IQ4_NL (one level: float16 group tables) have no image layout: texture_weights leaves
+    them buffers; the superblock types have one."""
     from perfx_compiler.formats import QUANT_ATTR
     from perfx_compiler.passes._relax_util import json_attr
     from perfx_compiler.passes.texture_weights import takes_images
 
     rng = np.random.default_rng(0)
-    for qtype, want in (("IQ4_XS", False), ("Q4_K", True), ("Q6_K", True)):
+    for qtype, want in (("Q5_1", False), ("IQ4_NL", False), ("IQ4_XS", True), ("Q4_K", True), ("Q6_K", True)):
         pk, _ = gpu_packed(qtype, random_blocks(qtype, 8, 512, rng), (8, 512), False)
         assert takes_images(json_attr(pk.compute("matmul", (1, 1)), QUANT_ATTR)) is want, qtype
