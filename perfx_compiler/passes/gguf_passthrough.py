@@ -6,8 +6,8 @@ scales and superblock d as they are (``formats/vnni.py``), under float activatio
 CPU kernels do (``formats/superblocks.py``); on GPU targets (OpenCL, CUDA, ROCm, WGSL) they take
 ``subscaled_packed``'s GPU layout (group values and superblock d in arrays of their own, d as
 float32 bits; on WGSL every 8-bit array as uint32 words) and run through the GPU templates (dlight's
-GEMV for decode). On Adreno the image path (``texture_weights``) takes the K-quants
-(``kernels/texture_superblocks.py``); IQ4_XS and the one-level ones stay buffers.
+GEMV for decode). On Adreno the image path (``texture_weights``) takes the K-quants and IQ4_XS
+(``formats/superblock_images.py``); the one-level ones stay buffers.
 
 The loader keeps each such tensor's raw blocks in ``ModelDescription.quantized`` (Q/K rows already
 in Hugging Face order). Merged projections (``merge_projections``: QKV, gate+up) take their
