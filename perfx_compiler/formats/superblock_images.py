@@ -55,7 +55,7 @@ def _widths(bits: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class SuperblockImages:
-    """The image layout of one K-quant weight [n, k] (module docstring)."""
+    """The image layout of one K-quant or IQ4_XS weight [n, k] (module docstring)."""
 
     qtype: str
     n: int
@@ -76,7 +76,7 @@ class SuperblockImages:
 
     @property
     def code_bias(self) -> int:
-        """Stored codes are unsigned; without a min they are the signed codes + this."""
+        """Stored codes are unsigned; without a min they are the signed codes + this (IQ4_XS: table indices)."""
         return 0 if self.offset else 1 << (self.code_bits - 1)
 
     @property
