@@ -252,8 +252,13 @@ class SuperblockImages:
             return T.reinterpret("float32", word), None
         return te_half(word & T.uint32(0xFFFF)), te_half(word >> T.uint32(16))
 
+    def factors(self, hv: Any, dv: Any, kb: Any, slot: Any, g: Any) -> tuple[Any, Any]:
+        """(sc d, m dmin or None) of group ``g`` of superblock ``kb`` (``slot`` of its run), float32."""
+        d, dmin = self.d(hv, dv, kb, slot)
+        return self.value(hv, 0, g, slot) * d, (self.value(hv, 1, g, slot) * dmin if self.offset else None)
+
     def weight(self, cw: Any, hv: Any, dv: Any, kb: Any, slot: Any, g: Any, j: Any) -> Any:
         """float32 weight of column ``j`` of group ``g`` of superblock ``kb``: code * (sc d) [- m dmin]."""
-        d, dmin = self.d(hv, dv, kb, slot)
-        w = self.code(cw, g * self.group + j) * (self.value(hv, 0, g, slot) * d)
-        return w - self.value(hv, 1, g, slot) * dmin if self.offset else w
+        scale, mn = self.factors(hv, dv, kb, slot, g)
+        w = self.code(cw, g * self.group + j) * scale
+        return w - mn if self.offset else w

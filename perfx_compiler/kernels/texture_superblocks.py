@@ -68,10 +68,10 @@ def texture_superblock_gemv_kernel(sp: SuperblockImages, layouts: list[ImageLayo
                                         if sp.offset:
                                             part[1] = part[1] + X[0, 0, (u * P + slot) * SB + g * G + j]
                                     if sp.offset:
-                                        acc[0] = (acc[0] + part[0] * (sp.value(hv, 0, g, slot) * sp.d(hv, dv, u * P + slot, slot)[0])
-                                                  - part[1] * (sp.value(hv, 1, g, slot) * sp.d(hv, dv, u * P + slot, slot)[1]))
+                                        acc[0] = (acc[0] + part[0] * sp.factors(hv, dv, u * P + slot, slot, g)[0]
+                                                  - part[1] * sp.factors(hv, dv, u * P + slot, slot, g)[1])
                                     else:
-                                        acc[0] = acc[0] + part[0] * (sp.value(hv, 0, g, slot) * sp.d(hv, dv, u * P + slot, slot)[0])
+                                        acc[0] = acc[0] + part[0] * sp.factors(hv, dv, u * P + slot, slot, g)[0]
                     Y[0, 0, bx * TH + tx] = acc[0]
 
     if sp.d_in_head:

@@ -1,5 +1,7 @@
 """Constants and random weights shared by the target checks."""
 
+import re
+
 import numpy as np
 
 TOKENS = [5, 17, 42, 99, 3]
@@ -51,3 +53,16 @@ def gpu_packed(qtype: str, raw: np.ndarray, shape: tuple[int, int], words: bool)
         return packed_from_blocks(qtype, raw, shape, words, gpu=True), dequantize_blocks(qtype, raw, shape)
     return (subscaled_packed(ggml.unpack(qtype, raw, shape), qtype, gpu=True, words=words),
             ggml.dequantize(qtype, raw, shape).astype(np.float64))
+
+
+def compile_texture(func):
+    """An Adreno texture kernel through the project's Adreno TIR pipeline: OpenCL source that reads images
+    and prints no empty loop (TVM 0.27's codegen bug, kernels/gemv_texture.py)."""
+    from perfx_compiler.kernels.gemv_texture import adreno_tir_pipeline
+    from perfx_compiler.targets import load_target
+    from perfx_compiler.targets_exec.kernels import compile_primfunc
+
+    cf = compile_primfunc("texture", func, load_target("adreno").tvm(), pipeline=adreno_tir_pipeline())
+    assert "image2d_array_t" in cf.source, cf.source[:2000]
+    assert not re.search(r"for \([^)]*\) \{\s*\}", cf.source), "empty loop in the OpenCL source"
+    return cf

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from targets_common import MAX_CONTEXT, TOKENS
+from targets_common import MAX_CONTEXT, TOKENS, compile_texture
 
 pytestmark = pytest.mark.targets
 LIMITS = {"max_width": 16384, "max_height": 16384, "max_layers": 2048}  # targets/adreno.json
@@ -37,17 +37,6 @@ def launcher():
     if why is not None:
         pytest.skip(why)
     return OpenCLLauncher()
-
-
-def _compile(func):
-    from perfx_compiler.kernels.gemv_texture import adreno_tir_pipeline
-    from perfx_compiler.targets import load_target
-    from perfx_compiler.targets_exec.kernels import compile_primfunc
-
-    cf = compile_primfunc("texture", func, load_target("adreno").tvm(), pipeline=adreno_tir_pipeline())
-    assert "image2d_array_t" in cf.source, cf.source[:2000]
-    assert not re.search(r"for \([^)]*\) \{\s*\}", cf.source), "empty loop in the OpenCL source"
-    return cf
 
 
 def _check(got: np.ndarray, want: np.ndarray, k: int) -> None:
@@ -92,7 +81,7 @@ def test_q4_texture_gemv(n: int, k: int, max_height: int, variant: str, launcher
     rng = np.random.default_rng(n * 7 + k + len(variant))
     info, (cl, sl), images, w = _q4_case(rng, n, k, variant, lim)
     assert cl.layers == -(-n // lim["max_height"])
-    cf = _compile(gt.texture_q4_gemv_kernel(info, cl, sl))
+    cf = compile_texture(gt.texture_q4_gemv_kernel(info, cl, sl))
     assert "read_imageui" in cf.source and "as_uint4(READ_IMAGEF" not in cf.source
     x = rng.standard_normal((1, 1, k)).astype(np.float32)
     got = launcher.run_numpy(cf, [x, *images, np.zeros((1, 1, n), np.float32)])[3]
@@ -108,7 +97,7 @@ def test_q8_texture_gemv(n: int, k: int, launcher) -> None:
     scale = rng.standard_normal((n, k // 32)).astype(np.float16)
     cl = gt.image_layout(n, k // 16, "RGBA32UI", _limits(launcher))
     sl = gt.scale_layout(n, k // 32, 1, _limits(launcher))
-    cf = _compile(gt.texture_q8_gemv_kernel({"N": n, "K": k, "group": 32}, cl, sl))
+    cf = compile_texture(gt.texture_q8_gemv_kernel({"N": n, "K": k, "group": 32}, cl, sl))
     x = rng.standard_normal((1, 1, k)).astype(np.float32)
     got = launcher.run_numpy(cf, [x, gt.pack_image(codes.view(np.uint32), cl), gt.pack_scales([scale], sl),
                                   np.zeros((1, 1, n), np.float32)])[3]
@@ -126,7 +115,7 @@ def test_f32_texture_gemv(n: int, k: int, max_height: int, launcher) -> None:
             gt.texture_gemv_kernel(n, k)
         return
     lay = gt.image_layout(n, k // 4, "RGBA32F", _limits(launcher, max_height))
-    cf = _compile(gt.texture_gemv_kernel(n, k, layout=lay))
+    cf = compile_texture(gt.texture_gemv_kernel(n, k, layout=lay))
     assert texture_params(cf) == {1}
     rng = np.random.default_rng(n + k)
     x = rng.standard_normal((1, 1, k)).astype(np.float32)
@@ -156,7 +145,7 @@ def test_q4_texture_gemm(n: int, k: int, max_height: int, variant: str, launcher
 
     rng = np.random.default_rng(n * 5 + k + len(variant))
     info, (cl, sl), images, w = _q4_case(rng, n, k, variant, _limits(launcher, max_height))
-    cf = _compile(gm.texture_q4_gemm_kernel(info, cl, sl))
+    cf = compile_texture(gm.texture_q4_gemm_kernel(info, cl, sl))
     _run_rows(launcher, cf, images, k, n, w, n + k)
 
 
@@ -171,7 +160,7 @@ def test_q8_texture_gemm(n: int, k: int, max_height: int, launcher) -> None:
     scale = rng.standard_normal((n, k // 32)).astype(np.float16)
     cl = gt.image_layout(n, k // 16, "RGBA32UI", lim)
     sl = gt.scale_layout(n, k // 32, 1, lim)
-    cf = _compile(gm.texture_q8_gemm_kernel({"N": n, "K": k, "group": 32}, cl, sl))
+    cf = compile_texture(gm.texture_q8_gemm_kernel({"N": n, "K": k, "group": 32}, cl, sl))
     w = codes * np.repeat(scale.astype(np.float64), 32, axis=1)
     _run_rows(launcher, cf, [gt.pack_image(codes.view(np.uint32), cl), gt.pack_scales([scale], sl)], k, n, w, n)
 
@@ -182,7 +171,7 @@ def test_f32_texture_gemm(n: int, k: int, max_height: int, launcher) -> None:
     from perfx_compiler.kernels import gemv_texture as gt
 
     lay = gt.image_layout(n, k // 4, "RGBA32F", _limits(launcher, max_height))
-    cf = _compile(gm.texture_gemm_kernel(n, k, lay))
+    cf = compile_texture(gm.texture_gemm_kernel(n, k, lay))
     w = np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32)
     _run_rows(launcher, cf, [gt.pack_image(w, lay)], k, n, w.astype(np.float64), n + 2)
 
@@ -200,16 +189,16 @@ def test_texture_take(fmt: str, n: int, k: int, max_height: int, launcher) -> No
     if fmt == "f32":
         w = rng.standard_normal((n, k)).astype(np.float32)
         lay = gt.image_layout(n, k // 4, "RGBA32F", lim)
-        cf, images, want = _compile(gm.texture_take_kernel("f32", k, lay)), [gt.pack_image(w, lay)], w
+        cf, images, want = compile_texture(gm.texture_take_kernel("f32", k, lay)), [gt.pack_image(w, lay)], w
     elif fmt == "q8":
         codes = rng.integers(-127, 128, (n, k)).astype(np.int8)
         cl, sl = gt.image_layout(n, k // 16, "RGBA32UI", lim), gt.scale_layout(n, k // 32, 1, lim)
-        cf = _compile(gm.texture_take_kernel("q8", k, cl, sl, {"N": n, "K": k, "group": 32}))
+        cf = compile_texture(gm.texture_take_kernel("q8", k, cl, sl, {"N": n, "K": k, "group": 32}))
         images = [gt.pack_image(codes.view(np.uint32), cl), gt.pack_scales([scale], sl)]
         want = codes * np.repeat(scale.astype(np.float64), 32, axis=1)
     else:
         info, (cl, sl), images, want = _q4_case(rng, n, k, fmt.split("-")[1], lim)
-        cf = _compile(gm.texture_take_kernel("q4", k, cl, sl, info))
+        cf = compile_texture(gm.texture_take_kernel("q4", k, cl, sl, info))
     for b, s in ROWS:
         ids = rng.integers(0, n, (b, s)).astype(np.int64)
         ids.flat[0] = n - 1  # the last row: the last layer of a folded image
